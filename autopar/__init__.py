@@ -1,0 +1,17 @@
+"""autopar: find how to spread a PyTorch model over a device mesh, and run it there."""
+
+from .ir import (
+    AutoparError,
+    ConfigError,
+    MemoryLimitError,
+    MeshError,
+    Mesh,
+    Partial,
+    Plan,
+    Replicate,
+    Shard,
+    ShardingRuleError,
+    StalePlanError,
+    TraceError,
+)
+from .api import parallelize, plan

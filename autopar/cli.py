@@ -1,0 +1,493 @@
+"""The ``autopar`` command: plan, explain, export and run from a shell.
+
+The only module that reads argv (and, through ``launch_local``, hands the environment on).
+Exit codes: 0 done; 1 autopar refused (an :class:`AutoparError`, printed as ``error: ...``);
+2 the command line was wrong (bad option, MODEL or file).
+
+    autopar plan gpt --mesh 2x2 --batch 8
+    autopar plan 'examples/gpt.py:build(hidden=4096, layers=32)' --mesh 2x4 --hardware h100-80gb --json
+    autopar explain plan.json
+    autopar export gpt --mesh 2x2 --degrees tp=4 --out exported/
+    autopar run train.py --nproc 4 -- --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import json
+import re
+import sys
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+from autopar.api import _capture, _plan_captured
+from autopar.ir import AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
+from autopar.passes.capture import module_path
+from autopar.passes.export import collective_calls, placeholders, write_export
+from autopar.passes.rewrite import rewrite
+
+REPO_ROOT = Path(__file__).resolve().parents[1]  # where examples/ lives in a source checkout
+DEFAULT_FACTORY = "build"
+BATCH_PER_DEVICE = 2
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """The command line is wrong: exit 2 with this message."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``autopar`` command with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
+
+    >>> main(["plan", "gpt", "--mesh", "2x2", "--batch", "8"])   # doctest: +SKIP
+    0
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    script_args = []
+    if argv[:1] == ["run"] and "--" in argv:  # everything after "--" belongs to the script
+        cut = argv.index("--")
+        argv, script_args = argv[:cut], argv[cut + 1 :]
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as stop:  # argparse has printed usage and the error (or --help)
+        return stop.code if isinstance(stop.code, int) else USAGE_ERROR
+    args.script_args = script_args
+    try:
+        with warnings.catch_warnings():
+            # torch.export's own deprecation noise, not something a user can act on
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            return args.handler(args)
+    except UsageError as error:
+        print(f"autopar {args.command}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except AutoparError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+# -- argument parsing ------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization of PyTorch models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plan = commands.add_parser("plan", help="plan MODEL on a mesh and print the decisions")
+    _planning_options(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    plan.add_argument("--save", metavar="PLAN.json", help="also save the plan (for `explain`, `parallelize(plan=...)`)")
+    plan.set_defaults(handler=_cmd_plan)
+
+    explain = commands.add_parser("explain", help="print a saved plan; needs no model")
+    explain.add_argument("plan_file", metavar="PLAN.json")
+    explain.set_defaults(handler=_cmd_explain)
+
+    export = commands.add_parser("export", help="plan MODEL and write each rank's program, plan.json, graph.dot")
+    _planning_options(export)
+    export.add_argument("--out", required=True, metavar="DIR", help="folder to write into (created)")
+    export.set_defaults(handler=_cmd_export)
+
+    run = commands.add_parser(
+        "run",
+        help="run SCRIPT as N local ranks, as torchrun would",
+        usage="autopar run SCRIPT --nproc N [--timeout S] [-- SCRIPT_ARGS ...]",
+    )
+    run.add_argument("script", metavar="SCRIPT")
+    run.add_argument("--nproc", type=_positive_int, required=True, metavar="N")
+    run.add_argument("--timeout", type=float, default=None, metavar="S", help="terminate all ranks after S seconds (exit 124)")
+    run.set_defaults(handler=_cmd_run)
+    return parser
+
+
+def _planning_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        help="FILE.py[:FACTORY(k=v, ...)] or an example name (gpt, mlp, hf:build_llama(layers=2)); "
+        f"the factory defaults to {DEFAULT_FACTORY}()",
+    )
+    parser.add_argument("--mesh", type=_mesh, required=True, help="device mesh, outermost first, e.g. 2x4")
+    parser.add_argument("--batch", type=_positive_int, help=f"global batch size (default: {BATCH_PER_DEVICE} per device)")
+    parser.add_argument("--degrees", type=_degrees, help="pin parallel sizes, e.g. dp=2,tp=4")
+    parser.add_argument(
+        "--constraint",
+        type=_constraint,
+        action="append",
+        default=[],
+        metavar="PATTERN=PLACEMENT",
+        help="pin a parameter or module (fnmatch pattern) on the tp axis, e.g. 'layers.*.mlp.fc1=S(-1)'; repeatable",
+    )
+    parser.add_argument("--hardware", help="hardware profile (default cpu-local)")
+    parser.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES", help="per-device memory, e.g. 8GiB, 512MiB, 1e9")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _mesh(text: str) -> Mesh:
+    try:
+        return Mesh.parse(text)
+    except MeshError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _degrees(text: str) -> dict[str, int]:
+    degrees = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        if not name.strip() or not size.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"cannot read {item!r}: write dim=size pairs joined by commas, e.g. dp=2,tp=4")
+        degrees[name.strip()] = int(size)
+    return degrees
+
+
+def _constraint(text: str) -> tuple[str, str]:
+    pattern, _, placement = text.partition("=")
+    if not pattern or not placement:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: write PATTERN=PLACEMENT, e.g. 'layers.*.mlp.fc1=S(-1)'")
+    try:
+        parse_placement(placement)
+    except AutoparError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return pattern.strip(), placement.strip()
+
+
+def parse_bytes(text: str) -> float:
+    """Read a byte count: ``"8GiB"``, ``"512MiB"``, ``"1e9"``, ``"80GB"``.
+
+    >>> parse_bytes("512MiB")
+    536870912.0
+    """
+    match = re.fullmatch(r"\s*([0-9.]+(?:[eE][+-]?\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if unit not in UNITS:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as bytes: write e.g. 8GiB, 512MiB, 80GB or 1e9")
+    return float(match.group(1)) * UNITS[unit]
+
+
+# -- MODEL -----------------------------------------------------------------------------
+
+
+def load_model(spec: str) -> torch.nn.Module:
+    """Build MODEL on the meta device: ``FILE.py[:FACTORY(k=v, ...)]`` or an example name.
+
+    >>> load_model("examples/gpt.py:build(hidden=64, layers=1)")   # doctest: +SKIP
+    GPT(...)
+    """
+    location, factory_name, args, kwargs = _parse_model(spec)
+    path = _resolve_model_file(location, spec)
+    module_name = "autopar_model_" + re.sub(r"\W", "_", path.stem)
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # the user's file: any failure is a bad MODEL
+        raise UsageError(f"MODEL {spec!r}: importing {path} failed: {type(error).__name__}: {error}") from error
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        available = sorted(name for name, value in vars(module).items() if callable(value) and name.startswith("build"))
+        raise UsageError(f"MODEL {spec!r}: {path} has no function {factory_name!r}; it has {available or 'no build*'}")
+    try:
+        with torch.device("meta"):
+            model = factory(*args, **kwargs)
+    except Exception as error:  # the user's factory: any failure is a bad MODEL
+        raise UsageError(f"MODEL {spec!r}: {factory_name}(...) raised {type(error).__name__}: {error}") from error
+    if not callable(getattr(model, "example_inputs", None)):
+        raise UsageError(
+            f"MODEL {spec!r}: {factory_name}() returned a {type(model).__name__} without "
+            "example_inputs(batch_size, device=None), which autopar needs to trace it"
+        )
+    return model
+
+
+def _parse_model(spec: str) -> tuple[str, str, list, dict]:
+    paren = spec.find("(")
+    colon = spec.rfind(":", 0, paren if paren >= 0 else len(spec))
+    location, call = (spec[:colon], spec[colon + 1 :]) if colon >= 0 else (spec, DEFAULT_FACTORY)
+    if not location.strip() or "(" in location:
+        raise UsageError(f"MODEL {spec!r}: write FILE.py[:FACTORY(k=v, ...)] or an example name such as gpt")
+    try:
+        tree = ast.parse(call.strip(), mode="eval").body
+    except SyntaxError:
+        raise UsageError(f"MODEL {spec!r}: cannot read the factory call {call!r}; write e.g. build(hidden=64, layers=2)") from None
+    if isinstance(tree, ast.Name):
+        return location.strip(), tree.id, [], {}
+    if not isinstance(tree, ast.Call) or not isinstance(tree.func, ast.Name):
+        raise UsageError(f"MODEL {spec!r}: the factory must be a function name or a call such as build(layers=2)")
+    try:
+        args = [ast.literal_eval(arg) for arg in tree.args]
+        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in tree.keywords if kw.arg is not None}
+    except ValueError:
+        raise UsageError(f"MODEL {spec!r}: factory arguments must be Python literals (numbers, strings, ...)") from None
+    if any(kw.arg is None for kw in tree.keywords):
+        raise UsageError(f"MODEL {spec!r}: **kwargs is not supported; name each argument")
+    return location.strip(), tree.func.id, args, kwargs
+
+
+def _resolve_model_file(location: str, spec: str) -> Path:
+    is_path = location.endswith(".py") or "/" in location or "\\" in location
+    relative = Path(location) if is_path else Path("examples") / f"{location}.py"
+    candidates = [Path.cwd() / relative] if Path(location).is_absolute() else [Path.cwd() / relative, REPO_ROOT / relative]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise UsageError(f"MODEL {spec!r}: no file {relative} (looked in {', '.join(str(c.parent) for c in candidates)})")
+
+
+# -- planning ----------------------------------------------------------------------------
+
+
+def _make_plan(args):
+    """MODEL on meta → (captured graph, plan, this rank's program with axis-named groups)."""
+    import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar.*)
+
+    hardware = get_profile(args.hardware)  # fail on a typo before the model is built
+    model = load_model(args.model)
+    batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
+    inputs = model.example_inputs(batch, device="meta")
+    captured = _capture(model, inputs)
+    constraints = dict(args.constraint) or None
+    plan = _plan_captured(captured, args.mesh, args.degrees, constraints, hardware, args.memory_limit)
+    program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
+    return captured, plan, program
+
+
+def module_rows(captured, plan: Plan, program) -> list[dict]:
+    """Per module path (graph order): its weights' placements, its output's placement, the
+    collectives the rewrite put there, their bytes, its parameters' bytes per device."""
+    rows: dict[str, dict] = {}
+    user_index = {node: index for index, node in enumerate(captured.graph.nodes)}
+
+    def row(path: str) -> dict:
+        return rows.setdefault(
+            path,
+            {"module": path, "params": {}, "output": None, "collectives": Counter(), "collective_bytes": 0,
+             "param_bytes": 0, "grad_sum": set()},
+        )
+
+    local = {p.label: p for p in placeholders(program, plan) if p.kind == "param"}
+    first_seen: dict[str, int] = {}  # module path → index of its first op (params count at their first use)
+    for index, node in enumerate(captured.graph.nodes):
+        path = module_path(node) if node.name in plan.nodes else None
+        if node.name in captured.params:
+            path = captured.params[node.name].rpartition(".")[0]
+            index = min((user_index[u] for u in node.users), default=index)
+        if path is not None:
+            parts = path.split(".") if path else []
+            for depth in range(len(parts) + 1):
+                prefix = ".".join(parts[:depth])
+                first_seen[prefix] = min(first_seen.get(prefix, index), index)
+    for node in captured.graph.nodes:
+        if node.name in captured.params:
+            fqn = captured.params[node.name]
+            path, _, short = fqn.rpartition(".")
+            entry = row(path)
+            entry["params"][short] = _placement(plan.params[fqn])
+            val = node.meta.get("val")
+            if fqn in local and isinstance(val, torch.Tensor):
+                entry["param_bytes"] += _numel(local[fqn].local_shape) * val.element_size()
+            entry["grad_sum"].update(plan.grad_sync.get(fqn, ()))
+        elif node.name in plan.nodes:
+            decision = plan.nodes[node.name]
+            entry = row(module_path(node))
+            if decision.output is not None:
+                entry["output"] = _placement(decision.output)
+    for call in collective_calls(program, plan):
+        entry = row(call.module)
+        entry["collectives"][f"{call.op}/{call.axis}"] += 1
+        entry["collective_bytes"] += call.nbytes
+
+    def order(path: str) -> tuple:  # a parent before its children, siblings in execution order
+        parts = path.split(".") if path else []
+        return tuple(first_seen.get(".".join(parts[: depth + 1]), len(user_index)) for depth in range(len(parts)))
+
+    return [
+        {**entry, "collectives": dict(entry["collectives"]), "grad_sum": sorted(entry["grad_sum"], key=list(plan.degrees).index)}
+        for entry in sorted(rows.values(), key=lambda entry: order(entry["module"]))
+    ]
+
+
+def _numel(shape) -> int:
+    result = 1
+    for size in shape or ():
+        result *= size
+    return result
+
+
+def _placement(placements) -> str:
+    return "(" + ", ".join(map(str, placements)) + ")"
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _degrees_text(degrees: dict) -> str:
+    return " x ".join(f"{axis}={size}" for axis, size in degrees.items())
+
+
+def summary(plan: Plan) -> dict:
+    """The plan's headline numbers as plain data (the ``summary`` of ``plan --json``)."""
+    cost = plan.cost
+    return {
+        "mesh": str(plan.mesh),
+        "hardware": plan.hardware,
+        "batch_size": plan.batch_size,
+        "step_s": cost.step_s,
+        "compute_s": cost.compute_s,
+        "comm_s": cost.comm_s,
+        "grad_sync_s": cost.grad_sync_s,
+        "peak_memory": cost.peak_memory,
+        "memory": dict(cost.memory),
+        "search_time_s": plan.search_time_s,
+    }
+
+
+def _summary_text(plan: Plan) -> str:
+    cost = plan.cost
+    memory = " + ".join(f"{category} {_size(value)}" for category, value in cost.memory.items())
+    return "\n".join(
+        [
+            f"degrees: {_degrees_text(plan.degrees)} on mesh {plan.mesh} ({plan.hardware}), global batch {plan.batch_size}",
+            f"predicted step time: {cost.step_s * 1e3:.2f} ms = compute {cost.compute_s * 1e3:.2f} ms"
+            f" + communication {cost.comm_s * 1e3:.2f} ms + gradient sync {cost.grad_sync_s * 1e3:.2f} ms",
+            f"peak memory per device: {_size(cost.peak_memory)} = {memory}",
+            _search_text(plan),
+            "ops run replicated (no sharding rule): " + (", ".join(plan.replicated_ops) or "none"),
+        ]
+    )
+
+
+def _search_text(plan: Plan) -> str:
+    rows = [
+        [
+            _degrees_text(entry["degrees"]),
+            f"{entry['step_s'] * 1e3:.2f} ms",
+            _size(entry["peak_memory"]),
+            "yes" if entry["feasible"] else "no",
+            "<- chosen" if entry["degrees"] == plan.degrees else "",
+        ]
+        for entry in plan.search
+    ]
+    table = tabulate(rows, headers=["degrees", "predicted step", "peak memory", "fits", ""])
+    return f"search: {len(plan.search)} configuration{'s' if len(plan.search) != 1 else ''} in {plan.search_time_s:.2f} s\n{table}"
+
+
+def _modules_text(rows: list[dict]) -> str:
+    table = [
+        [
+            row["module"] or "<top>",
+            "; ".join(f"{name} {placement}" for name, placement in row["params"].items()) or "-",
+            row["output"] or "-",
+            ", ".join(f"{name} x{count}" for name, count in row["collectives"].items()) or "-",
+            _size(row["collective_bytes"]) if row["collective_bytes"] else "-",
+            _size(row["param_bytes"]) if row["param_bytes"] else "-",
+            "+".join(row["grad_sum"]) or "-",
+        ]
+        for row in rows
+    ]
+    headers = ["module", "weights", "output", "collectives (op/axis)", "collective bytes", "params/device", "grad sum"]
+    note = (
+        "collective bytes: the local size of each collective's input tensor on one rank, summed over the forward\n"
+        "graph (backward runs each collective's dual on a gradient of the same size); grad sum: axes the runtime\n"
+        "all-reduces the module's parameter gradients over after backward (not counted in collective bytes)."
+    )
+    return tabulate(table, headers=headers) + "\n" + note
+
+
+# -- commands ----------------------------------------------------------------------------
+
+
+def _cmd_plan(args) -> int:
+    captured, plan, program = _make_plan(args)
+    rows = module_rows(captured, plan, program)
+    if args.save:
+        plan.save(args.save)
+    if args.json:
+        report = {
+            "degrees": plan.degrees,
+            "modules": rows,
+            "summary": summary(plan),
+            "search": list(plan.search),
+            "replicated_ops": list(plan.replicated_ops),
+            "plan": plan.to_json(),
+        }
+        print(json.dumps(report, indent=1))
+    else:
+        print(_modules_text(rows))
+        print()
+        print(_summary_text(plan))
+    if args.save:
+        print(f"saved plan to {args.save}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    path = Path(args.plan_file)
+    if not path.is_file():
+        raise UsageError(f"PLAN.json: no file {path}")
+    try:
+        plan = Plan.load(path)
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise UsageError(f"PLAN.json: {path} is not an autopar plan ({type(error).__name__}: {error})") from None
+    print(plan)
+    print()
+    print(_search_text(plan))
+    print("ops run replicated (no sharding rule): " + (", ".join(plan.replicated_ops) or "none"))
+    print()
+    print(_decisions_text(plan))
+    return 0
+
+
+def _decisions_text(plan: Plan) -> str:
+    groups: dict[str, list] = {}
+    for name, decision in plan.nodes.items():
+        groups.setdefault(decision.module, []).append((name, decision))
+    rows = []
+    for module, members in groups.items():
+        for index, (name, decision) in enumerate(members):
+            inputs = ", ".join(_placement(p) if p is not None else "-" for p in decision.inputs)
+            output = _placement(decision.output) if decision.output is not None else "-"
+            comm = _size(decision.comm_bytes) if decision.comm_bytes else ""
+            rows.append([(module or "<top>") if index == 0 else "", name, decision.op, inputs, output, comm])
+    axes = ", ".join(plan.degrees)
+    return f"node decisions by module (placements over {axes}):\n" + tabulate(
+        rows, headers=["module", "node", "op", "inputs", "output", "comm"]
+    )
+
+
+def _cmd_export(args) -> int:
+    _, plan, program = _make_plan(args)
+    world = args.mesh.size
+    paths = write_export(args.out, {rank: program for rank in range(world)}, plan)
+    print(f"plan: {_degrees_text(plan.degrees)}, predicted step {plan.cost.step_s * 1e3:.2f} ms")
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from autopar.runtime.launch import launch_local
+
+    if not Path(args.script).is_file():
+        raise UsageError(f"SCRIPT: no file {args.script}")
+    return launch_local(args.script, args.script_args, nproc=args.nproc, timeout_s=args.timeout)

@@ -1,0 +1,29 @@
+"""User-facing errors. Each names the node, module, option or file at fault and says what to do."""
+
+
+class AutoparError(ValueError):
+    """Base class of every error a user can cause and fix."""
+
+
+class TraceError(AutoparError):
+    """The model could not be captured as a graph."""
+
+
+class ShardingRuleError(AutoparError):
+    """An op has no usable sharding rule, or a constraint asks for an impossible placement."""
+
+
+class MeshError(AutoparError):
+    """The mesh does not match the world, the degrees or the model."""
+
+
+class MemoryLimitError(AutoparError):
+    """No plan fits in the per-device memory limit."""
+
+
+class StalePlanError(AutoparError):
+    """A saved plan was made for another graph, mesh or version."""
+
+
+class ConfigError(AutoparError):
+    """An option has a value autopar cannot use (unknown hardware profile, bad degrees, ...)."""

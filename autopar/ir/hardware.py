@@ -1,0 +1,97 @@
+"""Hardware profiles: what one device computes and how fast its links move bytes.
+
+A mesh's innermost axis runs over the fastest tier (inside a node); every outer axis
+crosses the next tier. The cost model reads nothing else about the machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LinkTier:
+    """One tier of interconnect: per-step latency ``alpha_s`` and bus bandwidth in bytes/s."""
+
+    name: str
+    alpha_s: float
+    bandwidth: float
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    peak_flops: dict[str, float]  # dtype name → FLOP/s of one device
+    compute_efficiency: float  # achieved fraction of peak on large matmuls
+    memory_bytes: float
+    memory_bandwidth: float  # bytes/s, for memory-bound ops
+    links: tuple[LinkTier, ...]  # innermost tier first
+    description: str = ""
+    overlap: float = 0.0  # fraction of gradient all-reduce hidden behind backward
+    op_overhead_s: float = 0.0  # fixed cost of launching one op
+    extra: dict = field(default_factory=dict)
+
+    def flops_per_s(self, dtype: str = "float32") -> float:
+        return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency
+
+    def link(self, mesh_shape: tuple[int, ...], axis_span: int) -> LinkTier:
+        """The tier a collective over the ``axis_span`` innermost devices crosses."""
+        inside_node = axis_span <= mesh_shape[-1]
+        return self.links[0] if inside_node or len(self.links) == 1 else self.links[1]
+
+
+GB = 1e9
+GIB = 1024**3
+
+PROFILES: dict[str, HardwareProfile] = {
+    profile.name: profile
+    for profile in [
+        HardwareProfile(
+            name="cpu-local",
+            description="this machine: one CPU process per rank, gloo over loopback",
+            peak_flops={"float32": 60e9, "bfloat16": 30e9},
+            compute_efficiency=0.5,
+            memory_bytes=4 * GIB,
+            memory_bandwidth=5 * GB,
+            links=(LinkTier("loopback", 150e-6, 1.0 * GB),),
+            op_overhead_s=15e-6,
+        ),
+        HardwareProfile(
+            name="a100-80gb",
+            description="DGX A100 80GB SXM: NVSwitch inside a node, 8x200 Gb/s HDR InfiniBand between nodes",
+            peak_flops={"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
+            compute_efficiency=0.6,
+            memory_bytes=80 * GIB,
+            memory_bandwidth=2.0e12,
+            links=(LinkTier("nvswitch", 10e-6, 230 * GB), LinkTier("hdr-ib", 20e-6, 192 * GB)),
+            overlap=0.5,
+            op_overhead_s=5e-6,
+        ),
+        HardwareProfile(
+            name="h100-80gb",
+            description="DGX H100 SXM: NVLink4 inside a node, 8x400 Gb/s NDR InfiniBand between nodes",
+            peak_flops={"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
+            compute_efficiency=0.55,
+            memory_bytes=80 * GIB,
+            memory_bandwidth=3.35e12,
+            links=(LinkTier("nvlink4", 8e-6, 370 * GB), LinkTier("ndr-ib", 15e-6, 380 * GB)),
+            overlap=0.5,
+            op_overhead_s=4e-6,
+        ),
+    ]
+}
+
+DEFAULT_PROFILE = "cpu-local"
+
+
+def get_profile(name: "str | HardwareProfile | None") -> HardwareProfile:
+    """Look a profile up by name (``None`` → this machine's)."""
+    if isinstance(name, HardwareProfile):
+        return name
+    name = name or DEFAULT_PROFILE
+    try:
+        return PROFILES[name.lower()]
+    except KeyError:
+        raise ConfigError(f"unknown hardware profile {name!r}: choose one of {sorted(PROFILES)}") from None

@@ -1,0 +1,151 @@
+"""The Plan: the contract between planning and running.
+
+A plan says, for one captured graph on one mesh, how the devices split into parallel
+dimensions, where every parameter and activation lives, which gradients are reduced over
+which axes, and what the cost model predicts. It is plain data: ``str(plan)`` is a
+readable table and ``Plan.load(plan.save(path))`` round-trips.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tabulate import tabulate
+
+from .errors import StalePlanError
+from .mesh import Mesh
+from .placement import Placement, format_placements, parse_placement
+
+PLAN_FORMAT = 1
+
+AxisPlacements = tuple[Placement, ...]  # one placement per parallel dimension of the plan
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    """The chosen strategy of one graph node: where its inputs must be and where its output is."""
+
+    op: str
+    module: str
+    inputs: tuple[AxisPlacements | None, ...]  # one per argument; None for non-tensors
+    output: AxisPlacements | None  # None for nodes without a tensor output
+    comm_bytes: float = 0.0  # bytes moved to bring inputs into place, per step (fwd + bwd)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Predicted per-step time (seconds) and per-device memory (bytes) of a plan."""
+
+    compute_s: float
+    comm_s: float
+    grad_sync_s: float
+    memory: dict[str, float]  # category → bytes per device
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s + self.grad_sync_s
+
+    @property
+    def peak_memory(self) -> float:
+        return sum(self.memory.values())
+
+
+@dataclass(frozen=True)
+class Plan:
+    mesh: Mesh
+    degrees: dict[str, int]  # parallel dimension → size, outermost first
+    nodes: dict[str, NodeDecision]
+    params: dict[str, AxisPlacements]  # parameter name → placement per parallel dimension
+    grad_sync: dict[str, tuple[str, ...]]  # parameter name → dimensions its gradient is summed over
+    inputs: dict[str, AxisPlacements]  # user input name → placement
+    cost: Cost
+    fingerprint: str
+    hardware: str
+    batch_size: int
+    search: tuple[dict, ...] = ()  # every configuration tried, with its predicted cost
+    search_time_s: float = 0.0
+    replicated_ops: tuple[str, ...] = ()  # ops without a sharding rule, run replicated
+    format: int = PLAN_FORMAT
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(self.degrees)
+
+    # -- persistence -------------------------------------------------------------------
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["mesh"] = {"shape": list(self.mesh.shape), "device_type": self.mesh.device_type}
+        data["nodes"] = {
+            name: {**asdict(node), "inputs": [_dump(p) for p in node.inputs], "output": _dump(node.output)}
+            for name, node in self.nodes.items()
+        }
+        data["params"] = {name: _dump(p) for name, p in self.params.items()}
+        data["inputs"] = {name: _dump(p) for name, p in self.inputs.items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Plan":
+        if data.get("format") != PLAN_FORMAT:
+            raise StalePlanError(
+                f"plan file has format {data.get('format')!r}, this autopar reads format {PLAN_FORMAT}: re-run autopar.plan"
+            )
+        nodes = {
+            name: NodeDecision(
+                op=node["op"],
+                module=node["module"],
+                inputs=tuple(_load(p) for p in node["inputs"]),
+                output=_load(node["output"]),
+                comm_bytes=node["comm_bytes"],
+            )
+            for name, node in data["nodes"].items()
+        }
+        return cls(
+            mesh=Mesh(tuple(data["mesh"]["shape"]), data["mesh"]["device_type"]),
+            degrees=dict(data["degrees"]),
+            nodes=nodes,
+            params={name: _load(p) for name, p in data["params"].items()},
+            grad_sync={name: tuple(axes) for name, axes in data["grad_sync"].items()},
+            inputs={name: _load(p) for name, p in data["inputs"].items()},
+            cost=Cost(**data["cost"]),
+            fingerprint=data["fingerprint"],
+            hardware=data["hardware"],
+            batch_size=data["batch_size"],
+            search=tuple(data["search"]),
+            search_time_s=data["search_time_s"],
+            replicated_ops=tuple(data["replicated_ops"]),
+        )
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+    # -- display -----------------------------------------------------------------------
+    def __str__(self) -> str:
+        degrees = " x ".join(f"{dim}={size}" for dim, size in self.degrees.items())
+        rows = [
+            [name, format_placements(placement), "+".join(self.grad_sync.get(name, ())) or "-"]
+            for name, placement in self.params.items()
+        ]
+        table = tabulate(rows, headers=["parameter", "placement " + str(self.axes), "grad sum over"])
+        memory = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.cost.memory.items())
+        return (
+            f"Plan for mesh {self.mesh} ({degrees}) on {self.hardware}, global batch {self.batch_size}\n"
+            f"predicted step {self.cost.step_s * 1e3:.2f} ms (compute {self.cost.compute_s * 1e3:.2f}, "
+            f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "
+            f"memory per device: {memory}\n{table}"
+        )
+
+
+def _dump(placements: AxisPlacements | None) -> list[str] | None:
+    return None if placements is None else [str(p) for p in placements]
+
+
+def _load(placements: list[str] | None) -> AxisPlacements | None:
+    return None if placements is None else tuple(parse_placement(p) for p in placements)

@@ -1,0 +1,419 @@
+"""Step time of autopar against torch, side by side in one run, on 2 and 4 local gloo ranks.
+
+Two comparisons on the GPT example (``examples/gpt.py``), fp32, AdamW:
+
+- data parallel: ``autopar.parallelize(..., degrees={"dp": N, "tp": 1})`` against
+  ``torch.nn.parallel.DistributedDataParallel``, each rank on the same slice of the batch;
+- tensor parallel: autopar with the Megatron constraints below, ``degrees={"dp": 1, "tp": N}``,
+  against ``torch.distributed.tensor.parallel.parallelize_module`` with ``ColwiseParallel`` on
+  wq/wk/wv/fc1 and ``RowwiseParallel`` on wo/fc2, the full batch on every rank.
+
+A step is forward + backward + ``AdamW.step()`` + ``zero_grad()``. Every competitor starts
+from the same weights and sees the same data, so the pairs must agree on the loss of their
+first step (the forward) and of their second (which also checks the gradients of the first);
+the script fails loudly otherwise. After warm-up, rounds alternate the order of the two
+competitors of a pair, so drift on a shared machine hits both alike. Each step starts after a
+barrier; its time is the slowest rank's. The figure is the median over all timed steps.
+
+Run from the repository root::
+
+    python benchmarks/step_time.py            # full run, rewrites its section of BENCHMARKS.md
+    python benchmarks/step_time.py --quick    # smoke run on a smaller model; prints, writes nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib.util
+import multiprocessing
+import os
+import pickle
+import platform
+import queue
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel
+
+import autopar
+from autopar.runtime.launch import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+SECTION_BEGIN, SECTION_END = "<!-- step_time:begin -->", "<!-- step_time:end -->"
+
+WORLD_SIZES = (2, 4)
+TARGET_RATIO = 1.10  # autopar may be at most 10 % slower than torch
+LOSS_RTOL = 1e-4
+LR = 1e-3
+SEED = 0
+
+MEGATRON_TP = {
+    "layers.*.attn.w[qkv]": "S(-1)",
+    "layers.*.attn.wo": "P",
+    "layers.*.mlp.fc1": "S(-1)",
+    "layers.*.mlp.fc2": "P",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What one run measures: the model, the batch and how many steps."""
+
+    model: dict  # keyword arguments of examples/gpt.py:build
+    batch: int  # global batch size
+    warmup_steps: int  # untimed steps per competitor (the first two are the equivalence check)
+    rounds: int
+    steps_per_round: int
+    timeout_s: float  # for all world sizes together
+
+
+FULL = Settings(
+    model=dict(hidden=256, layers=2, heads=8, vocab=1024, seq=128),
+    batch=8, warmup_steps=3, rounds=8, steps_per_round=3, timeout_s=900,
+)
+QUICK = Settings(
+    model=dict(hidden=64, layers=1, heads=4, vocab=256, seq=32),
+    batch=4, warmup_steps=2, rounds=2, steps_per_round=2, timeout_s=300,
+)
+
+# (comparison, autopar competitor, torch competitor)
+PAIRS = (("data parallel", "autopar DP", "torch DDP"), ("tensor parallel", "autopar TP", "torch TP"))
+
+
+# --------------------------------------------------------------------------- competitors
+
+
+def _load_gpt():
+    spec = importlib.util.spec_from_file_location("autopar_examples_gpt", ROOT / "examples" / "gpt.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Competitor:
+    """One way to train the model on this rank: ``step()`` runs one full step, returns the loss
+    as this rank computed it, and ``global_loss`` turns that into the loss of the global batch."""
+
+    name: str
+    step: Callable[[], torch.Tensor]
+    global_loss: Callable[[torch.Tensor], float]
+
+
+def _training_step(forward_backward, optimizer) -> Callable[[], torch.Tensor]:
+    def step() -> torch.Tensor:
+        loss = forward_backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss
+
+    return step
+
+
+def _as_is(loss: torch.Tensor) -> float:
+    return loss.item()
+
+
+def _mean_over_ranks(loss: torch.Tensor) -> float:
+    total = loss.detach().clone()
+    dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return total.item()
+
+
+def _ddp_local_batch(global_inputs, rank: int, world_size: int):
+    return tuple(value.chunk(world_size, dim=0)[rank].contiguous() for value in global_inputs)
+
+
+def build_competitors(model, global_inputs, rank: int, world_size: int) -> dict[str, Competitor]:
+    """The four competitors, each on its own copy of ``model`` (so all start from its weights)."""
+    competitors = {}
+
+    dp = autopar.parallelize(copy.deepcopy(model), world_size, global_inputs, degrees={"dp": world_size, "tp": 1})
+    dp_batch = dp.shard_batch(*global_inputs)
+    ddp_batch = _ddp_local_batch(global_inputs, rank, world_size)
+    if not all(torch.equal(a, b) for a, b in zip(dp_batch, ddp_batch)):
+        raise AssertionError("autopar's data-parallel slice of the batch differs from DDP's on this rank")
+    dp_optimizer = torch.optim.AdamW(dp.parameters(), lr=LR)
+    competitors["autopar DP"] = Competitor(
+        "autopar DP", _training_step(lambda: dp.train_step(*dp_batch), dp_optimizer), _as_is
+    )
+
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    ddp_optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
+
+    def ddp_forward_backward() -> torch.Tensor:
+        loss = ddp(*ddp_batch)
+        loss.backward()
+        return loss.detach()
+
+    competitors["torch DDP"] = Competitor(
+        "torch DDP", _training_step(ddp_forward_backward, ddp_optimizer), _mean_over_ranks
+    )
+
+    tp = autopar.parallelize(
+        copy.deepcopy(model), world_size, global_inputs, degrees={"dp": 1, "tp": world_size}, constraints=MEGATRON_TP
+    )
+    tp_batch = tp.shard_batch(*global_inputs)
+    if not all(torch.equal(a, b) for a, b in zip(tp_batch, global_inputs)):
+        raise AssertionError("autopar's tensor-parallel plan does not give every rank the full batch")
+    tp_optimizer = torch.optim.AdamW(tp.parameters(), lr=LR)
+    competitors["autopar TP"] = Competitor(
+        "autopar TP", _training_step(lambda: tp.train_step(*tp_batch), tp_optimizer), _as_is
+    )
+
+    torch_tp = copy.deepcopy(model)
+    plan = {}
+    for index in range(len(torch_tp.layers)):
+        for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.fc1"):
+            plan[f"layers.{index}.{name}"] = ColwiseParallel()
+        for name in ("attn.wo", "mlp.fc2"):
+            plan[f"layers.{index}.{name}"] = RowwiseParallel()
+    parallelize_module(torch_tp, init_device_mesh("cpu", (world_size,)), plan)
+    torch_tp_optimizer = torch.optim.AdamW(torch_tp.parameters(), lr=LR)
+
+    def torch_tp_forward_backward() -> torch.Tensor:
+        loss = torch_tp(*global_inputs)
+        loss.backward()
+        return loss.detach()
+
+    competitors["torch TP"] = Competitor(
+        "torch TP", _training_step(torch_tp_forward_backward, torch_tp_optimizer), _as_is
+    )
+    return competitors
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _timed_step(competitor: Competitor) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    competitor.step()
+    return time.perf_counter() - start
+
+
+def _slowest_rank(seconds: list[float]) -> list[float]:
+    times = torch.tensor(seconds, dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return times.tolist()
+
+
+def check_equivalence(competitors: dict[str, Competitor], steps: int = 2) -> dict[str, list[float]]:
+    """Run the first ``steps`` steps of every competitor; each pair must agree on every loss."""
+    losses = {name: [] for name in competitors}
+    for _ in range(steps):
+        for name, competitor in competitors.items():
+            losses[name].append(competitor.global_loss(competitor.step()))
+    for comparison, ours, theirs in PAIRS:
+        for step, (a, b) in enumerate(zip(losses[ours], losses[theirs]), start=1):
+            if abs(a - b) > LOSS_RTOL * abs(b):
+                raise AssertionError(
+                    f"{comparison}: step {step} loss differs: {ours} {a:.8f} vs {theirs} {b:.8f} "
+                    f"(relative {abs(a - b) / abs(b):.2e} > {LOSS_RTOL}); the programs are not equivalent, "
+                    "so their timings cannot be compared"
+                )
+    return losses
+
+
+def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
+    """Everything one rank does; every rank returns the same (slowest-rank) timings."""
+    gpt = _load_gpt()
+    torch.manual_seed(SEED)
+    model = gpt.build(**settings.model)
+    global_inputs = model.example_inputs(settings.batch)
+    competitors = build_competitors(model, global_inputs, rank, world_size)
+
+    losses = check_equivalence(competitors)
+    for _ in range(settings.warmup_steps - len(next(iter(losses.values())))):
+        for competitor in competitors.values():
+            _timed_step(competitor)
+
+    # rounds[name] = list of rounds, each a list of per-step seconds (slowest rank)
+    rounds: dict[str, list[list[float]]] = {name: [] for name in competitors}
+    for round_index in range(settings.rounds):
+        for _, ours, theirs in PAIRS:
+            order = (ours, theirs) if round_index % 2 == 0 else (theirs, ours)
+            for name in order:
+                seconds = [_timed_step(competitors[name]) for _ in range(settings.steps_per_round)]
+                rounds[name].append(_slowest_rank(seconds))
+    return {"losses": losses, "rounds": rounds}
+
+
+# --------------------------------------------------------------------------- spawning
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; results by rank.
+
+    A rank that fails or a run longer than ``timeout_s`` kills the others (by pid) and raises.
+    """
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_rank_entry, args=(fn, rank, world_size, args, port, timeout_s, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        return _collect(processes, results, timeout_s)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+            process.join()
+
+
+def _rank_entry(fn, rank, world_size, args, port, timeout_s, results) -> None:
+    torch.set_num_threads(1)  # as torchrun does: the ranks share the cores
+    # torch's own pytree pickling warns once per copy of an exported graph; it says nothing here
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            message = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        message = (rank, False, traceback.format_exc())
+    results.put(message)
+
+
+def _collect(processes, results, timeout_s: float) -> list:
+    deadline = time.monotonic() + timeout_s
+    outcomes = {}
+    while len(outcomes) < len(processes):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            running = [rank for rank in range(len(processes)) if rank not in outcomes]
+            raise TimeoutError(f"ranks {running} still running after {timeout_s:.0f} s")
+        try:
+            rank, ok, payload = results.get(timeout=min(remaining, 0.2))
+        except queue.Empty:
+            for rank, process in enumerate(processes):
+                if rank not in outcomes and process.exitcode not in (None, 0):
+                    raise RuntimeError(f"rank {rank} died with exit code {process.exitcode}")
+            continue
+        if not ok:
+            raise RuntimeError(f"rank {rank} of {len(processes)} failed:\n{payload}")
+        outcomes[rank] = pickle.loads(payload)
+    return [outcomes[rank] for rank in range(len(processes))]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def render_section(results: dict[int, dict], settings: Settings, command: str, elapsed_s: float) -> str:
+    """The BENCHMARKS.md section (markers included) for ``results[world_size]``."""
+    model = settings.model
+    gpt = _load_gpt()
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in gpt.build(**model).parameters())
+    lines = [
+        SECTION_BEGIN,
+        "## Step time: autopar vs torch DDP and torch tensor parallel",
+        "",
+        f"- command: `{command}` ({elapsed_s:.0f} s in all)",
+        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- machine: {os.cpu_count()} cores, shared with other jobs and noisy; CPU, gloo, one torch thread per rank; "
+        "4 ranks on 2 cores are oversubscribed (2 processes per core), so the 4-rank rows measure contention "
+        f"as much as parallelism. torch {torch.__version__}, Python {platform.python_version()}.",
+        f"- model: examples/gpt.py `build({', '.join(f'{k}={v}' for k, v in model.items())})` "
+        f"(ffn {4 * model['hidden']}, {parameters / 1e6:.2f} M parameters), fp32, global batch {settings.batch} "
+        f"x seq {model['seq']}; AdamW lr {LR}.",
+        f"- step: forward + backward + AdamW step + zero_grad. After {settings.warmup_steps} warm-up steps, "
+        f"{settings.rounds} rounds of {settings.steps_per_round} steps per competitor, the two of a pair in "
+        "alternating order; a barrier before each step; a step's time is the slowest rank's; "
+        f"the figure is the median of the {settings.rounds * settings.steps_per_round} timed steps.",
+        "- DP: autopar `degrees={dp: N, tp: 1}` vs `DistributedDataParallel`, each rank on the same 1/N of the batch. "
+        "TP: autopar `degrees={dp: 1, tp: N}` with the Megatron constraints "
+        "(`w[qkv]`, `fc1`: S(-1); `wo`, `fc2`: P) vs `parallelize_module` with ColwiseParallel on wq/wk/wv/fc1 "
+        "and RowwiseParallel on wo/fc2; full batch on every rank.",
+        "",
+        f"| ranks | comparison | autopar median ms | torch median ms | ratio autopar/torch | target | met? |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for world_size, result in results.items():
+        for comparison, ours, theirs in PAIRS:
+            ours_ms = statistics.median(t for r in result["rounds"][ours] for t in r)
+            theirs_ms = statistics.median(t for r in result["rounds"][theirs] for t in r)
+            ratio = ours_ms / theirs_ms
+            met = "yes" if ratio <= TARGET_RATIO else "**no**"
+            lines.append(
+                f"| {world_size} | {comparison} | {_ms(ours_ms)} | {_ms(theirs_ms)} | {ratio:.2f} | "
+                f"≤ {TARGET_RATIO:.2f} | {met} |"
+            )
+    lines += [
+        "",
+        f"Equivalence check (passed): loss of the global batch at steps 1 and 2, per pair within rtol {LOSS_RTOL}.",
+        "",
+        "| ranks | competitor | loss step 1 | loss step 2 |",
+        "| ---: | --- | ---: | ---: |",
+    ]
+    for world_size, result in results.items():
+        for name, losses in result["losses"].items():
+            lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")
+    lines += ["", "Raw per-round medians, ms (slowest rank per step):", "", "| ranks | competitor | rounds |", "| ---: | --- | --- |"]
+    for world_size, result in results.items():
+        for name, rounds in result["rounds"].items():
+            lines.append(f"| {world_size} | {name} | {' '.join(_ms(statistics.median(r)) for r in rounds)} |")
+    lines.append(SECTION_END)
+    return "\n".join(lines)
+
+
+def write_section(section: str, path: Path = BENCHMARKS_MD) -> None:
+    """Replace this script's section of ``path`` (or append it); other sections stay as they are."""
+    text = path.read_text() if path.exists() else "# autopar benchmarks\n"
+    begin, end = text.find(SECTION_BEGIN), text.find(SECTION_END)
+    if begin >= 0 and end > begin:
+        text = text[:begin] + section + text[end + len(SECTION_END) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps; print, do not write")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    command = "python benchmarks/step_time.py" + (" --quick" if args.quick else "")
+
+    start = time.monotonic()
+    results = {}
+    for world_size in WORLD_SIZES:
+        remaining = settings.timeout_s - (time.monotonic() - start)
+        print(f"[step_time] {world_size} ranks ...", flush=True)
+        results[world_size] = run_ranks(bench_rank, world_size, settings, timeout_s=remaining)[0]
+    section = render_section(results, settings, command, time.monotonic() - start)
+    print(section)
+    if not args.quick:
+        write_section(section)
+        print(f"[step_time] wrote its section of {BENCHMARKS_MD}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Hugging Face causal LMs (GPT-2, Llama, Mixtral) built from small configs, with a loss head.
+
+Each builder returns a :class:`CausalLM` whose ``forward(input_ids, labels)`` is the mean
+next-token cross-entropy. Submodule names match the Hugging Face checkpoints
+(``model.layers.0.self_attn.q_proj``, ``transformer.h.0.attn.c_attn``, ``lm_head``), so a
+plan written against Hugging Face names applies unchanged. No hub access: configs only.
+
+Export notes (transformers 5.x, ``torch.export.export(..., strict=False)``):
+
+- Under export, Hugging Face never takes SDPA's ``is_causal=True`` shortcut; it materializes a
+  ``[batch, 1, seq, seq]`` boolean mask (plus a packed-sequence check on ``position_ids``) and
+  passes it to ``scaled_dot_product_attention``.
+- Mixtral's default ``experts_implementation="grouped_mm"`` exports, but as the opaque custom op
+  ``transformers.grouped_mm_fallback`` (fp32 under tracing); ``"eager"`` (a loop over the experts
+  that were hit) fails on a data-dependent shape. ``"batched_mm"``, the default here, gathers each
+  token's expert weights and uses ``aten.bmm``: static shapes and only aten ops.
+
+Example::
+
+    model = build_llama(hidden=64, layers=2)
+    loss = model(*model.example_inputs(4))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedModel,
+)
+
+
+class CausalLM(nn.Module):
+    """A Hugging Face ``*ForCausalLM`` split into its base model and ``lm_head``, plus the loss.
+
+    The base model keeps its Hugging Face attribute name (``model`` for Llama and Mixtral,
+    ``transformer`` for GPT-2). The loss is computed here rather than by Hugging Face, so labels
+    are already aligned with the inputs (``example_inputs`` gives next-token pairs) and the mean
+    runs over every token, as in ``examples/gpt.py``.
+    """
+
+    def __init__(self, hf_model: PreTrainedModel, *, seq: int) -> None:
+        super().__init__()
+        self.base_name = hf_model.base_model_prefix
+        self.add_module(self.base_name, getattr(hf_model, self.base_name))
+        self.lm_head = hf_model.get_output_embeddings()
+        self.config = hf_model.config
+        self.seq = seq
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        base = getattr(self, self.base_name)
+        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+        logits = self.lm_head(hidden)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+
+    def example_inputs(self, batch_size: int, device=None) -> tuple[torch.Tensor, ...]:
+        """A global batch ``(input_ids, labels)`` of next-token pairs, deterministic (seed 0).
+
+        ``device`` defaults to the model's; on "meta" the tensors are empty.
+        """
+        device = torch.device(device) if device is not None else next(self.parameters()).device
+        shape = (batch_size, self.seq)
+        if device.type == "meta":
+            return tuple(torch.empty(shape, dtype=torch.int64, device=device) for _ in range(2))
+        generator = torch.Generator().manual_seed(0)
+        stream = torch.randint(0, self.config.vocab_size, (batch_size, self.seq + 1), generator=generator)
+        return stream[:, :-1].contiguous().to(device), stream[:, 1:].contiguous().to(device)
+
+
+def build_gpt2(
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    vocab: int = 256,
+    seq: int = 32,
+    tie_embeddings: bool = True,
+    attn_implementation: str = "sdpa",
+) -> CausalLM:
+    """GPT-2 (fused ``c_attn``, ``Conv1D`` layers, ``lm_head`` tied to ``transformer.wte`` by default).
+
+    Example::
+
+        model = build_gpt2(hidden=64, layers=2, heads=4)
+    """
+    config = GPT2Config(
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        vocab_size=vocab,
+        n_positions=seq,
+        bos_token_id=vocab - 1,  # GPT-2's <|endoftext|> is its last token
+        eos_token_id=vocab - 1,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        tie_word_embeddings=tie_embeddings,
+        attn_implementation=attn_implementation,
+    )
+    return CausalLM(GPT2LMHeadModel(config), seq=seq)
+
+
+def _llama_config(
+    *, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq: int, **extra
+) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        attention_dropout=0.0,
+        use_cache=False,
+        tie_word_embeddings=False,
+        **extra,
+    )
+
+
+def build_llama(
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab: int = 256,
+    seq: int = 32,
+    attn_implementation: str = "sdpa",
+) -> CausalLM:
+    """Llama (RMSNorm, RoPE, grouped-query attention, SwiGLU ``gate_proj``/``up_proj``/``down_proj``).
+
+    Example::
+
+        model = build_llama(hidden=64, layers=2, heads=4, kv_heads=2)
+    """
+    config = _llama_config(
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        ffn=ffn,
+        vocab=vocab,
+        seq=seq,
+        attn_implementation=attn_implementation,
+    )
+    return CausalLM(LlamaForCausalLM(config), seq=seq)
+
+
+def build_llama70b_shaped(*, layers: int = 2, seq: int = 4096) -> CausalLM:
+    """A Llama-3-70B-shaped model with ``layers`` layers, always on the meta device (for planning).
+
+    Shapes of the real model: hidden 8192, 64 heads, 8 KV heads, ffn 28672, vocab 128256,
+    RMSNorm eps 1e-5, RoPE theta 500000 (the long-context RoPE scaling is left out: it only
+    changes the values of a buffer). One layer is about 0.86e9 parameters, the embedding and
+    head 1.05e9 each, far too much to materialize here, so the model is built on "meta".
+
+    Example::
+
+        model = build_llama70b_shaped(layers=2)
+        tokens, labels = model.example_inputs(1)  # meta tensors of shape [1, 4096]
+    """
+    config = _llama_config(
+        hidden=8192,
+        layers=layers,
+        heads=64,
+        kv_heads=8,
+        ffn=28672,
+        vocab=128256,
+        seq=seq,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        return CausalLM(LlamaForCausalLM(config), seq=seq)
+
+
+def build_mixtral(
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    experts: int = 4,
+    top_k: int = 2,
+    vocab: int = 256,
+    seq: int = 32,
+    attn_implementation: str = "sdpa",
+    experts_implementation: str = "batched_mm",
+) -> CausalLM:
+    """Mixtral (Llama attention, top-k routed SwiGLU experts in ``model.layers.N.mlp``).
+
+    The router's load-balancing auxiliary loss is not added (``output_router_logits=False``).
+    ``experts_implementation`` is a transformers 5 option; see the module docstring for which
+    choices export.
+
+    Example::
+
+        model = build_mixtral(experts=4, top_k=2)
+    """
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and experts={experts}")
+    config = MixtralConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=ffn,
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        vocab_size=vocab,
+        max_position_embeddings=seq,
+        sliding_window=None,
+        attention_dropout=0.0,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+        use_cache=False,
+        tie_word_embeddings=False,
+        attn_implementation=attn_implementation,
+        experts_implementation=experts_implementation,
+    )
+    return CausalLM(MixtralForCausalLM(config), seq=seq)

@@ -1,0 +1,186 @@
+"""Rewrite: a captured graph + a Plan → the program one rank runs, on local shards.
+
+Pre: ``captured`` is the graph the plan was made for (same fingerprint); the runtime's
+collective ops (``torch.ops.autopar.*``) are registered.
+Post: a GraphModule with the same placeholders, taking each parameter's, buffer's and
+input's LOCAL shard, in which
+- every edge whose producer's placement differs from what its consumer needs carries the
+  redistribution (per mesh axis: chunk, all-gather, all-reduce, reduce-scatter, all-to-all,
+  keep-on-first), each an autograd op whose backward is the dual;
+- every replicated input of an op whose output is split over an axis gets its gradient
+  all-reduced over that axis in backward (Megatron's f), fused into the all-gather when the
+  input was just gathered (sequence parallelism's reduce-scatter), and left to the runtime's
+  bucketed gradient sync for parameters the plan lists in ``grad_sync``;
+- shape arguments of views and factory device arguments are local.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_map
+
+from autopar.ir import Partial, Placement, Plan, Replicate, Shard, StalePlanError
+
+from .capture import CapturedGraph
+from .strategies import tensor_inputs
+
+R = Replicate()
+# Ops whose argument 1 is the output shape (or sizes derived from it).
+SHAPE_ARG_OPS = {torch.ops.aten.view, torch.ops.aten.reshape, torch.ops.aten._unsafe_view, torch.ops.aten.expand}
+
+
+def rewrite(captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], device: torch.device | str) -> fx.GraphModule:
+    """Produce the per-rank program (see the module docstring).
+
+    ``groups`` maps each parallel dimension to the c10d group name its collectives use; for an
+    export without process groups, pass the dimension names themselves.
+    """
+    if captured.fingerprint != plan.fingerprint:
+        raise StalePlanError(
+            f"the plan was made for graph {plan.fingerprint}, but the model now captures as {captured.fingerprint}: "
+            "the model, its inputs' shapes or autopar changed since. Re-run autopar.plan."
+        )
+    graph = fx.Graph()
+    value_map: dict[fx.Node, fx.Node] = {}
+    output = graph.graph_copy(captured.graph, value_map)
+    graph.output(output)
+    by_name = {node.name: node for node in graph.nodes}
+    placements = _producer_placements(captured, plan, by_name)
+    axes = tuple(plan.degrees)
+    builder = _Collectives(graph, groups, axes, plan.degrees)
+    synced_params = {name for name, fqn in captured.params.items() if fqn in plan.grad_sync}
+
+    for node in list(graph.nodes):
+        decision = plan.nodes.get(node.name)
+        if decision is None:
+            continue
+        slots = tensor_inputs(node)
+        if len(slots) != len(decision.inputs):
+            raise StalePlanError(f"plan entry for {node.format_node()} has {len(decision.inputs)} inputs, the graph {len(slots)}")
+        new_inputs = []
+        for slot, wanted in zip(slots, decision.inputs):
+            partial_grad = set()
+            if decision.output is not None:
+                partial_grad = {
+                    axis
+                    for i, axis in enumerate(axes)
+                    if plan.degrees[axis] > 1 and wanted[i] == R and decision.output[i] != R
+                }
+            if slot.name in synced_params:
+                partial_grad -= set(plan.grad_sync[captured.params[slot.name]])
+            if not _needs_grad(slot):
+                partial_grad = set()
+            if node.target is operator.getitem and placements[slot.name] != wanted:
+                raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
+            with graph.inserting_before(node):
+                new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad))
+        _replace_inputs(node, slots, new_inputs)
+        _localize_arguments(node, decision.output, plan.degrees, device)
+        if decision.output is not None:
+            placements[node.name] = decision.output
+    graph.eliminate_dead_code()
+    graph.lint()
+    return fx.GraphModule(captured.graph_module, graph)
+
+
+def _producer_placements(captured: CapturedGraph, plan: Plan, by_name) -> dict[str, tuple[Placement, ...]]:
+    axes_r = tuple(R for _ in plan.degrees)
+    placements = {}
+    for name in by_name:
+        if name in captured.params:
+            placements[name] = plan.params[captured.params[name]]
+        elif name in captured.user_inputs:
+            placements[name] = plan.inputs[name]
+        elif name in captured.buffers:
+            placements[name] = axes_r
+    return placements
+
+
+def _needs_grad(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals) and node.op != "placeholder" or (
+        node.op == "placeholder" and node.name.startswith("p_")
+    )
+
+
+def _replace_inputs(node: fx.Node, slots: list[fx.Node], new_inputs: list[fx.Node]) -> None:
+    """Swap the k-th tensor input for its redistributed value (the same node may fill two slots)."""
+    queue = list(zip(slots, new_inputs))
+
+    def swap(arg):
+        if queue and isinstance(arg, fx.Node) and arg is queue[0][0]:
+            return queue.pop(0)[1]
+        return arg
+
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    flat = [swap(a) for a in flat]
+    node.args, node.kwargs = tree_unflatten(flat, spec)
+
+
+def _localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degrees: dict[str, int], device) -> None:
+    """Shape arguments become the local shape; factory ops build on the runtime device."""
+    if "device" in node.kwargs:
+        node.kwargs = {**node.kwargs, "device": torch.device(device)}
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in SHAPE_ARG_OPS or output is None:
+        return
+    val = node.meta.get("val")
+    shape = list(val.shape)
+    for placement, size in zip(output, degrees.values()):
+        if isinstance(placement, Shard):
+            shape[placement.dim] //= size
+    node.args = (node.args[0], shape, *node.args[2:])
+
+
+class _Collectives:
+    """Emits the collective nodes that move a value from one placement to another."""
+
+    def __init__(self, graph: fx.Graph, groups: dict[str, str], axes: tuple[str, ...], degrees: dict[str, int]):
+        self.graph, self.groups, self.axes, self.degrees = graph, groups, axes, degrees
+
+    def redistribute(self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str]) -> fx.Node:
+        if src == dst and not partial_grad:
+            return value
+        current = list(src)
+        # Un-shard inner axes first and shard outer axes first: chunk k of a dim sharded over
+        # (dp, tp) is dp-chunk-major, as in DTensor.
+        order = [i for i in reversed(range(len(self.axes))) if isinstance(src[i], Shard)]
+        order += [i for i in range(len(self.axes)) if i not in order]
+        for i in order:
+            axis = self.axes[i]
+            if self.degrees[axis] == 1:
+                continue
+            value = self._one_axis(value, current[i], dst[i], axis, axis in partial_grad)
+            current[i] = dst[i]
+        return value
+
+    def _op(self, name: str, *args) -> fx.Node:
+        return self.graph.call_function(getattr(torch.ops.autopar, name).default, args)
+
+    def _one_axis(self, value, src: Placement, dst: Placement, axis: str, partial_grad: bool) -> fx.Node:
+        group = self.groups[axis]
+        if src == dst:
+            return self._op("grad_all_reduce", value, group) if partial_grad else value
+        if isinstance(src, Shard) and isinstance(dst, Replicate):
+            return self._op("all_gather", value, group, src.dim, partial_grad)
+        if isinstance(src, Partial) and isinstance(dst, Replicate):
+            value = self._op("all_reduce", value, group, src.reduce_op)
+        elif isinstance(src, Partial) and isinstance(dst, Shard):
+            value = self._op("reduce_scatter", value, group, dst.dim, src.reduce_op)
+        elif isinstance(src, Replicate) and isinstance(dst, Shard):
+            value = self._op("chunk", value, group, dst.dim)
+        elif isinstance(src, Replicate) and dst == Partial("sum"):
+            value = self._op("keep_on_first", value, group)
+        elif isinstance(src, Shard) and isinstance(dst, Shard):
+            value = self._op("all_to_all", value, group, dst.dim, src.dim)
+        else:
+            raise AssertionError(f"no redistribution from {src} to {dst} on axis {axis}")
+        if partial_grad and isinstance(dst, Replicate):
+            value = self._op("grad_all_reduce", value, group)
+        return value

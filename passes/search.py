@@ -1,0 +1,503 @@
+"""Search: choose the parallel degrees and every node's placement with the cost model.
+
+Outer loop: every split of the devices into data × tensor parallel degrees (or the pinned
+one). Inner loop, per mesh axis, outermost first: the ILP of :mod:`ilp` picks one
+:class:`Strategy` per node. The data-parallel axis pins user inputs to their batch dim and
+parameters to replicated; the tensor-parallel axis is free but for user pins
+(``constraints``). The memory budget binds on the last axis, where all sharding is known.
+
+Pre: a :class:`CapturedGraph`. Post: a :class:`Plan` naming a placement per node and
+parameter, and the cost model's prediction; or :class:`MemoryLimitError` with the
+per-device breakdown of the leanest configuration.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from autopar.ir import (
+    Cost,
+    HardwareProfile,
+    MemoryLimitError,
+    Mesh,
+    NodeDecision,
+    Partial,
+    Placement,
+    Plan,
+    Replicate,
+    Shard,
+    ShardingRuleError,
+    check_degrees,
+    degree_choices,
+    parse_placement,
+)
+
+from .capture import CapturedGraph, module_path
+from .cost import PARAM_STATE_BYTES, collective_time, grad_sync_time, compute_time, node_bytes, node_flops, reshard_time
+from .ilp import ChoiceProblem, solve_choices
+from .strategies import OpView, Strategy, local_shape, node_strategies, numel, output_tensors, tensor_inputs, work_fraction
+
+R = Replicate()
+TIE_TOLERANCE = 0.05  # configurations this close in predicted time count as equally fast
+IMPOSSIBLE_S = 1e3  # cost of a redistribution that cannot be done; never chosen when avoidable
+
+
+@dataclass
+class NodeFacts:
+    """What the search needs to know about one node, computed once per graph."""
+
+    node: fx.Node
+    kind: str  # "param", "buffer", "input", "op", "output"
+    slots: list[fx.Node]
+    slot_shapes: list[tuple[int, ...]]
+    out_shapes: list[tuple[int, ...]]
+    elem_bytes: int
+    full_time_s: float  # forward + backward on one device, unsharded
+    needs_grad: bool
+    name: str = ""  # parameter / buffer name
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.out_shapes[0] if self.out_shapes else ()
+
+
+@dataclass
+class AxisContext:
+    name: str
+    size: int
+    link: object
+    pins: dict[str, Placement]
+    shapes: dict[str, list[tuple[int, ...]]]  # node → local output shapes before this axis
+    slot_shapes: dict[str, list[tuple[int, ...]]]
+    work: dict[str, float]  # node → fraction of its work left after earlier axes
+    bind_memory: bool = False
+    batch: dict[str, Strategy] | None = None  # node → its batch-dim sharding; never used on this axis
+
+
+@dataclass
+class ConfigResult:
+    degrees: dict[str, int]
+    strategies: dict[str, dict[str, Strategy]]  # axis → node → strategy
+    cost: Cost
+    feasible: bool = True
+    replicated_ops: set[str] = field(default_factory=set)
+
+
+def analyze(captured: CapturedGraph, hardware: HardwareProfile) -> dict[str, NodeFacts]:
+    """Per-node facts: slots, shapes, unsharded cost, whether a gradient flows through it."""
+    facts: dict[str, NodeFacts] = {}
+    params, buffers = captured.params, captured.buffers
+    for node in captured.graph.nodes:
+        outputs = output_tensors(node)
+        slots = tensor_inputs(node) if node.op in ("call_function", "output") else []
+        slot_shapes = [_slot_shape(node, slot) for slot in slots]
+        if node.op == "placeholder":
+            kind = "param" if node.name in params else "buffer" if node.name in buffers else "input"
+            needs_grad = kind == "param"
+        elif node.op == "output":
+            kind, needs_grad = "output", False
+        else:
+            kind = "op"
+            needs_grad = any(facts[s.name].needs_grad for s in slots if s.name in facts) and any(
+                t.dtype.is_floating_point for t in outputs
+            )
+        full_time = compute_time(node_flops(node), node_bytes(node), hardware) if kind == "op" else 0.0
+        facts[node.name] = NodeFacts(
+            node=node,
+            kind=kind,
+            slots=slots,
+            slot_shapes=slot_shapes,
+            out_shapes=[tuple(t.shape) for t in outputs],
+            elem_bytes=outputs[0].element_size() if outputs else 4,
+            full_time_s=full_time,
+            needs_grad=needs_grad,
+            name=params.get(node.name) or buffers.get(node.name) or node.name,
+        )
+    return facts
+
+
+def _slot_shape(node: fx.Node, slot: fx.Node) -> tuple[int, ...]:
+    val = slot.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        index = node.args[1] if node.target.__name__ == "getitem" else 0
+        val = val[index]
+    return tuple(val.shape)
+
+
+def search(
+    captured: CapturedGraph,
+    mesh: Mesh,
+    hardware: HardwareProfile,
+    *,
+    degrees: dict[str, int] | None = None,
+    memory_limit: float | None = None,
+    constraints: dict[str, object] | None = None,
+) -> Plan:
+    """Find the cheapest plan for ``captured`` on ``mesh`` (see the module docstring)."""
+    started = time.perf_counter()
+    facts = analyze(captured, hardware)
+    batch = _batch_size(captured, facts)
+    configs = [check_degrees(degrees, mesh.size)] if degrees else degree_choices(mesh.size)
+    configs = [c for c in configs if batch % c["dp"] == 0] or configs
+    limit = memory_limit if memory_limit is not None else hardware.memory_bytes
+    results = [_solve_config(facts, cfg, mesh, hardware, limit, constraints or {}) for cfg in configs]
+    feasible = [r for r in results if r.feasible]
+    if not feasible:
+        leanest = min(results, key=lambda r: r.cost.peak_memory)
+        breakdown = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in leanest.cost.memory.items())
+        raise MemoryLimitError(
+            f"no plan fits the memory limit of {limit / 2**20:.1f} MiB per device on mesh {mesh}. "
+            f"The leanest configuration ({_degrees_str(leanest.degrees)}) needs {leanest.cost.peak_memory / 2**20:.1f} MiB: "
+            f"{breakdown}. Raise memory_limit, use more devices, or shrink the batch or model."
+        )
+    fastest = min(r.cost.step_s for r in feasible)
+    # Within the model's resolution, prefer the simplest plan: the most data parallelism.
+    near = [r for r in feasible if r.cost.step_s <= fastest * (1 + TIE_TOLERANCE)]
+    best = max(near, key=lambda r: (r.degrees["dp"], -r.cost.step_s))
+    return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started)
+
+
+def _batch_size(captured: CapturedGraph, facts: dict[str, NodeFacts]) -> int:
+    shapes = [facts[name].out_shape for name in captured.user_inputs if facts[name].out_shape]
+    return shapes[0][0] if shapes else 1
+
+
+def _degrees_str(degrees: dict[str, int]) -> str:
+    return " x ".join(f"{k}={v}" for k, v in degrees.items())
+
+
+def _solve_config(facts, degrees, mesh, hardware, limit, constraints) -> ConfigResult:
+    shapes = {name: list(f.out_shapes) for name, f in facts.items()}
+    slot_shapes = {name: list(f.slot_shapes) for name, f in facts.items()}
+    work = {name: 1.0 for name in facts}
+    strategies: dict[str, dict[str, Strategy]] = {}
+    axes = list(degrees)
+    last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
+    feasible = True
+    batch = _batch_strategies(facts, hardware)
+    inner = 1
+    spans = {}
+    for axis in reversed(axes):  # an axis spans itself and every axis inside it
+        inner *= degrees[axis]
+        spans[axis] = inner
+    for index, axis in enumerate(axes):
+        ctx = AxisContext(
+            name=axis,
+            size=degrees[axis],
+            link=hardware.link(mesh.shape, spans[axis]) if degrees[axis] > 1 else None,
+            pins=_pins(facts, axis, degrees[axis], constraints),
+            shapes=shapes,
+            slot_shapes=slot_shapes,
+            work=work,
+            bind_memory=index == last_sharded,
+            batch=None if axis == "dp" else batch,
+        )
+        chosen = _solve_axis(facts, ctx, hardware, limit)
+        if chosen is None:
+            feasible = False
+            chosen = _solve_axis(facts, ctx, hardware, None)
+        strategies[axis] = chosen
+        shapes = {n: [local_shape(s, chosen[n].output, ctx.size) for s in shp] if n in chosen else shp for n, shp in shapes.items()}
+        slot_shapes = {
+            n: [local_shape(s, p, ctx.size) for s, p in zip(shp, chosen[n].inputs)] if n in chosen else shp
+            for n, shp in slot_shapes.items()
+        }
+        work = {n: work[n] * (work_fraction(chosen[n], ctx.size) if n in chosen else 1.0) for n in work}
+    cost = _evaluate(facts, degrees, strategies, mesh, hardware)
+    if last_sharded < 0 and cost.peak_memory > limit:
+        feasible = False
+    replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and not _has_rule(f)}
+    return ConfigResult(degrees, strategies, cost, feasible, replicated)
+
+
+def _has_rule(fact: NodeFacts) -> bool:
+    from .strategies import rule_for
+
+    return rule_for(fact.node.target) is not None
+
+
+def _pins(facts, axis: str, size: int, constraints) -> dict[str, Placement]:
+    pins = {}
+    for name, fact in facts.items():
+        if fact.kind == "buffer":
+            pins[name] = R
+        elif axis == "dp" and fact.kind == "param":
+            pins[name] = R
+        elif fact.kind == "input":
+            batch_dim_ok = axis == "dp" and fact.out_shape and fact.out_shape[0] % size == 0
+            pins[name] = Shard(0) if batch_dim_ok and size > 1 else R
+    if axis == "tp":
+        pins.update(_constraint_pins(facts, constraints))
+    return pins
+
+
+def _constraint_pins(facts, constraints) -> dict[str, Placement]:
+    pins = {}
+    for pattern, value in constraints.items():
+        placement = parse_placement(value) if isinstance(value, str) else value
+        matched = [
+            name
+            for name, f in facts.items()
+            if (f.kind == "param" and fnmatch.fnmatchcase(f.name, pattern))
+            or (f.kind == "op" and f.out_shapes and fnmatch.fnmatchcase(module_path(f.node), pattern))
+        ]
+        if not matched:
+            raise ShardingRuleError(f"constraint {pattern!r} matches no parameter and no module: check the name")
+        for name in matched:
+            ndim = len(facts[name].out_shape)
+            pins[name] = Shard(placement.dim % ndim) if isinstance(placement, Shard) else placement
+    return pins
+
+
+def _candidates(fact: NodeFacts, ctx: AxisContext) -> tuple[list[Strategy], bool]:
+    name = fact.node.name
+    if fact.kind in ("param", "buffer", "input"):
+        shape = ctx.shapes[name][0]
+        options = [Strategy((), R)] + [Strategy((), Shard(d)) for d in range(len(shape)) if ctx.size > 1 and shape[d] % ctx.size == 0]
+        has_rule = True
+    else:
+        view = OpView(fact.node, tuple(ctx.slot_shapes[name]), ctx.shapes[name][0] if ctx.shapes[name] else ())
+        options, has_rule = node_strategies(view, ctx.size)
+    if ctx.batch and name in ctx.batch:
+        options = [s for s in options if not _shards_batch(s, ctx.batch[name])] or options[:1]
+    if name in ctx.pins:
+        pinned = [s for s in options if s.output == ctx.pins[name]]
+        if not pinned:
+            raise ShardingRuleError(
+                f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r}) cannot be placed "
+                f"{ctx.pins[name]} on axis {ctx.name!r}: its candidates are {[str(s.output) for s in options]}. "
+                "Change the constraint or the degrees."
+            )
+        options = pinned
+    return options, has_rule
+
+
+def _batch_strategies(facts, hardware) -> dict[str, Strategy]:
+    """Where the batch dim of every tensor is: the data-parallel solution on a virtual axis."""
+    batch_sizes = [f.out_shape[0] for f in facts.values() if f.kind == "input" and f.out_shape]
+    size = next((k for k in range(2, (batch_sizes[0] if batch_sizes else 1) + 1) if batch_sizes[0] % k == 0), 1)
+    if size == 1:
+        return {}
+    shapes = {name: list(f.out_shapes) for name, f in facts.items()}
+    ctx = AxisContext(
+        name="dp",
+        size=size,
+        link=hardware.links[0],
+        pins=_pins(facts, "dp", size, {}),
+        shapes=shapes,
+        slot_shapes={name: list(f.slot_shapes) for name, f in facts.items()},
+        work={name: 1.0 for name in facts},
+    )
+    return _solve_axis(facts, ctx, hardware, None)
+
+
+def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:
+    """Whether a strategy splits a tensor along the dim the batch runs along."""
+    pairs = list(zip(strategy.inputs, batch.inputs)) + [(strategy.output, batch.output)]
+    return any(isinstance(mine, Shard) and mine == theirs for mine, theirs in pairs)
+
+
+def _node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts, hardware) -> tuple[float, float]:
+    """(compute seconds, communication seconds) a strategy costs on this axis."""
+    compute = fact.full_time_s * ctx.work[fact.node.name] * work_fraction(s, ctx.size)
+    comm = 0.0
+    if ctx.size > 1 and not isinstance(s.output, Replicate):
+        for slot, placement, shape in zip(fact.slots, s.inputs, ctx.slot_shapes[fact.node.name]):
+            if isinstance(placement, Replicate) and facts[slot.name].needs_grad:  # backward all-reduce (f)
+                if facts[slot.name].kind == "param":
+                    comm += grad_sync_time(numel(shape) * 4, ctx.size, ctx.link) * (1 - hardware.overlap)
+                else:
+                    comm += collective_time("all_reduce", numel(shape) * 4, ctx.size, ctx.link)
+    return compute, comm
+
+
+def _memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
+    shape = ctx.shapes[fact.node.name][0] if ctx.shapes[fact.node.name] else ()
+    frac = 1 / ctx.size if isinstance(s.output, Shard) else 1.0
+    if fact.kind == "param":
+        return numel(shape) * sum(PARAM_STATE_BYTES.values()) * frac
+    if fact.kind == "op" and fact.needs_grad:
+        return sum(numel(sh) for sh in ctx.shapes[fact.node.name]) * fact.elem_bytes * frac
+    return 0.0
+
+
+def _solve_axis(facts, ctx: AxisContext, hardware, limit) -> dict[str, Strategy] | None:
+    names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
+    index = {n: i for i, n in enumerate(names)}
+    options = {n: _candidates(facts[n], ctx)[0] for n in names}
+    unary = []
+    memory = []
+    for n in names:
+        terms = [sum(_node_terms(facts[n], s, ctx, facts, hardware)) for s in options[n]]
+        unary.append(np.array(terms))
+        memory.append(np.array([_memory(facts[n], s, ctx) for s in options[n]]))
+    pairs = []
+    for consumer, fact in facts.items():
+        for slot_index, slot in enumerate(fact.slots):
+            if slot.name not in index:
+                continue
+            nbytes = numel(_slot_local_shape(facts, slot, fact, slot_index, ctx)) * facts[slot.name].elem_bytes
+            producer_out = [s.output for s in options[slot.name]]
+            if fact.kind == "output":
+                wanted = [R]
+            elif consumer in index:
+                wanted = [s.inputs[slot_index] for s in options[consumer]]
+            else:
+                continue
+            matrix = np.array(
+                [[min(reshard_time(src, dst, nbytes, ctx.size, ctx.link, facts[slot.name].needs_grad), IMPOSSIBLE_S) for dst in wanted] for src in producer_out]
+            )
+            if fact.kind == "output":
+                unary[index[slot.name]] = unary[index[slot.name]] + matrix[:, 0]
+            else:
+                pairs.append((index[slot.name], index[consumer], matrix))
+    problem = ChoiceProblem(unary, pairs, memory if ctx.bind_memory else None, limit if ctx.bind_memory else None)
+    solution = solve_choices(_fold_fixed(problem))
+    if solution is None:
+        return None
+    return {n: options[n][solution.choice[index[n]]] for n in names}
+
+
+def _slot_local_shape(facts, slot, fact, slot_index, ctx) -> tuple[int, ...]:
+    return ctx.slot_shapes[fact.node.name][slot_index] if fact.kind != "output" else ctx.shapes[slot.name][0]
+
+
+def _fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
+    """Fold edges touching a node with a single option into the other node's unary cost."""
+    unary = [u.copy() for u in problem.unary]
+    pairs = []
+    for u, v, matrix in problem.pairs:
+        if len(unary[u]) == 1:
+            unary[v] = unary[v] + matrix[0, :]
+        elif len(unary[v]) == 1:
+            unary[u] = unary[u] + matrix[:, 0]
+        elif u == v:
+            unary[u] = unary[u] + np.diag(matrix)
+        else:
+            pairs.append((u, v, matrix))
+    return ChoiceProblem(unary, pairs, problem.memory, problem.memory_limit)
+
+
+def _evaluate(facts, degrees, strategies, mesh, hardware) -> Cost:
+    """Predicted step time and memory of a fully chosen configuration."""
+    compute = comm = grad_sync = 0.0
+    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
+    inner = 1
+    spans = {}
+    for axis in reversed(list(degrees)):
+        inner *= degrees[axis]
+        spans[axis] = inner
+    shapes = {n: list(f.out_shapes) for n, f in facts.items()}
+    slot_shapes = {n: list(f.slot_shapes) for n, f in facts.items()}
+    for axis, chosen in strategies.items():
+        size = degrees[axis]
+        link = hardware.link(mesh.shape, spans[axis])
+        for name, fact in facts.items():
+            s = chosen.get(name)
+            if size > 1 and s is not None and not isinstance(s.output, Replicate):
+                for slot, placement, shape in zip(fact.slots, s.inputs, slot_shapes[name]):
+                    if isinstance(placement, Replicate) and facts[slot.name].needs_grad:
+                        if facts[slot.name].kind == "param":
+                            grad_sync += grad_sync_time(numel(shape) * 4, size, link) * (1 - hardware.overlap)
+                        else:
+                            comm += collective_time("all_reduce", numel(shape) * 4, size, link)
+            for i, slot in enumerate(fact.slots):
+                src = chosen.get(slot.name)
+                dst = R if fact.kind == "output" else (s.inputs[i] if s else None)
+                if src is None or dst is None:
+                    continue
+                nbytes = numel(slot_shapes[name][i] if fact.kind != "output" else shapes[slot.name][0]) * facts[slot.name].elem_bytes
+                comm += min(reshard_time(src.output, dst, nbytes, size, link, facts[slot.name].needs_grad), IMPOSSIBLE_S)
+        shapes = {n: [local_shape(x, chosen[n].output, size) for x in shp] if n in chosen else shp for n, shp in shapes.items()}
+        slot_shapes = {
+            n: [local_shape(x, p, size) for x, p in zip(shp, chosen[n].inputs)] if n in chosen else shp
+            for n, shp in slot_shapes.items()
+        }
+    for name, fact in facts.items():
+        work = 1.0
+        for axis, chosen in strategies.items():
+            if name in chosen:
+                work *= work_fraction(chosen[name], degrees[axis])
+        compute += fact.full_time_s * work
+        local = sum(numel(s) for s in shapes[name]) if shapes[name] else 0
+        if fact.kind == "param":
+            for category, per_elem in PARAM_STATE_BYTES.items():
+                memory[{"param": "params", "grad": "grads", "optimizer": "optimizer"}[category]] += local * per_elem
+        elif fact.kind == "op" and fact.needs_grad:
+            memory["activations"] += local * fact.elem_bytes
+    return Cost(compute_s=compute, comm_s=comm, grad_sync_s=grad_sync, memory=memory)
+
+
+def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch, elapsed) -> Plan:
+    axes = list(best.degrees)
+    nodes, params, inputs = {}, {}, {}
+    for name, fact in facts.items():
+        per_axis = [best.strategies[a].get(name) for a in axes]
+        if fact.kind == "op" or fact.kind == "output":
+            if fact.kind == "output":
+                slot_pl = tuple(tuple(R for _ in axes) for _ in fact.slots)
+                out = None
+            elif any(s is None for s in per_axis):
+                continue
+            else:
+                slot_pl = tuple(tuple(s.inputs[i] for s in per_axis) for i in range(len(fact.slots)))
+                out = tuple(s.output for s in per_axis)
+            nodes[name] = NodeDecision(op=str(fact.node.target), module=module_path(fact.node), inputs=slot_pl, output=out)
+        elif fact.kind == "param":
+            params[fact.name] = tuple(s.output for s in per_axis)
+        elif fact.kind == "input":
+            inputs[name] = tuple(s.output for s in per_axis)
+    grad_sync = _grad_sync(facts, nodes, params, axes)
+    search_log = tuple(
+        {"degrees": r.degrees, "step_s": r.cost.step_s, "peak_memory": r.cost.peak_memory, "feasible": r.feasible}
+        for r in results
+    )
+    return Plan(
+        mesh=mesh,
+        degrees=dict(best.degrees),
+        nodes=nodes,
+        params=params,
+        grad_sync=grad_sync,
+        inputs=inputs,
+        cost=best.cost,
+        fingerprint=captured.fingerprint,
+        hardware=hardware.name,
+        batch_size=batch,
+        search=search_log,
+        search_time_s=elapsed,
+        replicated_ops=tuple(sorted(best.replicated_ops)),
+    )
+
+
+def _grad_sync(facts, nodes, params, axes) -> dict[str, tuple[str, ...]]:
+    """Parameters whose every use on an axis yields a partial gradient: summed over that axis."""
+    result = {}
+    for name, fact in facts.items():
+        if fact.kind != "param":
+            continue
+        placement = params[fact.name]
+        users = [(u, u.args) for u in fact.node.users]
+        summed = []
+        for i, axis in enumerate(axes):
+            if not isinstance(placement[i], Replicate):
+                continue
+            uses = []
+            for user in fact.node.users:
+                decision = nodes.get(user.name)
+                if decision is None or decision.output is None:
+                    continue
+                slots = facts[user.name].slots
+                for slot, slot_pl in zip(slots, decision.inputs):
+                    if slot is fact.node:
+                        uses.append(isinstance(slot_pl[i], Replicate) and not isinstance(decision.output[i], Replicate))
+            if uses and all(uses):
+                summed.append(axis)
+        if summed:
+            result[fact.name] = tuple(summed)
+    return result

@@ -1,0 +1,17 @@
+"""What a parallelized program runs on: launch, process groups, collectives, gradient sync.
+
+Importing this package registers the ``autopar::`` collective ops that rewritten graphs call.
+"""
+
+from .collectives import (
+    all_gather,
+    all_reduce,
+    all_to_all,
+    chunk,
+    grad_all_reduce,
+    keep_on_first,
+    reduce_scatter,
+)
+from .grad_sync import GradSync
+from .launch import free_port, init_from_env, launch_local
+from .process_groups import build_device_mesh, group_name

@@ -1,0 +1,211 @@
+"""Bucketed, overlapped gradient all-reduce over the data-parallel axes (DDP's reducer, small).
+
+Each parameter's gradient is summed (no division: the loss scaling is the plan's business)
+over the group it is listed with. Parameters of one group, dtype and device share flat
+buckets of about ``bucket_size_bytes``, filled in reverse registration order (the order
+backward produces gradients). A post-accumulate-grad hook copies each gradient into its
+bucket; a full bucket is all-reduced asynchronously while backward goes on. A callback
+queued on the autograd engine waits for every bucket at the end of backward and copies
+the sums back, so the gradients are synced when ``loss.backward()`` returns.
+
+Buckets are launched strictly in list order on every rank, as in DDP: collectives on one
+group must be issued in the same order everywhere, even when ranks produce gradients in
+different orders or leave different parameters unused.
+"""
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+
+DEFAULT_BUCKET_SIZE_BYTES = 25 * 2**20
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+@dataclass
+class _Bucket:
+    """Gradients of ``params`` laid end to end in ``buffer``, then one "used" flag per param.
+
+    The flags are summed with the gradients: a parameter unused on this rank but used on
+    another one still receives the summed gradient, while one unused everywhere keeps
+    ``grad = None``, as it would in a single process.
+    """
+
+    group_name: str
+    params: list[Tensor]
+    buffer: Tensor
+    offsets: list[int]
+    ready: list[bool] = field(init=False)
+    num_ready: int = 0
+    work: dist.Work | None = None
+
+    def __post_init__(self):
+        self.ready = [False] * len(self.params)
+
+    @property
+    def is_full(self) -> bool:
+        return self.num_ready == len(self.params)
+
+    def _slot(self, index: int) -> Tensor:
+        local = _local(self.params[index])
+        start = self.offsets[index]
+        return self.buffer[start : start + local.numel()].view(local.shape)
+
+    def _flag(self, index: int) -> Tensor:
+        return self.buffer[self.offsets[-1] + index]
+
+    def copy_in(self, index: int) -> None:
+        self._slot(index).copy_(_local(self.params[index].grad))
+        self.ready[index] = True
+        self.num_ready += 1
+
+    def launch(self) -> None:
+        """Start the all-reduce; a parameter with no gradient yet contributes zeros."""
+        self.buffer[self.offsets[-1] :].fill_(1)
+        for index, param in enumerate(self.params):
+            if self.ready[index]:
+                continue
+            if param.grad is None:
+                self._slot(index).zero_()
+                self._flag(index).zero_()
+            else:  # accumulated under no_sync, unused in this last backward
+                self.copy_in(index)
+        group = _resolve_process_group(self.group_name)
+        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+
+    def finish(self) -> None:
+        """Wait for the all-reduce and write the sums into the gradients."""
+        self.work.wait()
+        for index, param in enumerate(self.params):
+            if param.grad is not None:
+                _local(param.grad).copy_(self._slot(index))
+            elif self._flag(index).item() > 0:
+                param.grad = self._materialized_grad(param, self._slot(index).clone())
+        self.ready = [False] * len(self.params)
+        self.num_ready = 0
+        self.work = None
+
+    @staticmethod
+    def _materialized_grad(param: Tensor, local: Tensor) -> Tensor:
+        if not isinstance(param, DTensor):
+            return local
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements,
+            run_check=False, shape=param.shape, stride=param.stride(),
+        )
+
+
+def _make_buckets(
+    params_and_groups: Sequence[tuple[Tensor, str]], bucket_size_bytes: int
+) -> list[_Bucket]:
+    """Fill buckets in backward order; order them by when their last gradient should arrive."""
+    members: list[tuple[int, str, list[Tensor]]] = []  # (last arrival, group, params)
+    open_members: dict[tuple, tuple[str, list[Tensor]]] = {}
+    open_bytes: dict[tuple, int] = {}
+    for arrival, (param, group) in enumerate(reversed(params_and_groups)):
+        local = _local(param)
+        key = (group, local.dtype, local.device)
+        open_members.setdefault(key, (group, []))[1].append(param)
+        open_bytes[key] = open_bytes.get(key, 0) + local.numel() * local.element_size()
+        if open_bytes[key] >= bucket_size_bytes:
+            members.append((arrival, *open_members.pop(key)))
+            del open_bytes[key]
+    last_arrival = len(params_and_groups)
+    members += [(last_arrival, group, params) for group, params in open_members.values()]
+    members.sort(key=lambda member: member[0])
+    return [_allocate_bucket(group, params) for _, group, params in members]
+
+
+def _allocate_bucket(group_name: str, params: list[Tensor]) -> _Bucket:
+    offsets = [0]
+    for param in params:
+        offsets.append(offsets[-1] + _local(param).numel())
+    first = _local(params[0])
+    buffer = torch.empty(offsets[-1] + len(params), dtype=first.dtype, device=first.device)
+    return _Bucket(group_name, params, buffer, offsets)
+
+
+class GradSync:
+    """Sum gradients over process groups during backward, bucketed and overlapped, like DDP.
+
+    ``params_and_groups`` lists (parameter, c10d group name); parameters that need no sync
+    are left out, frozen ones are skipped. Parameters may be DTensors (their local gradient
+    is reduced in place). Every rank of a group must list the same parameters of that group
+    in the same order, and every synced backward must produce at least one of their
+    gradients on every rank (else that rank issues no all-reduce and the others wait).
+    Example::
+
+        sync = GradSync([(p, dp_group) for p in model.parameters()])
+        loss.backward()                       # grads are summed over dp here
+        with sync.no_sync():                  # gradient accumulation: skip the sync ...
+            model(x1).sum().backward()
+        model(x2).sum().backward()            # ... and sum the accumulated grads here
+    """
+
+    def __init__(
+        self,
+        params_and_groups: Sequence[tuple[Tensor, str]],
+        bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+    ):
+        trainable = [(param, group) for param, group in params_and_groups if param.requires_grad]
+        if len({id(param) for param, _ in trainable}) != len(trainable):
+            raise ValueError("GradSync: a parameter is listed twice; list each one once")
+        self._buckets = _make_buckets(trainable, bucket_size_bytes)
+        self._sync_enabled = True
+        self._next_to_launch = 0
+        self._finish_queued = False
+        self._hook_handles = [
+            param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket, index))
+            for bucket in self._buckets
+            for index, param in enumerate(bucket.params)
+        ]
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside syncs
+        the accumulated sum."""
+        previous, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = previous
+
+    def remove(self) -> None:
+        """Detach the hooks; gradients are no longer synced."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def _on_grad_ready(self, bucket: _Bucket, index: int, param: Tensor) -> None:
+        if not self._sync_enabled:
+            return
+        if not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            self._finish_queued = True
+        assert bucket.work is None, "a gradient arrived for a bucket already being reduced"
+        bucket.copy_in(index)
+        buckets = self._buckets
+        while self._next_to_launch < len(buckets) and buckets[self._next_to_launch].is_full:
+            buckets[self._next_to_launch].launch()
+            self._next_to_launch += 1
+
+    def _finish(self) -> None:
+        for bucket in self._buckets[self._next_to_launch :]:
+            bucket.launch()
+        for bucket in self._buckets:
+            bucket.finish()
+        self._next_to_launch = 0
+        self._finish_queued = False

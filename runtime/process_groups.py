@@ -1,0 +1,50 @@
+"""c10d process groups from a logical device mesh.
+
+The mesh is row-major over all ranks: for {"dp": 2, "tp": 2}, ranks 0,1 share a dp
+coordinate and differ in tp. A group over several axes is the flattened sub-mesh of those
+axes; its c10d group ranks then run in mesh order, which the collectives rely on
+("chunk k belongs to group rank k").
+"""
+
+import math
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from autopar.ir.errors import MeshError
+
+
+def build_device_mesh(layout: dict[str, int], device_type: str) -> DeviceMesh:
+    """A mesh over all ranks with one named dim per layout entry, in order (sizes of 1 allowed).
+
+    Needs the default process group (``launch.init_from_env``). Example:
+    ``mesh = build_device_mesh({"dp": 2, "tp": 2}, "cpu")`` on 4 ranks.
+    """
+    if not layout or any(size < 1 for size in layout.values()):
+        raise MeshError(f"mesh layout {layout} needs at least one axis, each of size >= 1")
+    mesh_size = math.prod(layout.values())
+    world_size = dist.get_world_size()
+    if mesh_size != world_size:
+        raise MeshError(
+            f"mesh layout {layout} spans {mesh_size} ranks but the world has {world_size}; "
+            f"launch {mesh_size} processes or choose degrees whose product is {world_size}"
+        )
+    return init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=tuple(layout))
+
+
+def group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
+    """The c10d group name of ``axes`` of ``mesh`` together, for the ``autopar::`` collectives.
+
+    Several axes are flattened into one group (DeviceMesh caches it in the root mesh, so
+    asking again creates no new group). Axes must be in mesh order, so that the group's
+    rank order is the flattened coordinate. Example: ``group_name(mesh, ("dp", "tp"))``.
+    """
+    names = mesh.mesh_dim_names or ()
+    unknown = [axis for axis in axes if axis not in names]
+    if not axes or unknown:
+        raise MeshError(f"axes {axes} must be a non-empty subset of the mesh axes {names}")
+    if list(axes) != sorted(axes, key=names.index) or len(set(axes)) != len(axes):
+        raise MeshError(f"axes {axes} must be distinct and in mesh order {names}")
+    if len(axes) == 1:
+        return mesh.get_group(axes[0]).group_name
+    return mesh[axes]._flatten().get_group().group_name

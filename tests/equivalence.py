@@ -1,0 +1,82 @@
+"""Shared by the equivalence tests: train one step both ways and compare, inside a rank."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+import autopar
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Adam's first step moves each element by lr * g / (|g| + eps): fp32 rounding in a gradient
+# element near 1e-7 (seen: 1e-8 absolute, i.e. 2e-7 of the largest gradient) shifts that
+# element's update by ~1% of lr. At lr=1e-4 that is ~1e-6, 20x under the 1e-4 tolerance on
+# parameters of scale 0.05, while a mis-sharded or missing update (~lr) is 20x over it.
+# Near |g| ≈ eps the update's slope is lr/(4·eps): with the default eps=1e-8, 1e-9 of rounding
+# noise moves an element by 2.5e-6. eps=1e-6 (a common AdamW setting) keeps that at 2.5e-8.
+LEARNING_RATE, ADAM_EPS = 1e-4, 1e-6
+
+# Megatron layouts, pinned by module name (the search fills in everything else).
+GPT_TP = {"layers.*.attn.w[qkv]": "S(-1)", "layers.*.attn.wo": "P", "layers.*.mlp.fc1": "S(-1)", "layers.*.mlp.fc2": "P"}
+GPT_SP = {**GPT_TP, "layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}
+MLP_TP = {"blocks.*.fc1": "S(-1)", "blocks.*.fc2": "P"}
+LLAMA_TP = {
+    "model.layers.*.self_attn.[qkv]_proj": "S(-1)",
+    "model.layers.*.self_attn.o_proj": "P",
+    "model.layers.*.mlp.[gu][ap]*_proj": "S(-1)",
+    "model.layers.*.mlp.down_proj": "P",
+}
+LLAMA_SP = {**LLAMA_TP, "model.layers.*.input_layernorm": "S(1)", "model.layers.*.post_attention_layernorm": "S(1)"}
+GPT2_TP = {"transformer.h.*.mlp.c_fc": "S(-1)", "transformer.h.*.mlp.c_proj": "P"}
+GPT2_SP = {**GPT2_TP, "transformer.h.*.ln_[12]": "S(1)"}
+
+
+def load_example(file: str):
+    spec = importlib.util.spec_from_file_location(Path(file).stem, ROOT / "examples" / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dict) -> dict:
+    """Single-process reference vs autopar on this rank; returns the worst relative errors."""
+    torch.manual_seed(0)
+    model = builder(**kwargs)
+    inputs = model.example_inputs(batch)
+    pmodel = autopar.parallelize(model, options.pop("mesh", world), inputs, **options)
+
+    reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    reference.step()
+
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    loss = pmodel.train_step(*pmodel.shard_batch(*inputs))
+    grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
+    optimizer.step()
+    params = {name: p.full_tensor() for name, p in pmodel.named_parameters()}
+
+    ref_params = dict(model.named_parameters())
+    assert grads.keys() == ref_grads.keys(), (sorted(grads), sorted(ref_grads))
+    return {
+        "degrees": pmodel.plan.degrees,
+        "loss": _rel(loss, ref_loss),
+        "grad": max((_rel(grads[n], ref_grads[n]), n) for n in grads),
+        "param": max((_rel(params[n], ref_params[n]), n) for n in params),
+        "collectives": sum(1 for node in pmodel.program.graph.nodes if "autopar" in str(node.target)),
+    }
+
+
+RTOL, ATOL = 1e-4, 1e-6
+
+
+def _rel(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """Worst |value - reference| / (ATOL + RTOL·|reference|): at most 1 means allclose holds.
+
+    The absolute floor matters for elements near zero, e.g. zero-initialized biases after one
+    step (≈ lr); a missing or mis-sharded update (≈ lr = 1e-4) exceeds it 100-fold.
+    """
+    value, reference = value.detach().float(), reference.detach().float()
+    return ((value - reference).abs() / (ATOL + RTOL * reference.abs())).max().item()

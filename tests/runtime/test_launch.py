@@ -1,0 +1,86 @@
+"""launch_local: torchrun's variables, prefixed output, prompt failure and timeout handling."""
+
+import os
+import textwrap
+import time
+
+import pytest
+
+from autopar.ir.errors import ConfigError
+from autopar.runtime import init_from_env, launch_local
+from autopar.runtime.launch import TIMEOUT_EXIT_CODE
+
+ALL_REDUCE_SCRIPT = """
+    import torch, torch.distributed as dist
+    from autopar.runtime import init_from_env
+    init_from_env()
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    print(f"rank {dist.get_rank()} of {dist.get_world_size()}: sum {total.item():g}")
+    dist.destroy_process_group()
+"""
+
+# rank 0 records its pid, then would wait far longer than the test; rank 1 then fails
+FAILING_SCRIPT = """
+    import os, sys, time
+    pid_path = sys.argv[1]
+    if os.environ["RANK"] == "1":
+        while not os.path.exists(pid_path):
+            time.sleep(0.01)
+        sys.exit(3)
+    with open(pid_path + ".tmp", "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+    os.replace(pid_path + ".tmp", pid_path)
+    time.sleep(60)
+"""
+
+SLEEPING_SCRIPT = """
+    import time
+    time.sleep(60)
+"""
+
+
+def _script(tmp_path, source: str) -> str:
+    path = tmp_path / "script.py"
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_all_reduce_and_output_is_prefixed(tmp_path, capfd):
+    assert launch_local(_script(tmp_path, ALL_REDUCE_SCRIPT), [], nproc=2, timeout_s=60) == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert "[rank 0] rank 0 of 2: sum 3" in lines
+    assert "[rank 1] rank 1 of 2: sum 3" in lines
+
+
+def test_failing_rank_terminates_the_others(tmp_path, capfd):
+    pid_path = tmp_path / "rank0.pid"
+    start = time.monotonic()
+    code = launch_local(_script(tmp_path, FAILING_SCRIPT), [str(pid_path)], nproc=2, timeout_s=60)
+    assert code == 3
+    assert time.monotonic() - start < 15
+    assert pid_path.exists() and not _is_running(int(pid_path.read_text()))
+    assert "rank 1 exited with code 3" in capfd.readouterr().err
+
+
+def test_timeout_terminates_every_rank(tmp_path, capfd):
+    start = time.monotonic()
+    code = launch_local(_script(tmp_path, SLEEPING_SCRIPT), [], nproc=2, timeout_s=1)
+    assert code == TIMEOUT_EXIT_CODE
+    assert time.monotonic() - start < 10
+    assert "timed out" in capfd.readouterr().err
+
+
+def test_init_outside_a_launcher_says_how_to_launch(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ConfigError, match="torchrun"):
+        init_from_env()
