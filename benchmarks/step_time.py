@@ -44,7 +44,9 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel
 
@@ -58,8 +60,11 @@ SECTION_BEGIN, SECTION_END = "<!-- step_time:begin -->", "<!-- step_time:end -->
 WORLD_SIZES = (2, 4)
 TARGET_RATIO = 1.10  # autopar may be at most 10 % slower than torch
 LOSS_RTOL = 1e-4
+GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # of a gradient's largest entry (fp32 sums in another order)
+EQUIVALENCE_STEPS = 2  # the first steps of every competitor, checked pairwise
 LR = 1e-3
 SEED = 0
+_EXIT_GRACE_S = 10.0
 
 MEGATRON_TP = {
     "layers.*.attn.w[qkv]": "S(-1)",
@@ -75,7 +80,7 @@ class Settings:
 
     model: dict  # keyword arguments of examples/gpt.py:build
     batch: int  # global batch size
-    warmup_steps: int  # untimed steps per competitor (the first two are the equivalence check)
+    warmup_steps: int  # untimed steps per competitor, the EQUIVALENCE_STEPS checked ones included
     rounds: int
     steps_per_round: int
     timeout_s: float  # for all world sizes together
@@ -83,7 +88,7 @@ class Settings:
 
 FULL = Settings(
     model=dict(hidden=256, layers=2, heads=8, vocab=1024, seq=128),
-    batch=8, warmup_steps=3, rounds=8, steps_per_round=3, timeout_s=900,
+    batch=8, warmup_steps=3, rounds=20, steps_per_round=2, timeout_s=900,
 )
 QUICK = Settings(
     model=dict(hidden=64, layers=1, heads=4, vocab=256, seq=32),
@@ -106,22 +111,44 @@ def _load_gpt():
 
 @dataclass
 class Competitor:
-    """One way to train the model on this rank: ``step()`` runs one full step, returns the loss
-    as this rank computed it, and ``global_loss`` turns that into the loss of the global batch."""
+    """One way to train the model on this rank.
+
+    ``forward_backward()`` returns the loss as this rank computed it; ``global_loss`` turns
+    that into the loss of the global batch, ``full_grads`` gives every parameter's complete
+    gradient by the model's own parameter name (collective: all ranks call it together).
+    """
 
     name: str
-    step: Callable[[], torch.Tensor]
+    module: nn.Module
+    forward_backward: Callable[[], torch.Tensor]
+    optimizer: torch.optim.Optimizer
     global_loss: Callable[[torch.Tensor], float]
+    name_prefix: str = ""  # DDP registers the model's parameters under "module."
 
-
-def _training_step(forward_backward, optimizer) -> Callable[[], torch.Tensor]:
-    def step() -> torch.Tensor:
-        loss = forward_backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    def step(self) -> torch.Tensor:
+        """forward + backward + optimizer step + zero_grad: what is timed."""
+        loss = self.forward_backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
         return loss
 
-    return step
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        grads = {}
+        for name, param in self.module.named_parameters():
+            grad = param.grad
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+            grads[name.removeprefix(self.name_prefix)] = grad
+        return grads
+
+
+def _backward(module: nn.Module, inputs) -> Callable[[], torch.Tensor]:
+    def forward_backward() -> torch.Tensor:
+        loss = module(*inputs)
+        loss.backward()
+        return loss.detach()
+
+    return forward_backward
 
 
 def _as_is(loss: torch.Tensor) -> float:
@@ -138,31 +165,18 @@ def _ddp_local_batch(global_inputs, rank: int, world_size: int):
     return tuple(value.chunk(world_size, dim=0)[rank].contiguous() for value in global_inputs)
 
 
+def _adamw(module: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(module.parameters(), lr=LR)
+
+
 def build_competitors(model, global_inputs, rank: int, world_size: int) -> dict[str, Competitor]:
     """The four competitors, each on its own copy of ``model`` (so all start from its weights)."""
-    competitors = {}
-
     dp = autopar.parallelize(copy.deepcopy(model), world_size, global_inputs, degrees={"dp": world_size, "tp": 1})
     dp_batch = dp.shard_batch(*global_inputs)
     ddp_batch = _ddp_local_batch(global_inputs, rank, world_size)
     if not all(torch.equal(a, b) for a, b in zip(dp_batch, ddp_batch)):
         raise AssertionError("autopar's data-parallel slice of the batch differs from DDP's on this rank")
-    dp_optimizer = torch.optim.AdamW(dp.parameters(), lr=LR)
-    competitors["autopar DP"] = Competitor(
-        "autopar DP", _training_step(lambda: dp.train_step(*dp_batch), dp_optimizer), _as_is
-    )
-
     ddp = DistributedDataParallel(copy.deepcopy(model))
-    ddp_optimizer = torch.optim.AdamW(ddp.parameters(), lr=LR)
-
-    def ddp_forward_backward() -> torch.Tensor:
-        loss = ddp(*ddp_batch)
-        loss.backward()
-        return loss.detach()
-
-    competitors["torch DDP"] = Competitor(
-        "torch DDP", _training_step(ddp_forward_backward, ddp_optimizer), _mean_over_ranks
-    )
 
     tp = autopar.parallelize(
         copy.deepcopy(model), world_size, global_inputs, degrees={"dp": 1, "tp": world_size}, constraints=MEGATRON_TP
@@ -170,11 +184,6 @@ def build_competitors(model, global_inputs, rank: int, world_size: int) -> dict[
     tp_batch = tp.shard_batch(*global_inputs)
     if not all(torch.equal(a, b) for a, b in zip(tp_batch, global_inputs)):
         raise AssertionError("autopar's tensor-parallel plan does not give every rank the full batch")
-    tp_optimizer = torch.optim.AdamW(tp.parameters(), lr=LR)
-    competitors["autopar TP"] = Competitor(
-        "autopar TP", _training_step(lambda: tp.train_step(*tp_batch), tp_optimizer), _as_is
-    )
-
     torch_tp = copy.deepcopy(model)
     plan = {}
     for index in range(len(torch_tp.layers)):
@@ -183,17 +192,14 @@ def build_competitors(model, global_inputs, rank: int, world_size: int) -> dict[
         for name in ("attn.wo", "mlp.fc2"):
             plan[f"layers.{index}.{name}"] = RowwiseParallel()
     parallelize_module(torch_tp, init_device_mesh("cpu", (world_size,)), plan)
-    torch_tp_optimizer = torch.optim.AdamW(torch_tp.parameters(), lr=LR)
 
-    def torch_tp_forward_backward() -> torch.Tensor:
-        loss = torch_tp(*global_inputs)
-        loss.backward()
-        return loss.detach()
-
-    competitors["torch TP"] = Competitor(
-        "torch TP", _training_step(torch_tp_forward_backward, torch_tp_optimizer), _as_is
-    )
-    return competitors
+    competitors = [
+        Competitor("autopar DP", dp, lambda: dp.train_step(*dp_batch), _adamw(dp), _as_is),
+        Competitor("torch DDP", ddp, _backward(ddp, ddp_batch), _adamw(ddp), _mean_over_ranks, "module."),
+        Competitor("autopar TP", tp, lambda: tp.train_step(*tp_batch), _adamw(tp), _as_is),
+        Competitor("torch TP", torch_tp, _backward(torch_tp, global_inputs), _adamw(torch_tp), _as_is),
+    ]
+    return {competitor.name: competitor for competitor in competitors}
 
 
 # --------------------------------------------------------------------------- one rank
@@ -212,21 +218,43 @@ def _slowest_rank(seconds: list[float]) -> list[float]:
     return times.tolist()
 
 
-def check_equivalence(competitors: dict[str, Competitor], steps: int = 2) -> dict[str, list[float]]:
-    """Run the first ``steps`` steps of every competitor; each pair must agree on every loss."""
+def check_equivalence(competitors: dict[str, Competitor], steps: int = EQUIVALENCE_STEPS) -> dict[str, list[float]]:
+    """Run the first ``steps`` steps of every competitor; each pair must agree on every loss and,
+    after the first backward, on every full gradient (a gradient off by a constant factor barely
+    moves AdamW's next loss, so the losses alone would not catch it). Returns the losses."""
     losses = {name: [] for name in competitors}
-    for _ in range(steps):
+    first_grads = {}
+    for step in range(steps):
         for name, competitor in competitors.items():
-            losses[name].append(competitor.global_loss(competitor.step()))
+            losses[name].append(competitor.global_loss(competitor.forward_backward()))
+            if step == 0:
+                first_grads[name] = competitor.full_grads()
+            competitor.optimizer.step()
+            competitor.optimizer.zero_grad()
     for comparison, ours, theirs in PAIRS:
         for step, (a, b) in enumerate(zip(losses[ours], losses[theirs]), start=1):
             if abs(a - b) > LOSS_RTOL * abs(b):
-                raise AssertionError(
-                    f"{comparison}: step {step} loss differs: {ours} {a:.8f} vs {theirs} {b:.8f} "
-                    f"(relative {abs(a - b) / abs(b):.2e} > {LOSS_RTOL}); the programs are not equivalent, "
-                    "so their timings cannot be compared"
+                _not_equivalent(comparison, f"step {step} loss: {ours} {a:.8f} vs {theirs} {b:.8f}")
+        if first_grads[ours].keys() != first_grads[theirs].keys():
+            _not_equivalent(comparison, f"parameters differ: {sorted(first_grads[ours].keys() ^ first_grads[theirs].keys())}")
+        for name, expected in first_grads[theirs].items():
+            actual = first_grads[ours][name]
+            if (actual is None) != (expected is None):
+                _not_equivalent(comparison, f"{name}.grad is None in one of {ours}, {theirs} only")
+            if expected is None:
+                continue
+            error, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
+            if error > GRAD_RTOL * scale + GRAD_ATOL:
+                _not_equivalent(
+                    comparison, f"step 1 gradient of {name}: max |{ours} - {theirs}| = {error:.3e}, max |{theirs}| = {scale:.3e}"
                 )
     return losses
+
+
+def _not_equivalent(comparison: str, what: str) -> None:
+    raise AssertionError(
+        f"{comparison}: {what}; the programs are not equivalent, so their timings cannot be compared"
+    )
 
 
 def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
@@ -238,7 +266,7 @@ def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
     competitors = build_competitors(model, global_inputs, rank, world_size)
 
     losses = check_equivalence(competitors)
-    for _ in range(settings.warmup_steps - len(next(iter(losses.values())))):
+    for _ in range(settings.warmup_steps - EQUIVALENCE_STEPS):
         for competitor in competitors.values():
             _timed_step(competitor)
 
@@ -270,13 +298,22 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float) -> list:
     ]
     for process in processes:
         process.start()
+    finished = False
     try:
-        return _collect(processes, results, timeout_s)
+        outcomes = _collect(processes, results, timeout_s)
+        finished = True
+        return outcomes
     finally:
+        # ranks that reported get a moment to exit on their own: one killed while still
+        # flushing the queue leaks its semaphore
+        grace_deadline = time.monotonic() + (_EXIT_GRACE_S if finished else 0.0)
         for process in processes:
+            process.join(timeout=max(0.0, grace_deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
             process.join()
+        results.close()
+        results.join_thread()
 
 
 def _rank_entry(fn, rank, world_size, args, port, timeout_s, results) -> None:
@@ -352,7 +389,7 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
         "(`w[qkv]`, `fc1`: S(-1); `wo`, `fc2`: P) vs `parallelize_module` with ColwiseParallel on wq/wk/wv/fc1 "
         "and RowwiseParallel on wo/fc2; full batch on every rank.",
         "",
-        f"| ranks | comparison | autopar median ms | torch median ms | ratio autopar/torch | target | met? |",
+        "| ranks | comparison | autopar median ms | torch median ms | ratio autopar/torch | target | met? |",
         "| ---: | --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for world_size, result in results.items():
@@ -367,7 +404,8 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
             )
     lines += [
         "",
-        f"Equivalence check (passed): loss of the global batch at steps 1 and 2, per pair within rtol {LOSS_RTOL}.",
+        f"Equivalence check (passed): per pair, the loss of the global batch at steps 1 and 2 within rtol {LOSS_RTOL}, "
+        f"and every full gradient after step 1 within {GRAD_RTOL} of that gradient's largest entry.",
         "",
         "| ranks | competitor | loss step 1 | loss step 2 |",
         "| ---: | --- | ---: | ---: |",
@@ -375,10 +413,21 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
     for world_size, result in results.items():
         for name, losses in result["losses"].items():
             lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")
-    lines += ["", "Raw per-round medians, ms (slowest rank per step):", "", "| ranks | competitor | rounds |", "| ---: | --- | --- |"]
+    lines += [
+        "",
+        "Raw per-round medians, ms (slowest rank per step); the last column is the median over rounds of "
+        "the ratio autopar/torch within a round, less sensitive to drift than the ratio of medians:",
+        "",
+        "| ranks | competitor | per-round medians | median per-round ratio |",
+        "| ---: | --- | --- | ---: |",
+    ]
     for world_size, result in results.items():
-        for name, rounds in result["rounds"].items():
-            lines.append(f"| {world_size} | {name} | {' '.join(_ms(statistics.median(r)) for r in rounds)} |")
+        for _, ours, theirs in PAIRS:
+            medians = {name: [statistics.median(r) for r in result["rounds"][name]] for name in (ours, theirs)}
+            paired = statistics.median(a / b for a, b in zip(medians[ours], medians[theirs]))
+            for name in (ours, theirs):
+                ratio = f"{paired:.2f}" if name == ours else ""
+                lines.append(f"| {world_size} | {name} | {' '.join(_ms(m) for m in medians[name])} | {ratio} |")
     lines.append(SECTION_END)
     return "\n".join(lines)
 

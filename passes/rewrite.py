@@ -7,10 +7,9 @@ input's LOCAL shard, in which
 - every edge whose producer's placement differs from what its consumer needs carries the
   redistribution (per mesh axis: chunk, all-gather, all-reduce, reduce-scatter, all-to-all,
   keep-on-first), each an autograd op whose backward is the dual;
-- every replicated input of an op whose output is split over an axis gets its gradient
-  all-reduced over that axis in backward (Megatron's f), fused into the all-gather when the
-  input was just gathered (sequence parallelism's reduce-scatter), and left to the runtime's
-  bucketed gradient sync for parameters the plan lists in ``grad_sync``;
+- partial gradients are completed where :mod:`gradients` says (Megatron's f, fused into the
+  all-gather when the input was just gathered: sequence parallelism's reduce-scatter), and
+  left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
 - shape arguments of views and factory device arguments are local.
 """
 
@@ -25,6 +24,7 @@ from torch.utils._pytree import tree_map
 from autopar.ir import Partial, Placement, Plan, Replicate, Shard, StalePlanError
 
 from .capture import CapturedGraph
+from .gradients import plan_gradients
 from .strategies import tensor_inputs
 
 R = Replicate()
@@ -51,7 +51,9 @@ def rewrite(captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], devi
     placements = _producer_placements(captured, plan, by_name)
     axes = tuple(plan.degrees)
     builder = _Collectives(graph, groups, axes, plan.degrees)
-    synced_params = {name for name, fqn in captured.params.items() if fqn in plan.grad_sync}
+    gradients = plan_gradients(captured.graph, plan, captured.params, captured.user_inputs)
+    if {captured.params[n]: a for n, a in gradients.synced_params.items()} != plan.grad_sync:
+        raise StalePlanError("the plan's gradient sync does not match its placements: re-run autopar.plan")
 
     for node in list(graph.nodes):
         decision = plan.nodes.get(node.name)
@@ -61,18 +63,8 @@ def rewrite(captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], devi
         if len(slots) != len(decision.inputs):
             raise StalePlanError(f"plan entry for {node.format_node()} has {len(decision.inputs)} inputs, the graph {len(slots)}")
         new_inputs = []
-        for slot, wanted in zip(slots, decision.inputs):
-            partial_grad = set()
-            if decision.output is not None:
-                partial_grad = {
-                    axis
-                    for i, axis in enumerate(axes)
-                    if plan.degrees[axis] > 1 and wanted[i] == R and decision.output[i] != R
-                }
-            if slot.name in synced_params:
-                partial_grad -= set(plan.grad_sync[captured.params[slot.name]])
-            if not _needs_grad(slot):
-                partial_grad = set()
+        for index, (slot, wanted) in enumerate(zip(slots, decision.inputs)):
+            partial_grad = {axis for axis in axes if (node.name, index, axis) in gradients.completed_edges}
             if node.target is operator.getitem and placements[slot.name] != wanted:
                 raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
             with graph.inserting_before(node):
@@ -97,14 +89,6 @@ def _producer_placements(captured: CapturedGraph, plan: Plan, by_name) -> dict[s
         elif name in captured.buffers:
             placements[name] = axes_r
     return placements
-
-
-def _needs_grad(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else [val]
-    return any(isinstance(v, torch.Tensor) and v.dtype.is_floating_point for v in vals) and node.op != "placeholder" or (
-        node.op == "placeholder" and node.name.startswith("p_")
-    )
 
 
 def _replace_inputs(node: fx.Node, slots: list[fx.Node], new_inputs: list[fx.Node]) -> None:

@@ -13,6 +13,7 @@ per-device breakdown of the leanest configuration.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from autopar.ir import (
 )
 
 from .capture import CapturedGraph, module_path
+from .gradients import plan_gradients
 from .cost import PARAM_STATE_BYTES, collective_time, grad_sync_time, compute_time, node_bytes, node_flops, reshard_time
 from .ilp import ChoiceProblem, solve_choices
 from .strategies import OpView, Strategy, local_shape, node_strategies, numel, output_tensors, tensor_inputs, work_fraction
@@ -212,7 +214,7 @@ def _solve_config(facts, degrees, mesh, hardware, limit, constraints) -> ConfigR
     cost = _evaluate(facts, degrees, strategies, mesh, hardware)
     if last_sharded < 0 and cost.peak_memory > limit:
         feasible = False
-    replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and not _has_rule(f)}
+    replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and f.out_shapes and not _has_rule(f)}
     return ConfigResult(degrees, strategies, cost, feasible, replicated)
 
 
@@ -453,17 +455,16 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
             params[fact.name] = tuple(s.output for s in per_axis)
         elif fact.kind == "input":
             inputs[name] = tuple(s.output for s in per_axis)
-    grad_sync = _grad_sync(facts, nodes, params, axes)
     search_log = tuple(
         {"degrees": r.degrees, "step_s": r.cost.step_s, "peak_memory": r.cost.peak_memory, "feasible": r.feasible}
         for r in results
     )
-    return Plan(
+    plan = Plan(
         mesh=mesh,
         degrees=dict(best.degrees),
         nodes=nodes,
         params=params,
-        grad_sync=grad_sync,
+        grad_sync={},
         inputs=inputs,
         cost=best.cost,
         fingerprint=captured.fingerprint,
@@ -473,31 +474,6 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
         search_time_s=elapsed,
         replicated_ops=tuple(sorted(best.replicated_ops)),
     )
-
-
-def _grad_sync(facts, nodes, params, axes) -> dict[str, tuple[str, ...]]:
-    """Parameters whose every use on an axis yields a partial gradient: summed over that axis."""
-    result = {}
-    for name, fact in facts.items():
-        if fact.kind != "param":
-            continue
-        placement = params[fact.name]
-        users = [(u, u.args) for u in fact.node.users]
-        summed = []
-        for i, axis in enumerate(axes):
-            if not isinstance(placement[i], Replicate):
-                continue
-            uses = []
-            for user in fact.node.users:
-                decision = nodes.get(user.name)
-                if decision is None or decision.output is None:
-                    continue
-                slots = facts[user.name].slots
-                for slot, slot_pl in zip(slots, decision.inputs):
-                    if slot is fact.node:
-                        uses.append(isinstance(slot_pl[i], Replicate) and not isinstance(decision.output[i], Replicate))
-            if uses and all(uses):
-                summed.append(axis)
-        if summed:
-            result[fact.name] = tuple(summed)
-    return result
+    gradients = plan_gradients(captured.graph, plan, captured.params, captured.user_inputs)
+    grad_sync = {captured.params[name]: axes for name, axes in gradients.synced_params.items()}
+    return dataclasses.replace(plan, grad_sync=grad_sync)

@@ -90,7 +90,9 @@ def _shard_all_but(view: OpView, excluded: set[int], partial_ok: bool = False) -
 
 
 # -- pointwise ------------------------------------------------------------------------
-_LINEAR_POINTWISE = {aten.neg, aten.clone, aten._to_copy, aten.alias, aten.detach, aten.contiguous, aten.lift_fresh_copy}
+_LINEAR_POINTWISE = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.alias, aten.detach, aten.contiguous, aten.lift_fresh_copy}
+# Elementwise ops torch does not tag as pointwise.
+_ALSO_POINTWISE = _LINEAR_POINTWISE | {aten.dropout, aten.type_as, aten.__and__, aten.__or__, aten.__xor__, aten.masked_fill}
 _ADDITIVE = {aten.add, aten.sub}
 _SCALING = {aten.mul, aten.div}
 
@@ -115,6 +117,14 @@ def pointwise(view: OpView) -> list[Strategy]:
             for i in range(1 if packet is aten.div else n_in):
                 strategies.append(Strategy(tuple(Partial(op) if j == i else R for j in range(n_in)), Partial(op)))
     return strategies
+
+
+def repeat_interleave(view: OpView) -> list[Strategy]:
+    """repeat_interleave(x, repeats: int, dim): rows repeat in place, so any other dim shards."""
+    dim = view.arg(2, "dim", None)
+    if dim is None or not isinstance(view.arg(1, "repeats"), int):
+        return []
+    return along_dim(2)(view)
 
 
 def like_input(view: OpView) -> list[Strategy]:
@@ -407,6 +417,11 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.full_like: like_input,
     aten.empty_like: like_input,
     operator.getitem: getitem,
+    aten.repeat_interleave: repeat_interleave,
+    aten.new_ones: replicated_only,
+    aten.new_zeros: replicated_only,
+    aten.new_full: replicated_only,
+    aten.new_empty: replicated_only,
     aten.arange: replicated_only,
     aten.zeros: replicated_only,
     aten.ones: replicated_only,
@@ -417,9 +432,11 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
 
 
 def rule_for(target) -> Callable[[OpView], list[Strategy]] | None:
-    rule = RULES.get(target) or RULES.get(getattr(target, "overloadpacket", None))
-    if rule is None and isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-        return pointwise
+    packet = getattr(target, "overloadpacket", None)
+    rule = RULES.get(target) or RULES.get(packet)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.pointwise in target.tags or packet in _ALSO_POINTWISE:
+            return pointwise
     return rule
 
 

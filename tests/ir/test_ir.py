@@ -1,0 +1,45 @@
+import pytest
+
+from autopar.ir import (
+    ConfigError, Mesh, MeshError, Partial, Plan, Replicate, Shard, StalePlanError,
+    check_degrees, get_profile, parse_placement,
+)
+from planning import plan_example
+
+
+@pytest.mark.parametrize("placement", [Shard(0), Shard(-1), Replicate(), Partial(), Partial("avg")])
+def test_placements_read_back_from_their_compact_form(placement):
+    assert parse_placement(str(placement)) == placement
+
+
+def test_bad_placement_mesh_and_degrees_are_clear_errors():
+    with pytest.raises(ConfigError, match="S\\(dim\\)"):
+        parse_placement("Shard")
+    with pytest.raises(MeshError, match="2x4"):
+        Mesh.parse("two by four")
+    with pytest.raises(ConfigError, match="supports"):
+        check_degrees({"xp": 2}, 4)
+    with pytest.raises(ConfigError, match="does not divide"):
+        check_degrees({"tp": 3}, 4)
+    assert check_degrees({"tp": 2}, 8) == {"dp": 4, "tp": 2}
+
+
+def test_unknown_hardware_profile_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="a100-80gb"):
+        get_profile("tpu-v9")
+
+
+def test_plan_round_trips_through_json_and_prints_a_table(tmp_path):
+    plan = plan_example("gpt.py", "2x2", batch=8, model_kwargs=dict(hidden=32, layers=1, heads=2, vocab=64, seq=8))
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded == plan
+    text = str(plan)
+    assert "layers.0.attn.wq.weight" in text and "predicted step" in text
+
+
+def test_a_plan_file_of_another_format_is_stale(tmp_path):
+    plan = plan_example("mlp.py", 2, batch=8)
+    data = plan.to_json()
+    data["format"] = 0
+    with pytest.raises(StalePlanError, match="re-run"):
+        Plan.from_json(data)
