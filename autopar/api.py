@@ -11,6 +11,7 @@ from torch import nn
 
 from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, StalePlanError, get_profile
 from autopar.passes.capture import CapturedGraph, capture
+from autopar.passes.pipeline import PassLog, verify_graph
 from autopar.passes.rewrite import rewrite
 from autopar.passes.search import search
 
@@ -37,14 +38,16 @@ def plan(
     return _plan_captured(_capture(model, example_inputs), mesh, degrees, constraints, hardware, memory_limit)
 
 
-def _capture(model: nn.Module, example_inputs) -> CapturedGraph:
+def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> CapturedGraph:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
-    return capture(model, tuple(example_inputs))
+    return (log or PassLog()).run("capture", capture, model, tuple(example_inputs), verify=lambda c: verify_graph(c.graph_module))
 
 
-def _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit) -> Plan:
-    return search(
+def _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, log: PassLog | None = None) -> Plan:
+    return (log or PassLog()).run(
+        "search",
+        search,
         captured,
         Mesh.of(mesh),
         get_profile(hardware),
@@ -89,11 +92,12 @@ def parallelize(
             f"mesh {mesh} has {mesh.size} devices but the world has {dist.get_world_size()} ranks: "
             f"launch {mesh.size} processes or pass a mesh of {dist.get_world_size()} devices"
         )
-    captured = _capture(model, example_inputs)
+    log = PassLog()
+    captured = _capture(model, example_inputs, log)
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is None:
-        plan = _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit)
+        plan = _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, log)
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
@@ -102,7 +106,7 @@ def parallelize(
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = build_device_mesh(plan.degrees, device_type)
     groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
-    program = rewrite(captured, plan, groups=groups, device=device_type)
+    program = log.run("rewrite", rewrite, captured, plan, groups=groups, device=device_type, verify=verify_graph)
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     return ParallelModule(
         program,

@@ -9,9 +9,10 @@ Two comparisons on the GPT example (``examples/gpt.py``), fp32, AdamW:
   wq/wk/wv/fc1 and ``RowwiseParallel`` on wo/fc2, the full batch on every rank.
 
 A step is forward + backward + ``AdamW.step()`` + ``zero_grad()``. Every competitor starts
-from the same weights and sees the same data, so the pairs must agree on the loss of their
-first step (the forward) and of their second (which also checks the gradients of the first);
-the script fails loudly otherwise. After warm-up, rounds alternate the order of the two
+from the same weights and sees the same data, so the two of a pair must agree on the losses
+of their first two steps and on every full gradient of the first; the script fails loudly
+otherwise (timing two programs that compute different things is worthless). After warm-up,
+rounds alternate the order of the two
 competitors of a pair, so drift on a shared machine hits both alike. Each step starts after a
 barrier; its time is the slowest rank's. The figure is the median over all timed steps.
 
@@ -53,9 +54,11 @@ from torch.nn.parallel import DistributedDataParallel
 import autopar
 from autopar.runtime.launch import free_port
 
+sys.path.insert(0, str(Path(__file__).parent))
+from report import BENCHMARKS, write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
-SECTION_BEGIN, SECTION_END = "<!-- step_time:begin -->", "<!-- step_time:end -->"
+SECTION = "step_time"  # its part of BENCHMARKS.md, between <!-- step_time:begin/end --> markers
 
 WORLD_SIZES = (2, 4)
 TARGET_RATIO = 1.10  # autopar may be at most 10 % slower than torch
@@ -363,13 +366,12 @@ def _ms(seconds: float) -> str:
 
 
 def render_section(results: dict[int, dict], settings: Settings, command: str, elapsed_s: float) -> str:
-    """The BENCHMARKS.md section (markers included) for ``results[world_size]``."""
+    """The body of this script's BENCHMARKS.md section for ``results[world_size]``."""
     model = settings.model
     gpt = _load_gpt()
     with torch.device("meta"):
         parameters = sum(p.numel() for p in gpt.build(**model).parameters())
     lines = [
-        SECTION_BEGIN,
         "## Step time: autopar vs torch DDP and torch tensor parallel",
         "",
         f"- command: `{command}` ({elapsed_s:.0f} s in all)",
@@ -428,19 +430,7 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
             for name in (ours, theirs):
                 ratio = f"{paired:.2f}" if name == ours else ""
                 lines.append(f"| {world_size} | {name} | {' '.join(_ms(m) for m in medians[name])} | {ratio} |")
-    lines.append(SECTION_END)
     return "\n".join(lines)
-
-
-def write_section(section: str, path: Path = BENCHMARKS_MD) -> None:
-    """Replace this script's section of ``path`` (or append it); other sections stay as they are."""
-    text = path.read_text() if path.exists() else "# autopar benchmarks\n"
-    begin, end = text.find(SECTION_BEGIN), text.find(SECTION_END)
-    if begin >= 0 and end > begin:
-        text = text[:begin] + section + text[end + len(SECTION_END) :]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -459,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     section = render_section(results, settings, command, time.monotonic() - start)
     print(section)
     if not args.quick:
-        write_section(section)
-        print(f"[step_time] wrote its section of {BENCHMARKS_MD}")
+        write_section(SECTION, section)
+        print(f"[step_time] wrote its section of {BENCHMARKS}")
     return 0
 
 

@@ -25,6 +25,7 @@ from autopar.ir import Partial, Placement, Plan, Replicate, Shard, StalePlanErro
 
 from .capture import CapturedGraph
 from .gradients import plan_gradients
+from .pipeline import at_node
 from .strategies import tensor_inputs
 
 R = Replicate()
@@ -59,23 +60,31 @@ def rewrite(captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], devi
         decision = plan.nodes.get(node.name)
         if decision is None:
             continue
-        slots = tensor_inputs(node)
-        if len(slots) != len(decision.inputs):
-            raise StalePlanError(f"plan entry for {node.format_node()} has {len(decision.inputs)} inputs, the graph {len(slots)}")
-        new_inputs = []
-        for index, (slot, wanted) in enumerate(zip(slots, decision.inputs)):
-            partial_grad = {axis for axis in axes if (node.name, index, axis) in gradients.completed_edges}
-            if node.target is operator.getitem and placements[slot.name] != wanted:
-                raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
-            with graph.inserting_before(node):
-                new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad))
-        _replace_inputs(node, slots, new_inputs)
-        _localize_arguments(node, decision.output, plan.degrees, device)
-        if decision.output is not None:
-            placements[node.name] = decision.output
+        with at_node(node):
+            _rewrite_node(node, decision, plan, placements, builder, gradients, device)
     graph.eliminate_dead_code()
     graph.lint()
     return fx.GraphModule(captured.graph_module, graph)
+
+
+def _rewrite_node(node, decision, plan, placements, builder, gradients, device) -> None:
+    """Bring the node's inputs where its strategy needs them; make its arguments local."""
+    axes = tuple(plan.degrees)
+    graph = node.graph
+    slots = tensor_inputs(node)
+    if len(slots) != len(decision.inputs):
+        raise StalePlanError(f"plan entry for {node.format_node()} has {len(decision.inputs)} inputs, the graph {len(slots)}")
+    new_inputs = []
+    for index, (slot, wanted) in enumerate(zip(slots, decision.inputs)):
+        partial_grad = {axis for axis in axes if (node.name, index, axis) in gradients.completed_edges}
+        if node.target is operator.getitem and placements[slot.name] != wanted:
+            raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
+        with graph.inserting_before(node):
+            new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad))
+    _replace_inputs(node, slots, new_inputs)
+    _localize_arguments(node, decision.output, plan.degrees, device)
+    if decision.output is not None:
+        placements[node.name] = decision.output
 
 
 def _producer_placements(captured: CapturedGraph, plan: Plan, by_name) -> dict[str, tuple[Placement, ...]]:

@@ -328,6 +328,17 @@ def embedding(view: OpView) -> list[Strategy]:
     return strategies
 
 
+def index(view: OpView) -> list[Strategy]:
+    """x[idx] with one index tensor on dim 0: shard the indices, or a dim of x that is not indexed."""
+    indices = view.arg(1, "indices")
+    if len(indices) != 1 or indices[0] is None or len(view.in_shapes) != 2:
+        return []
+    x_ndim, idx_ndim = len(view.in_shapes[0]), len(view.in_shapes[1])
+    strategies = [Strategy((R, Shard(d)), Shard(d)) for d in range(idx_ndim)]
+    strategies += [Strategy((Shard(k), R), Shard(idx_ndim + k - 1)) for k in range(1, x_ndim)]
+    return strategies + [Strategy((Partial(op), R), Partial(op)) for op in ("sum", "avg")]
+
+
 def attention(view: OpView) -> list[Strategy]:
     """scaled_dot_product_attention on [batch, heads, seq, head_dim]: shard batch or heads."""
     q_shape = view.in_shapes[0]
@@ -407,6 +418,7 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.mean: reduction,
     aten.layer_norm: layer_norm,
     aten.embedding: embedding,
+    aten.index: index,
     aten.scaled_dot_product_attention: attention,
     aten.cross_entropy_loss: loss,
     aten.nll_loss: loss,

@@ -28,6 +28,7 @@ TWO_RANKS = [
     ("hf", "build_llama", HF, dict(degrees={"dp": 2})),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_TP)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_SP)),
+    ("hf", "build_mixtral", HF, dict(degrees={"dp": 2})),
 ]
 
 FOUR_RANKS = [
