@@ -5,7 +5,6 @@ This is, with the CLI, the only place that imports both ``passes`` and ``runtime
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

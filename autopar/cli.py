@@ -491,3 +491,7 @@ def _cmd_run(args) -> int:
     if not Path(args.script).is_file():
         raise UsageError(f"SCRIPT: no file {args.script}")
     return launch_local(args.script, args.script_args, nproc=args.nproc, timeout_s=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

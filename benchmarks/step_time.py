@@ -12,9 +12,9 @@ A step is forward + backward + ``AdamW.step()`` + ``zero_grad()``. Every competi
 from the same weights and sees the same data, so the two of a pair must agree on the losses
 of their first two steps and on every full gradient of the first; the script fails loudly
 otherwise (timing two programs that compute different things is worthless). After warm-up,
-rounds alternate the order of the two
-competitors of a pair, so drift on a shared machine hits both alike. Each step starts after a
-barrier; its time is the slowest rank's. The figure is the median over all timed steps.
+rounds alternate the order of the two competitors of a pair, so drift on a shared machine
+hits both alike. Each step starts after a barrier; its time is the slowest rank's. The
+figure is the median over all timed steps.
 
 Run from the repository root::
 
@@ -28,18 +28,12 @@ import argparse
 import copy
 import datetime
 import importlib.util
-import multiprocessing
 import os
-import pickle
 import platform
-import queue
 import statistics
 import sys
 import time
-import traceback
-import warnings
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -52,7 +46,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 import autopar
-from autopar.runtime.launch import free_port
+from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import BENCHMARKS, write_section  # noqa: E402
@@ -67,7 +61,6 @@ GRAD_RTOL, GRAD_ATOL = 1e-4, 1e-7  # of a gradient's largest entry (fp32 sums in
 EQUIVALENCE_STEPS = 2  # the first steps of every competitor, checked pairwise
 LR = 1e-3
 SEED = 0
-_EXIT_GRACE_S = 10.0
 
 MEGATRON_TP = {
     "layers.*.attn.w[qkv]": "S(-1)",
@@ -169,6 +162,9 @@ def _ddp_local_batch(global_inputs, rank: int, world_size: int):
 
 
 def _adamw(module: nn.Module) -> torch.optim.Optimizer:
+    """AdamW as each library's users build it: autopar's over its local shards."""
+    if hasattr(module, "optimizer") and callable(module.optimizer):
+        return module.optimizer(torch.optim.AdamW, lr=LR)
     return torch.optim.AdamW(module.parameters(), lr=LR)
 
 
@@ -287,77 +283,6 @@ def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
 # --------------------------------------------------------------------------- spawning
 
 
-def run_ranks(fn, world_size: int, *args, timeout_s: float) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; results by rank.
-
-    A rank that fails or a run longer than ``timeout_s`` kills the others (by pid) and raises.
-    """
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    processes = [
-        context.Process(target=_rank_entry, args=(fn, rank, world_size, args, port, timeout_s, results), daemon=True)
-        for rank in range(world_size)
-    ]
-    for process in processes:
-        process.start()
-    finished = False
-    try:
-        outcomes = _collect(processes, results, timeout_s)
-        finished = True
-        return outcomes
-    finally:
-        # ranks that reported get a moment to exit on their own: one killed while still
-        # flushing the queue leaks its semaphore
-        grace_deadline = time.monotonic() + (_EXIT_GRACE_S if finished else 0.0)
-        for process in processes:
-            process.join(timeout=max(0.0, grace_deadline - time.monotonic()))
-            if process.is_alive():
-                process.kill()
-            process.join()
-        results.close()
-        results.join_thread()
-
-
-def _rank_entry(fn, rank, world_size, args, port, timeout_s, results) -> None:
-    torch.set_num_threads(1)  # as torchrun does: the ranks share the cores
-    # torch's own pytree pickling warns once per copy of an exported graph; it says nothing here
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-    try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size,
-            init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout_s),
-        )
-        try:
-            message = (rank, True, pickle.dumps(fn(rank, world_size, *args)))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        message = (rank, False, traceback.format_exc())
-    results.put(message)
-
-
-def _collect(processes, results, timeout_s: float) -> list:
-    deadline = time.monotonic() + timeout_s
-    outcomes = {}
-    while len(outcomes) < len(processes):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            running = [rank for rank in range(len(processes)) if rank not in outcomes]
-            raise TimeoutError(f"ranks {running} still running after {timeout_s:.0f} s")
-        try:
-            rank, ok, payload = results.get(timeout=min(remaining, 0.2))
-        except queue.Empty:
-            for rank, process in enumerate(processes):
-                if rank not in outcomes and process.exitcode not in (None, 0):
-                    raise RuntimeError(f"rank {rank} died with exit code {process.exitcode}")
-            continue
-        if not ok:
-            raise RuntimeError(f"rank {rank} of {len(processes)} failed:\n{payload}")
-        outcomes[rank] = pickle.loads(payload)
-    return [outcomes[rank] for rank in range(len(processes))]
-
-
 # --------------------------------------------------------------------------- report
 
 
@@ -381,7 +306,8 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
         f"as much as parallelism. torch {torch.__version__}, Python {platform.python_version()}.",
         f"- model: examples/gpt.py `build({', '.join(f'{k}={v}' for k, v in model.items())})` "
         f"(ffn {4 * model['hidden']}, {parameters / 1e6:.2f} M parameters), fp32, global batch {settings.batch} "
-        f"x seq {model['seq']}; AdamW lr {LR}.",
+        f"x seq {model['seq']}; AdamW lr {LR} (autopar: `pmodel.optimizer(torch.optim.AdamW)`, stepping its "
+        "local shards as plain tensors; torch: `torch.optim.AdamW(model.parameters())`; both torch's default foreach).",
         f"- step: forward + backward + AdamW step + zero_grad. After {settings.warmup_steps} warm-up steps, "
         f"{settings.rounds} rounds of {settings.steps_per_round} steps per competitor, the two of a pair in "
         "alternating order; a barrier before each step; a step's time is the slowest rank's; "
@@ -445,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     for world_size in WORLD_SIZES:
         remaining = settings.timeout_s - (time.monotonic() - start)
         print(f"[step_time] {world_size} ranks ...", flush=True)
-        results[world_size] = run_ranks(bench_rank, world_size, settings, timeout_s=remaining)[0]
+        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=remaining)[0]
     section = render_section(results, settings, command, time.monotonic() - start)
     print(section)
     if not args.quick:

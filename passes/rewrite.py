@@ -19,7 +19,6 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_map
 
 from autopar.ir import Partial, Placement, Plan, Replicate, Shard, StalePlanError
 

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 import torch.fx as fx
 
 from autopar.ir import (
@@ -28,7 +27,6 @@ from autopar.ir import (
     MemoryLimitError,
     Mesh,
     NodeDecision,
-    Partial,
     Placement,
     Plan,
     Replicate,

@@ -25,6 +25,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
 DEFAULT_BUCKET_SIZE_BYTES = 25 * 2**20
+# Like DDP: a small first bucket starts communication early in backward.
+DEFAULT_FIRST_BUCKET_BYTES = 2**20
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -105,7 +107,7 @@ class _Bucket:
 
 
 def _make_buckets(
-    params_and_groups: Sequence[tuple[Tensor, str]], bucket_size_bytes: int
+    params_and_groups: Sequence[tuple[Tensor, str]], bucket_size_bytes: int, first_bucket_bytes: int
 ) -> list[_Bucket]:
     """Fill buckets in backward order; order them by when their last gradient should arrive."""
     members: list[tuple[int, str, list[Tensor]]] = []  # (last arrival, group, params)
@@ -116,7 +118,7 @@ def _make_buckets(
         key = (group, local.dtype, local.device)
         open_members.setdefault(key, (group, []))[1].append(param)
         open_bytes[key] = open_bytes.get(key, 0) + local.numel() * local.element_size()
-        if open_bytes[key] >= bucket_size_bytes:
+        if open_bytes[key] >= (bucket_size_bytes if members else min(first_bucket_bytes, bucket_size_bytes)):
             members.append((arrival, *open_members.pop(key)))
             del open_bytes[key]
     last_arrival = len(params_and_groups)
@@ -155,11 +157,16 @@ class GradSync:
         self,
         params_and_groups: Sequence[tuple[Tensor, str]],
         bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+        first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
+        auto_finish: bool = True,
     ):
+        """``auto_finish=False``: the owner calls :meth:`finish` at the end of each backward
+        (from its own engine callback), e.g. to run more work after the sums are in place."""
         trainable = [(param, group) for param, group in params_and_groups if param.requires_grad]
         if len({id(param) for param, _ in trainable}) != len(trainable):
             raise ValueError("GradSync: a parameter is listed twice; list each one once")
-        self._buckets = _make_buckets(trainable, bucket_size_bytes)
+        self._buckets = _make_buckets(trainable, bucket_size_bytes, first_bucket_bytes)
+        self._auto_finish = auto_finish
         self._sync_enabled = True
         self._next_to_launch = 0
         self._finish_queued = False
@@ -193,7 +200,8 @@ class GradSync:
         if not self._sync_enabled:
             return
         if not self._finish_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            if self._auto_finish:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             self._finish_queued = True
         assert bucket.work is None, "a gradient arrived for a bucket already being reduced"
         bucket.copy_in(index)
@@ -202,7 +210,10 @@ class GradSync:
             buckets[self._next_to_launch].launch()
             self._next_to_launch += 1
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """Wait for this backward's sums (launching what is left); no-op if none started."""
+        if not self._finish_queued:
+            return
         for bucket in self._buckets[self._next_to_launch :]:
             bucket.launch()
         for bucket in self._buckets:

@@ -1,10 +1,12 @@
 """ParallelModule: the per-rank program wrapped as an nn.Module that trains like the original.
 
 Parameters are DTensors with the planned placements, registered under the model's own
-names, so ``p.full_tensor()``, torch optimizers and torch.distributed.checkpoint work. The
-forward feeds their local shards (``to_local``, which routes gradients back into DTensor
-``.grad``) to the rewritten graph; gradients that are partial sums over an axis are summed
-by a bucketed :class:`GradSync` while backward runs.
+names, so ``p.full_tensor()``, torch optimizers and torch.distributed.checkpoint work. Each
+DTensor's local shard is also a plain leaf tensor (same storage) that the rewritten graph
+takes directly, so a training step pays no DTensor dispatch. Gradients accumulate on those
+leaves; partial sums over an axis are summed by a bucketed :class:`GradSync` while backward
+runs; at the end of backward every local gradient is published as the DTensor's ``.grad``
+(again the same storage, no copy).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
+
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.ir import Plan, Replicate, Shard
 
@@ -63,34 +68,68 @@ class ParallelModule(nn.Module):
         self._param_order = param_order
         self._buffer_order = buffer_order
         self._params: dict[str, nn.Parameter] = {}
+        self._locals: dict[str, torch.Tensor] = {}  # the leaves the program trains
         for name in dict.fromkeys(param_order):
-            full = state[name].detach()
-            placements = plan.params[name]
-            local = local_chunk(full, placements, mesh).clone()
-            dtensor = DTensor.from_local(local, mesh, [to_dtensor_placement(p) for p in placements], run_check=False)
-            param = nn.Parameter(dtensor, requires_grad=full.requires_grad or True)
-            self._params[name] = param
+            full = state[name]
+            placements = [to_dtensor_placement(p) for p in plan.params[name]]
+            local = local_chunk(full.detach(), plan.params[name], mesh).clone().requires_grad_(full.requires_grad)
+            param = nn.Parameter(DTensor.from_local(local.detach(), mesh, placements, run_check=False))
+            assert param._local_tensor.data_ptr() == local.data_ptr(), "the DTensor must share the leaf's storage"
+            self._params[name], self._locals[name] = param, local
             _register(self, name, param)
         for alias, name in (tied or {}).items():  # the same Parameter under the tied name too
             _register(self, alias, self._params[name])
         for name in buffer_order:
             _register(self, name, state[name].detach().clone(), buffer=True)
         self._grad_sync = GradSync(
-            [(self._params[name], group_name(mesh, axes)) for name, axes in plan.grad_sync.items()]
+            [(self._locals[name], group_name(mesh, axes)) for name, axes in plan.grad_sync.items()],
+            auto_finish=False,
         )
+        self._local_loss = _peel_loss_reduction(program)
+        self._callback_queued = False
+        for local in self._locals.values():
+            if local.requires_grad:
+                local.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
     def forward(self, *local_inputs):
         """Forward on this rank's slice of the batch; returns what the model returns (the loss)."""
-        params = [self._params[name].to_local() for name in self._param_order]
-        buffers = [self.get_buffer(name) for name in self._buffer_order]
-        outputs = self.program(*params, *buffers, *local_inputs)
+        outputs = self._run(self.program, local_inputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
     def train_step(self, *local_inputs) -> torch.Tensor:
-        """Forward and backward; gradients are complete (and synced) when this returns."""
-        loss = self(*local_inputs)
-        loss.backward()
-        return loss.detach()
+        """Forward and backward; gradients are complete (and synced) when this returns.
+
+        Returns the global loss. Where the plan reduces the loss over one axis at the very
+        end, that reduction runs asynchronously, overlapped with backward: backward starts
+        from this rank's share, which is exactly what the reduction's backward would give.
+        """
+        if self._local_loss is None:
+            loss = self(*local_inputs)
+            loss.backward()
+            return loss.detach()
+        program, group, reduce_op = self._local_loss
+        (partial,) = self._run(program, local_inputs)
+        loss = partial.detach().clone()
+        work = dist.all_reduce(loss, op=dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM, group=_resolve_process_group(group), async_op=True)
+        share = partial / _resolve_process_group(group).size() if reduce_op == "avg" else partial
+        share.backward()
+        work.wait()
+        return loss
+
+    def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
+        self._follow_zeroed_grads()
+        params = [self._locals[name] for name in self._param_order]
+        buffers = [self.get_buffer(name) for name in self._buffer_order]
+        return tuple(program(*params, *buffers, *local_inputs))
+
+    def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
+        """An optimizer stepping this rank's shards as plain tensors (no DTensor dispatch).
+
+        Exact for elementwise optimizers (SGD, Adam, AdamW, ...): each element's update needs
+        only its own gradient and state. For optimizers with whole-tensor statistics, pass
+        ``pmodel.parameters()`` (DTensors) to the optimizer instead.
+        """
+        return optimizer_class(list(self._locals.values()), **kwargs)
 
     def no_sync(self):
         """Accumulate gradients locally over several backward passes (like DDP's no_sync)."""
@@ -98,10 +137,52 @@ class ParallelModule(nn.Module):
 
     def shard_batch(self, *global_inputs):
         """This rank's slice of a global batch, as ``forward`` expects it."""
-        sliced = []
-        for name, value in zip(self.plan.inputs, global_inputs):
-            sliced.append(local_chunk(value, self.plan.inputs[name], self.device_mesh))
-        return tuple(sliced)
+        return tuple(
+            local_chunk(value, self.plan.inputs[name], self.device_mesh) for name, value in zip(self.plan.inputs, global_inputs)
+        )
+
+    def _on_grad_accumulated(self, _local: torch.Tensor) -> None:
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            self._callback_queued = True
+
+    def _after_backward(self) -> None:
+        self._callback_queued = False
+        self._grad_sync.finish()
+        for name, param in self._params.items():
+            grad = self._locals[name].grad
+            if grad is not None and (param.grad is None or param.grad._local_tensor.data_ptr() != grad.data_ptr()):
+                param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+
+    def _follow_zeroed_grads(self) -> None:
+        """An optimizer over either view may have set its gradients to None: mirror that."""
+        for name, param in self._params.items():
+            local = self._locals[name]
+            if param.grad is None:
+                local.grad = None
+            elif local.grad is None:
+                param.grad = None
+
+
+def _peel_loss_reduction(program: fx.GraphModule) -> tuple[fx.GraphModule, str, str] | None:
+    """The program without its final loss all-reduce, with that reduction's group and op.
+
+    Only for a single scalar output reduced once (the usual data-parallel loss); otherwise
+    None and ``train_step`` runs the program as it is.
+    """
+    graph = fx.Graph()
+    outputs = graph.graph_copy(program.graph, {})
+    if not isinstance(outputs, (tuple, list)) or len(outputs) != 1:
+        return None
+    reduced = outputs[0]
+    if reduced.target is not torch.ops.autopar.all_reduce.default or len(reduced.users) != 0:
+        return None
+    partial, group, reduce_op = reduced.args
+    if isinstance(partial, fx.Node) and partial.target is torch.ops.autopar.all_reduce.default:
+        return None  # reduced over several axes in turn: keep it simple and synchronous
+    graph.output((partial,))
+    graph.erase_node(reduced)
+    return fx.GraphModule(program, graph), group, reduce_op
 
 
 def _register(root: nn.Module, name: str, value, buffer: bool = False) -> None:

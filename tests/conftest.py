@@ -1,4 +1,4 @@
-"""Puts tests/ on sys.path so every test imports the harness as ``from distributed import ...``."""
+"""Puts tests/ on sys.path so tests share helpers as plain imports (``from planning import ...``)."""
 
 import sys
 from pathlib import Path

@@ -44,6 +44,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     torch.manual_seed(0)
     model = builder(**kwargs)
     inputs = model.example_inputs(batch)
+    options_optimizer = options.pop("optimizer", "dtensor")
     pmodel = autopar.parallelize(model, options.pop("mesh", world), inputs, **options)
 
     reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
@@ -52,7 +53,10 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     ref_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     reference.step()
 
-    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    if options_optimizer == "shards":
+        optimizer = pmodel.optimizer(torch.optim.AdamW, lr=LEARNING_RATE, eps=ADAM_EPS)
+    else:  # a torch optimizer over the DTensor parameters
+        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     loss = pmodel.train_step(*pmodel.shard_batch(*inputs))
     grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
     optimizer.step()
@@ -65,6 +69,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         "loss": _rel(loss, ref_loss),
         "grad": max((_rel(grads[n], ref_grads[n]), n) for n in grads),
         "param": max((_rel(params[n], ref_params[n]), n) for n in params),
+        "overlapped_loss_reduction": pmodel._local_loss is not None,
         "collectives": sum(1 for node in pmodel.program.graph.nodes if "autopar" in str(node.target)),
     }
 

@@ -3,7 +3,7 @@ parameters after AdamW (fp32), on real gloo process groups of 2 and 4 ranks."""
 
 import pytest
 
-from distributed import run_distributed
+from autopar.runtime.spawn import run_local
 from equivalence import (
     GPT2_SP, GPT2_TP, GPT_SP, GPT_TP, LLAMA_SP, LLAMA_TP, MLP_TP, compare_one_step, load_example,
 )
@@ -18,7 +18,9 @@ TWO_RANKS = [
     ("mlp", "build", MLP, dict(degrees={"tp": 2}, constraints=MLP_TP)),
     ("gpt", "build", GPT, {}),
     ("gpt", "build", GPT, dict(degrees={"dp": 2})),
+    ("gpt", "build", GPT, dict(degrees={"dp": 2}, optimizer="shards")),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_TP)),
+    ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_TP, optimizer="shards")),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP)),
     ("hf", "build_gpt2", HF, {}),
     ("hf", "build_gpt2", HF, dict(degrees={"dp": 2})),
@@ -64,11 +66,13 @@ def _check(cases, results):
             if len(options["degrees"]) == 1:
                 expected = {k: (v if k in options["degrees"] else 1) for k, v in expected.items()}
             assert result["degrees"] == expected, (label, result)
+        if options.get("degrees") in ({"dp": 2}, {"dp": 4}):  # the loss all-reduce overlaps backward
+            assert result["overlapped_loss_reduction"], (label, result)
         if "constraints" in options:  # a pinned tensor-parallel plan really communicates
             assert result["collectives"] > 0, (label, result)
 
 
 @pytest.mark.parametrize("world, cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
 def test_one_training_step_matches_single_process(world, cases):
-    results = run_distributed(_run_cases, world, cases, timeout_s=600)[0]
+    results = run_local(_run_cases, world, cases, timeout_s=600)[0]
     _check(cases, results)

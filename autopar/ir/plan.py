@@ -9,7 +9,7 @@ readable table and ``Plan.load(plan.save(path))`` round-trips.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tabulate import tabulate

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from autopar.ir import Shard, StalePlanError
+from autopar.ir import StalePlanError
 from autopar.passes.capture import capture
 from autopar.passes.rewrite import rewrite
 from planning import meta_model, plan_example

@@ -8,7 +8,7 @@ One spawn per world size covers every op, dim and group.
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from autopar.runtime.spawn import run_local
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -183,12 +183,12 @@ def _four_ranks(rank, world_size):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(_two_ranks, 2)
+    return run_local(_two_ranks, 2)
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_four_ranks, 4)
+    return run_local(_four_ranks, 4)
 
 
 def _failures(results):

@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from distributed import run_distributed
+from autopar.runtime.spawn import run_local
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
@@ -119,7 +119,7 @@ def _grad_sync_scenarios(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_distributed(_grad_sync_scenarios, 2)
+    return run_local(_grad_sync_scenarios, 2)
 
 
 def test_several_buckets_are_used(results):
