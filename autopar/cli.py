@@ -20,16 +20,14 @@ import json
 import re
 import sys
 import warnings
-from collections import Counter
 from pathlib import Path
 
 import torch
-from tabulate import tabulate
 
 from autopar.api import _capture, _plan_captured
 from autopar.ir import AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
-from autopar.passes.capture import module_path
-from autopar.passes.export import collective_calls, placeholders, write_export
+from autopar.passes.export import write_export
+from autopar.report import decisions_text, degrees_text, module_rows, modules_text, search_text, summary, summary_text
 from autopar.passes.rewrite import rewrite
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # where examples/ lives in a source checkout
@@ -268,155 +266,6 @@ def _make_plan(args):
     return captured, plan, program
 
 
-def module_rows(captured, plan: Plan, program) -> list[dict]:
-    """Per module path (graph order): its weights' placements, its output's placement, the
-    collectives the rewrite put there, their bytes, its parameters' bytes per device."""
-    rows: dict[str, dict] = {}
-    user_index = {node: index for index, node in enumerate(captured.graph.nodes)}
-
-    def row(path: str) -> dict:
-        return rows.setdefault(
-            path,
-            {"module": path, "params": {}, "output": None, "collectives": Counter(), "collective_bytes": 0,
-             "param_bytes": 0, "grad_sum": set()},
-        )
-
-    local = {p.label: p for p in placeholders(program, plan) if p.kind == "param"}
-    first_seen: dict[str, int] = {}  # module path → index of its first op (params count at their first use)
-    for index, node in enumerate(captured.graph.nodes):
-        path = module_path(node) if node.name in plan.nodes else None
-        if node.name in captured.params:
-            path = captured.params[node.name].rpartition(".")[0]
-            index = min((user_index[u] for u in node.users), default=index)
-        if path is not None:
-            parts = path.split(".") if path else []
-            for depth in range(len(parts) + 1):
-                prefix = ".".join(parts[:depth])
-                first_seen[prefix] = min(first_seen.get(prefix, index), index)
-    for node in captured.graph.nodes:
-        if node.name in captured.params:
-            fqn = captured.params[node.name]
-            path, _, short = fqn.rpartition(".")
-            entry = row(path)
-            entry["params"][short] = _placement(plan.params[fqn])
-            val = node.meta.get("val")
-            if fqn in local and isinstance(val, torch.Tensor):
-                entry["param_bytes"] += _numel(local[fqn].local_shape) * val.element_size()
-            entry["grad_sum"].update(plan.grad_sync.get(fqn, ()))
-        elif node.name in plan.nodes:
-            decision = plan.nodes[node.name]
-            entry = row(module_path(node))
-            if decision.output is not None:
-                entry["output"] = _placement(decision.output)
-    for call in collective_calls(program, plan):
-        entry = row(call.module)
-        entry["collectives"][f"{call.op}/{call.axis}"] += 1
-        entry["collective_bytes"] += call.nbytes
-
-    def order(path: str) -> tuple:  # a parent before its children, siblings in execution order
-        parts = path.split(".") if path else []
-        return tuple(first_seen.get(".".join(parts[: depth + 1]), len(user_index)) for depth in range(len(parts)))
-
-    return [
-        {**entry, "collectives": dict(entry["collectives"]), "grad_sum": sorted(entry["grad_sum"], key=list(plan.degrees).index)}
-        for entry in sorted(rows.values(), key=lambda entry: order(entry["module"]))
-    ]
-
-
-def _numel(shape) -> int:
-    result = 1
-    for size in shape or ():
-        result *= size
-    return result
-
-
-def _placement(placements) -> str:
-    return "(" + ", ".join(map(str, placements)) + ")"
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
-
-
-def _degrees_text(degrees: dict) -> str:
-    return " x ".join(f"{axis}={size}" for axis, size in degrees.items())
-
-
-def summary(plan: Plan) -> dict:
-    """The plan's headline numbers as plain data (the ``summary`` of ``plan --json``)."""
-    cost = plan.cost
-    return {
-        "mesh": str(plan.mesh),
-        "hardware": plan.hardware,
-        "batch_size": plan.batch_size,
-        "step_s": cost.step_s,
-        "compute_s": cost.compute_s,
-        "comm_s": cost.comm_s,
-        "grad_sync_s": cost.grad_sync_s,
-        "peak_memory": cost.peak_memory,
-        "memory": dict(cost.memory),
-        "search_time_s": plan.search_time_s,
-    }
-
-
-def _summary_text(plan: Plan) -> str:
-    cost = plan.cost
-    memory = " + ".join(f"{category} {_size(value)}" for category, value in cost.memory.items())
-    return "\n".join(
-        [
-            f"degrees: {_degrees_text(plan.degrees)} on mesh {plan.mesh} ({plan.hardware}), global batch {plan.batch_size}",
-            f"predicted step time: {cost.step_s * 1e3:.2f} ms = compute {cost.compute_s * 1e3:.2f} ms"
-            f" + communication {cost.comm_s * 1e3:.2f} ms + gradient sync {cost.grad_sync_s * 1e3:.2f} ms",
-            f"peak memory per device: {_size(cost.peak_memory)} = {memory}",
-            _search_text(plan),
-            "ops run replicated (no sharding rule): " + (", ".join(plan.replicated_ops) or "none"),
-        ]
-    )
-
-
-def _search_text(plan: Plan) -> str:
-    rows = [
-        [
-            _degrees_text(entry["degrees"]),
-            f"{entry['step_s'] * 1e3:.2f} ms",
-            _size(entry["peak_memory"]),
-            "yes" if entry["feasible"] else "no",
-            "<- chosen" if entry["degrees"] == plan.degrees else "",
-        ]
-        for entry in plan.search
-    ]
-    table = tabulate(rows, headers=["degrees", "predicted step", "peak memory", "fits", ""])
-    return f"search: {len(plan.search)} configuration{'s' if len(plan.search) != 1 else ''} in {plan.search_time_s:.2f} s\n{table}"
-
-
-def _modules_text(rows: list[dict]) -> str:
-    table = [
-        [
-            row["module"] or "<top>",
-            "; ".join(f"{name} {placement}" for name, placement in row["params"].items()) or "-",
-            row["output"] or "-",
-            ", ".join(f"{name} x{count}" for name, count in row["collectives"].items()) or "-",
-            _size(row["collective_bytes"]) if row["collective_bytes"] else "-",
-            _size(row["param_bytes"]) if row["param_bytes"] else "-",
-            "+".join(row["grad_sum"]) or "-",
-        ]
-        for row in rows
-    ]
-    headers = ["module", "weights", "output", "collectives (op/axis)", "collective bytes", "params/device", "grad sum"]
-    note = (
-        "collective bytes: the local size of each collective's input tensor on one rank, summed over the forward\n"
-        "graph (backward runs each collective's dual on a gradient of the same size); grad sum: axes the runtime\n"
-        "all-reduces the module's parameter gradients over after backward (not counted in collective bytes)."
-    )
-    return tabulate(table, headers=headers) + "\n" + note
-
-
-# -- commands ----------------------------------------------------------------------------
-
-
 def _cmd_plan(args) -> int:
     captured, plan, program = _make_plan(args)
     rows = module_rows(captured, plan, program)
@@ -433,9 +282,9 @@ def _cmd_plan(args) -> int:
         }
         print(json.dumps(report, indent=1))
     else:
-        print(_modules_text(rows))
+        print(modules_text(rows))
         print()
-        print(_summary_text(plan))
+        print(summary_text(plan))
     if args.save:
         print(f"saved plan to {args.save}", file=sys.stderr if args.json else sys.stdout)
     return 0
@@ -451,35 +300,18 @@ def _cmd_explain(args) -> int:
         raise UsageError(f"PLAN.json: {path} is not an autopar plan ({type(error).__name__}: {error})") from None
     print(plan)
     print()
-    print(_search_text(plan))
+    print(search_text(plan))
     print("ops run replicated (no sharding rule): " + (", ".join(plan.replicated_ops) or "none"))
     print()
-    print(_decisions_text(plan))
+    print(decisions_text(plan))
     return 0
-
-
-def _decisions_text(plan: Plan) -> str:
-    groups: dict[str, list] = {}
-    for name, decision in plan.nodes.items():
-        groups.setdefault(decision.module, []).append((name, decision))
-    rows = []
-    for module, members in groups.items():
-        for index, (name, decision) in enumerate(members):
-            inputs = ", ".join(_placement(p) if p is not None else "-" for p in decision.inputs)
-            output = _placement(decision.output) if decision.output is not None else "-"
-            comm = _size(decision.comm_bytes) if decision.comm_bytes else ""
-            rows.append([(module or "<top>") if index == 0 else "", name, decision.op, inputs, output, comm])
-    axes = ", ".join(plan.degrees)
-    return f"node decisions by module (placements over {axes}):\n" + tabulate(
-        rows, headers=["module", "node", "op", "inputs", "output", "comm"]
-    )
 
 
 def _cmd_export(args) -> int:
     _, plan, program = _make_plan(args)
     world = args.mesh.size
     paths = write_export(args.out, {rank: program for rank in range(world)}, plan)
-    print(f"plan: {_degrees_text(plan.degrees)}, predicted step {plan.cost.step_s * 1e3:.2f} ms")
+    print(f"plan: {degrees_text(plan.degrees)}, predicted step {plan.cost.step_s * 1e3:.2f} ms")
     for path in paths:
         print(path)
     return 0
