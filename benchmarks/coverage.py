@@ -21,7 +21,8 @@ from tabulate import tabulate
 
 import autopar
 from autopar.passes.capture import capture
-from autopar.passes.strategies import output_tensors, rule_for
+from autopar.passes.rules import rule_for
+from autopar.passes.strategies import output_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import write_section  # noqa: E402

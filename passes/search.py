@@ -41,7 +41,8 @@ from .capture import CapturedGraph, module_path
 from .gradients import plan_gradients
 from .cost import PARAM_STATE_BYTES, collective_time, grad_sync_time, compute_time, node_bytes, node_flops, reshard_time
 from .ilp import ChoiceProblem, solve_choices
-from .strategies import OpView, Strategy, local_shape, node_strategies, numel, output_tensors, tensor_inputs, work_fraction
+from .rules import node_strategies, rule_for
+from .strategies import OpView, Strategy, local_shape, numel, output_tensors, tensor_inputs, work_fraction
 
 R = Replicate()
 TIE_TOLERANCE = 0.05  # configurations this close in predicted time count as equally fast
@@ -68,14 +69,44 @@ class NodeFacts:
 
 
 @dataclass
+class ShardedShapes:
+    """Local shapes of every node's output and inputs, as axes are solved one after another."""
+
+    shapes: dict[str, list[tuple[int, ...]]]  # node → local output shapes
+    slot_shapes: dict[str, list[tuple[int, ...]]]  # node → local shape of each tensor input
+    work: dict[str, float]  # node → fraction of its work one rank still does
+
+    @classmethod
+    def unsharded(cls, facts: dict[str, NodeFacts]) -> "ShardedShapes":
+        return cls(
+            {n: list(f.out_shapes) for n, f in facts.items()},
+            {n: list(f.slot_shapes) for n, f in facts.items()},
+            {n: 1.0 for n in facts},
+        )
+
+    def after(self, chosen: dict[str, Strategy], size: int) -> "ShardedShapes":
+        """The shapes once every node in ``chosen`` is placed on an axis of ``size``."""
+        def out(n, shapes):
+            return [local_shape(x, chosen[n].output, size) for x in shapes] if n in chosen else shapes
+
+        def ins(n, shapes):
+            return [local_shape(x, p, size) for x, p in zip(shapes, chosen[n].inputs)] if n in chosen else shapes
+
+        return ShardedShapes(
+            {n: out(n, shp) for n, shp in self.shapes.items()},
+            {n: ins(n, shp) for n, shp in self.slot_shapes.items()},
+            {n: w * (work_fraction(chosen[n], size) if n in chosen else 1.0) for n, w in self.work.items()},
+        )
+
+
+@dataclass
 class AxisContext:
     name: str
     size: int
     link: object
     pins: dict[str, Placement]
-    shapes: dict[str, list[tuple[int, ...]]]  # node → local output shapes before this axis
-    slot_shapes: dict[str, list[tuple[int, ...]]]
-    work: dict[str, float]  # node → fraction of its work left after earlier axes
+    local: ShardedShapes  # before this axis
+    overlap: float  # share of gradient sync hidden behind backward
     bind_memory: bool = False
     batch: dict[str, Strategy] | None = None  # node → its batch-dim sharding; never used on this axis
 
@@ -172,54 +203,45 @@ def _degrees_str(degrees: dict[str, int]) -> str:
     return " x ".join(f"{k}={v}" for k, v in degrees.items())
 
 
-def _solve_config(facts, degrees, mesh, hardware, limit, constraints) -> ConfigResult:
-    shapes = {name: list(f.out_shapes) for name, f in facts.items()}
-    slot_shapes = {name: list(f.slot_shapes) for name, f in facts.items()}
-    work = {name: 1.0 for name in facts}
-    strategies: dict[str, dict[str, Strategy]] = {}
-    axes = list(degrees)
-    last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
-    feasible = True
-    batch = _batch_strategies(facts, hardware)
-    inner = 1
-    spans = {}
-    for axis in reversed(axes):  # an axis spans itself and every axis inside it
+def _axis_spans(degrees: dict[str, int]) -> dict[str, int]:
+    """Devices each axis's groups span: itself and every axis inside it (tp innermost)."""
+    spans, inner = {}, 1
+    for axis in reversed(list(degrees)):
         inner *= degrees[axis]
         spans[axis] = inner
+    return spans
+
+
+def _solve_config(facts, degrees, mesh, hardware, limit, constraints) -> ConfigResult:
+    axes = list(degrees)
+    last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
+    batch = _batch_strategies(facts, hardware)
+    spans = _axis_spans(degrees)
+    local = ShardedShapes.unsharded(facts)
+    strategies: dict[str, dict[str, Strategy]] = {}
+    feasible = True
     for index, axis in enumerate(axes):
         ctx = AxisContext(
             name=axis,
             size=degrees[axis],
-            link=hardware.link(mesh.shape, spans[axis]) if degrees[axis] > 1 else None,
+            link=hardware.link(mesh.shape, spans[axis]),
             pins=_pins(facts, axis, degrees[axis], constraints),
-            shapes=shapes,
-            slot_shapes=slot_shapes,
-            work=work,
+            local=local,
+            overlap=hardware.overlap,
             bind_memory=index == last_sharded,
             batch=None if axis == "dp" else batch,
         )
-        chosen = _solve_axis(facts, ctx, hardware, limit)
+        chosen = _solve_axis(facts, ctx, limit)
         if chosen is None:
             feasible = False
-            chosen = _solve_axis(facts, ctx, hardware, None)
+            chosen = _solve_axis(facts, ctx, None)
         strategies[axis] = chosen
-        shapes = {n: [local_shape(s, chosen[n].output, ctx.size) for s in shp] if n in chosen else shp for n, shp in shapes.items()}
-        slot_shapes = {
-            n: [local_shape(s, p, ctx.size) for s, p in zip(shp, chosen[n].inputs)] if n in chosen else shp
-            for n, shp in slot_shapes.items()
-        }
-        work = {n: work[n] * (work_fraction(chosen[n], ctx.size) if n in chosen else 1.0) for n in work}
+        local = local.after(chosen, ctx.size)
     cost = _evaluate(facts, degrees, strategies, mesh, hardware)
     if last_sharded < 0 and cost.peak_memory > limit:
         feasible = False
-    replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and f.out_shapes and not _has_rule(f)}
+    replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None}
     return ConfigResult(degrees, strategies, cost, feasible, replicated)
-
-
-def _has_rule(fact: NodeFacts) -> bool:
-    from .strategies import rule_for
-
-    return rule_for(fact.node.target) is not None
 
 
 def _pins(facts, axis: str, size: int, constraints) -> dict[str, Placement]:
@@ -258,11 +280,12 @@ def _constraint_pins(facts, constraints) -> dict[str, Placement]:
 def _candidates(fact: NodeFacts, ctx: AxisContext) -> tuple[list[Strategy], bool]:
     name = fact.node.name
     if fact.kind in ("param", "buffer", "input"):
-        shape = ctx.shapes[name][0]
+        shape = ctx.local.shapes[name][0]
         options = [Strategy((), R)] + [Strategy((), Shard(d)) for d in range(len(shape)) if ctx.size > 1 and shape[d] % ctx.size == 0]
         has_rule = True
     else:
-        view = OpView(fact.node, tuple(ctx.slot_shapes[name]), ctx.shapes[name][0] if ctx.shapes[name] else ())
+        shapes = ctx.local.shapes[name]
+        view = OpView(fact.node, tuple(ctx.local.slot_shapes[name]), shapes[0] if shapes else ())
         options, has_rule = node_strategies(view, ctx.size)
     if ctx.batch and name in ctx.batch:
         options = [s for s in options if not _shards_batch(s, ctx.batch[name])] or options[:1]
@@ -284,17 +307,15 @@ def _batch_strategies(facts, hardware) -> dict[str, Strategy]:
     size = next((k for k in range(2, (batch_sizes[0] if batch_sizes else 1) + 1) if batch_sizes[0] % k == 0), 1)
     if size == 1:
         return {}
-    shapes = {name: list(f.out_shapes) for name, f in facts.items()}
     ctx = AxisContext(
         name="dp",
         size=size,
         link=hardware.links[0],
         pins=_pins(facts, "dp", size, {}),
-        shapes=shapes,
-        slot_shapes={name: list(f.slot_shapes) for name, f in facts.items()},
-        work={name: 1.0 for name in facts},
+        local=ShardedShapes.unsharded(facts),
+        overlap=hardware.overlap,
     )
-    return _solve_axis(facts, ctx, hardware, None)
+    return _solve_axis(facts, ctx, None)
 
 
 def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:
@@ -303,69 +324,78 @@ def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:
     return any(isinstance(mine, Shard) and mine == theirs for mine, theirs in pairs)
 
 
-def _node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts, hardware) -> tuple[float, float]:
-    """(compute seconds, communication seconds) a strategy costs on this axis."""
-    compute = fact.full_time_s * ctx.work[fact.node.name] * work_fraction(s, ctx.size)
-    comm = 0.0
+def _node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[float, float, float]:
+    """(compute, communication, gradient sync) seconds a node's strategy costs on this axis.
+
+    Compute counts the work left after earlier axes. A replicated input of an op that
+    splits its work gets a partial gradient, all-reduced in backward: bucketed with the
+    gradient sync for parameters, on its own for activations.
+    """
+    compute = fact.full_time_s * ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
+    comm = sync = 0.0
     if ctx.size > 1 and not isinstance(s.output, Replicate):
-        for slot, placement, shape in zip(fact.slots, s.inputs, ctx.slot_shapes[fact.node.name]):
-            if isinstance(placement, Replicate) and facts[slot.name].needs_grad:  # backward all-reduce (f)
+        for slot, placement, shape in zip(fact.slots, s.inputs, ctx.local.slot_shapes[fact.node.name]):
+            if isinstance(placement, Replicate) and facts[slot.name].needs_grad:
+                nbytes = numel(shape) * facts[slot.name].elem_bytes
                 if facts[slot.name].kind == "param":
-                    comm += grad_sync_time(numel(shape) * 4, ctx.size, ctx.link) * (1 - hardware.overlap)
+                    sync += grad_sync_time(nbytes, ctx.size, ctx.link) * (1 - ctx.overlap)
                 else:
-                    comm += collective_time("all_reduce", numel(shape) * 4, ctx.size, ctx.link)
-    return compute, comm
+                    comm += collective_time("all_reduce", nbytes, ctx.size, ctx.link)
+    return compute, comm, sync
+
+
+def _edge_time(producer: NodeFacts, src: Placement, dst: Placement, local_shape: tuple[int, ...], ctx: AxisContext) -> float:
+    """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd)."""
+    nbytes = numel(local_shape) * producer.elem_bytes
+    return min(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
+
+
+def _edges(facts, ctx: AxisContext):
+    """Every (producer, consumer, slot index, local shape of the value on that edge)."""
+    for consumer, fact in facts.items():
+        for slot_index, slot in enumerate(fact.slots):
+            if slot.name not in facts or not facts[slot.name].out_shapes:
+                continue
+            if fact.kind == "output":
+                yield slot.name, consumer, slot_index, ctx.local.shapes[slot.name][0]
+            else:
+                yield slot.name, consumer, slot_index, ctx.local.slot_shapes[consumer][slot_index]
 
 
 def _memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
-    shape = ctx.shapes[fact.node.name][0] if ctx.shapes[fact.node.name] else ()
+    shapes = ctx.local.shapes[fact.node.name]
     frac = 1 / ctx.size if isinstance(s.output, Shard) else 1.0
     if fact.kind == "param":
-        return numel(shape) * sum(PARAM_STATE_BYTES.values()) * frac
+        return numel(shapes[0]) * sum(PARAM_STATE_BYTES.values()) * frac
     if fact.kind == "op" and fact.needs_grad:
-        return sum(numel(sh) for sh in ctx.shapes[fact.node.name]) * fact.elem_bytes * frac
+        return sum(numel(sh) for sh in shapes) * fact.elem_bytes * frac
     return 0.0
 
 
-def _solve_axis(facts, ctx: AxisContext, hardware, limit) -> dict[str, Strategy] | None:
+def _solve_axis(facts, ctx: AxisContext, limit) -> dict[str, Strategy] | None:
     names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
     index = {n: i for i, n in enumerate(names)}
     options = {n: _candidates(facts[n], ctx)[0] for n in names}
-    unary = []
-    memory = []
-    for n in names:
-        terms = [sum(_node_terms(facts[n], s, ctx, facts, hardware)) for s in options[n]]
-        unary.append(np.array(terms))
-        memory.append(np.array([_memory(facts[n], s, ctx) for s in options[n]]))
+    unary = [np.array([sum(_node_terms(facts[n], s, ctx, facts)) for s in options[n]]) for n in names]
+    memory = [np.array([_memory(facts[n], s, ctx) for s in options[n]]) for n in names]
     pairs = []
-    for consumer, fact in facts.items():
-        for slot_index, slot in enumerate(fact.slots):
-            if slot.name not in index:
-                continue
-            nbytes = numel(_slot_local_shape(facts, slot, fact, slot_index, ctx)) * facts[slot.name].elem_bytes
-            producer_out = [s.output for s in options[slot.name]]
-            if fact.kind == "output":
-                wanted = [R]
-            elif consumer in index:
-                wanted = [s.inputs[slot_index] for s in options[consumer]]
-            else:
-                continue
-            matrix = np.array(
-                [[min(reshard_time(src, dst, nbytes, ctx.size, ctx.link, facts[slot.name].needs_grad), IMPOSSIBLE_S) for dst in wanted] for src in producer_out]
-            )
-            if fact.kind == "output":
-                unary[index[slot.name]] = unary[index[slot.name]] + matrix[:, 0]
-            else:
-                pairs.append((index[slot.name], index[consumer], matrix))
+    for producer, consumer, slot_index, shape in _edges(facts, ctx):
+        if facts[consumer].kind == "output":
+            wanted = [R]
+        elif consumer in index:
+            wanted = [s.inputs[slot_index] for s in options[consumer]]
+        else:
+            continue
+        matrix = np.array([[_edge_time(facts[producer], s.output, dst, shape, ctx) for dst in wanted] for s in options[producer]])
+        if facts[consumer].kind == "output":
+            unary[index[producer]] = unary[index[producer]] + matrix[:, 0]
+        else:
+            pairs.append((index[producer], index[consumer], matrix))
     problem = ChoiceProblem(unary, pairs, memory if ctx.bind_memory else None, limit if ctx.bind_memory else None)
     solution = solve_choices(_fold_fixed(problem))
     if solution is None:
         return None
     return {n: options[n][solution.choice[index[n]]] for n in names}
-
-
-def _slot_local_shape(facts, slot, fact, slot_index, ctx) -> tuple[int, ...]:
-    return ctx.slot_shapes[fact.node.name][slot_index] if fact.kind != "output" else ctx.shapes[slot.name][0]
 
 
 def _fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
@@ -385,53 +415,32 @@ def _fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
 
 
 def _evaluate(facts, degrees, strategies, mesh, hardware) -> Cost:
-    """Predicted step time and memory of a fully chosen configuration."""
-    compute = comm = grad_sync = 0.0
-    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
-    inner = 1
-    spans = {}
-    for axis in reversed(list(degrees)):
-        inner *= degrees[axis]
-        spans[axis] = inner
-    shapes = {n: list(f.out_shapes) for n, f in facts.items()}
-    slot_shapes = {n: list(f.slot_shapes) for n, f in facts.items()}
+    """Predicted step time and memory of a fully chosen configuration (the same terms the
+    ILP minimized, summed by category, with compute counted once over all axes)."""
+    comm = sync = 0.0
+    spans = _axis_spans(degrees)
+    local = ShardedShapes.unsharded(facts)
     for axis, chosen in strategies.items():
-        size = degrees[axis]
-        link = hardware.link(mesh.shape, spans[axis])
-        for name, fact in facts.items():
-            s = chosen.get(name)
-            if size > 1 and s is not None and not isinstance(s.output, Replicate):
-                for slot, placement, shape in zip(fact.slots, s.inputs, slot_shapes[name]):
-                    if isinstance(placement, Replicate) and facts[slot.name].needs_grad:
-                        if facts[slot.name].kind == "param":
-                            grad_sync += grad_sync_time(numel(shape) * 4, size, link) * (1 - hardware.overlap)
-                        else:
-                            comm += collective_time("all_reduce", numel(shape) * 4, size, link)
-            for i, slot in enumerate(fact.slots):
-                src = chosen.get(slot.name)
-                dst = R if fact.kind == "output" else (s.inputs[i] if s else None)
-                if src is None or dst is None:
-                    continue
-                nbytes = numel(slot_shapes[name][i] if fact.kind != "output" else shapes[slot.name][0]) * facts[slot.name].elem_bytes
-                comm += min(reshard_time(src.output, dst, nbytes, size, link, facts[slot.name].needs_grad), IMPOSSIBLE_S)
-        shapes = {n: [local_shape(x, chosen[n].output, size) for x in shp] if n in chosen else shp for n, shp in shapes.items()}
-        slot_shapes = {
-            n: [local_shape(x, p, size) for x, p in zip(shp, chosen[n].inputs)] if n in chosen else shp
-            for n, shp in slot_shapes.items()
-        }
+        ctx = AxisContext(axis, degrees[axis], hardware.link(mesh.shape, spans[axis]), {}, local, hardware.overlap)
+        for name, s in chosen.items():
+            _, node_comm, node_sync = _node_terms(facts[name], s, ctx, facts)
+            comm, sync = comm + node_comm, sync + node_sync
+        for producer, consumer, slot_index, shape in _edges(facts, ctx):
+            dst = R if facts[consumer].kind == "output" else chosen[consumer].inputs[slot_index] if consumer in chosen else None
+            if producer in chosen and dst is not None:
+                comm += _edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+        local = local.after(chosen, degrees[axis])
+    compute = sum(f.full_time_s * local.work[n] for n, f in facts.items())
+    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
     for name, fact in facts.items():
-        work = 1.0
-        for axis, chosen in strategies.items():
-            if name in chosen:
-                work *= work_fraction(chosen[name], degrees[axis])
-        compute += fact.full_time_s * work
-        local = sum(numel(s) for s in shapes[name]) if shapes[name] else 0
+        elements = sum(numel(s) for s in local.shapes[name])
         if fact.kind == "param":
-            for category, per_elem in PARAM_STATE_BYTES.items():
-                memory[{"param": "params", "grad": "grads", "optimizer": "optimizer"}[category]] += local * per_elem
+            memory["params"] += elements * PARAM_STATE_BYTES["param"]
+            memory["grads"] += elements * PARAM_STATE_BYTES["grad"]
+            memory["optimizer"] += elements * PARAM_STATE_BYTES["optimizer"]
         elif fact.kind == "op" and fact.needs_grad:
-            memory["activations"] += local * fact.elem_bytes
-    return Cost(compute_s=compute, comm_s=comm, grad_sync_s=grad_sync, memory=memory)
+            memory["activations"] += elements * fact.elem_bytes
+    return Cost(compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory)
 
 
 def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch, elapsed) -> Plan:

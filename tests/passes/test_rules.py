@@ -2,7 +2,8 @@ import torch
 
 from autopar.ir import Partial, Replicate, Shard
 from autopar.passes.capture import capture
-from autopar.passes.strategies import OpView, Strategy, _view_map, node_strategies, tensor_inputs
+from autopar.passes.rules import node_strategies, view_map
+from autopar.passes.strategies import OpView, Strategy, tensor_inputs
 
 R = Replicate()
 
@@ -31,10 +32,10 @@ def test_candidates_that_do_not_divide_are_dropped():
 
 
 def test_view_maps_leading_dims_of_merged_and_split_groups():
-    assert _view_map((4, 6, 8), (24, 8)) == {0: 0, 2: 1}
-    assert _view_map((24, 8), (4, 6, 8)) == {0: 0, 1: 2}
-    assert _view_map((2, 16, 64), (2, 16, 4, 16)) == {0: 0, 1: 1, 2: 2}
-    assert _view_map((1, 5), (5,)) == {1: 0}
+    assert view_map((4, 6, 8), (24, 8)) == {0: 0, 2: 1}
+    assert view_map((24, 8), (4, 6, 8)) == {0: 0, 1: 2}
+    assert view_map((2, 16, 64), (2, 16, 4, 16)) == {0: 0, 1: 1, 2: 2}
+    assert view_map((1, 5), (5,)) == {1: 0}
 
 
 class Broadcast(torch.nn.Module):
