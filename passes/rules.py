@@ -18,7 +18,7 @@ import torch
 
 from autopar.ir import Partial, Replicate, Shard
 
-from .strategies import OpView, Strategy, dim_index, output_tensors
+from .strategies import OpView, Strategy, normalize_dim, output_tensors
 
 aten = torch.ops.aten
 R = Replicate()
@@ -186,13 +186,13 @@ def permute(view: OpView) -> list[Strategy]:
     ndim = len(view.in_shapes[0])
     target = view.node.target.overloadpacket
     if target is aten.transpose:
-        d0, d1 = dim_index(view.args[1], ndim), dim_index(view.args[2], ndim)
+        d0, d1 = normalize_dim(view.args[1], ndim), normalize_dim(view.args[2], ndim)
         order = list(range(ndim))
         order[d0], order[d1] = order[d1], order[d0]
     elif target is aten.t:
         order = list(reversed(range(ndim)))
     else:
-        order = [dim_index(d, ndim) for d in view.args[1]]
+        order = [normalize_dim(d, ndim) for d in view.args[1]]
     strategies = [Strategy((Shard(src),), Shard(dst)) for dst, src in enumerate(order)]
     return strategies + [Strategy((Partial(op),), Partial(op)) for op in ("sum", "avg")]
 
@@ -202,7 +202,7 @@ def along_dim(dim_index: int, dim_name: str = "dim", default=0, partial_ok: bool
 
     def rule(view: OpView) -> list[Strategy]:
         ndim = len(view.in_shapes[0])
-        along = dim_index(view.arg(dim_index, dim_name, default), ndim)
+        along = normalize_dim(view.arg(dim_index, dim_name, default), ndim)
         n_in = len(view.in_shapes)
         strategies = []
         for d in range(ndim):
@@ -221,7 +221,7 @@ def concat(view: OpView) -> list[Strategy]:
     """cat / stack: all inputs sharded alike on a dim that is not joined."""
     ndim = len(view.in_shapes[0])
     stack = view.node.target.overloadpacket is aten.stack
-    along = dim_index(view.arg(1, "dim", 0), ndim + 1 if stack else ndim)
+    along = normalize_dim(view.arg(1, "dim", 0), ndim + 1 if stack else ndim)
     n_in = len(view.in_shapes)
     strategies = []
     for d in range(ndim):
@@ -244,7 +244,7 @@ def reduction(view: OpView) -> list[Strategy]:
     ndim = len(view.in_shapes[0])
     dims = view.arg(1, "dim", None)
     keepdim = view.arg(2, "keepdim", False)
-    reduced = set(range(ndim)) if dims is None or dims == [] else {dim_index(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    reduced = set(range(ndim)) if dims is None or dims == [] else {normalize_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
     mean = view.node.target.overloadpacket is aten.mean
     strategies = []
     for d in range(ndim):

@@ -69,7 +69,7 @@ def output_tensors(node: fx.Node) -> list[torch.Tensor]:
     return []
 
 
-def dim_index(d: int, ndim: int) -> int:
+def normalize_dim(d: int, ndim: int) -> int:
     return d % ndim if ndim else 0
 
 

@@ -3,7 +3,7 @@ import torch
 from autopar.ir import Partial, Replicate, Shard
 from autopar.passes.capture import capture
 from autopar.passes.rules import node_strategies, view_map
-from autopar.passes.strategies import OpView, Strategy, tensor_inputs
+from autopar.passes.strategies import OpView, Strategy, output_tensors, tensor_inputs
 
 R = Replicate()
 
@@ -13,7 +13,7 @@ def _views(module, *inputs):
     for node in captured.graph.nodes:
         if node.op == "call_function":
             shapes = tuple(tuple(s.meta["val"].shape) for s in tensor_inputs(node))
-            yield node, OpView(node, shapes, tuple(node.meta["val"].shape))
+            yield node, OpView(node, shapes, tuple(output_tensors(node)[0].shape))
 
 
 def test_linear_offers_batch_column_and_row_splits():
@@ -60,3 +60,16 @@ def test_an_op_without_a_rule_falls_back_to_replication_and_says_so():
     (node, view), = _views(NoRule(), torch.randn(4, 6))
     strategies, has_rule = node_strategies(view, 2)
     assert not has_rule and strategies == [Strategy((R,), R)]
+
+
+class SoftmaxAndSplit(torch.nn.Module):
+    def forward(self, x):
+        first, second = x.softmax(dim=-1).split(3, dim=1)
+        return first + second
+
+
+def test_ops_along_a_dim_never_shard_that_dim():
+    softmax, split, *_ = (view for _, view in _views(SoftmaxAndSplit(), torch.randn(4, 6)))
+    assert [s.output for s in node_strategies(softmax, 2)[0]] == [R, Shard(0)]
+    assert Strategy((Shard(0),), Shard(0)) in node_strategies(split, 2)[0]
+    assert all(s.output != Shard(1) for s in node_strategies(split, 2)[0])
