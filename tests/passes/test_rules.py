@@ -11,7 +11,7 @@ R = Replicate()
 def _views(module, *inputs):
     captured = capture(module, inputs)
     for node in captured.graph.nodes:
-        if node.op == "call_function":
+        if node.op == "call_function" and all(isinstance(s.meta["val"], torch.Tensor) for s in tensor_inputs(node)):
             shapes = tuple(tuple(s.meta["val"].shape) for s in tensor_inputs(node))
             yield node, OpView(node, shapes, tuple(output_tensors(node)[0].shape))
 
