@@ -23,14 +23,15 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
     """Ring/pairwise alpha-beta time of one collective over ``ranks`` (``nbytes`` = full tensor)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    alpha, bandwidth = link.alpha_beta(kind, ranks)
     steps = ranks - 1
-    share = steps / ranks * nbytes / link.bandwidth
+    share = steps / ranks * nbytes / bandwidth
     if kind == "all_reduce":
-        return 2 * steps * link.alpha_s + 2 * share
+        return 2 * steps * alpha + 2 * share
     if kind in ("all_gather", "reduce_scatter"):
-        return steps * link.alpha_s + share
+        return steps * alpha + share
     if kind == "all_to_all":  # each rank holds nbytes/ranks and keeps 1/ranks of it
-        return steps * link.alpha_s + share / ranks
+        return steps * alpha + share / ranks
     raise ValueError(f"unknown collective {kind}")
 
 
@@ -41,8 +42,9 @@ def grad_sync_time(nbytes: float, ranks: int, link: LinkTier, bucket_bytes: floa
     """Share of a bucketed gradient all-reduce one tensor of ``nbytes`` costs: latency is paid per bucket."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    latency = 2 * (ranks - 1) * link.alpha_s * min(1.0, nbytes / bucket_bytes)
-    return latency + 2 * (ranks - 1) / ranks * nbytes / link.bandwidth
+    alpha, bandwidth = link.alpha_beta("all_reduce", ranks)
+    latency = 2 * (ranks - 1) * alpha * min(1.0, nbytes / bucket_bytes)
+    return latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
 def reshard_time(src: Placement, dst: Placement, nbytes: float, ranks: int, link: LinkTier, needs_grad: bool) -> float:

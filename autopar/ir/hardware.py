@@ -6,18 +6,35 @@ crosses the next tier. The cost model reads nothing else about the machine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from .errors import ConfigError
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 
 @dataclass(frozen=True)
 class LinkTier:
-    """One tier of interconnect: per-step latency ``alpha_s`` and bus bandwidth in bytes/s."""
+    """One tier of interconnect: per-step latency ``alpha_s`` and bus bandwidth in bytes/s.
+
+    ``fitted`` overrides both per collective kind and group size where they were measured
+    (``{"all_gather": {4: (alpha_s, bandwidth)}}``); the nearest measured size is used.
+    """
 
     name: str
     alpha_s: float
     bandwidth: float
+    fitted: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+
+    def alpha_beta(self, kind: str, ranks: int) -> tuple[float, float]:
+        """(alpha seconds per step, bus bandwidth bytes/s) of one collective kind over ``ranks``."""
+        by_size = self.fitted.get(kind)
+        if not by_size:
+            return self.alpha_s, self.bandwidth
+        nearest = min(by_size, key=lambda size: (abs(size - ranks), size))
+        return by_size[nearest]
 
 
 @dataclass(frozen=True)
@@ -40,6 +57,40 @@ class HardwareProfile:
         """The tier a collective over the ``axis_span`` innermost devices crosses."""
         inside_node = axis_span <= mesh_shape[-1]
         return self.links[0] if inside_node or len(self.links) == 1 else self.links[1]
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["links"] = [
+            {**asdict(link), "fitted": {kind: {str(n): list(ab) for n, ab in sizes.items()} for kind, sizes in link.fitted.items()}}
+            for link in self.links
+        ]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "HardwareProfile":
+        links = tuple(
+            LinkTier(
+                name=link["name"],
+                alpha_s=link["alpha_s"],
+                bandwidth=link["bandwidth"],
+                fitted={kind: {int(n): tuple(ab) for n, ab in sizes.items()} for kind, sizes in link.get("fitted", {}).items()},
+            )
+            for link in data["links"]
+        )
+        return cls(**{**data, "links": links})
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HardwareProfile":
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ConfigError(f"cannot read hardware profile {path}: {error}; re-run `autopar calibrate`") from error
 
 
 GB = 1e9
@@ -87,9 +138,11 @@ DEFAULT_PROFILE = "cpu-local"
 
 
 def get_profile(name: "str | HardwareProfile | None") -> HardwareProfile:
-    """Look a profile up by name (``None`` → this machine's)."""
+    """Look a profile up by name or JSON file path (``None`` → this machine's preset)."""
     if isinstance(name, HardwareProfile):
         return name
+    if name and name.endswith(".json"):
+        return HardwareProfile.load(name)
     name = name or DEFAULT_PROFILE
     try:
         return PROFILES[name.lower()]

@@ -43,3 +43,18 @@ def test_a_plan_file_of_another_format_is_stale(tmp_path):
     data["format"] = 0
     with pytest.raises(StalePlanError, match="re-run"):
         Plan.from_json(data)
+
+
+def test_hardware_profiles_round_trip_with_fitted_collectives(tmp_path):
+    from dataclasses import replace
+
+    from autopar.ir import LinkTier
+
+    base = get_profile("a100-80gb")
+    link = LinkTier("nvswitch", 1e-5, 2e11, fitted={"all_gather": {8: (2e-5, 1.5e11)}})
+    profile = replace(base, links=(link, base.links[1]))
+    loaded = type(profile).load(profile.save(tmp_path / "a100.json"))
+    assert loaded == profile
+    assert get_profile(str(tmp_path / "a100.json")) == profile
+    assert loaded.links[0].alpha_beta("all_gather", 4) == (2e-5, 1.5e11)  # nearest fitted size
+    assert loaded.links[0].alpha_beta("all_reduce", 4) == (1e-5, 2e11)  # not fitted: the tier's own
