@@ -20,7 +20,10 @@ PARAM_STATE_BYTES = {"param": 4, "grad": 4, "optimizer": 8}
 
 
 def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
-    """Ring/pairwise alpha-beta time of one collective over ``ranks`` (``nbytes`` = full tensor)."""
+    """Ring/pairwise alpha-beta time of one collective over ``ranks`` (``nbytes`` = full tensor).
+
+    ``send_recv`` is one point-to-point message of ``nbytes`` (a pipeline boundary).
+    """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
     alpha, bandwidth = link.alpha_beta(kind, ranks)
@@ -32,6 +35,8 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
         return steps * alpha + share
     if kind == "all_to_all":  # each rank holds nbytes/ranks and keeps 1/ranks of it
         return steps * alpha + share / ranks
+    if kind == "send_recv":  # one message of nbytes between two ranks
+        return alpha + nbytes / bandwidth
     raise ValueError(f"unknown collective {kind}")
 
 

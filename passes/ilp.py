@@ -7,6 +7,10 @@ Objective:  Σ unary[v][s]·x[v, s] + Σ pair[e][s, t]·y[e, s, t]
 Memory:     Σ memory[v][s]·x[v, s] ≤ limit
 With x integral the marginal constraints force y to the product x[u, s]·x[v, t], so y
 needs no integrality. Solved with HiGHS; infeasibility is reported, never hidden.
+
+Followers (Alpa's merge of elementwise followers) are presolved away: a follower v of
+leader u takes option ``tie[s]`` whenever u takes s, so its costs, memory and edges fold
+into u's and it needs no variable of its own (:func:`merge_followers`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class ChoiceProblem:
     pairs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (u, v, cost[s_u, s_v])
     memory: list[np.ndarray] | None = None  # per variable: bytes of each option
     memory_limit: float | None = None
+    followers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # v → (leader u, tie[s_u] = s_v)
 
 
 @dataclass(frozen=True)
@@ -31,8 +36,66 @@ class ChoiceSolution:
     objective: float
 
 
+def merge_followers(problem: ChoiceProblem) -> tuple[ChoiceProblem, list[tuple[int, list[int]]]]:
+    """Fold every follower into its leader (chains resolved to the root leader).
+
+    Returns the problem over the same variable indices, each follower reduced to a single
+    zero-cost option, and per variable (root, tie) to read its choice back.
+    """
+    n = len(problem.unary)
+    root = [(v, list(range(len(problem.unary[v])))) for v in range(n)]  # choice[v] = tie[choice[root]]
+
+    def resolve(v: int) -> tuple[int, list[int]]:
+        if v not in problem.followers:
+            return v, list(range(len(problem.unary[v])))
+        leader, tie = problem.followers[v]
+        top, top_tie = resolve(leader)
+        return top, [tie[s] for s in top_tie]
+
+    for v in range(n):
+        root[v] = resolve(v)
+    unary = [u.astype(float).copy() for u in problem.unary]
+    memory = None if problem.memory is None else [m.astype(float).copy() for m in problem.memory]
+    for v, (r, tie) in enumerate(root):
+        if r != v:
+            unary[r] += problem.unary[v][tie]
+            unary[v] = np.zeros(1)
+            if memory is not None:
+                memory[r] += problem.memory[v][tie]
+                memory[v] = np.zeros(1)
+    pairs = []
+    for u, v, matrix in problem.pairs:
+        (ru, tie_u), (rv, tie_v) = root[u], root[v]
+        pairs.append((ru, rv, matrix[np.ix_(tie_u, tie_v)]))
+    return ChoiceProblem(unary, pairs, memory, problem.memory_limit), root
+
+
+def fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
+    """Fold edges touching a variable with a single option (and self-edges) into unary costs."""
+    unary = [u.copy() for u in problem.unary]
+    pairs = []
+    for u, v, matrix in problem.pairs:
+        if len(unary[u]) == 1:
+            unary[v] = unary[v] + matrix[0, :]
+        elif len(unary[v]) == 1:
+            unary[u] = unary[u] + matrix[:, 0]
+        elif u == v:
+            unary[u] = unary[u] + np.diag(matrix)
+        else:
+            pairs.append((u, v, matrix))
+    return ChoiceProblem(unary, pairs, problem.memory, problem.memory_limit)
+
+
 def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceSolution | None:
     """Minimize the objective; ``None`` when the memory budget cannot be met."""
+    merged, root = merge_followers(problem)
+    solution = _solve(fold_fixed(merged), time_limit_s)
+    if solution is None:
+        return None
+    return ChoiceSolution(tuple(tie[solution.choice[r]] for r, tie in root), solution.objective)
+
+
+def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None:
     offsets = np.cumsum([0] + [len(u) for u in problem.unary])
     n_x = int(offsets[-1])
     costs = [np.concatenate(problem.unary)] if problem.unary else [np.zeros(0)]

@@ -41,7 +41,7 @@ from .capture import CapturedGraph, module_path
 from .gradients import plan_gradients
 from .cost import PARAM_STATE_BYTES, collective_time, grad_sync_time, compute_time, node_bytes, node_flops, reshard_time
 from .ilp import ChoiceProblem, solve_choices
-from .rules import node_strategies, rule_for
+from .rules import node_strategies, pointwise, rule_for
 from .strategies import OpView, Strategy, local_shape, numel, output_tensors, tensor_inputs, work_fraction
 
 R = Replicate()
@@ -391,27 +391,30 @@ def _solve_axis(facts, ctx: AxisContext, limit) -> dict[str, Strategy] | None:
             unary[index[producer]] = unary[index[producer]] + matrix[:, 0]
         else:
             pairs.append((index[producer], index[consumer], matrix))
-    problem = ChoiceProblem(unary, pairs, memory if ctx.bind_memory else None, limit if ctx.bind_memory else None)
-    solution = solve_choices(_fold_fixed(problem))
+    problem = ChoiceProblem(
+        unary, pairs, memory if ctx.bind_memory else None, limit if ctx.bind_memory else None, _followers(facts, options, index)
+    )
+    solution = solve_choices(problem)
     if solution is None:
         return None
     return {n: options[n][solution.choice[index[n]]] for n in names}
 
 
-def _fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
-    """Fold edges touching a node with a single option into the other node's unary cost."""
-    unary = [u.copy() for u in problem.unary]
-    pairs = []
-    for u, v, matrix in problem.pairs:
-        if len(unary[u]) == 1:
-            unary[v] = unary[v] + matrix[0, :]
-        elif len(unary[v]) == 1:
-            unary[u] = unary[u] + matrix[:, 0]
-        elif u == v:
-            unary[u] = unary[u] + np.diag(matrix)
-        else:
-            pairs.append((u, v, matrix))
-    return ChoiceProblem(unary, pairs, problem.memory, problem.memory_limit)
+def _followers(facts, options, index) -> dict[int, tuple[int, list[int]]]:
+    """Elementwise ops with one tensor input follow their producer: for each of its options,
+    the candidate that takes its output as it is (Alpa's merge of followers)."""
+    followers = {}
+    for name, i in index.items():
+        fact = facts[name]
+        if fact.kind != "op" or len(fact.slots) != 1 or rule_for(fact.node.target) is not pointwise:
+            continue
+        leader = fact.slots[0].name
+        if leader not in index:
+            continue
+        tie = [next((t for t, s in enumerate(options[name]) if s.inputs[0] == lead.output), None) for lead in options[leader]]
+        if None not in tie:
+            followers[i] = (index[leader], tie)
+    return followers
 
 
 def _evaluate(facts, degrees, strategies, mesh, hardware) -> Cost:

@@ -1,0 +1,155 @@
+"""Fit measured collective times into the α-β model the planner uses; build a hardware profile.
+
+Pure arithmetic on the dict that ``autopar.runtime.calibrate.calibrate`` returns.
+
+For one collective kind over ``p`` ranks the cost model (:func:`passes.cost.collective_time`)
+is linear in the two unknowns α (seconds per step) and β = 1/B (seconds per byte)::
+
+    time(n) = a·α + b·n·β        all_reduce a = 2(p-1), b = 2(p-1)/p; all_gather ... see cost.py
+
+The coefficients a and b are read off ``collective_time`` itself (once with α = 1, B = ∞,
+once with α = 0, B = 1), so the fit inverts exactly the formulas the planner evaluates,
+whatever they become. The fit minimizes the relative error Σ ((model − t)/t)², so a 4 KiB
+message weighs as much as a 16 MiB one, subject to α ≥ 0 and β > 0. It is robust: a few
+reweighting rounds move the least-squares fit toward least absolute relative error, so one
+measurement slowed by a busy machine does not pull the line.
+
+    profile = fit_profile(measurements)
+    profile.links[0].alpha_beta("all_gather", 4)        # (1.9e-4, 8.1e8)
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+
+from autopar.ir import PROFILES, HardwareProfile, LinkTier
+
+from .cost import collective_time
+
+MAX_BANDWIDTH = 1e15  # bytes/s: keeps 1/B strictly positive when the times do not grow with size
+_ROBUST_ROUNDS = 20
+_ROBUST_FLOOR = 0.01  # relative errors below 1% count as 1% when reweighting
+
+
+def model_coefficients(kind: str, ranks: int) -> tuple[float, float]:
+    """(a, b) with ``collective_time(kind, n, ranks, link) == a·α + b·n/B``, read off collective_time.
+
+    >>> model_coefficients("all_reduce", 4)
+    (6.0, 1.5)
+    """
+    steps = collective_time(kind, 1.0, ranks, LinkTier("probe", 1.0, float("inf")))
+    share = collective_time(kind, 1.0, ranks, LinkTier("probe", 0.0, 1.0))
+    return steps, share
+
+
+def _bounded_least_squares(design: np.ndarray, target: np.ndarray, lower: np.ndarray) -> np.ndarray:
+    """min ‖design·x − target‖ subject to x ≥ lower, by solving on every face of the box.
+
+    The problem is convex, so its minimum is the free minimum of one face that is feasible;
+    with two unknowns there are four faces.
+    """
+    scale = np.linalg.norm(design, axis=0)
+    scale[scale == 0] = 1.0
+    scaled, low = design / scale, lower * scale
+    best, best_residual = None, np.inf
+    for free in itertools.product((True, False), repeat=design.shape[1]):
+        free = np.array(free)
+        x = low.copy()
+        if free.any():
+            rest = target - scaled[:, ~free] @ low[~free]
+            x[free] = np.linalg.lstsq(scaled[:, free], rest, rcond=None)[0]
+            if (x < low).any():
+                continue
+        residual = np.linalg.norm(scaled @ x - target)
+        if residual < best_residual:
+            best, best_residual = x, residual
+    return best / scale
+
+
+def fit_collective(records: list[dict], kind: str, ranks: int) -> tuple[float, float]:
+    """(α seconds, bandwidth bytes/s) of ``kind`` over ``ranks``, fitted to measured records.
+
+    ``records`` are ``{"kind", "ranks", "nbytes", "seconds"}`` dicts (``nbytes`` as
+    ``collective_time`` defines it); those of other kinds and group sizes are ignored.
+
+    >>> link = LinkTier("x", 1e-4, 1e9)
+    >>> records = [{"kind": "all_gather", "ranks": 4, "nbytes": n,
+    ...             "seconds": collective_time("all_gather", n, 4, link)} for n in (4096, 2**20, 2**24)]
+    >>> [round(v, 6) for v in fit_collective(records, "all_gather", 4)]
+    [0.0001, 1000000000.0]
+    """
+    chosen = [r for r in records if r["kind"] == kind and r["ranks"] == ranks]
+    if len({r["nbytes"] for r in chosen}) < 2:
+        raise ValueError(f"fitting {kind} over {ranks} ranks needs measurements at two sizes or more, got {len(chosen)}")
+    steps, share = model_coefficients(kind, ranks)
+    seconds = np.array([r["seconds"] for r in chosen], dtype=float)
+    nbytes = np.array([r["nbytes"] for r in chosen], dtype=float)
+    design = np.stack([np.full_like(nbytes, steps), share * nbytes], axis=1) / seconds[:, None]
+    lower = np.array([0.0, 1.0 / MAX_BANDWIDTH])
+    weights = np.ones_like(seconds)
+    for _ in range(_ROBUST_ROUNDS):  # iteratively reweighted least squares toward the L1 fit
+        alpha, beta = _bounded_least_squares(design * weights[:, None], weights, lower)
+        relative = np.abs(design @ np.array([alpha, beta]) - 1.0)
+        weights = 1.0 / np.sqrt(np.maximum(relative, _ROBUST_FLOOR))
+    return float(alpha), float(1.0 / beta)
+
+
+def fit_errors(records: list[dict], link: LinkTier) -> dict[str, dict[int, float]]:
+    """Median relative error |model − measured| / measured per kind and group size.
+
+    The model is ``collective_time`` with ``link``: what the planner will predict.
+
+    >>> fit_errors(records, profile.links[0])            # doctest: +SKIP
+    {'all_reduce': {2: 0.04, 4: 0.07}, ...}
+    """
+    errors: dict[str, dict[int, list[float]]] = {}
+    for record in records:
+        model = collective_time(record["kind"], record["nbytes"], record["ranks"], link)
+        errors.setdefault(record["kind"], {}).setdefault(record["ranks"], []).append(abs(model - record["seconds"]) / record["seconds"])
+    return {kind: {ranks: float(np.median(values)) for ranks, values in sorted(by_ranks.items())} for kind, by_ranks in errors.items()}
+
+
+def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: HardwareProfile = PROFILES["cpu-local"]) -> HardwareProfile:
+    """The hardware profile ``measurements`` (from ``runtime.calibrate.calibrate``) describe.
+
+    ``peak_flops`` are the measured achieved matmul rates, so ``compute_efficiency`` is 1.0;
+    the one link tier ("loopback") carries an (α, B) per measured kind and group size, and
+    its own (α, B) are all-reduce's over the largest group. Memory size, op overhead and
+    overlap come from ``base``. ``extra`` keeps the fit errors and the raw measurements.
+
+    >>> fit_profile(calibrate(quick=True)).save("cpu.json")       # doctest: +SKIP
+    """
+    records = measurements["collectives"]
+    groups = sorted({(r["kind"], r["ranks"]) for r in records})
+    fitted: dict[str, dict[int, tuple[float, float]]] = {}
+    for kind, ranks in groups:
+        fitted.setdefault(kind, {})[ranks] = fit_collective(records, kind, ranks)
+    all_reduce = fitted.get("all_reduce")
+    alpha, bandwidth = all_reduce[max(all_reduce)] if all_reduce else (base.links[0].alpha_s, base.links[0].bandwidth)
+    link = LinkTier("loopback", alpha, bandwidth, fitted=fitted)
+    errors = fit_errors(records, link)
+    sizes = sorted({ranks for _, ranks in groups})
+    description = (
+        f"measured by `autopar calibrate` at {measurements.get('measured_at', '?')} on {measurements.get('host', 'this machine')}: "
+        f"one thread per rank; peak_flops are the achieved matmul rates measured (so compute_efficiency is 1.0), "
+        f"memory_bandwidth one large copy, collectives on gloo over loopback with {', '.join(map(str, sizes))} ranks, "
+        "alpha-beta fitted per kind and group size"
+        + (" (quick run)" if measurements.get("quick") else "")
+    )
+    return replace(
+        base,
+        name=name,
+        description=description,
+        peak_flops={dtype: float(rate) for dtype, rate in measurements["matmul"].items()},
+        compute_efficiency=1.0,
+        memory_bandwidth=float(measurements["memory_bandwidth"]),
+        links=(link,),
+        extra={
+            **base.extra,
+            "fit_error": {kind: {str(ranks): error for ranks, error in by_ranks.items()} for kind, by_ranks in errors.items()},
+            "measurements": measurements,
+        },
+    )

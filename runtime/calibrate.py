@@ -1,0 +1,207 @@
+"""Measure this machine for the cost model: matmul FLOP/s, memory bandwidth, collective times.
+
+Measurement only; ``autopar.passes.calibration`` fits the numbers into a
+:class:`~autopar.ir.HardwareProfile`, and ``autopar calibrate`` does both. Everything runs
+as training does here: ONE thread per rank (``torch.set_num_threads(1)``, as torchrun and
+``run_local`` set it), so the FLOP/s and bytes/s are one rank's, and the collectives run
+on real gloo process groups over loopback, spawned by :func:`~autopar.runtime.spawn.run_local`.
+
+    measurements = calibrate(ranks=(2, 4))      # ~2-3 minutes on 2 cores; quick=True ~30 s
+    measurements["collectives"][0]
+    {'kind': 'all_reduce', 'ranks': 2, 'nbytes': 4096, 'seconds': 0.00021}
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .spawn import run_local
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+SIZES_BYTES = tuple(1024 * 4**k for k in range(1, 8))  # 4 KiB, 16 KiB, ..., 16 MiB
+QUICK_SIZES_BYTES = tuple(1024 * 4**k for k in range(1, 7, 2))  # 4 KiB, 64 KiB, 1 MiB
+MATMUL_SIZES = (128, 256, 512, 768, 1024, 1536, 2048)
+MATMUL_TARGET_S = 0.05  # a matmul this long is past cache and call-overhead effects
+_FLOAT_BYTES = 4  # collectives move float32
+
+
+@contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _best_time(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_matmul(dtypes=("float32", "bfloat16"), sizes=MATMUL_SIZES, repeats: int = 3) -> dict[str, float]:
+    """Achieved FLOP/s of square matmuls per dtype, on ONE thread (one rank's share of the CPU).
+
+    Walks up ``sizes`` until one product takes at least 50 ms (or the sizes run out) and
+    returns ``2·n³ / best time`` over ``repeats`` at that size.
+
+    >>> measure_matmul(("float32",))      # doctest: +SKIP
+    {'float32': 5.1e10}
+    """
+    rates = {}
+    with _one_thread(), torch.no_grad():
+        for dtype in dtypes:
+            for n in sizes:
+                a = torch.randn(n, n).to(getattr(torch, dtype))
+                b = torch.randn(n, n).to(getattr(torch, dtype))
+                torch.mm(a, b)  # warm-up: first-call dispatch and allocation
+                seconds = _best_time(lambda: torch.mm(a, b), 1)
+                if seconds >= MATMUL_TARGET_S or n == sizes[-1]:
+                    seconds = min(seconds, _best_time(lambda: torch.mm(a, b), repeats - 1))
+                    rates[dtype] = 2 * n**3 / seconds
+                    break
+    return rates
+
+
+def measure_memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 5) -> float:
+    """Bytes/s of one large tensor copy on ONE thread, reads plus writes counted (2·nbytes).
+
+    >>> measure_memory_bandwidth()        # doctest: +SKIP
+    9.8e9
+    """
+    with _one_thread():
+        source = torch.ones(nbytes // _FLOAT_BYTES)
+        target = torch.empty_like(source)
+        target.copy_(source)  # warm-up: touches every page of the target
+        return 2 * nbytes / _best_time(lambda: target.copy_(source), repeats)
+
+
+def _numel(nbytes: int, world_size: int) -> int:
+    """float32 elements of a full tensor of about ``nbytes`` that splits into world_size² equal chunks."""
+    quantum = world_size * world_size
+    return max(quantum, nbytes // _FLOAT_BYTES // quantum * quantum)
+
+
+def _collective(kind: str, numel: int, rank: int, world_size: int):
+    """A closure that runs one ``kind`` on the full tensor of ``numel`` elements, and its byte count."""
+    chunk = numel // world_size
+    if kind == "all_reduce":
+        tensor = torch.ones(numel)
+        return lambda: dist.all_reduce(tensor)
+    if kind == "all_gather":
+        local, full = torch.ones(chunk), torch.empty(numel)
+        return lambda: dist.all_gather_single(full, local)
+    if kind == "reduce_scatter":
+        full, local = torch.ones(numel), torch.empty(chunk)
+        return lambda: dist.reduce_scatter_single(local, full)
+    if kind == "all_to_all":  # each rank holds numel/world_size and keeps 1/world_size of it
+        sent, received = torch.ones(chunk), torch.empty(chunk)
+        return lambda: dist.all_to_all_single(received, sent)
+    if kind == "send_recv":  # pairs (0,1), (2,3), ...: a ping-pong, so one message is half of it
+        message = torch.ones(numel)
+        peer = rank ^ 1
+        if peer >= world_size:
+            return lambda: None
+        if rank % 2 == 0:
+            return lambda: (dist.send(message, peer), dist.recv(message, peer))
+        return lambda: (dist.recv(message, peer), dist.send(message, peer))
+    raise ValueError(f"unknown collective {kind!r}: choose one of {KINDS}")
+
+
+def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, repeats: int = 10) -> list[dict]:
+    """Median seconds of every collective kind and size over this process group; run on every rank.
+
+    Call through ``run_local(measure_collectives, world_size, sizes, repeats)``. Each repeat
+    starts after a barrier and is timed on every rank; the slowest rank's time counts (the
+    collective is done when the last rank is), and the median over repeats is reported.
+    Small messages get more repeats, large ones fewer (at least 3), so a sweep stays within seconds.
+    ``nbytes`` is what ``collective_time`` takes: the full logical tensor (world_size × the
+    per-rank chunk for all_gather, reduce_scatter, all_to_all), the tensor for all_reduce,
+    one message for send_recv (timed as half a ping-pong). Every rank returns all records.
+
+        run_local(measure_collectives, 2, (4096, 2**20), 5)[0][0]
+        {'kind': 'all_reduce', 'ranks': 2, 'nbytes': 4096, 'seconds': 9.1e-05}
+    """
+    torch.set_num_threads(1)
+    timings = []  # (kind, nbytes, [seconds per repeat])
+    for kind in KINDS:
+        for nbytes in sizes_bytes:
+            numel = _numel(nbytes, world_size)
+            run = _collective(kind, numel, rank, world_size)
+            run()  # warm-up: gloo sets up its buffers on first use
+            count = 2 * repeats if nbytes <= 2**18 else repeats if nbytes <= 2**20 else max(3, repeats // 3)
+            seconds = []
+            for _ in range(count):
+                dist.barrier()
+                start = time.perf_counter()
+                run()
+                seconds.append(time.perf_counter() - start)
+            if kind == "send_recv":
+                seconds = [s / 2 for s in seconds]
+            timings.append((kind, numel * _FLOAT_BYTES, seconds))
+    by_rank = [None] * world_size
+    dist.all_gather_object(by_rank, [seconds for _, _, seconds in timings])
+    records = []
+    for index, (kind, nbytes, _) in enumerate(timings):
+        slowest = [max(times) for times in zip(*(rank_timings[index] for rank_timings in by_rank))]
+        records.append({"kind": kind, "ranks": world_size, "nbytes": nbytes, "seconds": statistics.median(slowest)})
+    return records
+
+
+def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
+    """Measure matmul, memory and collectives on this machine; a dict for ``passes.calibration.fit_profile``.
+
+    ``quick`` measures fewer sizes with fewer repeats over 2 ranks only (~30 s instead of
+    ~2-3 minutes). ``progress`` receives one line per step.
+
+    >>> measurements = calibrate(quick=True, progress=lambda line: None)   # doctest: +SKIP
+    >>> sorted(measurements)
+    ['collectives', 'host', 'matmul', 'measured_at', 'memory_bandwidth', 'quick', 'seconds', 'threads_per_rank']
+    """
+    ranks = (2,) if quick else tuple(ranks)
+    if not ranks or min(ranks) < 2:
+        raise ValueError(f"ranks must be group sizes of at least 2, got {ranks}")
+    sizes, repeats = (QUICK_SIZES_BYTES, 5) if quick else (SIZES_BYTES, 10)
+    started = time.perf_counter()
+    measured_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    progress("matmul FLOP/s, float32 and bfloat16, one thread (~5 s)")
+    matmul = measure_matmul(sizes=MATMUL_SIZES[:-2] if quick else MATMUL_SIZES)
+    progress("  " + ", ".join(f"{dtype} {rate / 1e9:.1f} GFLOP/s" for dtype, rate in matmul.items()))
+    progress("memory bandwidth, one large copy, one thread (~1 s)")
+    memory_bandwidth = measure_memory_bandwidth()
+    progress(f"  {memory_bandwidth / 1e9:.1f} GB/s")
+
+    collectives = []
+    for index, world_size in enumerate(ranks):
+        eta = sum((8 if quick else 20) + 5 * size for size in ranks[index:])  # spawn + sweep, rough
+        progress(
+            f"collectives over {world_size} gloo ranks: {len(KINDS)} kinds x {len(sizes)} sizes "
+            f"({sizes[0] // 1024} KiB .. {sizes[-1] // 2**20} MiB), {repeats} repeats (~{eta} s left)"
+        )
+        step_start = time.perf_counter()
+        collectives += run_local(measure_collectives, world_size, sizes, repeats, timeout_s=300)[0]
+        progress(f"  done in {time.perf_counter() - step_start:.0f} s")
+    return {
+        "matmul": matmul,
+        "memory_bandwidth": memory_bandwidth,
+        "collectives": collectives,
+        "measured_at": measured_at,
+        "host": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})",
+        "threads_per_rank": 1,
+        "quick": quick,
+        "seconds": time.perf_counter() - started,
+    }
