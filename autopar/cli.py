@@ -9,6 +9,7 @@ Exit codes: 0 done; 1 autopar refused (an :class:`AutoparError`, printed as ``er
     autopar explain plan.json
     autopar export gpt --mesh 2x2 --degrees tp=4 --out exported/
     autopar run train.py --nproc 4 -- --steps 10
+    autopar calibrate --quick      # measure this machine; plan/export then use the profile
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import os
 import re
 import sys
 import warnings
@@ -102,6 +104,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nproc", type=_positive_int, required=True, metavar="N")
     run.add_argument("--timeout", type=float, default=None, metavar="S", help="terminate all ranks after S seconds (exit 124)")
     run.set_defaults(handler=_cmd_run)
+
+    calibrate = commands.add_parser("calibrate", help="measure this machine and write a hardware profile that plan/export use")
+    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats, 2 ranks only (~30 s instead of ~3 min)")
+    calibrate.add_argument("--ranks", type=_ranks, default=(2, 4), metavar="2,4", help="group sizes to measure collectives over")
+    calibrate.add_argument("--out", type=Path, metavar="PATH", help=f"where to write the profile (default {_tilde(default_profile_path())})")
+    calibrate.set_defaults(handler=_cmd_calibrate)
     return parser
 
 
@@ -123,7 +131,11 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         metavar="PATTERN=PLACEMENT",
         help="pin a parameter or module (fnmatch pattern) on the tp axis, e.g. 'layers.*.mlp.fc1=S(-1)'; repeatable",
     )
-    parser.add_argument("--hardware", help="hardware profile (default cpu-local)")
+    parser.add_argument(
+        "--hardware",
+        help=f"hardware profile name or .json file (default: {_tilde(default_profile_path())} "
+        "if `autopar calibrate` wrote it, else cpu-local)",
+    )
     parser.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES", help="per-device memory, e.g. 8GiB, 512MiB, 1e9")
 
 
@@ -135,6 +147,13 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    sizes = tuple(_positive_int(item) for item in text.split(","))
+    if min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: a collective needs groups of at least 2 ranks, e.g. 2,4")
+    return sizes
 
 
 def _mesh(text: str) -> Mesh:
@@ -176,6 +195,17 @@ def parse_bytes(text: str) -> float:
     if unit not in UNITS:
         raise argparse.ArgumentTypeError(f"cannot read {text!r} as bytes: write e.g. 8GiB, 512MiB, 80GB or 1e9")
     return float(match.group(1)) * UNITS[unit]
+
+
+def default_profile_path() -> Path:
+    """Where ``autopar calibrate`` writes and plan/export look for this machine's profile."""
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "autopar" / "profiles" / "cpu-local-calibrated.json"
+
+
+def _tilde(path: Path) -> str:
+    home = str(Path.home())
+    return "~" + str(path)[len(home) :] if str(path).startswith(home + os.sep) else str(path)
 
 
 # -- MODEL -----------------------------------------------------------------------------
@@ -255,7 +285,11 @@ def _make_plan(args):
     """MODEL on meta → (captured graph, plan, this rank's program with axis-named groups)."""
     import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar.*)
 
-    hardware = get_profile(args.hardware)  # fail on a typo before the model is built
+    hardware_name = args.hardware
+    if hardware_name is None and default_profile_path().is_file():
+        hardware_name = str(default_profile_path())
+        print(f"hardware: {hardware_name} (calibrated)", file=sys.stderr if getattr(args, "json", False) else sys.stdout)
+    hardware = get_profile(hardware_name)  # fail on a typo before the model is built
     model = load_model(args.model)
     batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
     inputs = model.example_inputs(batch, device="meta")
@@ -323,6 +357,13 @@ def _cmd_run(args) -> int:
     if not Path(args.script).is_file():
         raise UsageError(f"SCRIPT: no file {args.script}")
     return launch_local(args.script, args.script_args, nproc=args.nproc, timeout_s=args.timeout)
+
+
+def _cmd_calibrate(args) -> int:
+    from autopar.calibrate_cmd import run_calibrate
+
+    run_calibrate(ranks=args.ranks, quick=args.quick, out=args.out or default_profile_path())
+    return 0
 
 
 if __name__ == "__main__":

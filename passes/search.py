@@ -177,7 +177,8 @@ def search(
     configs = [check_degrees(degrees, mesh.size)] if degrees else degree_choices(mesh.size)
     configs = [c for c in configs if batch % c["dp"] == 0] or configs
     limit = memory_limit if memory_limit is not None else hardware.memory_bytes
-    results = [_solve_config(facts, cfg, mesh, hardware, limit, constraints or {}) for cfg in configs]
+    batch_placements = _batch_strategies(facts, hardware)
+    results = [_solve_config(facts, cfg, mesh, hardware, limit, constraints or {}, batch_placements) for cfg in configs]
     feasible = [r for r in results if r.feasible]
     if not feasible:
         leanest = min(results, key=lambda r: r.cost.peak_memory)
@@ -212,10 +213,9 @@ def _axis_spans(degrees: dict[str, int]) -> dict[str, int]:
     return spans
 
 
-def _solve_config(facts, degrees, mesh, hardware, limit, constraints) -> ConfigResult:
+def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch) -> ConfigResult:
     axes = list(degrees)
     last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
-    batch = _batch_strategies(facts, hardware)
     spans = _axis_spans(degrees)
     local = ShardedShapes.unsharded(facts)
     strategies: dict[str, dict[str, Strategy]] = {}

@@ -27,7 +27,7 @@ from .spawn import run_local
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES_BYTES = tuple(1024 * 4**k for k in range(1, 8))  # 4 KiB, 16 KiB, ..., 16 MiB
-QUICK_SIZES_BYTES = tuple(1024 * 4**k for k in range(1, 7, 2))  # 4 KiB, 64 KiB, 1 MiB
+QUICK_SIZES_BYTES = SIZES_BYTES[:-1]  # up to 4 MiB
 MATMUL_SIZES = (128, 256, 512, 768, 1024, 1536, 2048)
 MATMUL_TARGET_S = 0.05  # a matmul this long is past cache and call-overhead effects
 _FLOAT_BYTES = 4  # collectives move float32
@@ -127,7 +127,9 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
     Call through ``run_local(measure_collectives, world_size, sizes, repeats)``. Each repeat
     starts after a barrier and is timed on every rank; the slowest rank's time counts (the
     collective is done when the last rank is), and the median over repeats is reported.
-    Small messages get more repeats, large ones fewer (at least 3), so a sweep stays within seconds.
+    The repeats are interleaved (round r runs every kind and size once), so a burst of
+    other load on a shared machine costs one sample of many measurements, not the median of
+    one. Small messages get more repeats, large ones fewer (at least 3).
     ``nbytes`` is what ``collective_time`` takes: the full logical tensor (world_size × the
     per-rank chunk for all_gather, reduce_scatter, all_to_all), the tensor for all_reduce,
     one message for send_recv (timed as half a ping-pong). Every rank returns all records.
@@ -136,27 +138,28 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
         {'kind': 'all_reduce', 'ranks': 2, 'nbytes': 4096, 'seconds': 9.1e-05}
     """
     torch.set_num_threads(1)
-    timings = []  # (kind, nbytes, [seconds per repeat])
+    cases = []  # (kind, nbytes, run, repeats)
     for kind in KINDS:
         for nbytes in sizes_bytes:
             numel = _numel(nbytes, world_size)
             run = _collective(kind, numel, rank, world_size)
             run()  # warm-up: gloo sets up its buffers on first use
             count = 2 * repeats if nbytes <= 2**18 else repeats if nbytes <= 2**20 else max(3, repeats // 3)
-            seconds = []
-            for _ in range(count):
+            cases.append((kind, numel * _FLOAT_BYTES, run, count))
+    seconds = [[] for _ in cases]
+    for round_index in range(max(count for *_, count in cases)):
+        for case, (kind, _, run, count) in enumerate(cases):
+            if round_index < count:
                 dist.barrier()
                 start = time.perf_counter()
                 run()
-                seconds.append(time.perf_counter() - start)
-            if kind == "send_recv":
-                seconds = [s / 2 for s in seconds]
-            timings.append((kind, numel * _FLOAT_BYTES, seconds))
+                elapsed = time.perf_counter() - start
+                seconds[case].append(elapsed / 2 if kind == "send_recv" else elapsed)
     by_rank = [None] * world_size
-    dist.all_gather_object(by_rank, [seconds for _, _, seconds in timings])
+    dist.all_gather_object(by_rank, seconds)
     records = []
-    for index, (kind, nbytes, _) in enumerate(timings):
-        slowest = [max(times) for times in zip(*(rank_timings[index] for rank_timings in by_rank))]
+    for case, (kind, nbytes, _, _) in enumerate(cases):
+        slowest = [max(times) for times in zip(*(rank_seconds[case] for rank_seconds in by_rank))]
         records.append({"kind": kind, "ranks": world_size, "nbytes": nbytes, "seconds": statistics.median(slowest)})
     return records
 

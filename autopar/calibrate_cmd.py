@@ -1,0 +1,45 @@
+"""``autopar calibrate``: measure this machine, fit the cost model, print it, save the profile.
+
+The CLI wires the arguments; this module runs the measurement (``runtime.calibrate``), the
+fit (``passes.calibration``) and prints what a user checks before trusting the profile:
+α and bandwidth per collective with the fit's error, matmul and memory rates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autopar.ir import HardwareProfile
+from autopar.passes.calibration import fit_errors, fit_profile
+from autopar.runtime.calibrate import calibrate
+
+
+def run_calibrate(*, ranks=(2, 4), quick: bool = False, out: Path, progress=None) -> HardwareProfile:
+    """Measure, fit, print the table and write the profile to ``out``; return the profile.
+
+    >>> run_calibrate(quick=True, out=Path("cpu.json"))     # doctest: +SKIP
+    """
+    progress = progress or (lambda line: print(line, flush=True))
+    measurements = calibrate(ranks=ranks, quick=quick, progress=progress)
+    profile = fit_profile(measurements)
+    print()
+    print(calibration_text(profile))
+    path = profile.save(out)
+    print(f"\nwrote {path} ({measurements['seconds']:.0f} s of measuring); plan with it: autopar plan MODEL --mesh N --hardware {path}")
+    return profile
+
+
+def calibration_text(profile: HardwareProfile) -> str:
+    """The fitted collectives as a table, then compute and memory rates."""
+    link = profile.links[0]
+    errors = fit_errors(profile.extra["measurements"]["collectives"], link)
+    header = f"{'collective':<15}{'ranks':>6}{'alpha us':>11}{'bandwidth GB/s':>16}{'fit error %':>13}"
+    lines = [header, "-" * len(header)]
+    for kind, by_ranks in link.fitted.items():
+        for ranks, (alpha, bandwidth) in sorted(by_ranks.items()):
+            error = errors.get(kind, {}).get(ranks, float("nan"))
+            lines.append(f"{kind:<15}{ranks:>6}{alpha * 1e6:>11.1f}{bandwidth / 1e9:>16.3f}{error * 100:>13.1f}")
+    lines.append("")
+    lines += [f"matmul {dtype:<9} {rate / 1e9:8.1f} GFLOP/s (one thread)" for dtype, rate in profile.peak_flops.items()]
+    lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.1f} GB/s (one thread, read + write)")
+    return "\n".join(lines)
