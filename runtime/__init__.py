@@ -1,4 +1,5 @@
-"""What a parallelized program runs on: launch, process groups, collectives, gradient sync.
+"""What a parallelized program runs on: launch, process groups, collectives, gradient sync,
+and the module that ties them together (``module.ParallelModule``).
 
 Importing this package registers the ``autopar::`` collective ops that rewritten graphs call.
 """
@@ -15,3 +16,4 @@ from .collectives import (
 from .grad_sync import GradSync
 from .launch import free_port, init_from_env, launch_local
 from .process_groups import build_device_mesh, group_name
+from .spawn import run_local
