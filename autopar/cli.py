@@ -106,9 +106,11 @@ def _parser() -> argparse.ArgumentParser:
     run.set_defaults(handler=_cmd_run)
 
     calibrate = commands.add_parser("calibrate", help="measure this machine and write a hardware profile that plan/export use")
-    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats, 2 ranks only (~30 s instead of ~3 min)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats, 2 ranks only (~10 s instead of ~30 s)")
     calibrate.add_argument("--ranks", type=_ranks, default=(2, 4), metavar="2,4", help="group sizes to measure collectives over")
-    calibrate.add_argument("--out", type=Path, metavar="PATH", help=f"where to write the profile (default {_tilde(default_profile_path())})")
+    calibrate.add_argument(
+        "--out", type=Path, metavar="PATH", help=f"where to write the profile (default {_tilde(default_profile_path())})"
+    )
     calibrate.set_defaults(handler=_cmd_calibrate)
     return parser
 

@@ -26,6 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from autopar.ir import PROFILES, HardwareProfile, LinkTier
+from autopar.ir.hardware import COLLECTIVES
 
 from .cost import collective_time
 
@@ -123,7 +124,8 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
     >>> fit_profile(calibrate(quick=True)).save("cpu.json")       # doctest: +SKIP
     """
     records = measurements["collectives"]
-    groups = sorted({(r["kind"], r["ranks"]) for r in records})
+    order = {kind: index for index, kind in enumerate(COLLECTIVES)}
+    groups = sorted({(r["kind"], r["ranks"]) for r in records}, key=lambda group: (order.get(group[0], len(order)), group))
     fitted: dict[str, dict[int, tuple[float, float]]] = {}
     for kind, ranks in groups:
         fitted.setdefault(kind, {})[ranks] = fit_collective(records, kind, ranks)

@@ -6,7 +6,7 @@ as training does here: ONE thread per rank (``torch.set_num_threads(1)``, as tor
 ``run_local`` set it), so the FLOP/s and bytes/s are one rank's, and the collectives run
 on real gloo process groups over loopback, spawned by :func:`~autopar.runtime.spawn.run_local`.
 
-    measurements = calibrate(ranks=(2, 4))      # ~2-3 minutes on 2 cores; quick=True ~30 s
+    measurements = calibrate(ranks=(2, 4))      # ~25 s on 2 cores; quick=True ~8 s
     measurements["collectives"][0]
     {'kind': 'all_reduce', 'ranks': 2, 'nbytes': 4096, 'seconds': 0.00021}
 """
@@ -167,21 +167,21 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
 def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
     """Measure matmul, memory and collectives on this machine; a dict for ``passes.calibration.fit_profile``.
 
-    ``quick`` measures fewer sizes with fewer repeats over 2 ranks only (~30 s instead of
-    ~2-3 minutes). ``progress`` receives one line per step.
+    ``quick`` measures sizes up to 4 MiB with fewer repeats over 2 ranks only (~8 s
+    instead of ~25 s on 2 cores). ``progress`` receives one line per step.
 
     >>> measurements = calibrate(quick=True, progress=lambda line: None)   # doctest: +SKIP
-    >>> sorted(measurements)
+    >>> sorted(measurements)                                                # doctest: +SKIP
     ['collectives', 'host', 'matmul', 'measured_at', 'memory_bandwidth', 'quick', 'seconds', 'threads_per_rank']
     """
     ranks = (2,) if quick else tuple(ranks)
     if not ranks or min(ranks) < 2:
         raise ValueError(f"ranks must be group sizes of at least 2, got {ranks}")
-    sizes, repeats = (QUICK_SIZES_BYTES, 5) if quick else (SIZES_BYTES, 10)
+    sizes, repeats = (QUICK_SIZES_BYTES, 10) if quick else (SIZES_BYTES, 30)
     started = time.perf_counter()
     measured_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-    progress("matmul FLOP/s, float32 and bfloat16, one thread (~5 s)")
+    progress("matmul FLOP/s, float32 and bfloat16, one thread (~2 s)")
     matmul = measure_matmul(sizes=MATMUL_SIZES[:-2] if quick else MATMUL_SIZES)
     progress("  " + ", ".join(f"{dtype} {rate / 1e9:.1f} GFLOP/s" for dtype, rate in matmul.items()))
     progress("memory bandwidth, one large copy, one thread (~1 s)")
@@ -190,7 +190,7 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
 
     collectives = []
     for index, world_size in enumerate(ranks):
-        eta = sum((8 if quick else 20) + 5 * size for size in ranks[index:])  # spawn + sweep, rough
+        eta = sum(4 + 3 * size for size in ranks[index:])  # spawn and sweep, measured on 2 cores
         progress(
             f"collectives over {world_size} gloo ranks: {len(KINDS)} kinds x {len(sizes)} sizes "
             f"({sizes[0] // 1024} KiB .. {sizes[-1] // 2**20} MiB), {repeats} repeats (~{eta} s left)"

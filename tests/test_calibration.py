@@ -1,0 +1,160 @@
+"""``autopar calibrate``: the α-β fit (synthetic, exact), the profile it writes, one real quick run.
+
+The fitting tests need no processes. One quick calibration on real gloo ranks (~15 s) is
+shared by the end-to-end test and the CLI test; nothing reads the calibrated profile in the
+home directory (every path is explicit, XDG_CACHE_HOME points into tmp where it matters).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from contextlib import redirect_stdout
+
+import numpy as np
+import pytest
+
+import autopar.calibrate_cmd
+from autopar.cli import default_profile_path, main
+from autopar.ir import HardwareProfile, LinkTier, get_profile
+from autopar.passes.calibration import fit_collective, fit_errors, fit_profile, model_coefficients
+from autopar.passes.cost import collective_time
+from autopar.runtime.calibrate import KINDS, SIZES_BYTES, calibrate
+from planning import plan_example
+
+TRUE_LINKS = {  # (alpha seconds, bandwidth bytes/s) per kind, different so a mix-up shows
+    "all_reduce": (150e-6, 1.2e9),
+    "all_gather": (300e-6, 0.8e9),
+    "reduce_scatter": (400e-6, 0.5e9),
+    "all_to_all": (250e-6, 1.5e9),
+    "send_recv": (100e-6, 2.0e9),
+}
+
+
+def synthetic_measurements(noise: float = 0.05, seed: int = 0) -> dict:
+    """What calibrate() would return on a machine that follows collective_time, with ±noise."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for ranks in (2, 4):
+        link = LinkTier("truth", 0.0, 1.0, fitted={kind: {ranks: ab} for kind, ab in TRUE_LINKS.items()})
+        for kind in KINDS:
+            for nbytes in SIZES_BYTES:
+                seconds = collective_time(kind, nbytes, ranks, link) * rng.uniform(1 - noise, 1 + noise)
+                records.append({"kind": kind, "ranks": ranks, "nbytes": nbytes, "seconds": seconds})
+    return {
+        "matmul": {"float32": 8e10, "bfloat16": 2e11},
+        "memory_bandwidth": 2.5e10,
+        "collectives": records,
+        "measured_at": "2026-01-01T00:00:00+00:00",
+        "host": "test",
+        "threads_per_rank": 1,
+        "quick": False,
+        "seconds": 1.0,
+    }
+
+
+def test_coefficients_are_read_off_collective_time():
+    assert model_coefficients("all_reduce", 4) == (6.0, 1.5)
+    assert model_coefficients("all_gather", 4) == (3.0, 0.75)
+    assert model_coefficients("all_to_all", 4) == (3.0, 0.1875)
+    assert model_coefficients("send_recv", 4) == (1.0, 1.0)  # one message, whatever the group
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_recovers_alpha_and_bandwidth_from_noisy_times(kind, ranks):
+    records = synthetic_measurements()["collectives"]
+    alpha, bandwidth = fit_collective(records, kind, ranks)
+    true_alpha, true_bandwidth = TRUE_LINKS[kind]
+    assert alpha == pytest.approx(true_alpha, rel=0.10)
+    assert bandwidth == pytest.approx(true_bandwidth, rel=0.10)
+
+
+def test_fit_keeps_alpha_nonnegative_and_bandwidth_finite():
+    flat = [{"kind": "all_gather", "ranks": 2, "nbytes": n, "seconds": 1e-3} for n in SIZES_BYTES]  # no growth
+    alpha, bandwidth = fit_collective(flat, "all_gather", 2)
+    assert alpha == pytest.approx(1e-3, rel=0.01) and math.isfinite(bandwidth) and bandwidth > 0
+    pure_bandwidth = [  # ±3% around n/B with B = 1 GB/s, no latency at all
+        {"kind": "all_gather", "ranks": 2, "nbytes": n, "seconds": n / 1e9 * (1 + 0.03 * (-1) ** i)} for i, n in enumerate(SIZES_BYTES)
+    ]
+    alpha, bandwidth = fit_collective(pure_bandwidth, "all_gather", 2)
+    assert alpha >= 0 and bandwidth == pytest.approx(0.5e9, rel=0.05)  # share (p-1)/p = 1/2
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_collective(flat[:1], "all_gather", 2)
+
+
+def test_fit_profile_round_trips_and_plans(tmp_path):
+    profile = fit_profile(synthetic_measurements())
+    link = profile.links[0]
+    assert profile.name == "cpu-local-calibrated" and profile.compute_efficiency == 1.0
+    assert profile.flops_per_s("float32") == 8e10 and profile.memory_bandwidth == 2.5e10
+    assert (link.alpha_s, link.bandwidth) == link.fitted["all_reduce"][4]  # the largest group
+    assert set(link.fitted) == set(KINDS) and all(set(by_ranks) == {2, 4} for by_ranks in link.fitted.values())
+    assert "autopar calibrate" in profile.description and "achieved" in profile.description
+    errors = profile.extra["fit_error"]
+    assert set(errors) == set(KINDS) and all(0 <= e < 0.05 for by_ranks in errors.values() for e in by_ranks.values())
+    assert fit_errors(profile.extra["measurements"]["collectives"], link)["send_recv"][2] == errors["send_recv"]["2"]
+
+    path = profile.save(tmp_path / "calibrated.json")
+    assert HardwareProfile.load(path) == profile
+    assert get_profile(str(path)) == profile
+    plan = plan_example("mlp.py", 2, batch=8, hardware=str(path))
+    assert plan.hardware == "cpu-local-calibrated" and plan.cost.step_s > 0
+
+
+def test_plan_cli_uses_the_calibrated_profile_when_it_exists(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = default_profile_path()
+    assert path == tmp_path / "autopar" / "profiles" / "cpu-local-calibrated.json"
+    assert main(["plan", "mlp", "--mesh", "2", "--batch", "8"]) == 0
+    assert "(calibrated)" not in capsys.readouterr().out  # no file: the preset, silently
+    fit_profile(synthetic_measurements()).save(path)
+    assert main(["plan", "mlp", "--mesh", "2", "--batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"hardware: {path} (calibrated)\n")
+    assert main(["plan", "mlp", "--mesh", "2", "--batch", "8", "--hardware", "cpu-local"]) == 0
+    assert "(calibrated)" not in capsys.readouterr().out  # an explicit --hardware wins
+
+
+@pytest.fixture(scope="module")
+def quick_run():
+    lines = []
+    return calibrate(quick=True, progress=lines.append), lines
+
+
+def test_quick_calibration_measures_sane_positive_numbers(quick_run):
+    measurements, lines = quick_run
+    assert any("collectives over 2 gloo ranks" in line for line in lines)
+    rates = [*measurements["matmul"].values(), measurements["memory_bandwidth"]]
+    assert set(measurements["matmul"]) == {"float32", "bfloat16"}
+    records = measurements["collectives"]
+    assert {(r["kind"], r["ranks"]) for r in records} == {(kind, 2) for kind in KINDS}
+    assert all(r["nbytes"] > 0 for r in records)
+    assert all(math.isfinite(x) and x > 0 for x in rates + [r["seconds"] for r in records])
+    link = fit_profile(measurements).links[0]
+    for kind in KINDS:
+        alpha, bandwidth = link.alpha_beta(kind, 2)
+        assert math.isfinite(alpha) and alpha >= 0 and math.isfinite(bandwidth) and bandwidth > 0
+
+
+def test_calibrate_cli_prints_table_and_writes_a_loadable_profile(quick_run, tmp_path, monkeypatch):
+    measurements, _ = quick_run
+    asked = {}
+
+    def measured(ranks, quick, progress):  # reuse the quick run: the CLI's job is fit, print, save
+        asked.update(ranks=ranks, quick=quick)
+        progress("measuring (reused)")
+        return measurements
+
+    monkeypatch.setattr(autopar.calibrate_cmd, "calibrate", measured)
+    out_path = tmp_path / "profiles" / "mine.json"
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out_path)]) == 0
+    text = printed.getvalue()
+    assert asked == {"ranks": (2,), "quick": True}
+    assert "fit error %" in text and "GFLOP/s" in text and "memory copy" in text and str(out_path) in text
+    assert all(f"{kind} " in text for kind in KINDS)
+    profile = get_profile(str(out_path))
+    assert profile.name == "cpu-local-calibrated" and profile.links[0].fitted["all_reduce"][2][1] > 0
+    assert main(["calibrate", "--ranks", "1,2", "--out", str(out_path)]) == 2  # a group of 1 has no collective
