@@ -39,7 +39,7 @@ from autopar.ir import (
 
 from .capture import CapturedGraph, module_path
 from .gradients import plan_gradients
-from .cost import PARAM_STATE_BYTES, collective_time, grad_sync_time, compute_time, node_bytes, node_flops, reshard_time
+from .cost import PARAM_STATE_BYTES, collective_time, model_state_bytes, grad_sync_time, compute_time, node_bytes, node_flops, reshard_time
 from .ilp import ChoiceProblem, solve_choices
 from .rules import node_strategies, pointwise, rule_for
 from .strategies import OpView, Strategy, local_shape, numel, output_tensors, tensor_inputs, work_fraction
@@ -438,9 +438,8 @@ def _evaluate(facts, degrees, strategies, mesh, hardware) -> Cost:
     for name, fact in facts.items():
         elements = sum(numel(s) for s in local.shapes[name])
         if fact.kind == "param":
-            memory["params"] += elements * PARAM_STATE_BYTES["param"]
-            memory["grads"] += elements * PARAM_STATE_BYTES["grad"]
-            memory["optimizer"] += elements * PARAM_STATE_BYTES["optimizer"]
+            for category, nbytes in model_state_bytes(elements).items():
+                memory[category] += nbytes
         elif fact.kind == "op" and fact.needs_grad:
             memory["activations"] += elements * fact.elem_bytes
     return Cost(compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory)

@@ -101,13 +101,28 @@ PROFILES: dict[str, HardwareProfile] = {
     for profile in [
         HardwareProfile(
             name="cpu-local",
-            description="this machine: one CPU process per rank, gloo over loopback",
-            peak_flops={"float32": 60e9, "bfloat16": 30e9},
-            compute_efficiency=0.5,
+            description=(
+                "this machine: one CPU process (one thread) per rank, gloo over loopback; rates from "
+                "`autopar calibrate` on 2026-11-22 (fp32 matmul 92 GFLOP/s, copy 25 GB/s, 2-rank "
+                "all-reduce alpha 197 us, 1.4 GB/s); run it again for this machine's current figures"
+            ),
+            peak_flops={"float32": 92e9, "bfloat16": 200e9},
+            compute_efficiency=0.8,
             memory_bytes=4 * GIB,
-            memory_bandwidth=5 * GB,
-            links=(LinkTier("loopback", 150e-6, 1.0 * GB),),
+            memory_bandwidth=25 * GB,
+            links=(LinkTier("loopback", 200e-6, 1.4 * GB),),
             op_overhead_s=15e-6,
+        ),
+        HardwareProfile(
+            name="v100-16gb",
+            description="AWS p3.16xlarge: 8x V100 16GB SXM2 on NVLink (hybrid cube mesh), 25 Gb/s Ethernet between nodes",
+            peak_flops={"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12},
+            compute_efficiency=0.5,
+            memory_bytes=16 * GIB,
+            memory_bandwidth=0.9e12,
+            links=(LinkTier("nvlink2", 10e-6, 130 * GB), LinkTier("ethernet-25g", 50e-6, 3.1 * GB)),
+            overlap=0.5,
+            op_overhead_s=6e-6,
         ),
         HardwareProfile(
             name="a100-80gb",
@@ -128,6 +143,17 @@ PROFILES: dict[str, HardwareProfile] = {
             memory_bytes=80 * GIB,
             memory_bandwidth=3.35e12,
             links=(LinkTier("nvlink4", 8e-6, 370 * GB), LinkTier("ndr-ib", 15e-6, 380 * GB)),
+            overlap=0.5,
+            op_overhead_s=4e-6,
+        ),
+        HardwareProfile(
+            name="h200-141gb",
+            description="8x H200 SXM: NVLink4 inside a node, 8x400 Gb/s NDR InfiniBand between nodes",
+            peak_flops={"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
+            compute_efficiency=0.55,
+            memory_bytes=141e9,
+            memory_bandwidth=4.8e12,
+            links=(LinkTier("nvlink4", 8e-6, 475 * GB), LinkTier("ndr-ib", 15e-6, 380 * GB)),
             overlap=0.5,
             op_overhead_s=4e-6,
         ),

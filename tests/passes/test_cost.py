@@ -1,0 +1,80 @@
+"""Cost-model formulas against values computed by hand."""
+
+import pytest
+import torch
+
+from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile
+from autopar.passes.cost import (
+    collective_time, compute_time, grad_sync_time, model_state_bytes, node_flops, reshard_time,
+)
+from autopar.passes.capture import capture
+
+LINK = LinkTier("test", alpha_s=1e-5, bandwidth=1e9)
+MB = 1e6
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("all_reduce", 2 * 3 * 1e-5 + 2 * 3 / 4 * 8 * MB / 1e9),  # 2(p-1)α + 2(p-1)/p·n/B
+        ("all_gather", 3 * 1e-5 + 3 / 4 * 8 * MB / 1e9),  # (p-1)α + (p-1)/p·n/B
+        ("reduce_scatter", 3 * 1e-5 + 3 / 4 * 8 * MB / 1e9),
+        ("all_to_all", 3 * 1e-5 + 3 / 4 * 2 * MB / 1e9),  # each rank moves (p-1)/p of its n/p
+        ("send_recv", 1e-5 + 8 * MB / 1e9),
+    ],
+)
+def test_alpha_beta_collectives_over_four_ranks(kind, expected):
+    assert collective_time(kind, 8 * MB, 4, LINK) == pytest.approx(expected)
+    assert collective_time(kind, 8 * MB, 1, LINK) == 0
+
+
+def test_fitted_collectives_override_the_tier():
+    link = LinkTier("test", 1e-5, 1e9, fitted={"all_gather": {4: (1e-4, 5e8)}})
+    assert collective_time("all_gather", 8 * MB, 4, link) == pytest.approx(3 * 1e-4 + 3 / 4 * 8 * MB / 5e8)
+
+
+def test_bucketed_gradient_sync_pays_latency_per_bucket():
+    small = grad_sync_time(1 * MB, 4, LINK, bucket_bytes=25 * MB)
+    assert small == pytest.approx(2 * 3 * 1e-5 / 25 + 2 * 3 / 4 * MB / 1e9)
+    assert grad_sync_time(50 * MB, 4, LINK, bucket_bytes=25 * MB) == pytest.approx(collective_time("all_reduce", 50 * MB, 4, LINK))
+
+
+def test_redistributions_cost_their_collective_and_its_dual():
+    n, p = 8 * MB, 4
+    gather = collective_time("all_gather", n, p, LINK)
+    assert reshard_time(Shard(0), Replicate(), n, p, LINK, needs_grad=True) == pytest.approx(gather)
+    assert reshard_time(Replicate(), Shard(0), n, p, LINK, needs_grad=True) == pytest.approx(gather)
+    assert reshard_time(Replicate(), Shard(0), n, p, LINK, needs_grad=False) == 0
+    assert reshard_time(Partial(), Replicate(), n, p, LINK, True) == pytest.approx(collective_time("all_reduce", n, p, LINK))
+    assert reshard_time(Partial(), Shard(1), n, p, LINK, True) == pytest.approx(
+        collective_time("reduce_scatter", n, p, LINK) + gather
+    )
+    assert reshard_time(Replicate(), Partial(), n, p, LINK, True) == 0
+    assert reshard_time(Replicate(), Partial("avg"), n, p, LINK, True) == float("inf")
+    assert reshard_time(Shard(0), Partial(), n, p, LINK, True) == float("inf")
+
+
+def test_roofline_takes_the_slower_of_flops_and_bytes():
+    profile = get_profile("a100-80gb")
+    matmul = compute_time(2e12, 1e6, profile)  # compute bound: 3 × (fwd + 2× bwd) FLOPs
+    assert matmul == pytest.approx(3 * 2e12 / profile.flops_per_s() + 2 * profile.op_overhead_s)
+    copy = compute_time(0, 1e9, profile)  # memory bound: read+write forward, again backward
+    assert copy == pytest.approx(2 * 1e9 / profile.memory_bandwidth + 2 * profile.op_overhead_s)
+
+
+def test_flops_are_counted_from_the_graph():
+    captured = capture(torch.nn.Linear(64, 32), (torch.randn(16, 64),))
+    (linear,) = [n for n in captured.graph.nodes if n.op == "call_function"]
+    assert node_flops(linear) == 2 * 16 * 64 * 32
+
+
+def test_zero_paper_worked_example_within_two_percent():
+    # Rajbhandari et al.: 7.5B parameters, 64 data-parallel ranks, mixed-precision Adam.
+    published = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
+    for stage, expected in published.items():
+        total = sum(model_state_bytes(7.5e9, data_parallel=64, zero_stage=stage, precision="mixed").values())
+        assert total == pytest.approx(expected, rel=0.02)
+
+
+def test_fp32_adam_states_by_category():
+    assert model_state_bytes(1000) == {"params": 4000, "grads": 4000, "optimizer": 8000}
