@@ -1,17 +1,22 @@
-"""Cost model, first version: roofline compute, alpha-beta collectives, memory by category.
+"""Cost model: roofline compute, alpha-beta collectives, memory by category.
 
-Every function returns seconds or bytes for ONE device. Backward work is taken as twice the
-forward for matrix products and once for memory-bound ops (a calibrated per-op backward
-comes with the cost-model issue).
+Every function returns seconds or bytes for ONE device. Each op is profiled once per
+signature (op, shapes, dtypes) by running it, and its backward, on fake tensors
+(:func:`op_profile`): forward and backward FLOPs are counted separately, and the tensors
+autograd saves for backward are identified, which is what activation memory is made of.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from autopar.ir import HardwareProfile, LinkTier, Partial, Placement, Replicate, Shard
 
@@ -99,41 +104,90 @@ def can_reshard(src: Placement, dst: Placement) -> bool:
     return reshard_time(src, dst, 1.0, 2, LinkTier("x", 0, 1), True) != float("inf")
 
 
-def node_flops(node: fx.Node) -> float:
-    """Forward FLOPs of one node, counted by running it on its fake inputs."""
+@dataclass(frozen=True)
+class OpProfile:
+    """What one op costs on one device, unsharded."""
+
+    forward_flops: float
+    backward_flops: float
+    io_bytes: float  # read and written by the forward
+    saved_inputs: tuple[int, ...] = ()  # tensor-input slots autograd keeps for backward
+    saves_output: bool = False
+    saved_extra_bytes: float = 0.0  # tensors the op creates and autograd keeps (softmax stats, ...)
+
+
+_PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
+
+
+def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
+    """Profile a call_function node on fake tensors (cached by op and argument signature)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return 0.0
-    args, kwargs = tree_map(_fake_value, (node.args, node.kwargs))
-    fake_mode = detect_fake_mode(tuple(a for a in tree_map_flat(args) if isinstance(a, torch.Tensor)))
-    if fake_mode is None:
-        return 0.0
-    counter = FlopCounterMode(display=False)
-    with fake_mode, counter:
-        node.target(*args, **kwargs)
-    return float(counter.get_total_flops())
+        return OpProfile(0.0, 0.0, 0.0)
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    values = [arg.meta.get("val") if isinstance(arg, fx.Node) else arg for arg in flat]
+    if any(isinstance(arg, fx.Node) and not isinstance(v, torch.Tensor) for arg, v in zip(flat, values)):
+        return OpProfile(0.0, 0.0, 0.0)  # takes a tuple (getitem) or a symbol: no work of its own
+    key = (str(node.target), needs_grad) + tuple(
+        (tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else repr(v) for v in values
+    )
+    if key not in _PROFILES:
+        tensors = [v for v in values if isinstance(v, torch.Tensor)] + tree_leaves(node.meta.get("val"))
+        # factory ops have no tensor inputs: any fake mode will do
+        fake_mode = detect_fake_mode(tuple(t for t in tensors if isinstance(t, torch.Tensor))) or FakeTensorMode()
+        with fake_mode:
+            _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad)
+    return _PROFILES[key]
 
 
-def tree_map_flat(tree):
-    from torch.utils._pytree import tree_leaves
+def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
+    """Run the op and its backward on fresh fake leaves; note what autograd saves."""
+    inputs = []
+    for k, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            grad = needs_grad and v.dtype.is_floating_point
+            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device, requires_grad=grad)
+            inputs.append(values[k])
+    args, kwargs = tree_unflatten(values, spec)
+    saved = []
+    forward = FlopCounterMode(display=False)
+    with forward, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = target(*args, **kwargs)
+    outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+    io_bytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
+    forward_flops = forward.get_total_flops() or _formula_flops(target, inputs)
+    differentiable = [o for o in outputs if o.requires_grad]
+    backward_flops = 0.0
+    if differentiable:
+        backward = FlopCounterMode(display=False)
+        with backward:
+            wrt = [i for i in inputs if i.requires_grad]
+            torch.autograd.grad(differentiable, wrt, [torch.ones_like(o) for o in differentiable], allow_unused=True)
+        backward_flops = backward.get_total_flops() or 2 * forward_flops
+    slots, saves_output, extra = set(), False, 0.0
+    for tensor in saved:
+        base = tensor._base if tensor._base is not None else tensor
+        if any(base is i for i in inputs):
+            slots.add(next(k for k, i in enumerate(inputs) if base is i))
+        elif any(base is o for o in outputs):
+            saves_output = True
+        else:
+            extra += tensor.numel() * tensor.element_size()
+    return OpProfile(float(forward_flops), float(backward_flops), float(io_bytes), tuple(sorted(slots)), saves_output, extra)
 
-    return tree_leaves(tree)
+
+def _formula_flops(target, inputs) -> float:
+    """FLOPs of ops the flop counter does not know on this device (CPU attention)."""
+    if getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention and len(inputs) >= 3:
+        q, k = inputs[0], inputs[1]
+        return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]  # QKᵀ and PV
+    return 0.0
 
 
-def _fake_value(arg):
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, dtype: str = "float32") -> float:
+    """Roofline time of one op's forward and (when a gradient flows) backward, with launch overhead.
 
-
-def node_bytes(node: fx.Node) -> float:
-    """Bytes the node reads and writes (what a memory-bound op costs)."""
-    total = 0
-    for value in tree_map_flat((tree_map(_fake_value, (node.args, node.kwargs)), node.meta.get("val"))):
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-    return float(total)
-
-
-def compute_time(flops: float, nbytes: float, hardware: HardwareProfile, dtype: str = "float32") -> float:
-    """Forward + backward roofline time of one op on one device, with launch overhead."""
-    matmul_time = 3 * flops / hardware.flops_per_s(dtype)
-    memory_time = 2 * nbytes / hardware.memory_bandwidth
-    return max(matmul_time, memory_time) + 2 * hardware.op_overhead_s
+    A memory-bound backward is taken to move as many bytes as its forward.
+    """
+    passes = 2 if needs_grad else 1
+    flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
+    return max(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.memory_bandwidth) + passes * hardware.op_overhead_s

@@ -39,7 +39,7 @@ from autopar.ir import (
 
 from .capture import CapturedGraph, module_path
 from .gradients import plan_gradients
-from .cost import PARAM_STATE_BYTES, collective_time, model_state_bytes, grad_sync_time, compute_time, node_bytes, node_flops, reshard_time
+from .cost import PARAM_STATE_BYTES, OpProfile, collective_time, compute_time, grad_sync_time, model_state_bytes, op_profile, reshard_time
 from .ilp import ChoiceProblem, solve_choices
 from .rules import node_strategies, pointwise, rule_for
 from .strategies import OpView, Strategy, local_shape, numel, output_tensors, tensor_inputs, work_fraction
@@ -62,6 +62,8 @@ class NodeFacts:
     full_time_s: float  # forward + backward on one device, unsharded
     needs_grad: bool
     name: str = ""  # parameter / buffer name
+    profile: OpProfile = OpProfile(0.0, 0.0, 0.0)
+    saved: bool = False  # autograd keeps this node's output for some backward
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -138,7 +140,7 @@ def analyze(captured: CapturedGraph, hardware: HardwareProfile) -> dict[str, Nod
             needs_grad = any(facts[s.name].needs_grad for s in slots if s.name in facts) and any(
                 t.dtype.is_floating_point for t in outputs
             )
-        full_time = compute_time(node_flops(node), node_bytes(node), hardware) if kind == "op" else 0.0
+        profile = op_profile(node, needs_grad) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
         facts[node.name] = NodeFacts(
             node=node,
             kind=kind,
@@ -146,10 +148,16 @@ def analyze(captured: CapturedGraph, hardware: HardwareProfile) -> dict[str, Nod
             slot_shapes=slot_shapes,
             out_shapes=[tuple(t.shape) for t in outputs],
             elem_bytes=outputs[0].element_size() if outputs else 4,
-            full_time_s=full_time,
+            full_time_s=compute_time(profile, hardware, needs_grad) if kind == "op" else 0.0,
             needs_grad=needs_grad,
             name=params.get(node.name) or buffers.get(node.name) or node.name,
+            profile=profile,
         )
+    for fact in facts.values():  # mark what autograd keeps: activation memory
+        if fact.kind == "op" and fact.needs_grad:
+            fact.saved = fact.saved or fact.profile.saves_output
+            for slot in fact.profile.saved_inputs:
+                facts[fact.slots[slot].name].saved = True
     return facts
 
 
@@ -367,9 +375,15 @@ def _memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     frac = 1 / ctx.size if isinstance(s.output, Shard) else 1.0
     if fact.kind == "param":
         return numel(shapes[0]) * sum(PARAM_STATE_BYTES.values()) * frac
-    if fact.kind == "op" and fact.needs_grad:
-        return sum(numel(sh) for sh in shapes) * fact.elem_bytes * frac
-    return 0.0
+    return _activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
+
+
+def _activation_bytes(fact: NodeFacts, local_shapes, work: float, output_fraction: float = 1.0) -> float:
+    """Bytes autograd keeps for this node: its output if saved, plus what the op saves itself."""
+    if fact.kind not in ("op", "input"):
+        return 0.0
+    output = sum(numel(sh) for sh in local_shapes) * fact.elem_bytes * output_fraction if fact.saved else 0.0
+    return output + fact.profile.saved_extra_bytes * work
 
 
 def _solve_axis(facts, ctx: AxisContext, limit) -> dict[str, Strategy] | None:
@@ -440,8 +454,8 @@ def _evaluate(facts, degrees, strategies, mesh, hardware) -> Cost:
         if fact.kind == "param":
             for category, nbytes in model_state_bytes(elements).items():
                 memory[category] += nbytes
-        elif fact.kind == "op" and fact.needs_grad:
-            memory["activations"] += elements * fact.elem_bytes
+        else:
+            memory["activations"] += _activation_bytes(fact, local.shapes[name], local.work[name])
     return Cost(compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile
 from autopar.passes.cost import (
-    collective_time, compute_time, grad_sync_time, model_state_bytes, node_flops, reshard_time,
+    OpProfile, collective_time, compute_time, grad_sync_time, model_state_bytes, op_profile, reshard_time,
 )
 from autopar.passes.capture import capture
 
@@ -56,16 +56,39 @@ def test_redistributions_cost_their_collective_and_its_dual():
 
 def test_roofline_takes_the_slower_of_flops_and_bytes():
     profile = get_profile("a100-80gb")
-    matmul = compute_time(2e12, 1e6, profile)  # compute bound: 3 × (fwd + 2× bwd) FLOPs
-    assert matmul == pytest.approx(3 * 2e12 / profile.flops_per_s() + 2 * profile.op_overhead_s)
-    copy = compute_time(0, 1e9, profile)  # memory bound: read+write forward, again backward
+    matmul = compute_time(OpProfile(2e12, 4e12, 1e6), profile, needs_grad=True)
+    assert matmul == pytest.approx(6e12 / profile.flops_per_s() + 2 * profile.op_overhead_s)
+    assert compute_time(OpProfile(2e12, 4e12, 1e6), profile, needs_grad=False) == pytest.approx(
+        2e12 / profile.flops_per_s() + profile.op_overhead_s
+    )
+    copy = compute_time(OpProfile(0, 0, 1e9), profile, needs_grad=True)  # memory bound, backward alike
     assert copy == pytest.approx(2 * 1e9 / profile.memory_bandwidth + 2 * profile.op_overhead_s)
 
 
-def test_flops_are_counted_from_the_graph():
-    captured = capture(torch.nn.Linear(64, 32), (torch.randn(16, 64),))
-    (linear,) = [n for n in captured.graph.nodes if n.op == "call_function"]
-    assert node_flops(linear) == 2 * 16 * 64 * 32
+def _only_op(module, *inputs):
+    captured = capture(module, inputs)
+    (node,) = [n for n in captured.graph.nodes if n.op == "call_function"]
+    return node
+
+
+def test_ops_are_profiled_forward_and_backward_with_what_autograd_saves():
+    linear = op_profile(_only_op(torch.nn.Linear(64, 32), torch.randn(16, 64)), needs_grad=True)
+    assert linear.forward_flops == 2 * 16 * 64 * 32
+    assert linear.backward_flops == 2 * linear.forward_flops  # grad input and grad weight
+    assert linear.saved_inputs == (0, 1) and not linear.saves_output  # x and W
+    assert op_profile(_only_op(torch.nn.Linear(64, 32), torch.randn(16, 64)), needs_grad=False).backward_flops == 0
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_flops_come_from_the_formula_where_the_counter_has_none():
+    q = torch.randn(2, 4, 16, 8)
+    profile = op_profile(_only_op(Attention(), q, q, q), needs_grad=True)
+    assert profile.forward_flops == 4 * 2 * 4 * 16 * 16 * 8
+    assert profile.saves_output and profile.saved_extra_bytes > 0  # output and softmax statistics
 
 
 def test_zero_paper_worked_example_within_two_percent():
