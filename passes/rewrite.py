@@ -10,7 +10,11 @@ input's LOCAL shard, in which
 - partial gradients are completed where :mod:`gradients` says (Megatron's f, fused into the
   all-gather when the input was just gathered: sequence parallelism's reduce-scatter), and
   left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
-- shape arguments of views and factory device arguments are local.
+- shape arguments of views and factory device arguments are local;
+- under ZeRO-3 (``plan.zero == 3``) a parameter split over dp (``autopar.ir.zero``) arrives
+  as its dp chunk and is gathered (``torch.ops.autopar.zero_gather``) right before each use,
+  so no whole weight lives longer than the op that needs it; the gather's backward
+  reduce-scatters the gradient.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from autopar.ir import Partial, Placement, Plan, Replicate, Shard, StalePlanError
+from autopar.ir.zero import DATA_PARALLEL, zero_shard_dim
 
 from .capture import CapturedGraph
 from .gradients import plan_gradients
@@ -61,9 +66,28 @@ def rewrite(captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], devi
             continue
         with at_node(node):
             _rewrite_node(node, decision, plan, placements, builder, gradients, device)
+    if plan.zero == 3:
+        _gather_zero3_params(graph, captured, plan, groups)
     graph.eliminate_dead_code()
     graph.lint()
     return fx.GraphModule(captured.graph_module, graph)
+
+
+def _gather_zero3_params(graph: fx.Graph, captured: CapturedGraph, plan: Plan, groups: dict[str, str]) -> None:
+    """ZeRO-3: a gather of the dp chunks before every use of a split parameter (one per use,
+    so a weight used early and late is not kept in between)."""
+    for node in list(graph.nodes):
+        if node.op != "placeholder" or node.name not in captured.params:
+            continue
+        name = captured.params[node.name]
+        dim = zero_shard_dim(plan, name, node.meta["val"].shape)
+        if dim is None:
+            continue
+        reduce_grad = DATA_PARALLEL in plan.grad_sync.get(name, ())  # else every dp rank has the whole gradient
+        for user in list(node.users):
+            with graph.inserting_before(user):
+                gathered = graph.call_function(torch.ops.autopar.zero_gather.default, (node, groups[DATA_PARALLEL], dim, reduce_grad))
+            user.replace_input_with(node, gathered)
 
 
 def _rewrite_node(node, decision, plan, placements, builder, gradients, device) -> None:

@@ -14,6 +14,7 @@ from .collectives import (
     reduce_scatter,
 )
 from .grad_sync import GradSync
+from .zero3 import zero_gather
 from .launch import free_port, init_from_env, launch_local
 from .process_groups import build_device_mesh, group_name
 from .spawn import run_local

@@ -11,9 +11,14 @@ the sums back, so the gradients are synced when ``loss.backward()`` returns.
 Buckets are launched strictly in list order on every rank, as in DDP: collectives on one
 group must be issued in the same order everywhere, even when ranks produce gradients in
 different orders or leave different parameters unused.
+
+ZeRO-2 lists a parameter with a :class:`Scatter`: its bucket is reduce-scattered instead, each
+rank receiving only its chunk of the summed gradient (handed to ``Scatter.sink``); the full
+gradient is dropped as soon as it is copied into the bucket, and the bucket's buffer lives
+only while its reduction is in flight.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -23,6 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
+
+from .collectives import _chunks_to_front
 
 DEFAULT_BUCKET_SIZE_BYTES = 25 * 2**20
 # Like DDP: a small first bucket starts communication early in backward.
@@ -72,7 +79,7 @@ class _Bucket:
 
     def launch(self) -> None:
         """Start the all-reduce; a parameter with no gradient yet contributes zeros."""
-        self.buffer[self.offsets[-1] :].fill_(1)
+        self._flags().fill_(1)
         for index, param in enumerate(self.params):
             if self.ready[index]:
                 continue
@@ -81,8 +88,13 @@ class _Bucket:
                 self._flag(index).zero_()
             else:  # accumulated under no_sync, unused in this last backward
                 self.copy_in(index)
-        group = _resolve_process_group(self.group_name)
-        self.work = dist.all_reduce(self.buffer, group=group, async_op=True)
+        self.work = self._reduce()
+
+    def _flags(self) -> Tensor:
+        return self.buffer[self.offsets[-1] :]
+
+    def _reduce(self) -> dist.Work:
+        return dist.all_reduce(self.buffer, group=_resolve_process_group(self.group_name), async_op=True)
 
     def finish(self) -> None:
         """Wait for the all-reduce and write the sums into the gradients."""
@@ -106,32 +118,109 @@ class _Bucket:
         )
 
 
-def _make_buckets(
-    params_and_groups: Sequence[tuple[Tensor, str]], bucket_size_bytes: int, first_bucket_bytes: int
-) -> list[_Bucket]:
-    """Fill buckets in backward order; order them by when their last gradient should arrive."""
-    members: list[tuple[int, str, list[Tensor]]] = []  # (last arrival, group, params)
-    open_members: dict[tuple, tuple[str, list[Tensor]]] = {}
+@dataclass(frozen=True)
+class Scatter:
+    """Reduce-scatter a parameter's gradient over its group along ``dim`` (ZeRO-2).
+
+    ``sink(param, chunk)`` receives this rank's chunk of the sum (None where no rank had a
+    gradient); ``then_sum_over`` names a group the chunk is then all-reduced over (the
+    parameter's other gradient axes: summing chunks is summing the whole).
+    """
+
+    dim: int
+    sink: Callable[[Tensor, Tensor | None], None]
+    then_sum_over: str | None = None
+
+
+class _ScatterBucket(_Bucket):
+    """A bucket laid out (ranks, columns): row k holds chunk k of every gradient, then one
+    "used" flag per parameter, so one reduce-scatter leaves each rank its chunks and flags."""
+
+    def __init__(self, group_name: str, params: list[Tensor], scatters: list[Scatter], parts: int, offsets: list[int], dtype, device):
+        super().__init__(group_name, params, None, offsets)
+        self.scatters, self.parts, self.dtype, self.device = scatters, parts, dtype, device
+        self.received: Tensor | None = None
+
+    def _slot(self, index: int) -> Tensor:
+        return self.buffer[:, self.offsets[index] : self.offsets[index + 1]]
+
+    def _flag(self, index: int) -> Tensor:
+        return self.buffer[:, self.offsets[-1] + index]
+
+    def _flags(self) -> Tensor:
+        return self.buffer[:, self.offsets[-1] :]
+
+    def copy_in(self, index: int) -> None:
+        if self.buffer is None:
+            self.buffer = torch.empty(self.parts, self.offsets[-1] + len(self.params), dtype=self.dtype, device=self.device)
+        param = self.params[index]
+        self._slot(index).copy_(_chunks_to_front(param.grad, self.scatters[index].dim, self.parts).view(self.parts, -1))
+        param.grad = None  # ZeRO-2: only the chunk of the sum is kept
+        self.ready[index] = True
+        self.num_ready += 1
+
+    def launch(self) -> None:
+        if self.buffer is None:
+            self.buffer = torch.zeros(self.parts, self.offsets[-1] + len(self.params), dtype=self.dtype, device=self.device)
+        super().launch()
+
+    def _reduce(self) -> dist.Work:
+        group = _resolve_process_group(self.group_name)
+        self.received = self.buffer.new_empty(self.buffer.shape[1])
+        return dist.reduce_scatter_single(self.received, self.buffer.view(-1), group=group, async_op=True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        self.buffer = None
+        for index, (param, scatter) in enumerate(zip(self.params, self.scatters)):
+            shape = list(param.shape)
+            shape[scatter.dim] //= self.parts
+            used = self.received[self.offsets[-1] + index].item() > 0
+            chunk = self.received[self.offsets[index] : self.offsets[index + 1]].view(shape) if used else None
+            if chunk is not None and scatter.then_sum_over is not None:
+                dist.all_reduce(chunk, group=_resolve_process_group(scatter.then_sum_over))
+            scatter.sink(param, chunk)
+        self.received = None
+        self.ready = [False] * len(self.params)
+        self.num_ready = 0
+        self.work = None
+
+
+def _make_buckets(entries: Sequence[tuple], bucket_size_bytes: int, first_bucket_bytes: int) -> list[_Bucket]:
+    """Fill buckets in backward order; order them by when their last gradient should arrive.
+
+    ``entries`` are (param, group) or (param, group, Scatter)."""
+    members: list[tuple[int, str, list[tuple]]] = []  # (last arrival, group, entries)
+    open_members: dict[tuple, tuple[str, list[tuple]]] = {}
     open_bytes: dict[tuple, int] = {}
-    for arrival, (param, group) in enumerate(reversed(params_and_groups)):
+    for arrival, entry in enumerate(reversed(entries)):
+        param, group, scatter = (*entry, None)[:3]
         local = _local(param)
-        key = (group, local.dtype, local.device)
-        open_members.setdefault(key, (group, []))[1].append(param)
+        key = (group, local.dtype, local.device, scatter is not None and scatter.then_sum_over)
+        open_members.setdefault(key, (group, []))[1].append((param, scatter))
         open_bytes[key] = open_bytes.get(key, 0) + local.numel() * local.element_size()
         if open_bytes[key] >= (bucket_size_bytes if members else min(first_bucket_bytes, bucket_size_bytes)):
             members.append((arrival, *open_members.pop(key)))
             del open_bytes[key]
-    last_arrival = len(params_and_groups)
-    members += [(last_arrival, group, params) for group, params in open_members.values()]
+    last_arrival = len(entries)
+    members += [(last_arrival, group, bucket) for group, bucket in open_members.values()]
     members.sort(key=lambda member: member[0])
-    return [_allocate_bucket(group, params) for _, group, params in members]
+    return [_allocate_bucket(group, bucket) for _, group, bucket in members]
 
 
-def _allocate_bucket(group_name: str, params: list[Tensor]) -> _Bucket:
+def _allocate_bucket(group_name: str, entries: list[tuple]) -> _Bucket:
+    params = [param for param, _ in entries]
+    first = _local(params[0])
+    scatters = [scatter for _, scatter in entries]
+    if scatters[0] is not None:
+        parts = _resolve_process_group(group_name).size()
+        offsets = [0]
+        for param in params:
+            offsets.append(offsets[-1] + param.numel() // parts)
+        return _ScatterBucket(group_name, params, scatters, parts, offsets, first.dtype, first.device)
     offsets = [0]
     for param in params:
         offsets.append(offsets[-1] + _local(param).numel())
-    first = _local(params[0])
     buffer = torch.empty(offsets[-1] + len(params), dtype=first.dtype, device=first.device)
     return _Bucket(group_name, params, buffer, offsets)
 
@@ -139,7 +228,8 @@ def _allocate_bucket(group_name: str, params: list[Tensor]) -> _Bucket:
 class GradSync:
     """Sum gradients over process groups during backward, bucketed and overlapped, like DDP.
 
-    ``params_and_groups`` lists (parameter, c10d group name); parameters that need no sync
+    ``params_and_groups`` lists (parameter, c10d group name), or (parameter, group, Scatter)
+    to reduce-scatter the gradient (ZeRO-2, plain tensors only); parameters that need no sync
     are left out, frozen ones are skipped. Parameters may be DTensors (their local gradient
     is reduced in place). Every rank of a group must list the same parameters of that group
     in the same order, and every synced backward must produce at least one of their
@@ -162,8 +252,8 @@ class GradSync:
     ):
         """``auto_finish=False``: the owner calls :meth:`finish` at the end of each backward
         (from its own engine callback), e.g. to run more work after the sums are in place."""
-        trainable = [(param, group) for param, group in params_and_groups if param.requires_grad]
-        if len({id(param) for param, _ in trainable}) != len(trainable):
+        trainable = [entry for entry in params_and_groups if entry[0].requires_grad]
+        if len({id(entry[0]) for entry in trainable}) != len(trainable):
             raise ValueError("GradSync: a parameter is listed twice; list each one once")
         self._buckets = _make_buckets(trainable, bucket_size_bytes, first_bucket_bytes)
         self._auto_finish = auto_finish
@@ -179,6 +269,11 @@ class GradSync:
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
+
+    @property
+    def syncing(self) -> bool:
+        """False inside :meth:`no_sync`."""
+        return self._sync_enabled
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -7,6 +7,10 @@ takes directly, so a training step pays no DTensor dispatch. Gradients accumulat
 leaves; partial sums over an axis are summed by a bucketed :class:`GradSync` while backward
 runs; at the end of backward every local gradient is published as the DTensor's ``.grad``
 (again the same storage, no copy).
+
+With ZeRO (``plan.zero``, see :mod:`zero`) the optimizer state (1), gradients (2) and
+parameters (3) of data-parallel replicated parameters are split over dp: ZeRO-2 gradients
+and ZeRO-3 parameters are DTensors sharded over dp, so ``full_tensor()`` still gives the whole.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from autopar.ir import Plan, Replicate, Shard
 
 from .grad_sync import GradSync
 from .process_groups import group_name
+from .zero import ZeroLayout, ZeroOptimizer, add_grad
+from .zero3 import Regather
 
 
 def to_dtensor_placement(placement):
@@ -69,11 +75,20 @@ class ParallelModule(nn.Module):
         self._buffer_order = buffer_order
         self._params: dict[str, nn.Parameter] = {}
         self._locals: dict[str, torch.Tensor] = {}  # the leaves the program trains
+        self.zero = ZeroLayout(plan, mesh, {name: state[name].shape for name in dict.fromkeys(param_order)})
+        self._zero_chunks: dict[str, torch.Tensor] = {}  # ZeRO-1/2: the chunks the optimizer steps
         for name in dict.fromkeys(param_order):
             full = state[name]
             placements = [to_dtensor_placement(p) for p in plan.params[name]]
-            local = local_chunk(full.detach(), plan.params[name], mesh).clone().requires_grad_(full.requires_grad)
-            param = nn.Parameter(DTensor.from_local(local.detach(), mesh, placements, run_check=False))
+            local = local_chunk(full.detach(), plan.params[name], mesh)
+            if self.zero.stores_chunk(name):
+                local, placements = self.zero.chunk(name, local), self.zero.placements(name, placements)
+            local = local.clone().requires_grad_(full.requires_grad)
+            if name in self.zero.dims and not self.zero.stores_chunk(name) and local.requires_grad:
+                self._zero_chunks[name] = self.zero.chunk(name, local.detach()).requires_grad_()
+            param = nn.Parameter(
+                DTensor.from_local(local.detach(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+            )
             assert param._local_tensor.data_ptr() == local.data_ptr(), "the DTensor must share the leaf's storage"
             self._params[name], self._locals[name] = param, local
             _register(self, name, param)
@@ -81,10 +96,9 @@ class ParallelModule(nn.Module):
             _register(self, alias, self._params[name])
         for name in buffer_order:
             _register(self, name, state[name].detach().clone(), buffer=True)
-        self._grad_sync = GradSync(
-            [(self._locals[name], group_name(mesh, axes)) for name, axes in plan.grad_sync.items()],
-            auto_finish=False,
-        )
+        self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
+        entries = [self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk) for name, axes in plan.grad_sync.items()]
+        self._grad_sync = GradSync([entry for entry in entries if entry is not None], auto_finish=False)
         self._local_loss = _peel_loss_reduction(program)
         self._callback_queued = False
         for local in self._locals.values():
@@ -120,16 +134,26 @@ class ParallelModule(nn.Module):
         self._follow_zeroed_grads()
         params = [self._locals[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
-        return tuple(program(*params, *buffers, *local_inputs))
+        if self.zero.stage != 3 or not self.zero.dims:
+            return tuple(program(*params, *buffers, *local_inputs))
+        with Regather().recording():  # gathered ZeRO-3 weights are not kept for backward, but gathered again
+            return tuple(program(*params, *buffers, *local_inputs))
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """An optimizer stepping this rank's shards as plain tensors (no DTensor dispatch).
 
         Exact for elementwise optimizers (SGD, Adam, AdamW, ...): each element's update needs
         only its own gradient and state. For optimizers with whole-tensor statistics, pass
-        ``pmodel.parameters()`` (DTensors) to the optimizer instead.
+        ``pmodel.parameters()`` (DTensors) to the optimizer instead. Under ZeRO-1/2 it is a
+        :class:`ZeroOptimizer` over this rank's 1/dp of each parameter, whose ``step()``
+        all-gathers the updated parameters; under ZeRO-3 the shards already are 1/dp.
         """
-        return optimizer_class(list(self._locals.values()), **kwargs)
+        if not self._zero_chunks:
+            return optimizer_class(list(self._locals.values()), **kwargs)
+        chunked = [(self._zero_chunks[name], self._locals[name], self.zero.dims[name]) for name in self._zero_chunks]
+        whole = [local for name, local in self._locals.items() if name not in self._zero_chunks]
+        inner = optimizer_class([chunk for chunk, _, _ in chunked] + whole, **kwargs)
+        return ZeroOptimizer(inner, chunked, whole, self.zero.stage, self.zero)
 
     def no_sync(self):
         """Accumulate gradients locally over several backward passes (like DDP's no_sync)."""
@@ -150,17 +174,38 @@ class ParallelModule(nn.Module):
         self._callback_queued = False
         self._grad_sync.finish()
         for name, param in self._params.items():
-            grad = self._locals[name].grad
+            placements = param.placements
+            if self._grad_is_zero_chunk(name):
+                local = self._locals[name]
+                if local.grad is not None and self._grad_sync.syncing:  # complete already: keep our chunk
+                    add_grad(self._zero_chunks[name], self.zero.chunk(name, local.grad))
+                    local.grad = None
+                placements = self.zero.placements(name, list(placements))
+            grad = self._grad_owner(name).grad
             if grad is not None and (param.grad is None or param.grad._local_tensor.data_ptr() != grad.data_ptr()):
-                param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+                param.grad = DTensor.from_local(
+                    grad, param.device_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+                )
+
+    def _grad_is_zero_chunk(self, name: str) -> bool:
+        return name in self._zero_chunks and self.zero.grad_is_chunk(name)
+
+    def _grad_owner(self, name: str) -> torch.Tensor:
+        """The leaf whose gradient ``param.grad`` shows: ZeRO-2's chunk, else the program's leaf."""
+        return self._zero_chunks[name] if self._grad_is_zero_chunk(name) else self._locals[name]
+
+    def _add_grad_chunk(self, leaf: torch.Tensor, chunk: torch.Tensor | None) -> None:
+        """ZeRO-2: the reduce-scattered chunk of ``leaf``'s gradient (a view into a bucket: copied)."""
+        if chunk is not None:
+            add_grad(self._zero_chunks[self._names_by_leaf[id(leaf)]], chunk.clone())
 
     def _follow_zeroed_grads(self) -> None:
         """An optimizer over either view may have set its gradients to None: mirror that."""
         for name, param in self._params.items():
-            local = self._locals[name]
+            owner = self._grad_owner(name)
             if param.grad is None:
-                local.grad = None
-            elif local.grad is None:
+                owner.grad = None
+            elif owner.grad is None:
                 param.grad = None
 
 

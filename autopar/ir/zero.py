@@ -1,0 +1,36 @@
+"""Which dim of a parameter ZeRO splits over the data-parallel axis: one rule for the rewrite
+(ZeRO-3 gathers) and the runtime (sharded storage, gradients and optimizer state)."""
+
+from __future__ import annotations
+
+from .placement import Replicate, Shard
+from .plan import Plan
+
+DATA_PARALLEL = "dp"
+
+
+def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
+    """The dim of ``param``'s tensor-parallel-local shard that ZeRO splits over "dp", or None.
+
+    ``shape`` is the parameter's full shape. ZeRO (stage 1 and up) splits a parameter the plan
+    replicates over dp along the first dim that no other axis splits, so that the two splits
+    nest as DTensor placements ``(Shard(d), <tp placement>)`` describe and ``full_tensor()``
+    stays right; and only where dp divides that dim (uneven shards are not supported yet).
+    A parameter without such a dim (a 1-D bias split over tp) stays whole on every dp rank.
+
+    >>> zero_shard_dim(plan, "layers.0.attn.wq.weight", (64, 64))   # doctest: +SKIP
+    1
+    """
+    dp = plan.degrees.get(DATA_PARALLEL, 1)
+    if not plan.zero or dp == 1:
+        return None
+    placements = plan.params[param]
+    if not isinstance(placements[plan.axes.index(DATA_PARALLEL)], Replicate):
+        return None
+    local, split = list(shape), set()
+    for axis, placement in zip(plan.axes, placements):
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(local)
+            local[dim] //= plan.degrees[axis]
+            split.add(dim)
+    return next((dim for dim, size in enumerate(local) if dim not in split and size % dp == 0), None)
