@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, StalePlanError, get_profile
+from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, Schedule, StalePlanError, get_profile
 from autopar.passes.capture import CapturedGraph, capture
 from autopar.passes.pipeline import PassLog, verify_graph
 from autopar.passes.rewrite import rewrite
@@ -24,17 +24,27 @@ def plan(
     constraints: dict[str, object] | None = None,
     hardware: str | HardwareProfile | None = None,
     memory_limit: float | None = None,
+    zero: int | None = None,
+    recompute: str | None = None,
+    microbatches: int | None = None,
 ) -> Plan:
     """Find how to run ``model`` on ``mesh``; needs no process group and works on meta models.
 
     ``example_inputs`` describe the GLOBAL batch. ``degrees`` pins parallel sizes
     (``{"dp": 2, "tp": 2}``), ``constraints`` pins placements by parameter or module name
-    pattern (``{"layers.*.attn_norm": "S(1)"}``, on the tensor-parallel axis).
+    pattern (``{"layers.*.attn_norm": "S(1)"}``, on the tensor-parallel axis), ``zero`` pins
+    the ZeRO stage (0-3) over the data-parallel axis; by default the search takes the lowest
+    stage that fits ``memory_limit``. ``degrees={"pp": 2, ...}`` pins pipeline stages,
+    ``recompute`` ("none", "selective", "full") activation recomputation (by default the
+    least that fits), ``microbatches`` the pieces the local batch runs in.
 
     >>> p = plan(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
     >>> print(p)                                         # doctest: +SKIP
     """
-    return _plan_captured(_capture(model, example_inputs), mesh, degrees, constraints, hardware, memory_limit)
+    return _plan_captured(
+        _capture(model, example_inputs), mesh, degrees, constraints, hardware, memory_limit,
+        dict(zero=zero, recompute=recompute, microbatches=microbatches),
+    )
 
 
 def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> CapturedGraph:
@@ -43,7 +53,7 @@ def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> Ca
     return (log or PassLog()).run("capture", capture, model, tuple(example_inputs), verify=lambda c: verify_graph(c.graph_module))
 
 
-def _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, log: PassLog | None = None) -> Plan:
+def _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, pins=None, log: PassLog | None = None) -> Plan:
     return (log or PassLog()).run(
         "search",
         search,
@@ -53,6 +63,7 @@ def _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit,
         degrees=degrees,
         memory_limit=memory_limit,
         constraints=constraints,
+        **(pins or {}),
     )
 
 
@@ -66,6 +77,7 @@ def parallelize(
     constraints: dict[str, object] | None = None,
     hardware: str | HardwareProfile | None = None,
     memory_limit: float | None = None,
+    zero: int | None = None,
 ):
     """Plan (or load ``plan``) and build this rank's trainable module. Call on every rank.
 
@@ -96,11 +108,16 @@ def parallelize(
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is None:
-        plan = _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, log)
+        plan = _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, dict(zero=zero, recompute="none"), log)
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
             "re-run autopar.plan for this model and these input shapes"
+        )
+    if plan.schedule != Schedule():
+        raise ConfigError(
+            f"the plan's schedule {plan.schedule} is for predictions only: this version runs plans without pipeline "
+            "stages, microbatches or recomputation. Plan with degrees without pp and recompute='none' to run it"
         )
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     device_mesh = build_device_mesh(plan.degrees, device_type)

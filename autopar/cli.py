@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from autopar.api import _capture, _plan_captured
-from autopar.ir import AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
+from autopar.ir import RECOMPUTE, AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
 from autopar.passes.export import write_export
 from autopar.report import decisions_text, degrees_text, module_rows, modules_text, search_text, summary, summary_text
 from autopar.passes.rewrite import rewrite
@@ -139,6 +139,11 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         "if `autopar calibrate` wrote it, else cpu-local)",
     )
     parser.add_argument("--memory-limit", type=parse_bytes, metavar="BYTES", help="per-device memory, e.g. 8GiB, 512MiB, 1e9")
+    parser.add_argument(
+        "--zero", type=int, choices=(0, 1, 2, 3), help="pin the ZeRO stage over the dp axis (default: the lowest that fits)"
+    )
+    parser.add_argument("--recompute", choices=RECOMPUTE, help="pin activation recomputation (default: the least that fits)")
+    parser.add_argument("--microbatches", type=_positive_int, help="pieces each rank's batch runs in (pipelines: default one sequence each)")
 
 
 def _positive_int(text: str) -> int:
@@ -297,7 +302,8 @@ def _make_plan(args):
     inputs = model.example_inputs(batch, device="meta")
     captured = _capture(model, inputs)
     constraints = dict(args.constraint) or None
-    plan = _plan_captured(captured, args.mesh, args.degrees, constraints, hardware, args.memory_limit)
+    pins = dict(zero=args.zero, recompute=args.recompute, microbatches=args.microbatches)
+    plan = _plan_captured(captured, args.mesh, args.degrees, constraints, hardware, args.memory_limit, pins)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
     return captured, plan, program
 

@@ -103,6 +103,8 @@ def summary(plan: Plan) -> dict:
         "compute_s": cost.compute_s,
         "comm_s": cost.comm_s,
         "grad_sync_s": cost.grad_sync_s,
+        "optimizer_s": cost.optimizer_s,
+        "zero": plan.zero,
         "peak_memory": cost.peak_memory,
         "memory": dict(cost.memory),
         "search_time_s": plan.search_time_s,
@@ -111,13 +113,16 @@ def summary(plan: Plan) -> dict:
 
 def summary_text(plan: Plan) -> str:
     cost = plan.cost
-    memory = " + ".join(f"{category} {_size(value)}" for category, value in cost.memory.items())
+    memory = ", ".join(f"{category} {_size(value)}" for category, value in cost.memory.items())
+    zero = f", ZeRO-{plan.zero}" if plan.zero else ""
     return "\n".join(
         [
-            f"degrees: {degrees_text(plan.degrees)} on mesh {plan.mesh} ({plan.hardware}), global batch {plan.batch_size}",
+            f"degrees: {degrees_text(plan.degrees)}{zero} on mesh {plan.mesh} ({plan.hardware}), global batch {plan.batch_size}",
             f"predicted step time: {cost.step_s * 1e3:.2f} ms = compute {cost.compute_s * 1e3:.2f} ms"
-            f" + communication {cost.comm_s * 1e3:.2f} ms + gradient sync {cost.grad_sync_s * 1e3:.2f} ms",
-            f"peak memory per device: {_size(cost.peak_memory)} = {memory}",
+            f" + exposed communication {cost.comm_s * 1e3:.2f} ms + exposed gradient sync {cost.grad_sync_s * 1e3:.2f} ms"
+            f" + optimizer {cost.optimizer_s * 1e3:.2f} ms",
+            f"peak memory per device: {_size(cost.peak_memory)} (gradients replace activations during backward: "
+            f"the larger of the two counts); by category: {memory}",
             search_text(plan),
             "ops run replicated (no sharding rule): " + (", ".join(plan.replicated_ops) or "none"),
         ]
@@ -128,14 +133,15 @@ def search_text(plan: Plan) -> str:
     rows = [
         [
             degrees_text(entry["degrees"]),
+            entry.get("zero", 0),
             f"{entry['step_s'] * 1e3:.2f} ms",
             _size(entry["peak_memory"]),
             "yes" if entry["feasible"] else "no",
-            "<- chosen" if entry["degrees"] == plan.degrees else "",
+            "<- chosen" if (entry["degrees"], entry.get("zero", 0)) == (plan.degrees, plan.zero) else "",
         ]
         for entry in plan.search
     ]
-    table = tabulate(rows, headers=["degrees", "predicted step", "peak memory", "fits", ""])
+    table = tabulate(rows, headers=["degrees", "ZeRO", "predicted step", "peak memory", "fits", ""])
     return f"search: {len(plan.search)} configuration{'s' if len(plan.search) != 1 else ''} in {plan.search_time_s:.2f} s\n{table}"
 
 

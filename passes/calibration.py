@@ -113,6 +113,22 @@ def fit_errors(records: list[dict], link: LinkTier) -> dict[str, dict[int, float
     return {kind: {ranks: float(np.median(values)) for ranks, values in sorted(by_ranks.items())} for kind, by_ranks in errors.items()}
 
 
+def fit_sync(records: list[dict], link: LinkTier, cores: int) -> float:
+    """Seconds a blocking collective costs in a step beyond alpha-beta, per unit of contention.
+
+    The median over ``measure_sync`` records of (in-step cost − ``collective_time``), each
+    divided by its job's contention (ranks per core, at least 1), never below 0. The
+    profile's :meth:`~autopar.ir.HardwareProfile.link` multiplies it back for a mesh.
+    """
+    if not records:
+        return 0.0
+    excess = [
+        (r["in_step_s"] - collective_time("all_reduce", r["nbytes"], r["ranks"], link)) / max(1.0, r["job_ranks"] / cores)
+        for r in records
+    ]
+    return max(0.0, float(np.median(excess)))
+
+
 def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: HardwareProfile = PROFILES["cpu-local"]) -> HardwareProfile:
     """The hardware profile ``measurements`` (from ``runtime.calibrate.calibrate``) describe.
 
@@ -133,12 +149,14 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
     alpha, bandwidth = all_reduce[max(all_reduce)] if all_reduce else (base.links[0].alpha_s, base.links[0].bandwidth)
     link = LinkTier("loopback", alpha, bandwidth, fitted=fitted)
     errors = fit_errors(records, link)
+    cores = measurements.get("cores") or base.cores_per_host
+    link = replace(link, sync_s=fit_sync(measurements.get("sync", []), link, cores))
     sizes = sorted({ranks for _, ranks in groups})
     description = (
         f"measured by `autopar calibrate` at {measurements.get('measured_at', '?')} on {measurements.get('host', 'this machine')}: "
         f"one thread per rank; peak_flops are the achieved matmul rates measured (so compute_efficiency is 1.0), "
         f"memory_bandwidth one large copy, collectives on gloo over loopback with {', '.join(map(str, sizes))} ranks, "
-        "alpha-beta fitted per kind and group size"
+        "alpha-beta fitted per kind and group size, the in-step rendezvous per blocking collective"
         + (" (quick run)" if measurements.get("quick") else "")
     )
     return replace(
@@ -149,6 +167,8 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
         compute_efficiency=1.0,
         memory_bandwidth=float(measurements["memory_bandwidth"]),
         links=(link,),
+        cores_per_host=cores,
+        measure_ops=True,
         extra={
             **base.extra,
             "fit_error": {kind: {str(ranks): error for ranks, error in by_ranks.items()} for kind, by_ranks in errors.items()},

@@ -9,6 +9,7 @@ autograd saves for backward are identified, which is what activation memory is m
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,14 +53,16 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
     steps = ranks - 1
     share = steps / ranks * nbytes / bandwidth
     if kind == "all_reduce":
-        return 2 * steps * alpha + 2 * share
-    if kind in ("all_gather", "reduce_scatter"):
-        return steps * alpha + share
-    if kind == "all_to_all":  # each rank holds nbytes/ranks and keeps 1/ranks of it
-        return steps * alpha + share / ranks
-    if kind == "send_recv":  # one message of nbytes between two ranks
-        return alpha + nbytes / bandwidth
-    raise ValueError(f"unknown collective {kind}")
+        transfer = 2 * steps * alpha + 2 * share
+    elif kind in ("all_gather", "reduce_scatter"):
+        transfer = steps * alpha + share
+    elif kind == "all_to_all":  # each rank holds nbytes/ranks and keeps 1/ranks of it
+        transfer = steps * alpha + share / ranks
+    elif kind == "send_recv":  # one message of nbytes between two ranks
+        transfer = alpha + nbytes / bandwidth
+    else:
+        raise ValueError(f"unknown collective {kind}")
+    return transfer + link.sync_s
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20
@@ -119,17 +122,27 @@ class OpProfile:
 _PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
 
 
-def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
-    """Profile a call_function node on fake tensors (cached by op and argument signature)."""
+def _signature(node: fx.Node, needs_grad: bool):
+    """(cache key, argument values, their pytree spec) of an op node, or None for a node that
+    does no work of its own (not an aten op; takes a tuple (getitem) or a symbol)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return OpProfile(0.0, 0.0, 0.0)
+        return None
     flat, spec = tree_flatten((node.args, node.kwargs))
     values = [arg.meta.get("val") if isinstance(arg, fx.Node) else arg for arg in flat]
     if any(isinstance(arg, fx.Node) and not isinstance(v, torch.Tensor) for arg, v in zip(flat, values)):
-        return OpProfile(0.0, 0.0, 0.0)  # takes a tuple (getitem) or a symbol: no work of its own
+        return None
     key = (str(node.target), needs_grad) + tuple(
-        (tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else repr(v) for v in values
+        (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in values
     )
+    return key, values, spec
+
+
+def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
+    """Profile a call_function node on fake tensors (cached by op and argument signature)."""
+    signature = _signature(node, needs_grad)
+    if signature is None:
+        return OpProfile(0.0, 0.0, 0.0)
+    key, values, spec = signature
     if key not in _PROFILES:
         tensors = [v for v in values if isinstance(v, torch.Tensor)] + tree_leaves(node.meta.get("val"))
         # factory ops have no tensor inputs: any fake mode will do
@@ -191,3 +204,61 @@ def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool
     passes = 2 if needs_grad else 1
     flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
     return max(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.memory_bandwidth) + passes * hardware.op_overhead_s
+
+
+MEASURE_LIMIT_BYTES = 64 * 2**20  # larger ops are timed by the roofline: planning must stay light
+_TIMES: dict[tuple, float | None] = {}
+
+
+def measured_time(node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7) -> float | None:
+    """Seconds of one op's forward (and backward) on THIS machine, real tensors of its
+    unsharded shapes, one thread: the fastest of ``repeats`` (load from others only adds).
+
+    What Alpa does for the device it plans for: small ops and attention run far from the
+    matmul roofline on a CPU. None for ops without work or larger than ``MEASURE_LIMIT_BYTES``.
+    """
+    signature = _signature(node, needs_grad)
+    if signature is None or profile.io_bytes > MEASURE_LIMIT_BYTES:
+        return None
+    key, values, spec = signature
+    if key not in _TIMES:
+        args, kwargs = tree_unflatten([_real_like(v, needs_grad) for v in values], spec)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _TIMES[key] = min([_time_once(node.target, args, kwargs, needs_grad) for _ in range(repeats + 2)][2:])
+        except (RuntimeError, ValueError, IndexError):  # needs real data (indices in range, ...): roofline
+            _TIMES[key] = None
+        finally:
+            torch.set_num_threads(threads)
+    return _TIMES[key]
+
+
+def _real_like(value, needs_grad: bool):
+    if not isinstance(value, torch.Tensor):
+        return value
+    span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
+    storage = torch.zeros(span, dtype=value.dtype)  # zeros: valid indices and labels
+    if value.dtype.is_floating_point:
+        storage.normal_()
+    tensor = storage.as_strided(value.shape, value.stride())  # broadcast (stride-0) views stay views
+    return tensor.requires_grad_(needs_grad) if value.dtype.is_floating_point else tensor
+
+
+def _time_once(target, args, kwargs, needs_grad: bool) -> float:
+    start = time.perf_counter()
+    out = target(*args, **kwargs)
+    grads = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if needs_grad and grads:
+        torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+    return time.perf_counter() - start
+
+
+# Foreach AdamW moves about 80 bytes per fp32 parameter: its passes (lerp, mul, addcmul,
+# weight decay, sqrt, div, add, addcdiv) read and write parameter, gradient and two moments.
+OPTIMIZER_BYTES_PER_PARAM = 80
+
+
+def optimizer_time(elements: float, hardware: HardwareProfile, contention: float = 1.0) -> float:
+    """Seconds of one AdamW step over ``elements`` local parameters: memory-bound."""
+    return elements * OPTIMIZER_BYTES_PER_PARAM / hardware.memory_bandwidth * contention

@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch.fx as fx
 
 from autopar.ir import (
+    RECOMPUTE,
+    ConfigError,
     Cost,
     HardwareProfile,
     MemoryLimitError,
@@ -31,6 +32,7 @@ from autopar.ir import (
     Plan,
     Replicate,
     Shard,
+    Schedule,
     ShardingRuleError,
     check_degrees,
     degree_choices,
@@ -38,79 +40,15 @@ from autopar.ir import (
 )
 
 from .capture import CapturedGraph, module_path
+from .evaluate import AxisContext, axis_spans, edge_time, edges, evaluate, node_memory, node_terms, stage_mesh
+from .facts import NodeFacts, ShardedShapes, analyze
 from .gradients import plan_gradients
-from .cost import PARAM_STATE_BYTES, OpProfile, collective_time, compute_time, grad_sync_time, model_state_bytes, op_profile, reshard_time
 from .ilp import ChoiceProblem, solve_choices
 from .rules import node_strategies, pointwise, rule_for
-from .strategies import OpView, Strategy, local_shape, numel, output_tensors, tensor_inputs, work_fraction
+from .strategies import OpView, Strategy
 
 R = Replicate()
 TIE_TOLERANCE = 0.05  # configurations this close in predicted time count as equally fast
-IMPOSSIBLE_S = 1e3  # cost of a redistribution that cannot be done; never chosen when avoidable
-
-
-@dataclass
-class NodeFacts:
-    """What the search needs to know about one node, computed once per graph."""
-
-    node: fx.Node
-    kind: str  # "param", "buffer", "input", "op", "output"
-    slots: list[fx.Node]
-    slot_shapes: list[tuple[int, ...]]
-    out_shapes: list[tuple[int, ...]]
-    elem_bytes: int
-    full_time_s: float  # forward + backward on one device, unsharded
-    needs_grad: bool
-    name: str = ""  # parameter / buffer name
-    profile: OpProfile = OpProfile(0.0, 0.0, 0.0)
-    saved: bool = False  # autograd keeps this node's output for some backward
-
-    @property
-    def out_shape(self) -> tuple[int, ...]:
-        return self.out_shapes[0] if self.out_shapes else ()
-
-
-@dataclass
-class ShardedShapes:
-    """Local shapes of every node's output and inputs, as axes are solved one after another."""
-
-    shapes: dict[str, list[tuple[int, ...]]]  # node → local output shapes
-    slot_shapes: dict[str, list[tuple[int, ...]]]  # node → local shape of each tensor input
-    work: dict[str, float]  # node → fraction of its work one rank still does
-
-    @classmethod
-    def unsharded(cls, facts: dict[str, NodeFacts]) -> "ShardedShapes":
-        return cls(
-            {n: list(f.out_shapes) for n, f in facts.items()},
-            {n: list(f.slot_shapes) for n, f in facts.items()},
-            {n: 1.0 for n in facts},
-        )
-
-    def after(self, chosen: dict[str, Strategy], size: int) -> "ShardedShapes":
-        """The shapes once every node in ``chosen`` is placed on an axis of ``size``."""
-        def out(n, shapes):
-            return [local_shape(x, chosen[n].output, size) for x in shapes] if n in chosen else shapes
-
-        def ins(n, shapes):
-            return [local_shape(x, p, size) for x, p in zip(shapes, chosen[n].inputs)] if n in chosen else shapes
-
-        return ShardedShapes(
-            {n: out(n, shp) for n, shp in self.shapes.items()},
-            {n: ins(n, shp) for n, shp in self.slot_shapes.items()},
-            {n: w * (work_fraction(chosen[n], size) if n in chosen else 1.0) for n, w in self.work.items()},
-        )
-
-
-@dataclass
-class AxisContext:
-    name: str
-    size: int
-    link: object
-    pins: dict[str, Placement]
-    local: ShardedShapes  # before this axis
-    overlap: float  # share of gradient sync hidden behind backward
-    bind_memory: bool = False
-    batch: dict[str, Strategy] | None = None  # node → its batch-dim sharding; never used on this axis
 
 
 @dataclass
@@ -119,54 +57,9 @@ class ConfigResult:
     strategies: dict[str, dict[str, Strategy]]  # axis → node → strategy
     cost: Cost
     feasible: bool = True
+    zero: int = 0
     replicated_ops: set[str] = field(default_factory=set)
-
-
-def analyze(captured: CapturedGraph, hardware: HardwareProfile) -> dict[str, NodeFacts]:
-    """Per-node facts: slots, shapes, unsharded cost, whether a gradient flows through it."""
-    facts: dict[str, NodeFacts] = {}
-    params, buffers = captured.params, captured.buffers
-    for node in captured.graph.nodes:
-        outputs = output_tensors(node)
-        slots = tensor_inputs(node) if node.op in ("call_function", "output") else []
-        slot_shapes = [_slot_shape(node, slot) for slot in slots]
-        if node.op == "placeholder":
-            kind = "param" if node.name in params else "buffer" if node.name in buffers else "input"
-            needs_grad = kind == "param"
-        elif node.op == "output":
-            kind, needs_grad = "output", False
-        else:
-            kind = "op"
-            needs_grad = any(facts[s.name].needs_grad for s in slots if s.name in facts) and any(
-                t.dtype.is_floating_point for t in outputs
-            )
-        profile = op_profile(node, needs_grad) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
-        facts[node.name] = NodeFacts(
-            node=node,
-            kind=kind,
-            slots=slots,
-            slot_shapes=slot_shapes,
-            out_shapes=[tuple(t.shape) for t in outputs],
-            elem_bytes=outputs[0].element_size() if outputs else 4,
-            full_time_s=compute_time(profile, hardware, needs_grad) if kind == "op" else 0.0,
-            needs_grad=needs_grad,
-            name=params.get(node.name) or buffers.get(node.name) or node.name,
-            profile=profile,
-        )
-    for fact in facts.values():  # mark what autograd keeps: activation memory
-        if fact.kind == "op" and fact.needs_grad:
-            fact.saved = fact.saved or fact.profile.saves_output
-            for slot in fact.profile.saved_inputs:
-                facts[fact.slots[slot].name].saved = True
-    return facts
-
-
-def _slot_shape(node: fx.Node, slot: fx.Node) -> tuple[int, ...]:
-    val = slot.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        index = node.args[1] if node.target.__name__ == "getitem" else 0
-        val = val[index]
-    return tuple(val.shape)
+    schedule: Schedule = Schedule()
 
 
 def search(
@@ -177,16 +70,33 @@ def search(
     degrees: dict[str, int] | None = None,
     memory_limit: float | None = None,
     constraints: dict[str, object] | None = None,
+    zero: int | None = None,
+    recompute: str | None = None,
+    microbatches: int | None = None,
 ) -> Plan:
-    """Find the cheapest plan for ``captured`` on ``mesh`` (see the module docstring)."""
+    """Find the cheapest plan for ``captured`` on ``mesh`` (see the module docstring).
+
+    ``degrees`` may pin ``pp``, the pipeline stages: the stages split the outermost mesh
+    dimension, and the intra-op search runs on one stage's devices with its share of the work.
+    """
     started = time.perf_counter()
-    facts = analyze(captured, hardware)
+    facts = analyze(captured, hardware, hardware.contention(mesh.shape))
     batch = _batch_size(captured, facts)
-    configs = [check_degrees(degrees, mesh.size)] if degrees else degree_choices(mesh.size)
+    degrees = dict(degrees or {})
+    pp = degrees.pop("pp", 1)
+    stage = stage_mesh(mesh, pp)
+    configs = [check_degrees(degrees, stage.size)] if degrees else degree_choices(stage.size)
     configs = [c for c in configs if batch % c["dp"] == 0] or configs
+    configs = _with_zero(configs, zero)
     limit = memory_limit if memory_limit is not None else hardware.memory_bytes
     batch_placements = _batch_strategies(facts, hardware)
-    results = [_solve_config(facts, cfg, mesh, hardware, limit, constraints or {}, batch_placements) for cfg in configs]
+    results = []
+    for cfg, zero_stages in configs:
+        for zero_stage in zero_stages:  # a higher stage only saves memory, at no less time: stop at the first that fits
+            schedules = _schedules(pp, microbatches, recompute, batch // cfg["dp"])
+            results.append(_solve_config(facts, cfg, stage, hardware, limit, constraints or {}, batch_placements, zero_stage, schedules))
+            if results[-1].feasible:
+                break
     feasible = [r for r in results if r.feasible]
     if not feasible:
         leanest = min(results, key=lambda r: r.cost.peak_memory)
@@ -199,8 +109,32 @@ def search(
     fastest = min(r.cost.step_s for r in feasible)
     # Within the model's resolution, prefer the simplest plan: the most data parallelism.
     near = [r for r in feasible if r.cost.step_s <= fastest * (1 + TIE_TOLERANCE)]
-    best = max(near, key=lambda r: (r.degrees["dp"], -r.cost.step_s))
+    best = max(near, key=lambda r: (r.degrees["dp"], -r.zero, -r.cost.step_s))
     return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started)
+
+
+def _schedules(pp: int, microbatches: int | None, recompute: str | None, local_batch: int) -> list[Schedule]:
+    """The schedules to try, cheapest first: recomputation only saves memory, at a price in time.
+
+    Without a pin a pipeline runs one sequence per microbatch (the smallest bubble), and
+    without a pipeline the batch runs whole."""
+    if recompute is not None and recompute not in RECOMPUTE:
+        raise ConfigError(f"recompute={recompute!r}: choose one of {list(RECOMPUTE)}")
+    if microbatches is not None and not 1 <= microbatches <= local_batch:
+        raise ConfigError(f"microbatches={microbatches}: choose between 1 and the local batch size {local_batch}")
+    micro = microbatches or (max(1, local_batch) if pp > 1 else 1)
+    return [Schedule(pp, micro, r) for r in ([recompute] if recompute else RECOMPUTE)]
+
+
+def _with_zero(configs: list[dict[str, int]], zero: int | None) -> list[tuple[dict[str, int], list[int]]]:
+    """Each configuration with the ZeRO stages to try, lowest first (ZeRO needs dp > 1)."""
+    if zero is not None and zero not in (0, 1, 2, 3):
+        raise ConfigError(f"zero={zero!r}: the ZeRO stage is 0, 1, 2 or 3")
+    if zero:
+        configs = [c for c in configs if c["dp"] > 1]
+        if not configs:
+            raise ConfigError(f"zero={zero} shards model state over the data-parallel axis: pin a dp degree above 1")
+    return [(c, [zero] if zero is not None else [0, 1, 2, 3] if c["dp"] > 1 else [0]) for c in configs]
 
 
 def _batch_size(captured: CapturedGraph, facts: dict[str, NodeFacts]) -> int:
@@ -212,19 +146,10 @@ def _degrees_str(degrees: dict[str, int]) -> str:
     return " x ".join(f"{k}={v}" for k, v in degrees.items())
 
 
-def _axis_spans(degrees: dict[str, int]) -> dict[str, int]:
-    """Devices each axis's groups span: itself and every axis inside it (tp innermost)."""
-    spans, inner = {}, 1
-    for axis in reversed(list(degrees)):
-        inner *= degrees[axis]
-        spans[axis] = inner
-    return spans
-
-
-def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch) -> ConfigResult:
+def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch, zero: int, schedules: list[Schedule]) -> ConfigResult:
     axes = list(degrees)
     last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
-    spans = _axis_spans(degrees)
+    spans = axis_spans(degrees)
     local = ShardedShapes.unsharded(facts)
     strategies: dict[str, dict[str, Strategy]] = {}
     feasible = True
@@ -238,6 +163,10 @@ def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch) -> 
             overlap=hardware.overlap,
             bind_memory=index == last_sharded,
             batch=None if axis == "dp" else batch,
+            data_parallel=degrees["dp"],
+            zero=zero,
+            hardware=hardware,
+            contention=hardware.contention(mesh.shape),
         )
         chosen = _solve_axis(facts, ctx, limit)
         if chosen is None:
@@ -245,11 +174,13 @@ def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch) -> 
             chosen = _solve_axis(facts, ctx, None)
         strategies[axis] = chosen
         local = local.after(chosen, ctx.size)
-    cost = _evaluate(facts, degrees, strategies, mesh, hardware)
-    if last_sharded < 0 and cost.peak_memory > limit:
-        feasible = False
+    for schedule in schedules:  # the first that fits; the ILP's own memory model knows no schedule
+        cost = evaluate(facts, degrees, strategies, mesh, hardware, zero, schedule)
+        if cost.peak_memory <= limit:
+            break
+    feasible = cost.peak_memory <= limit
     replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None}
-    return ConfigResult(degrees, strategies, cost, feasible, replicated)
+    return ConfigResult(degrees, strategies, cost, feasible, zero, replicated, schedule)
 
 
 def _pins(facts, axis: str, size: int, constraints) -> dict[str, Placement]:
@@ -310,7 +241,8 @@ def _candidates(fact: NodeFacts, ctx: AxisContext) -> tuple[list[Strategy], bool
 
 
 def _batch_strategies(facts, hardware) -> dict[str, Strategy]:
-    """Where the batch dim of every tensor is: the data-parallel solution on a virtual axis."""
+    """Where the batch dim of every tensor is: the data-parallel solution on a virtual axis
+    where gradient sync is free (hidden), so the batch stays split wherever it can."""
     batch_sizes = [f.out_shape[0] for f in facts.values() if f.kind == "input" and f.out_shape]
     size = next((k for k in range(2, (batch_sizes[0] if batch_sizes else 1) + 1) if batch_sizes[0] % k == 0), 1)
     if size == 1:
@@ -321,7 +253,7 @@ def _batch_strategies(facts, hardware) -> dict[str, Strategy]:
         link=hardware.links[0],
         pins=_pins(facts, "dp", size, {}),
         local=ShardedShapes.unsharded(facts),
-        overlap=hardware.overlap,
+        overlap=1.0,
     )
     return _solve_axis(facts, ctx, None)
 
@@ -332,75 +264,21 @@ def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:
     return any(isinstance(mine, Shard) and mine == theirs for mine, theirs in pairs)
 
 
-def _node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[float, float, float]:
-    """(compute, communication, gradient sync) seconds a node's strategy costs on this axis.
-
-    Compute counts the work left after earlier axes. A replicated input of an op that
-    splits its work gets a partial gradient, all-reduced in backward: bucketed with the
-    gradient sync for parameters, on its own for activations.
-    """
-    compute = fact.full_time_s * ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
-    comm = sync = 0.0
-    if ctx.size > 1 and not isinstance(s.output, Replicate):
-        for slot, placement, shape in zip(fact.slots, s.inputs, ctx.local.slot_shapes[fact.node.name]):
-            if isinstance(placement, Replicate) and facts[slot.name].needs_grad:
-                nbytes = numel(shape) * facts[slot.name].elem_bytes
-                if facts[slot.name].kind == "param":
-                    sync += grad_sync_time(nbytes, ctx.size, ctx.link) * (1 - ctx.overlap)
-                else:
-                    comm += collective_time("all_reduce", nbytes, ctx.size, ctx.link)
-    return compute, comm, sync
-
-
-def _edge_time(producer: NodeFacts, src: Placement, dst: Placement, local_shape: tuple[int, ...], ctx: AxisContext) -> float:
-    """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd)."""
-    nbytes = numel(local_shape) * producer.elem_bytes
-    return min(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
-
-
-def _edges(facts, ctx: AxisContext):
-    """Every (producer, consumer, slot index, local shape of the value on that edge)."""
-    for consumer, fact in facts.items():
-        for slot_index, slot in enumerate(fact.slots):
-            if slot.name not in facts or not facts[slot.name].out_shapes:
-                continue
-            if fact.kind == "output":
-                yield slot.name, consumer, slot_index, ctx.local.shapes[slot.name][0]
-            else:
-                yield slot.name, consumer, slot_index, ctx.local.slot_shapes[consumer][slot_index]
-
-
-def _memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
-    shapes = ctx.local.shapes[fact.node.name]
-    frac = 1 / ctx.size if isinstance(s.output, Shard) else 1.0
-    if fact.kind == "param":
-        return numel(shapes[0]) * sum(PARAM_STATE_BYTES.values()) * frac
-    return _activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
-
-
-def _activation_bytes(fact: NodeFacts, local_shapes, work: float, output_fraction: float = 1.0) -> float:
-    """Bytes autograd keeps for this node: its output if saved, plus what the op saves itself."""
-    if fact.kind not in ("op", "input"):
-        return 0.0
-    output = sum(numel(sh) for sh in local_shapes) * fact.elem_bytes * output_fraction if fact.saved else 0.0
-    return output + fact.profile.saved_extra_bytes * work
-
-
 def _solve_axis(facts, ctx: AxisContext, limit) -> dict[str, Strategy] | None:
     names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
     index = {n: i for i, n in enumerate(names)}
     options = {n: _candidates(facts[n], ctx)[0] for n in names}
-    unary = [np.array([sum(_node_terms(facts[n], s, ctx, facts)) for s in options[n]]) for n in names]
-    memory = [np.array([_memory(facts[n], s, ctx) for s in options[n]]) for n in names]
+    unary = [np.array([sum(node_terms(facts[n], s, ctx, facts)) for s in options[n]]) for n in names]
+    memory = [np.array([node_memory(facts[n], s, ctx) for s in options[n]]) for n in names]
     pairs = []
-    for producer, consumer, slot_index, shape in _edges(facts, ctx):
+    for producer, consumer, slot_index, shape in edges(facts, ctx):
         if facts[consumer].kind == "output":
             wanted = [R]
         elif consumer in index:
             wanted = [s.inputs[slot_index] for s in options[consumer]]
         else:
             continue
-        matrix = np.array([[_edge_time(facts[producer], s.output, dst, shape, ctx) for dst in wanted] for s in options[producer]])
+        matrix = np.array([[edge_time(facts[producer], s.output, dst, shape, ctx) for dst in wanted] for s in options[producer]])
         if facts[consumer].kind == "output":
             unary[index[producer]] = unary[index[producer]] + matrix[:, 0]
         else:
@@ -431,34 +309,6 @@ def _followers(facts, options, index) -> dict[int, tuple[int, list[int]]]:
     return followers
 
 
-def _evaluate(facts, degrees, strategies, mesh, hardware) -> Cost:
-    """Predicted step time and memory of a fully chosen configuration (the same terms the
-    ILP minimized, summed by category, with compute counted once over all axes)."""
-    comm = sync = 0.0
-    spans = _axis_spans(degrees)
-    local = ShardedShapes.unsharded(facts)
-    for axis, chosen in strategies.items():
-        ctx = AxisContext(axis, degrees[axis], hardware.link(mesh.shape, spans[axis]), {}, local, hardware.overlap)
-        for name, s in chosen.items():
-            _, node_comm, node_sync = _node_terms(facts[name], s, ctx, facts)
-            comm, sync = comm + node_comm, sync + node_sync
-        for producer, consumer, slot_index, shape in _edges(facts, ctx):
-            dst = R if facts[consumer].kind == "output" else chosen[consumer].inputs[slot_index] if consumer in chosen else None
-            if producer in chosen and dst is not None:
-                comm += _edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
-        local = local.after(chosen, degrees[axis])
-    compute = sum(f.full_time_s * local.work[n] for n, f in facts.items())
-    memory = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0}
-    for name, fact in facts.items():
-        elements = sum(numel(s) for s in local.shapes[name])
-        if fact.kind == "param":
-            for category, nbytes in model_state_bytes(elements).items():
-                memory[category] += nbytes
-        else:
-            memory["activations"] += _activation_bytes(fact, local.shapes[name], local.work[name])
-    return Cost(compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory)
-
-
 def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch, elapsed) -> Plan:
     axes = list(best.degrees)
     nodes, params, inputs = {}, {}, {}
@@ -479,7 +329,8 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
         elif fact.kind == "input":
             inputs[name] = tuple(s.output for s in per_axis)
     search_log = tuple(
-        {"degrees": r.degrees, "step_s": r.cost.step_s, "peak_memory": r.cost.peak_memory, "feasible": r.feasible}
+        {"degrees": r.degrees, "zero": r.zero, "schedule": dataclasses.asdict(r.schedule), "step_s": r.cost.step_s,
+         "peak_memory": r.cost.peak_memory, "feasible": r.feasible}
         for r in results
     )
     plan = Plan(
@@ -496,6 +347,8 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
         search=search_log,
         search_time_s=elapsed,
         replicated_ops=tuple(sorted(best.replicated_ops)),
+        zero=best.zero,
+        schedule=best.schedule,
     )
     gradients = plan_gradients(captured.graph, plan, captured.params, captured.user_inputs)
     grad_sync = {captured.params[name]: axes for name, axes in gradients.synced_params.items()}

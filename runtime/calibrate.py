@@ -164,6 +164,65 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
     return records
 
 
+SYNC_BYTES = 2**18  # the all-reduce that measures the rendezvous: 256 KiB
+SYNC_BURST_S = (0.002, 0.008, 0.024)  # compute before each collective, one core's time
+SYNC_REPEATS = 8
+
+
+def _slowest(seconds: float) -> float:
+    times = [None] * dist.get_world_size()
+    dist.all_gather_object(times, seconds)
+    return max(times)
+
+
+def measure_sync(rank: int, world_size: int) -> list[dict]:
+    """What a blocking collective costs inside a training step beyond its alpha-beta time.
+
+    ``measure_collectives`` starts every collective after a barrier, all ranks waiting. In a
+    step the ranks come from compute and arrive apart: the first wait for the last, and
+    sleeping processes must be woken. Here every rank runs bursts of matmuls each followed
+    by an all-reduce (no barrier), and the same bursts alone; the slowest rank's difference
+    per repeat is the collective's in-step cost. In a job of 4 or more ranks, pairs run
+    side by side too, as tensor-parallel groups inside data parallelism do. Every rank
+    returns all records: ``{"job_ranks", "ranks", "nbytes", "burst_s", "in_step_s"}``.
+    """
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    per_matmul = _best_time(lambda: a @ b, 5)
+    groups = {world_size: None}
+    if world_size >= 4:
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, world_size, 2)]
+        groups[2] = pairs[rank // 2]
+    tensor = torch.ones(SYNC_BYTES // _FLOAT_BYTES)
+    records = []
+    for size, group in groups.items():
+        dist.all_reduce(tensor, group=group)
+        for burst_s in SYNC_BURST_S:
+            count = max(1, round(burst_s / per_matmul))
+
+            def bursts(with_collective: bool):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(SYNC_REPEATS):
+                    for _ in range(count):
+                        a @ b
+                    if with_collective:
+                        dist.all_reduce(tensor, group=group)
+                return _slowest(time.perf_counter() - start) / SYNC_REPEATS
+
+            alone = [bursts(False) for _ in range(3)]
+            together = [bursts(True) for _ in range(3)]
+            records.append({
+                "job_ranks": world_size, "ranks": size, "nbytes": SYNC_BYTES, "burst_s": statistics.median(alone),
+                "in_step_s": statistics.median(together) - statistics.median(alone),
+            })
+    return records
+
+
+def _collectives_and_sync(rank: int, world_size: int, sizes_bytes, repeats: int) -> dict:
+    return {"collectives": measure_collectives(rank, world_size, sizes_bytes, repeats), "sync": measure_sync(rank, world_size)}
+
+
 def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
     """Measure matmul, memory and collectives on this machine; a dict for ``passes.calibration.fit_profile``.
 
@@ -188,20 +247,25 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
     memory_bandwidth = measure_memory_bandwidth()
     progress(f"  {memory_bandwidth / 1e9:.1f} GB/s")
 
-    collectives = []
+    collectives, sync = [], []
     for index, world_size in enumerate(ranks):
-        eta = sum(4 + 3 * size for size in ranks[index:])  # spawn and sweep, measured on 2 cores
+        eta = sum(6 + 3 * size for size in ranks[index:])  # spawn and sweep, measured on 2 cores
         progress(
             f"collectives over {world_size} gloo ranks: {len(KINDS)} kinds x {len(sizes)} sizes "
-            f"({sizes[0] // 1024} KiB .. {sizes[-1] // 2**20} MiB), {repeats} repeats (~{eta} s left)"
+            f"({sizes[0] // 1024} KiB .. {sizes[-1] // 2**20} MiB), {repeats} repeats, then the in-step "
+            f"rendezvous (~{eta} s left)"
         )
         step_start = time.perf_counter()
-        collectives += run_local(measure_collectives, world_size, sizes, repeats, timeout_s=300)[0]
+        measured = run_local(_collectives_and_sync, world_size, sizes, repeats, timeout_s=300)[0]
+        collectives += measured["collectives"]
+        sync += measured["sync"]
         progress(f"  done in {time.perf_counter() - step_start:.0f} s")
     return {
         "matmul": matmul,
         "memory_bandwidth": memory_bandwidth,
         "collectives": collectives,
+        "sync": sync,
+        "cores": os.cpu_count(),
         "measured_at": measured_at,
         "host": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})",
         "threads_per_rank": 1,

@@ -7,6 +7,7 @@ home directory (every path is explicit, XDG_CACHE_HOME points into tmp where it 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 from contextlib import redirect_stdout
@@ -31,6 +32,9 @@ TRUE_LINKS = {  # (alpha seconds, bandwidth bytes/s) per kind, different so a mi
 }
 
 
+TRUE_SYNC_S, TRUE_CORES = 0.8e-3, 2
+
+
 def synthetic_measurements(noise: float = 0.05, seed: int = 0) -> dict:
     """What calibrate() would return on a machine that follows collective_time, with ±noise."""
     rng = np.random.default_rng(seed)
@@ -41,10 +45,19 @@ def synthetic_measurements(noise: float = 0.05, seed: int = 0) -> dict:
             for nbytes in SIZES_BYTES:
                 seconds = collective_time(kind, nbytes, ranks, link) * rng.uniform(1 - noise, 1 + noise)
                 records.append({"kind": kind, "ranks": ranks, "nbytes": nbytes, "seconds": seconds})
+    sync = []  # in-step all-reduces: alpha-beta + TRUE_SYNC_S x the job's ranks per core
+    for job_ranks, ranks in ((2, 2), (4, 4), (4, 2)):
+        link = LinkTier("truth", 0.0, 1.0, fitted={"all_reduce": {ranks: TRUE_LINKS["all_reduce"]}})
+        for burst_s in (0.002, 0.008, 0.024):
+            in_step = collective_time("all_reduce", 2**18, ranks, link) + TRUE_SYNC_S * job_ranks / TRUE_CORES
+            sync.append({"job_ranks": job_ranks, "ranks": ranks, "nbytes": 2**18, "burst_s": burst_s,
+                         "in_step_s": in_step * rng.uniform(1 - noise, 1 + noise)})
     return {
         "matmul": {"float32": 8e10, "bfloat16": 2e11},
         "memory_bandwidth": 2.5e10,
         "collectives": records,
+        "sync": sync,
+        "cores": TRUE_CORES,
         "measured_at": "2026-01-01T00:00:00+00:00",
         "host": "test",
         "threads_per_rank": 1,
@@ -90,10 +103,13 @@ def test_fit_profile_round_trips_and_plans(tmp_path):
     assert profile.flops_per_s("float32") == 8e10 and profile.memory_bandwidth == 2.5e10
     assert (link.alpha_s, link.bandwidth) == link.fitted["all_reduce"][4]  # the largest group
     assert set(link.fitted) == set(KINDS) and all(set(by_ranks) == {2, 4} for by_ranks in link.fitted.values())
+    assert link.sync_s == pytest.approx(TRUE_SYNC_S, rel=0.1) and profile.cores_per_host == TRUE_CORES
+    assert profile.link((4,), 4).sync_s == pytest.approx(2 * link.sync_s)  # 4 ranks on 2 cores wait twice as long
     assert "autopar calibrate" in profile.description and "achieved" in profile.description
     errors = profile.extra["fit_error"]
     assert set(errors) == set(KINDS) and all(0 <= e < 0.05 for by_ranks in errors.values() for e in by_ranks.values())
-    assert fit_errors(profile.extra["measurements"]["collectives"], link)["send_recv"][2] == errors["send_recv"]["2"]
+    barrier_first = dataclasses.replace(link, sync_s=0.0)  # as measured: every rank waiting, no skew
+    assert fit_errors(profile.extra["measurements"]["collectives"], barrier_first)["send_recv"][2] == errors["send_recv"]["2"]
 
     path = profile.save(tmp_path / "calibrated.json")
     assert HardwareProfile.load(path) == profile

@@ -6,7 +6,10 @@ crosses the next tier. The cost model reads nothing else about the machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,6 +30,7 @@ class LinkTier:
     alpha_s: float
     bandwidth: float
     fitted: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
+    sync_s: float = 0.0  # fixed cost of each blocking collective in a step: waiting for the slowest rank
 
     def alpha_beta(self, kind: str, ranks: int) -> tuple[float, float]:
         """(alpha seconds per step, bus bandwidth bytes/s) of one collective kind over ``ranks``."""
@@ -48,15 +52,28 @@ class HardwareProfile:
     description: str = ""
     overlap: float = 0.0  # fraction of gradient all-reduce hidden behind backward
     op_overhead_s: float = 0.0  # fixed cost of launching one op
+    cores_per_host: int = 0  # CPU processes share this many cores; 0: every device computes on its own
+    measure_ops: bool = False  # this profile is the planning machine: time ops on it instead of the roofline
     extra: dict = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency
 
+    def contention(self, mesh_shape: tuple[int, ...]) -> float:
+        """How much slower each rank computes because ranks on one host share its cores."""
+        if not self.cores_per_host:
+            return 1.0
+        ranks_per_host = math.prod(mesh_shape) if len(self.links) == 1 else mesh_shape[-1]
+        return max(1.0, ranks_per_host / self.cores_per_host)
+
     def link(self, mesh_shape: tuple[int, ...], axis_span: int) -> LinkTier:
-        """The tier a collective over the ``axis_span`` innermost devices crosses."""
+        """The tier a collective over the ``axis_span`` innermost devices crosses.
+
+        Ranks that share cores arrive at a collective with more skew: the wait grows with
+        the contention."""
         inside_node = axis_span <= mesh_shape[-1]
-        return self.links[0] if inside_node or len(self.links) == 1 else self.links[1]
+        link = self.links[0] if inside_node or len(self.links) == 1 else self.links[1]
+        return dataclasses.replace(link, sync_s=link.sync_s * self.contention(mesh_shape))
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -74,6 +91,7 @@ class HardwareProfile:
                 alpha_s=link["alpha_s"],
                 bandwidth=link["bandwidth"],
                 fitted={kind: {int(n): tuple(ab) for n, ab in sizes.items()} for kind, sizes in link.get("fitted", {}).items()},
+                sync_s=link.get("sync_s", 0.0),
             )
             for link in data["links"]
         )
@@ -104,14 +122,17 @@ PROFILES: dict[str, HardwareProfile] = {
             description=(
                 "this machine: one CPU process (one thread) per rank, gloo over loopback; rates from "
                 "`autopar calibrate` on 2026-11-22 (fp32 matmul 92 GFLOP/s, copy 25 GB/s, 2-rank "
-                "all-reduce alpha 197 us, 1.4 GB/s); run it again for this machine's current figures"
+                "all-reduce alpha 197 us, 1.4 GB/s, 0.75 ms rendezvous per blocking collective); ops are timed "
+                "on this machine when planning; run it again for this machine's current figures"
             ),
             peak_flops={"float32": 92e9, "bfloat16": 200e9},
             compute_efficiency=0.8,
             memory_bytes=4 * GIB,
             memory_bandwidth=25 * GB,
-            links=(LinkTier("loopback", 200e-6, 1.4 * GB),),
+            links=(LinkTier("loopback", 200e-6, 1.4 * GB, sync_s=0.75e-3),),
             op_overhead_s=15e-6,
+            cores_per_host=os.cpu_count() or 1,
+            measure_ops=True,
         ),
         HardwareProfile(
             name="v100-16gb",
@@ -126,9 +147,13 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
         HardwareProfile(
             name="a100-80gb",
-            description="DGX A100 80GB SXM: NVSwitch inside a node, 8x200 Gb/s HDR InfiniBand between nodes",
+            description=(
+                "DGX A100 80GB SXM: NVSwitch inside a node, 8x200 Gb/s HDR InfiniBand between nodes; compute "
+                "efficiency 0.5, one factor for every op, set once against Megatron-LM's published GPT runs "
+                "(benchmarks/published.py)"
+            ),
             peak_flops={"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
-            compute_efficiency=0.6,
+            compute_efficiency=0.5,
             memory_bytes=80 * GIB,
             memory_bandwidth=2.0e12,
             links=(LinkTier("nvswitch", 10e-6, 230 * GB), LinkTier("hdr-ib", 20e-6, 192 * GB)),

@@ -18,7 +18,7 @@ from .errors import StalePlanError
 from .mesh import Mesh
 from .placement import Placement, format_placements, parse_placement
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2
 
 AxisPlacements = tuple[Placement, ...]  # one placement per parallel dimension of the plan
 
@@ -39,17 +39,42 @@ class Cost:
     """Predicted per-step time (seconds) and per-device memory (bytes) of a plan."""
 
     compute_s: float
-    comm_s: float
-    grad_sync_s: float
+    comm_s: float  # exposed: collectives a rank waits for inside forward and backward
+    grad_sync_s: float  # the part of gradient synchronization not hidden behind backward
     memory: dict[str, float]  # category → bytes per device
+    optimizer_s: float = 0.0
+    pipeline_s: float = 0.0  # pipeline bubble and the stage-boundary transfers on the critical path
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s + self.grad_sync_s
+        return self.compute_s + self.comm_s + self.grad_sync_s + self.optimizer_s + self.pipeline_s
 
     @property
     def peak_memory(self) -> float:
-        return sum(self.memory.values())
+        """Model state and buffers stay all step; gradients are born in backward as the
+        saved activations (and the temporaries at its start) die, so those two do not add."""
+        m = self.memory
+        transient = m.get("activations", 0.0) + m.get("temporary", 0.0)
+        steady = sum(v for k, v in m.items() if k not in ("activations", "temporary", "grads"))
+        return steady + max(transient, m.get("grads", 0.0))
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How one step runs through the graph, beyond where tensors live.
+
+    ``stages``: pipeline stages (layers split evenly, 1F1B); ``microbatches``: the local batch
+    runs in this many pieces, gradients accumulated; ``recompute``: activations autograd
+    keeps — "none" all, "selective" only what matmuls and attention save (the rest is
+    recomputed in backward), "full" only each layer's input (the layer runs again in backward).
+    """
+
+    stages: int = 1
+    microbatches: int = 1
+    recompute: str = "none"
 
 
 @dataclass(frozen=True)
@@ -67,6 +92,8 @@ class Plan:
     search: tuple[dict, ...] = ()  # every configuration tried, with its predicted cost
     search_time_s: float = 0.0
     replicated_ops: tuple[str, ...] = ()  # ops without a sharding rule, run replicated
+    zero: int = 0  # ZeRO stage over the data-parallel axis: 1 optimizer state, 2 + gradients, 3 + weights
+    schedule: Schedule = Schedule()
     format: int = PLAN_FORMAT
 
     @property
@@ -115,6 +142,8 @@ class Plan:
             search=tuple(data["search"]),
             search_time_s=data["search_time_s"],
             replicated_ops=tuple(data["replicated_ops"]),
+            zero=data["zero"],
+            schedule=Schedule(**data["schedule"]),
         )
 
     def save(self, path: str | Path) -> Path:
@@ -136,7 +165,8 @@ class Plan:
         table = tabulate(rows, headers=["parameter", "placement " + str(self.axes), "grad sum over"])
         memory = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.cost.memory.items())
         return (
-            f"Plan for mesh {self.mesh} ({degrees}) on {self.hardware}, global batch {self.batch_size}\n"
+            f"Plan for mesh {self.mesh} ({degrees}{f', ZeRO-{self.zero}' if self.zero else ''}) on {self.hardware}, "
+            f"global batch {self.batch_size}\n"
             f"predicted step {self.cost.step_s * 1e3:.2f} ms (compute {self.cost.compute_s * 1e3:.2f}, "
             f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "
             f"memory per device: {memory}\n{table}"
