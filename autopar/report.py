@@ -5,6 +5,8 @@ Rows are plain dicts (the ``--json`` output); the ``*_text`` functions render th
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 
 import torch
@@ -104,7 +106,10 @@ def summary(plan: Plan) -> dict:
         "comm_s": cost.comm_s,
         "grad_sync_s": cost.grad_sync_s,
         "optimizer_s": cost.optimizer_s,
+        "pipeline_s": cost.pipeline_s,
+        "model_tflops_per_device": cost.model_flops_per_s / 1e12,
         "zero": plan.zero,
+        "schedule": dataclasses.asdict(plan.schedule),
         "peak_memory": cost.peak_memory,
         "memory": dict(cost.memory),
         "search_time_s": plan.search_time_s,
@@ -120,7 +125,10 @@ def summary_text(plan: Plan) -> str:
             f"degrees: {degrees_text(plan.degrees)}{zero} on mesh {plan.mesh} ({plan.hardware}), global batch {plan.batch_size}",
             f"predicted step time: {cost.step_s * 1e3:.2f} ms = compute {cost.compute_s * 1e3:.2f} ms"
             f" + exposed communication {cost.comm_s * 1e3:.2f} ms + exposed gradient sync {cost.grad_sync_s * 1e3:.2f} ms"
-            f" + optimizer {cost.optimizer_s * 1e3:.2f} ms",
+            f" + optimizer {cost.optimizer_s * 1e3:.2f} ms + pipeline bubble {cost.pipeline_s * 1e3:.2f} ms"
+            f"; model {cost.model_flops_per_s / 1e12:.2f} TFLOP/s per device",
+            f"schedule: {plan.schedule.stages} pipeline stage(s), {plan.schedule.microbatches} microbatch(es), "
+            f"recompute {plan.schedule.recompute}",
             f"peak memory per device: {_size(cost.peak_memory)} (gradients replace activations during backward: "
             f"the larger of the two counts); by category: {memory}",
             search_text(plan),

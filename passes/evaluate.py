@@ -160,6 +160,7 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
         local = local.after(chosen, ctx.size)
     contention = hardware.contention(mesh.shape)
     compute = sum(f.full_time_s * local.work[n] for n, f in facts.items())
+    flops = sum((f.profile.forward_flops + f.profile.backward_flops * f.needs_grad) * local.work[n] for n, f in facts.items())
     memory = dict.fromkeys(("params", "grads", "optimizer", "grad_buckets", "activations", "temporary"), 0.0)
     optimizer_elements = largest = 0.0
     for name, fact in facts.items():
@@ -177,7 +178,7 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
     memory["temporary"] = 2 * largest
     cost = Cost(
         compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory,
-        optimizer_s=optimizer_time(optimizer_elements, hardware, contention),
+        optimizer_s=optimizer_time(optimizer_elements, hardware, contention), model_flops=flops,
     )
     return schedule_cost(cost, facts, local, schedule, hardware, hardware.link(mesh.shape, mesh.size))
 

@@ -91,6 +91,7 @@ def schedule_cost(cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes,
         grad_sync_s=cost.grad_sync_s / stages,
         optimizer_s=cost.optimizer_s / stages,
         pipeline_s=work * (stages - 1) / micro + transfers,
+        model_flops=cost.model_flops / stages,
         memory=memory,
     )
 

@@ -47,6 +47,19 @@ def test_plan_json_honours_degrees_and_save_explain_round_trips(capsys, tmp_path
     assert "node decisions by module" in out and "layers.0.attn.wq" in out
 
 
+def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):
+    gpt = "examples/gpt.py:build(hidden=256, layers=4, heads=8, vocab=1024, seq=128)"
+    pins = ["--degrees", "pp=2,dp=2,tp=2", "--zero", "1", "--recompute", "full", "--microbatches", "4"]
+    assert main(["plan", gpt, "--mesh", "4x2", "--batch", "16", "--hardware", "a100-80gb", *pins, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)["summary"]
+    assert summary["zero"] == 1 and summary["schedule"] == {"stages": 2, "microbatches": 4, "recompute": "full"}
+    assert summary["pipeline_s"] > 0 and summary["model_tflops_per_device"] > 0
+    assert set(summary["memory"]) == {"params", "grads", "optimizer", "grad_buckets", "activations", "temporary"}
+    assert main(["plan", gpt, "--mesh", "4x2", "--batch", "16", "--hardware", "a100-80gb", *pins]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline bubble" in out and "2 pipeline stage(s), 4 microbatch(es), recompute full" in out
+
+
 def test_export_writes_per_rank_programs_plan_and_dot(capsys, tmp_path):
     out_dir = tmp_path / "exported"
     assert main(["export", "gpt", *MESH, *PINNED_TP, "--out", str(out_dir)]) == 0

@@ -44,6 +44,12 @@ class Cost:
     memory: dict[str, float]  # category → bytes per device
     optimizer_s: float = 0.0
     pipeline_s: float = 0.0  # pipeline bubble and the stage-boundary transfers on the critical path
+    model_flops: float = 0.0  # the model's forward + backward FLOPs one device does per step (no recomputation)
+
+    @property
+    def model_flops_per_s(self) -> float:
+        """Model FLOP/s per device (MFU's numerator): what the step achieves on the model's own work."""
+        return self.model_flops / self.step_s if self.step_s else 0.0
 
     @property
     def step_s(self) -> float:

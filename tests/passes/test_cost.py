@@ -5,7 +5,8 @@ import torch
 
 from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile
 from autopar.passes.cost import (
-    OpProfile, collective_time, compute_time, grad_sync_time, model_state_bytes, op_profile, reshard_time,
+    MEASURE_LIMIT_BYTES, OpProfile, collective_time, compute_time, grad_sync_time, measured_time, model_state_bytes, op_profile,
+    reshard_time,
 )
 from autopar.passes.capture import capture
 
@@ -77,6 +78,15 @@ def test_ops_are_profiled_forward_and_backward_with_what_autograd_saves():
     assert linear.backward_flops == 2 * linear.forward_flops  # grad input and grad weight
     assert linear.saved_inputs == (0, 1) and not linear.saves_output  # x and W
     assert op_profile(_only_op(torch.nn.Linear(64, 32), torch.randn(16, 64)), needs_grad=False).backward_flops == 0
+
+
+def test_ops_are_timed_on_this_machine_when_it_is_the_target():
+    node = _only_op(torch.nn.Linear(256, 256), torch.randn(64, 256))
+    profile = op_profile(node, needs_grad=True)
+    seconds = measured_time(node, True, profile)
+    assert 0 < seconds < 1.0 and measured_time(node, True, profile) == seconds  # cached per signature
+    too_big = OpProfile(profile.forward_flops, profile.backward_flops, MEASURE_LIMIT_BYTES + 1)
+    assert measured_time(node, True, too_big) is None  # left to the roofline
 
 
 class Attention(torch.nn.Module):
