@@ -14,7 +14,7 @@ from autopar.ir import ConfigError, Cost, HardwareProfile, Mesh, Placement, Plan
 from .capture import CapturedGraph
 from .cost import collective_time, grad_sync_time, model_state_bytes, optimizer_time, reshard_time
 from .facts import NodeFacts, ShardedShapes, activation_bytes, analyze
-from .layers import schedule_cost
+from .layers import kept_share, schedule_cost
 from .strategies import Strategy, numel, work_fraction
 
 R = Replicate()
@@ -35,6 +35,7 @@ class AxisContext:
     zero: int = 0
     hardware: HardwareProfile | None = None
     contention: float = 1.0
+    schedule: Schedule = Schedule()
 
 
 def axis_spans(degrees: dict[str, int]) -> dict[str, int]:
@@ -107,15 +108,17 @@ def edges(facts, ctx: AxisContext):
 
 
 def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
-    """Bytes a node's strategy keeps per device: model state for a parameter, else what autograd saves."""
+    """Bytes a node's strategy keeps per device: model state for a parameter (its stage's
+    share), else what autograd saves under the schedule."""
     shapes = ctx.local.shapes[fact.node.name]
     frac = 1 / ctx.size if not isinstance(s.output, Replicate) else 1.0
     if fact.kind == "param":  # model state, and with data parallelism a gradient-sync bucket slot
-        elements = numel(shapes[0]) * frac
+        elements = numel(shapes[0]) * frac / ctx.schedule.stages
         bucket = elements * fact.elem_bytes if ctx.data_parallel > 1 else 0.0
         state = model_state_bytes(elements, data_parallel=ctx.data_parallel, zero_stage=ctx.zero, precision=fact.precision)
         return sum(state.values()) + bucket
-    return activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
+    saved = activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
+    return saved * kept_share(fact, ctx.schedule)
 
 
 def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):

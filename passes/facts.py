@@ -8,13 +8,14 @@ graph; :class:`ShardedShapes` follows every node's local shapes through the solv
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch.fx as fx
 
 from autopar.ir import HardwareProfile
 
-from .capture import CapturedGraph
+from .capture import CapturedGraph, module_path
 from .cost import OpProfile, compute_time, measured_time, op_profile
 from .strategies import Strategy, local_shape, numel, output_tensors, tensor_inputs, work_fraction
 
@@ -35,6 +36,7 @@ class NodeFacts:
     profile: OpProfile = OpProfile(0.0, 0.0, 0.0)
     saved: bool = False  # autograd keeps this node's output for some backward
     consumers: int = 0  # ops that take this node's output
+    layer: str | None = None  # the numbered module it belongs to (``layers.3``), None outside layers
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -111,6 +113,7 @@ def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: floa
             needs_grad=needs_grad,
             name=params.get(node.name) or buffers.get(node.name) or node.name,
             profile=profile,
+            layer=_layer_of(node) if kind == "op" else None,
         )
     for fact in facts.values():  # mark what autograd keeps (activation memory); count consumers
         for slot in fact.slots:
@@ -121,6 +124,16 @@ def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: floa
             for slot in fact.profile.saved_inputs:
                 facts[fact.slots[slot].name].saved = True
     return facts
+
+
+_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+def _layer_of(node: fx.Node) -> str | None:
+    """The numbered module an op belongs to: an entry of a ModuleList, the unit Megatron and
+    torchtitan checkpoint and split into pipeline stages."""
+    match = _LAYER.match(module_path(node) or "")
+    return match.group(1) if match else None
 
 
 def _op_time(node: fx.Node, profile: OpProfile, hardware: HardwareProfile, needs_grad: bool) -> float:

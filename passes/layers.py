@@ -12,23 +12,27 @@ shapes it was computed from. Post: the same configuration's cost under a :class:
 from __future__ import annotations
 
 import dataclasses
-import re
 
 from autopar.ir import Cost, HardwareProfile, Schedule
 
-from .capture import module_path
 from .cost import collective_time
 from .facts import NodeFacts, ShardedShapes, activation_bytes
 from .strategies import numel
 
-_LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 _KEPT_BY_SELECTIVE = ("mm", "linear", "matmul", "attention", "embedding", "convolution")  # saves worth their memory
 
 
-def layer_of(fact: NodeFacts) -> str | None:
-    """The numbered module an op belongs to (``layers.3``), or None outside layers."""
-    match = _LAYER.match(module_path(fact.node) or "")
-    return match.group(1) if match else None
+def kept_share(fact: NodeFacts, schedule: Schedule) -> float:
+    """The share of what autograd saves for this node that one device holds at the peak:
+    the stage's microbatches in flight (1F1B: up to p on the first stage), nothing inside a
+    layer under full recomputation (only layer inputs, counted in :func:`schedule_cost`),
+    only what matmuls and attention save under selective recomputation."""
+    in_flight = min(schedule.stages, schedule.microbatches) / schedule.microbatches
+    if fact.layer is None:
+        return in_flight
+    if schedule.recompute == "full" or (schedule.recompute == "selective" and not _kept_by_selective(fact)):
+        return 0.0
+    return in_flight / schedule.stages
 
 
 def _forward_share(fact: NodeFacts) -> float:
@@ -53,13 +57,13 @@ def schedule_cost(cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes,
         if fact.kind not in ("op", "input"):
             continue
         saved = activation_bytes(fact, local.shapes[name], local.work[name])
-        layer = layer_of(fact) if fact.kind == "op" else None
+        layer = fact.layer
         if layer is None:
             outside += saved
             continue
         layer_saved[layer] = layer_saved.get(layer, 0.0) + saved
         inputs = layer_inputs.setdefault(layer, set())
-        inputs.update(s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and layer_of(facts[s.name]) != layer)
+        inputs.update(s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer)
         forward_s = fact.full_time_s * local.work[name] * _forward_share(fact)
         if schedule.recompute == "full" or (schedule.recompute == "selective" and not _kept_by_selective(fact)):
             recompute_s += forward_s

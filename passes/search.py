@@ -147,12 +147,24 @@ def _degrees_str(degrees: dict[str, int]) -> str:
 
 
 def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch, zero: int, schedules: list[Schedule]) -> ConfigResult:
+    """Solve every axis for the first schedule (least recomputation first) that fits ``limit``."""
+    for schedule in schedules:
+        strategies = _solve_axes(facts, degrees, mesh, hardware, limit, constraints, batch, zero, schedule)
+        cost = evaluate(facts, degrees, strategies, mesh, hardware, zero, schedule)
+        if cost.peak_memory <= limit:
+            break
+    replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None}
+    return ConfigResult(degrees, strategies, cost, cost.peak_memory <= limit, zero, replicated, schedule)
+
+
+def _solve_axes(facts, degrees, mesh, hardware, limit, constraints, batch, zero, schedule) -> dict[str, dict[str, Strategy]]:
+    """One ILP per axis, outermost first; the memory budget binds on the last sharded axis
+    (the leanest layout when nothing fits, which ``evaluate`` then reports)."""
     axes = list(degrees)
     last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
     spans = axis_spans(degrees)
     local = ShardedShapes.unsharded(facts)
     strategies: dict[str, dict[str, Strategy]] = {}
-    feasible = True
     for index, axis in enumerate(axes):
         ctx = AxisContext(
             name=axis,
@@ -167,20 +179,12 @@ def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch, zer
             zero=zero,
             hardware=hardware,
             contention=hardware.contention(mesh.shape),
+            schedule=schedule,
         )
-        chosen = _solve_axis(facts, ctx, limit)
-        if chosen is None:
-            feasible = False
-            chosen = _solve_axis(facts, ctx, None)
+        chosen = _solve_axis(facts, ctx, limit) or _solve_axis(facts, ctx, None)
         strategies[axis] = chosen
         local = local.after(chosen, ctx.size)
-    for schedule in schedules:  # the first that fits; the ILP's own memory model knows no schedule
-        cost = evaluate(facts, degrees, strategies, mesh, hardware, zero, schedule)
-        if cost.peak_memory <= limit:
-            break
-    feasible = cost.peak_memory <= limit
-    replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None}
-    return ConfigResult(degrees, strategies, cost, feasible, zero, replicated, schedule)
+    return strategies
 
 
 def _pins(facts, axis: str, size: int, constraints) -> dict[str, Placement]:
