@@ -108,7 +108,9 @@ def parallelize(
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is None:
-        plan = _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, dict(zero=zero, recompute="none"), log)
+        plan = _plan_on_rank_zero(lambda: _plan_captured(
+            captured, mesh, degrees, constraints, hardware, memory_limit, dict(zero=zero, recompute="none"), log
+        ))
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
@@ -133,3 +135,19 @@ def parallelize(
         state=state,
         tied=captured.tied,
     )
+
+
+def _plan_on_rank_zero(search):
+    """One search, on rank 0, shared with every rank: ops timed while planning differ from
+    rank to rank, and ranks running different plans would wait on each other forever.
+    An error on rank 0 is raised on every rank."""
+    outcome = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = search()
+        except Exception as error:  # noqa: BLE001  (re-raised below, on every rank)
+            outcome[1] = error
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
