@@ -12,9 +12,10 @@ input's LOCAL shard, in which
   left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
 - shape arguments of views and factory device arguments are local;
 - under ZeRO-3 (``plan.zero == 3``) a parameter split over dp (``autopar.ir.zero``) arrives
-  as its dp chunk and is gathered (``torch.ops.autopar.zero_gather``) right before each use,
-  so no whole weight lives longer than the op that needs it; the gather's backward
-  reduce-scatters the gradient.
+  as its dp chunk and is gathered (``torch.ops.autopar.zero_gather``) once, right before its
+  first use, so the whole weight lives from its first use to its last (the runtime batches
+  these gathers per layer and prefetches them); the gather's backward reduce-scatters the
+  gradient.
 """
 
 from __future__ import annotations
@@ -74,19 +75,21 @@ def rewrite(captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], devi
 
 
 def _gather_zero3_params(graph: fx.Graph, captured: CapturedGraph, plan: Plan, groups: dict[str, str]) -> None:
-    """ZeRO-3: a gather of the dp chunks before every use of a split parameter (one per use,
-    so a weight used early and late is not kept in between)."""
+    """ZeRO-3: one gather of the dp chunks of each split parameter, before its first use (one
+    per parameter, so the runtime can gather a layer's parameters in one collective, as FSDP2)."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
     for node in list(graph.nodes):
-        if node.op != "placeholder" or node.name not in captured.params:
+        if node.op != "placeholder" or node.name not in captured.params or not node.users:
             continue
         name = captured.params[node.name]
         dim = zero_shard_dim(plan, name, node.meta["val"].shape)
         if dim is None:
             continue
         reduce_grad = DATA_PARALLEL in plan.grad_sync.get(name, ())  # else every dp rank has the whole gradient
-        for user in list(node.users):
-            with graph.inserting_before(user):
-                gathered = graph.call_function(torch.ops.autopar.zero_gather.default, (node, groups[DATA_PARALLEL], dim, reduce_grad))
+        users = list(node.users)
+        with graph.inserting_before(min(users, key=position.__getitem__)):
+            gathered = graph.call_function(torch.ops.autopar.zero_gather.default, (node, groups[DATA_PARALLEL], dim, reduce_grad))
+        for user in users:
             user.replace_input_with(node, gathered)
 
 

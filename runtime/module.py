@@ -32,7 +32,7 @@ from autopar.ir import Plan, Replicate, Shard
 from .grad_sync import GradSync
 from .process_groups import group_name
 from .zero import ZeroLayout, ZeroOptimizer, add_grad
-from .zero3 import Regather
+from .zero3 import Zero3Runtime
 
 
 def to_dtensor_placement(placement):
@@ -99,6 +99,11 @@ class ParallelModule(nn.Module):
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
         entries = [self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk) for name, axes in plan.grad_sync.items()]
         self._grad_sync = GradSync([entry for entry in entries if entry is not None], auto_finish=False)
+        self._zero3 = None  # ZeRO-3: per-layer gathers and gradient reduce-scatters (zero3.py)
+        if self.zero.stage == 3 and self.zero.dims:
+            sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in plan.grad_sync.items()}
+            self._zero3 = Zero3Runtime(program, param_order, self._locals, sum_over,
+                                       syncing=lambda: self._grad_sync.syncing, on_first_grad=lambda: self._on_grad_accumulated(None))
         self._local_loss = _peel_loss_reduction(program)
         self._callback_queued = False
         for local in self._locals.values():
@@ -134,9 +139,9 @@ class ParallelModule(nn.Module):
         self._follow_zeroed_grads()
         params = [self._locals[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
-        if self.zero.stage != 3 or not self.zero.dims:
+        if self._zero3 is None:
             return tuple(program(*params, *buffers, *local_inputs))
-        with Regather().recording():  # gathered ZeRO-3 weights are not kept for backward, but gathered again
+        with self._zero3.forward(self._locals):  # gathered per layer; regathered for backward
             return tuple(program(*params, *buffers, *local_inputs))
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
@@ -173,6 +178,8 @@ class ParallelModule(nn.Module):
     def _after_backward(self) -> None:
         self._callback_queued = False
         self._grad_sync.finish()
+        if self._zero3 is not None:
+            self._zero3.finish_backward()
         for name, param in self._params.items():
             placements = param.placements
             if self._grad_is_zero_chunk(name):

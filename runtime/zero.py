@@ -13,7 +13,8 @@ right, and an elementwise optimizer on chunks is exactly the optimizer on the wh
 - ZeRO-2: as ZeRO-1, but the bucketed gradient sync reduce-scatters (``grad_sync.Scatter``):
   a rank keeps only its chunk of each gradient.
 - ZeRO-3: the parameter itself is stored as its chunk; the rewritten program gathers it before
-  each use (:mod:`zero3`). Gradients arrive as chunks, the optimizer is a plain one on them.
+  its first use, one collective per layer, prefetched (:mod:`zero3`). Gradients are
+  reduce-scattered per layer (:mod:`zero3_grads`), the optimizer is a plain one on the chunks.
 """
 
 from __future__ import annotations
@@ -65,11 +66,15 @@ class ZeroLayout:
         """What GradSync does with ``name``'s gradient, summed over ``axes`` (None: nothing)."""
         if name not in self.dims or DATA_PARALLEL not in axes or self.stage == 1:
             return local, group_name(self.mesh, axes)
+        if self.stage == 3:  # reduce-scattered per layer, then summed over the others (zero3_grads)
+            return None
+        return local, self.dp_group, Scatter(self.dims[name], sink, self.sum_after_dp(axes))
+
+    def sum_after_dp(self, axes: tuple[str, ...]) -> str | None:
+        """The group a dp-reduce-scattered gradient chunk is then all-reduced over: the other
+        gradient axes (summing chunks is summing the whole), or None."""
         others = tuple(axis for axis in axes if axis != DATA_PARALLEL)
-        if self.stage == 3:  # the gather's backward already reduce-scattered over dp
-            return (local, group_name(self.mesh, others)) if others else None
-        then = group_name(self.mesh, others) if others else None
-        return local, self.dp_group, Scatter(self.dims[name], sink, then)
+        return group_name(self.mesh, others) if others else None
 
 
 def add_grad(leaf: Tensor, grad: Tensor) -> None:

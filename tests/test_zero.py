@@ -44,24 +44,26 @@ def _state_bytes(pmodel, optimizer) -> int:
 
 def _zero3_frees_gathered_weights(gpt) -> dict:
     """After a ZeRO-3 forward, no gathered weight's memory is alive (autograd keeps the shards):
-    weak references to the gathered storages (storages die with their last tensor or view)."""
+    weak references to the gathered storages (storages die with their last tensor or view).
+    Also counts the forward's all-gathers (one per layer group)."""
     model = gpt.build(**GPT)
     pmodel = autopar.parallelize(model, 4, model.example_inputs(BATCH), plan=_plan(gpt, "DP4", 3))
-    gathered, all_gather = [], zero3.all_gather
+    gathered, collectives, unflatten = [], [], zero3.unflatten_gathered
 
-    def recording_all_gather(*args):
-        whole = all_gather(*args)
-        gathered.append(weakref.ref(whole.untyped_storage()))
-        return whole
+    def recording_unflatten(*args):
+        wholes = unflatten(*args)
+        gathered.extend(weakref.ref(whole.untyped_storage()) for whole in wholes)
+        collectives.append(len(wholes))
+        return wholes
 
-    zero3.all_gather = recording_all_gather
+    zero3.unflatten_gathered = recording_unflatten
     try:
         loss = pmodel(*pmodel.shard_batch(*model.example_inputs(BATCH)))
     finally:
-        zero3.all_gather = all_gather
+        zero3.unflatten_gathered = unflatten
     alive = sum(ref() is not None for ref in gathered)
     loss.backward()
-    return {"gathered": len(gathered), "alive_after_forward": alive}
+    return {"gathered": len(gathered), "alive_after_forward": alive, "collectives": len(collectives)}
 
 
 def _memory(gpt) -> dict:
@@ -109,8 +111,9 @@ def test_zero_step_matches_single_process(four_ranks, case):
 
 def test_zero3_drops_gathered_weights_after_use(four_ranks):
     for results in four_ranks:
-        assert results["frees"]["gathered"] >= 20, results["frees"]  # 25 parameters, gathered per use
+        assert results["frees"]["gathered"] >= 20, results["frees"]  # 25 parameters, gathered once each
         assert results["frees"]["alive_after_forward"] == 0, results["frees"]
+        assert results["frees"]["collectives"] == GPT["layers"] + 1, results["frees"]  # per layer, and the root
 
 
 def test_zero3_model_state_at_most_35_percent_of_dp(four_ranks):
