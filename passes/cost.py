@@ -8,6 +8,7 @@ autograd saves for backward are identified, which is what activation memory is m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
     """
     if ranks <= 1 or nbytes <= 0:
         return 0.0
+    if link.inner is not None and 1 < link.local_ranks < ranks and kind != "send_recv":
+        return _hierarchical_time(kind, nbytes, ranks, link)
     alpha, bandwidth = link.alpha_beta(kind, ranks)
     steps = ranks - 1
     share = steps / ranks * nbytes / bandwidth
@@ -63,6 +66,29 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
     else:
         raise ValueError(f"unknown collective {kind}")
     return transfer + link.sync_s
+
+
+def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
+    """A collective over nodes with ``link.local_ranks`` members in each, NCCL-style: inside
+    the node first, then across nodes on the node's share, then inside again.
+
+    All-to-all has no such shortcut: (nodes − 1)/nodes of every rank's data crosses nodes,
+    and the members of a node share its bandwidth — the penalty of all-to-all across nodes.
+    """
+    local, nodes = link.local_ranks, ranks // link.local_ranks
+    inner, outer = link.inner, dataclasses.replace(link, inner=None, local_ranks=1)
+    if kind == "all_reduce":
+        return (collective_time("reduce_scatter", nbytes, local, inner) + collective_time("all_reduce", nbytes / local, nodes, outer)
+                + collective_time("all_gather", nbytes, local, inner))
+    if kind == "all_gather":
+        return collective_time("all_gather", nbytes / local, nodes, outer) + collective_time("all_gather", nbytes, local, inner)
+    if kind == "reduce_scatter":
+        return collective_time("reduce_scatter", nbytes, local, inner) + collective_time("reduce_scatter", nbytes / local, nodes, outer)
+    if kind == "all_to_all":
+        alpha, bandwidth = outer.alpha_beta(kind, ranks)
+        crossing = nbytes / ranks * (nodes - 1) / nodes * local  # leaves one node, through its links
+        return (ranks - 1) * alpha + crossing / bandwidth + collective_time("all_to_all", nbytes / nodes, local, inner) + link.sync_s
+    raise ValueError(f"unknown collective {kind}")
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20

@@ -127,7 +127,7 @@ def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
     local = ShardedShapes.unsharded(facts)
     for axis, chosen in strategies.items():
         yield AxisContext(
-            axis, degrees[axis], hardware.link(mesh.shape, spans[axis]), {}, local, hardware.overlap,
+            axis, degrees[axis], hardware.link(mesh.shape, spans[axis], degrees[axis]), {}, local, hardware.overlap,
             data_parallel=degrees.get("dp", 1), zero=zero,
         ), chosen
         local = local.after(chosen, degrees[axis])

@@ -169,7 +169,7 @@ def _solve_axes(facts, degrees, mesh, hardware, limit, constraints, batch, zero,
         ctx = AxisContext(
             name=axis,
             size=degrees[axis],
-            link=hardware.link(mesh.shape, spans[axis]),
+            link=hardware.link(mesh.shape, spans[axis], degrees[axis]),
             pins=_pins(facts, axis, degrees[axis], constraints),
             local=local,
             overlap=hardware.overlap,

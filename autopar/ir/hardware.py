@@ -31,6 +31,8 @@ class LinkTier:
     bandwidth: float
     fitted: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     sync_s: float = 0.0  # fixed cost of each blocking collective in a step: waiting for the slowest rank
+    inner: "LinkTier | None" = None  # the tier inside a node, when a group spans nodes with several members in each
+    local_ranks: int = 1  # members of the group inside one node
 
     def alpha_beta(self, kind: str, ranks: int) -> tuple[float, float]:
         """(alpha seconds per step, bus bandwidth bytes/s) of one collective kind over ``ranks``."""
@@ -66,13 +68,19 @@ class HardwareProfile:
         ranks_per_host = math.prod(mesh_shape) if len(self.links) == 1 else mesh_shape[-1]
         return max(1.0, ranks_per_host / self.cores_per_host)
 
-    def link(self, mesh_shape: tuple[int, ...], axis_span: int) -> LinkTier:
-        """The tier a collective over the ``axis_span`` innermost devices crosses.
+    def link(self, mesh_shape: tuple[int, ...], axis_span: int, group_size: int = 1) -> LinkTier:
+        """The tier a collective over ``group_size`` ranks spread evenly over the
+        ``axis_span`` innermost devices crosses (a node is the mesh's innermost dimension).
 
-        Ranks that share cores arrive at a collective with more skew: the wait grows with
-        the contention."""
-        inside_node = axis_span <= mesh_shape[-1]
+        A group across nodes with several members in each runs hierarchically: it carries
+        the inner tier and how many members share a node. Ranks that share cores arrive at
+        a collective with more skew: the wait grows with the contention."""
+        node = mesh_shape[-1]
+        inside_node = axis_span <= node
         link = self.links[0] if inside_node or len(self.links) == 1 else self.links[1]
+        if not inside_node and len(self.links) > 1:
+            stride = max(1, axis_span // max(1, group_size))
+            link = dataclasses.replace(link, inner=self.links[0], local_ranks=max(1, node // stride))
         return dataclasses.replace(link, sync_s=link.sync_s * self.contention(mesh_shape))
 
     def to_json(self) -> dict:

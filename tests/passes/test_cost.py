@@ -1,5 +1,7 @@
 """Cost-model formulas against values computed by hand."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -111,3 +113,26 @@ def test_zero_paper_worked_example_within_two_percent():
 
 def test_fp32_adam_states_by_category():
     assert model_state_bytes(1000) == {"params": 4000, "grads": 4000, "optimizer": 8000}
+
+
+def test_groups_across_nodes_run_hierarchically_and_all_to_all_pays_for_crossing():
+    inner, outer = LinkTier("nvlink", 1e-6, 200e9), LinkTier("ib", 1e-5, 25e9)
+    a100 = dataclasses.replace(get_profile("a100-80gb"), links=(inner, outer))
+    link = a100.link((4, 8), 32, 16)  # 16 ranks every other device of 4 nodes: 4 per node
+    assert link.inner == inner and link.local_ranks == 4
+    n = 64 * MB
+    assert collective_time("all_reduce", n, 16, link) == pytest.approx(
+        collective_time("reduce_scatter", n, 4, inner) + collective_time("all_reduce", n / 4, 4, outer)
+        + collective_time("all_gather", n, 4, inner)
+    )
+    assert collective_time("all_gather", n, 16, link) == pytest.approx(
+        collective_time("all_gather", n / 4, 4, outer) + collective_time("all_gather", n, 4, inner)
+    )
+    flat = dataclasses.replace(link, inner=None, local_ranks=1)
+    assert collective_time("all_reduce", n, 16, link) < collective_time("all_reduce", n, 16, flat)
+    crossing = n / 16 * 3 / 4 * 4 / 25e9  # 3/4 of each rank's data leaves its node, 4 ranks share the node's links
+    assert collective_time("all_to_all", n, 16, link) == pytest.approx(
+        15 * 1e-5 + crossing + collective_time("all_to_all", n / 4, 4, inner)
+    )
+    assert a100.link((4, 8), 32, 4).local_ranks == 1  # one member per node: a plain ring over the nodes
+    assert a100.link((4, 8), 8, 8).inner is None  # inside one node
