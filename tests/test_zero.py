@@ -15,7 +15,7 @@ import torch
 import autopar
 from autopar.runtime import zero3
 from autopar.runtime.spawn import run_local
-from equivalence import GPT_TP, compare_one_step, load_example
+from equivalence import GPT_TP, _rel, compare_one_step, load_example
 
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 BATCH = 8
@@ -66,6 +66,25 @@ def _zero3_frees_gathered_weights(gpt) -> dict:
     return {"gathered": len(gathered), "alive_after_forward": alive, "collectives": len(collectives)}
 
 
+def _zero3_accumulates_under_no_sync(gpt) -> dict:
+    """Two ZeRO-3 micro-steps, the first under ``no_sync``: no gradient reaches the shards
+    until the second, whose gradients equal the single-process sum of both."""
+    torch.manual_seed(0)
+    model = gpt.build(**GPT)
+    first = model.example_inputs(BATCH)
+    second = tuple(tensor.flip(0) for tensor in first)
+    pmodel = autopar.parallelize(model, 4, first, plan=_plan(gpt, "DP4", 3))
+    model(*first).backward()
+    model(*second).backward()
+    with pmodel.no_sync():
+        pmodel.train_step(*pmodel.shard_batch(*first))
+    unsynced = sum(param.grad is not None for param in pmodel.parameters())
+    pmodel.train_step(*pmodel.shard_batch(*second))
+    reference = dict(model.named_parameters())
+    errors = [_rel(param.grad.full_tensor(), reference[name].grad) for name, param in pmodel.named_parameters()]
+    return {"grads_inside_no_sync": unsynced, "grad": max(errors)}
+
+
 def _memory(gpt) -> dict:
     bytes_by_stage = {}
     for stage in (0, 1, 2, 3):
@@ -90,6 +109,7 @@ def _four_ranks(rank, world):
             options = dict(mesh=mesh, plan=_plan(gpt, mesh_name, stage), optimizer="shards")
         results[(mesh_name, stage, how)] = compare_one_step(gpt.build, GPT, BATCH, world, options)
     results["frees"] = _zero3_frees_gathered_weights(gpt)
+    results["no_sync"] = _zero3_accumulates_under_no_sync(gpt)
     results["memory"] = _memory(gpt)
     return results
 
@@ -114,6 +134,12 @@ def test_zero3_drops_gathered_weights_after_use(four_ranks):
         assert results["frees"]["gathered"] >= 20, results["frees"]  # 25 parameters, gathered once each
         assert results["frees"]["alive_after_forward"] == 0, results["frees"]
         assert results["frees"]["collectives"] == GPT["layers"] + 1, results["frees"]  # per layer, and the root
+
+
+def test_zero3_no_sync_accumulates_locally(four_ranks):
+    for results in four_ranks:
+        assert results["no_sync"]["grads_inside_no_sync"] == 0, results["no_sync"]  # nothing reduce-scattered yet
+        assert results["no_sync"]["grad"] <= 1, results["no_sync"]
 
 
 def test_zero3_model_state_at_most_35_percent_of_dp(four_ranks):
