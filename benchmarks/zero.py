@@ -163,8 +163,9 @@ def render_section(results, memory, settings, command: str, elapsed_s: float) ->
         f"torch {torch.__version__}, Python {platform.python_version()}.",
         f"- model: examples/gpt.py `build({', '.join(f'{k}={v}' for k, v in model.items())})` "
         f"({parameters / 1e6:.2f} M parameters), fp32, global batch {settings.batch} x seq {model['seq']}, AdamW lr {LR}.",
-        "- ZeRO-3: autopar data-parallel plan with `zero=3` (parameters gathered before each use, regathered for "
-        "backward, gradients reduce-scattered; no prefetch) vs FSDP2 `fully_shard` per block and root. "
+        "- ZeRO-3: autopar data-parallel plan with `zero=3` (one all-gather per layer, next layer prefetched, "
+        "regathered per layer for backward, gradients reduce-scattered per layer asynchronously) vs FSDP2 "
+        "`fully_shard` per block and root. "
         "ZeRO-1: autopar `zero=1` (`pmodel.optimizer`) vs DDP + `ZeroRedundancyOptimizer(AdamW)`.",
         f"- step: forward + backward + AdamW step + zero_grad; {settings.rounds} rounds of {settings.steps_per_round} "
         "steps per competitor after warm-up, pairs in alternating order, a barrier before each step, slowest rank, median.",
