@@ -13,6 +13,7 @@ from .collectives import (
     keep_on_first,
     reduce_scatter,
 )
+from .checkpoint import load_checkpoint, save_checkpoint
 from .grad_sync import GradSync
 from .zero3 import zero_gather
 from .launch import free_port, init_from_env, launch_local

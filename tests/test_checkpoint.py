@@ -1,0 +1,88 @@
+"""Checkpoints hold the logical state: written under one plan, read under another, they give
+the single-process model's parameters and AdamW state, and training goes on as it would."""
+
+import dataclasses
+
+import torch
+
+import autopar
+from autopar.runtime.checkpoint import load_checkpoint, logical_state, save_checkpoint
+from autopar.runtime.spawn import run_local
+from equivalence import ADAM_EPS, ATOL, GPT_TP, LEARNING_RATE, RTOL, load_example
+
+GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
+BATCH = 8
+
+
+def _parallel(gpt, seed: int, mesh, degrees, constraints, zero: int, lr: float):
+    torch.manual_seed(seed)
+    model = gpt.build(**GPT)
+    inputs = model.example_inputs(BATCH)
+    base = autopar.plan(model, mesh, inputs, degrees=degrees, constraints=constraints, zero=0)
+    pmodel = autopar.parallelize(model, mesh, inputs, plan=dataclasses.replace(base, zero=zero))
+    return pmodel, pmodel.optimizer(torch.optim.AdamW, lr=lr, eps=ADAM_EPS)
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def _save_under_dp4_zero1_resume_under_others(rank: int, world: int, path: str) -> dict:
+    gpt = load_example("gpt.py")
+    torch.manual_seed(0)
+    model = gpt.build(**GPT)
+    inputs = model.example_inputs(BATCH)
+    reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    model(*inputs).backward()
+    reference.step()
+    reference.zero_grad()
+
+    writer, writer_optimizer = _parallel(gpt, 0, 4, {"dp": 4, "tp": 1}, None, 1, LEARNING_RATE)
+    writer.train_step(*writer.shard_batch(*inputs))
+    writer_optimizer.step()
+    save_checkpoint(writer, writer_optimizer, path)
+
+    readers = {"DP2xTP2 ZeRO-3": ("2x2", {"dp": 2, "tp": 2}, GPT_TP, 3), "DP4 ZeRO-2": (4, {"dp": 4, "tp": 1}, None, 2)}
+    return {name: _resume(gpt, model, reference, inputs, path, *reader) for name, reader in readers.items()}
+
+
+def _resume(gpt, model, reference, inputs, path, mesh, degrees, constraints, zero) -> dict:
+    """Load under another plan, with other weights and another learning rate (the checkpoint
+    decides all of them); compare with the reference after its first step, then after a
+    second step taken both ways."""
+    reader, reader_optimizer = _parallel(gpt, 1, mesh, degrees, constraints, zero, 10 * LEARNING_RATE)
+    load_checkpoint(reader, reader_optimizer, path)
+    state = logical_state(reader, reader_optimizer)
+    params = dict(model.named_parameters())
+    loaded = {
+        "params": all(_close(p.full_tensor(), params[name]) for name, p in reader.named_parameters()),
+        "moments": all(
+            _close(state["optimizer"][name][key].full_tensor(), reference.state[params[name]][key])
+            for name in state["optimizer"] for key in ("exp_avg", "exp_avg_sq")
+        ),
+        "steps": {float(entry["step"]) for entry in state["optimizer"].values()},
+        "lr": reader_optimizer.param_groups[0]["lr"],
+    }
+    ref_model = {name: p.detach().clone() for name, p in params.items()}
+    ref_state = {p: {k: v.clone() for k, v in s.items()} for p, s in reference.state.items()}
+    model(*inputs).backward()  # a second step, both ways
+    reference.step()
+    reference.zero_grad()
+    reader.train_step(*reader.shard_batch(*inputs))
+    reader_optimizer.step()
+    loaded["second_step"] = all(_close(p.full_tensor(), params[name]) for name, p in reader.named_parameters())
+    with torch.no_grad():  # back to the first step for the next reader
+        for name, p in params.items():
+            p.copy_(ref_model[name])
+        for p, s in ref_state.items():
+            reference.state[p] = s
+    return loaded
+
+
+def test_a_checkpoint_from_one_plan_resumes_under_another(tmp_path):
+    results = run_local(_save_under_dp4_zero1_resume_under_others, 4, str(tmp_path / "ckpt"), timeout_s=240)
+    for by_reader in results:
+        for reader, loaded in by_reader.items():
+            assert loaded["params"] and loaded["moments"], (reader, loaded)
+            assert loaded["steps"] == {1.0} and loaded["lr"] == LEARNING_RATE, (reader, loaded)
+            assert loaded["second_step"], (reader, loaded)
