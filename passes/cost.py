@@ -38,7 +38,9 @@ def model_state_bytes(params: float, *, data_parallel: int = 1, zero_stage: int 
     too, stage 3 the weights too. Mixed precision, 7.5e9 parameters, 64 ranks:
     120 / 31.4 / 16.6 / 1.88 GB for stages 0-3.
     """
-    per = STATE_BYTES[precision]
+    per = dict(STATE_BYTES[precision])
+    if precision == "fp32" and zero_stage in (1, 2) and data_parallel > 1:
+        per["optimizer"] += per["params"]  # the optimizer steps a copy of its chunk (fp32 has no master copy to reuse)
     sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[zero_stage]
     return {kind: params * nbytes / (data_parallel if kind in sharded else 1) for kind, nbytes in per.items()}
 
