@@ -5,14 +5,17 @@ This is, with the CLI, the only place that imports both ``passes`` and ``runtime
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, Schedule, StalePlanError, get_profile
+from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, StalePlanError, get_profile
 from autopar.passes.capture import CapturedGraph, capture
 from autopar.passes.pipeline import PassLog, verify_graph
 from autopar.passes.rewrite import rewrite
 from autopar.passes.search import search
+from autopar.passes.stage_split import split_stages
 
 
 def plan(
@@ -27,6 +30,8 @@ def plan(
     zero: int | None = None,
     recompute: str | None = None,
     microbatches: int | None = None,
+    pipeline: str | None = None,
+    stage_cuts: list[str] | None = None,
 ) -> Plan:
     """Find how to run ``model`` on ``mesh``; needs no process group and works on meta models.
 
@@ -36,14 +41,17 @@ def plan(
     the ZeRO stage (0-3) over the data-parallel axis; by default the search takes the lowest
     stage that fits ``memory_limit``. ``degrees={"pp": 2, ...}`` pins pipeline stages,
     ``recompute`` ("none", "selective", "full") activation recomputation (by default the
-    least that fits), ``microbatches`` the pieces the local batch runs in.
+    least that fits), ``microbatches`` the pieces the local batch runs in, ``pipeline`` the
+    schedule ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv"; by default the
+    search picks it) and ``stage_cuts`` the layers that start each stage module after the
+    first (``["layers.6"]``; by default a balanced split).
 
     >>> p = plan(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
     >>> print(p)                                         # doctest: +SKIP
     """
     return _plan_captured(
         _capture(model, example_inputs), mesh, degrees, constraints, hardware, memory_limit,
-        dict(zero=zero, recompute=recompute, microbatches=microbatches),
+        dict(zero=zero, recompute=recompute, microbatches=microbatches, pipeline=pipeline, stage_cuts=stage_cuts),
     )
 
 
@@ -78,18 +86,25 @@ def parallelize(
     hardware: str | HardwareProfile | None = None,
     memory_limit: float | None = None,
     zero: int | None = None,
+    microbatches: int | None = None,
+    pipeline: str | None = None,
+    stage_cuts: list[str] | None = None,
 ):
     """Plan (or load ``plan``) and build this rank's trainable module. Call on every rank.
 
     The default process group must be initialized with ``mesh.size`` ranks (torchrun or
     ``autopar run``). The returned module's ``train_step(*local_inputs)`` runs forward and
-    backward; ``shard_batch(*global_inputs)`` gives this rank's slice.
+    backward; ``shard_batch(*global_inputs)`` gives this rank's slice. With ``degrees={"pp": p,
+    ...}`` the layers run in p pipeline stages over the outermost mesh dimension (``pipeline``
+    picks the schedule, ``stage_cuts`` the stage boundaries); ``microbatches`` splits the local
+    batch (gradient accumulation, and the pipeline's microbatches).
 
     >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
     >>> loss = pmodel.train_step(*pmodel.shard_batch(*batch))         # doctest: +SKIP
     """
     from autopar.runtime import collectives  # noqa: F401  (registers torch.ops.autopar.*)
     from autopar.runtime.module import ParallelModule
+    from autopar.runtime.pipeline import PIPELINE_AXIS, AccumulatingModule, PipelineModule
     from autopar.runtime.process_groups import build_device_mesh, group_name
 
     mesh = Mesh.of(mesh)
@@ -109,24 +124,34 @@ def parallelize(
         plan = Plan.load(plan)
     if plan is None:
         plan = _plan_on_rank_zero(lambda: _plan_captured(
-            captured, mesh, degrees, constraints, hardware, memory_limit, dict(zero=zero, recompute="none"), log
+            captured, mesh, degrees, constraints, hardware, memory_limit,
+            dict(zero=zero, recompute="none", microbatches=microbatches, pipeline=pipeline, stage_cuts=stage_cuts), log,
         ))
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
             "re-run autopar.plan for this model and these input shapes"
         )
-    if plan.schedule != Schedule():
-        raise ConfigError(
-            f"the plan's schedule {plan.schedule} is for predictions only: this version runs plans without pipeline "
-            "stages, microbatches or recomputation. Plan with degrees without pp and recompute='none' to run it"
-        )
+    _check_runnable(plan)
+    schedule = plan.schedule
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    device_mesh = build_device_mesh(plan.degrees, device_type)
+    layout = {PIPELINE_AXIS: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
+    device_mesh = build_device_mesh(layout, device_type)
     groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
-    program = log.run("rewrite", rewrite, captured, plan, groups=groups, device=device_type, verify=verify_graph)
+    running = _microbatch_capture(model, example_inputs, captured, plan, log)
+    program = log.run(
+        "rewrite", rewrite, running, dataclasses.replace(plan, fingerprint=running.fingerprint),
+        groups=groups, device=device_type, verify=verify_graph,
+    )
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
-    return ParallelModule(
+    if schedule.stages > 1:
+        stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
+        return PipelineModule(
+            stages, plan, device_mesh, param_names=captured.params, buffer_names=captured.buffers,
+            input_names=captured.user_inputs, state=state, tied=captured.tied,
+        )
+    module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
+    return module_class(
         program,
         plan,
         device_mesh,
@@ -136,6 +161,38 @@ def parallelize(
         tied=captured.tied,
     )
 
+
+def _check_runnable(plan: Plan) -> None:
+    schedule = plan.schedule
+    if schedule.recompute != "none":
+        raise ConfigError(
+            f"the plan recomputes activations ({schedule.recompute!r}), which is for predictions only: "
+            "plan with recompute='none' to run it"
+        )
+    if (schedule.stages > 1 or schedule.microbatches > 1) and plan.zero:
+        raise ConfigError(f"ZeRO-{plan.zero} does not run with pipeline stages or microbatches yet: plan with zero=0")
+    local_batch = plan.batch_size // plan.degrees.get("dp", 1)
+    if local_batch % schedule.microbatches:
+        raise ConfigError(
+            f"{schedule.microbatches} microbatches must divide the local batch of {local_batch}: pick a divisor"
+        )
+
+
+def _microbatch_capture(model, example_inputs, captured: CapturedGraph, plan: Plan, log: PassLog) -> CapturedGraph:
+    """The graph one microbatch runs: the model captured at the microbatch's global size
+    (views in an exported graph name their batch size), checked to be the planned graph."""
+    count = plan.schedule.microbatches
+    if count == 1:
+        return captured
+    pieces = tuple(value[: value.shape[0] // count] for value in example_inputs)
+    micro = _capture(model, pieces, log)
+    shape = [(n.name, n.op, str(n.target)) for n in micro.graph.nodes]
+    if shape != [(n.name, n.op, str(n.target)) for n in captured.graph.nodes]:
+        raise ConfigError(
+            f"the model captures another graph at the microbatch size {pieces[0].shape[0]} than at the batch size "
+            f"{example_inputs[0].shape[0]}: run it without microbatches"
+        )
+    return micro
 
 def _plan_on_rank_zero(search):
     """One search, on rank 0, shared with every rank: ops timed while planning differ from

@@ -113,7 +113,7 @@ def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: floa
             needs_grad=needs_grad,
             name=params.get(node.name) or buffers.get(node.name) or node.name,
             profile=profile,
-            layer=_layer_of(node) if kind == "op" else None,
+            layer=layer_of(node) if kind == "op" else None,
         )
     for fact in facts.values():  # mark what autograd keeps (activation memory); count consumers
         for slot in fact.slots:
@@ -129,7 +129,7 @@ def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: floa
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
-def _layer_of(node: fx.Node) -> str | None:
+def layer_of(node: fx.Node) -> str | None:
     """The numbered module an op belongs to: an entry of a ModuleList, the unit Megatron and
     torchtitan checkpoint and split into pipeline stages."""
     match = _LAYER.match(module_path(node) or "")

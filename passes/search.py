@@ -22,6 +22,7 @@ import numpy as np
 
 from autopar.ir import (
     RECOMPUTE,
+    VIRTUAL_PIPELINES,
     ConfigError,
     Cost,
     HardwareProfile,
@@ -73,6 +74,8 @@ def search(
     zero: int | None = None,
     recompute: str | None = None,
     microbatches: int | None = None,
+    pipeline: str | None = None,
+    stage_cuts: list[str] | None = None,
 ) -> Plan:
     """Find the cheapest plan for ``captured`` on ``mesh`` (see the module docstring).
 
@@ -93,7 +96,7 @@ def search(
     results = []
     for cfg, zero_stages in configs:
         for zero_stage in zero_stages:  # a higher stage only saves memory, at no less time: stop at the first that fits
-            schedules = _schedules(pp, microbatches, recompute, batch // cfg["dp"])
+            schedules = _schedules(pp, microbatches, recompute, batch // cfg["dp"], pipeline, stage_cuts)
             results.append(_solve_config(facts, cfg, stage, hardware, limit, constraints or {}, batch_placements, zero_stage, schedules))
             if results[-1].feasible:
                 break
@@ -113,7 +116,7 @@ def search(
     return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started)
 
 
-def _schedules(pp: int, microbatches: int | None, recompute: str | None, local_batch: int) -> list[Schedule]:
+def _schedules(pp: int, microbatches: int | None, recompute: str | None, local_batch: int, pipeline=None, stage_cuts=None) -> list[Schedule]:
     """The schedules to try, cheapest first: recomputation only saves memory, at a price in time.
 
     Without a pin a pipeline runs one sequence per microbatch (the smallest bubble), and
@@ -123,7 +126,10 @@ def _schedules(pp: int, microbatches: int | None, recompute: str | None, local_b
     if microbatches is not None and not 1 <= microbatches <= local_batch:
         raise ConfigError(f"microbatches={microbatches}: choose between 1 and the local batch size {local_batch}")
     micro = microbatches or (max(1, local_batch) if pp > 1 else 1)
-    return [Schedule(pp, micro, r) for r in ([recompute] if recompute else RECOMPUTE)]
+    kind = pipeline or "1f1b"
+    virtual = 2 if kind in VIRTUAL_PIPELINES else 1
+    cuts = tuple(stage_cuts or ())
+    return [Schedule(pp, micro, r, kind, virtual, cuts) for r in ([recompute] if recompute else RECOMPUTE)]
 
 
 def _with_zero(configs: list[dict[str, int]], zero: int | None) -> list[tuple[dict[str, int], list[int]]]:
@@ -333,7 +339,7 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
         elif fact.kind == "input":
             inputs[name] = tuple(s.output for s in per_axis)
     search_log = tuple(
-        {"degrees": r.degrees, "zero": r.zero, "schedule": dataclasses.asdict(r.schedule), "step_s": r.cost.step_s,
+        {"degrees": r.degrees, "zero": r.zero, "schedule": {**dataclasses.asdict(r.schedule), "cuts": list(r.schedule.cuts)}, "step_s": r.cost.step_s,
          "peak_memory": r.cost.peak_memory, "feasible": r.feasible}
         for r in results
     )

@@ -315,3 +315,10 @@ class GradSync:
             bucket.finish()
         self._next_to_launch = 0
         self._finish_queued = False
+
+    def sync_accumulated(self) -> None:
+        """Sum the gradients accumulated so far now (after backward passes run under
+        :meth:`no_sync`, or gradients set outside autograd's hooks, as a zero-bubble
+        pipeline's weight pass does)."""
+        self._finish_queued = True
+        self.finish()

@@ -15,4 +15,4 @@ from .errors import (
 from .hardware import PROFILES, HardwareProfile, LinkTier, get_profile
 from .mesh import PARALLEL_DIMS, Mesh, check_degrees, degree_choices
 from .placement import Partial, Placement, Replicate, Shard, format_placements, parse_placement
-from .plan import RECOMPUTE, Cost, NodeDecision, Plan, Schedule
+from .plan import PIPELINES, RECOMPUTE, VIRTUAL_PIPELINES, Cost, NodeDecision, Plan, Schedule

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from .errors import StalePlanError
+from .errors import ConfigError, StalePlanError
 from .mesh import Mesh
 from .placement import Placement, format_placements, parse_placement
 
-PLAN_FORMAT = 2
+PLAN_FORMAT = 3  # 3: the schedule's pipeline kind, virtual stages and cut points
 
 AxisPlacements = tuple[Placement, ...]  # one placement per parallel dimension of the plan
 
@@ -66,21 +66,50 @@ class Cost:
 
 
 RECOMPUTE = ("none", "selective", "full")
+# torch.distributed.pipelining schedules: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble
+PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
+VIRTUAL_PIPELINES = ("interleaved-1f1b", "interleaved-zb", "zbv")  # several stage modules per device
 
 
 @dataclass(frozen=True)
 class Schedule:
     """How one step runs through the graph, beyond where tensors live.
 
-    ``stages``: pipeline stages (layers split evenly, 1F1B); ``microbatches``: the local batch
-    runs in this many pieces, gradients accumulated; ``recompute``: activations autograd
-    keeps — "none" all, "selective" only what matmuls and attention save (the rest is
-    recomputed in backward), "full" only each layer's input (the layer runs again in backward).
+    ``stages``: pipeline stages (devices along the outermost mesh dimension);
+    ``microbatches``: the local batch runs in this many pieces, gradients accumulated;
+    ``recompute``: activations autograd keeps — "none" all, "selective" only what matmuls and
+    attention save (the rest is recomputed in backward), "full" only each layer's input;
+    ``kind``: the pipeline schedule (one of :data:`PIPELINES`); ``virtual``: stage modules
+    per device (2+ for the interleaved and V schedules); ``cuts``: the layer each stage module
+    after the first starts with (``("layers.4",)``), empty for an even split of the layers.
     """
 
     stages: int = 1
     microbatches: int = 1
     recompute: str = "none"
+    kind: str = "1f1b"
+    virtual: int = 1
+    cuts: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in PIPELINES:
+            raise ConfigError(f"pipeline schedule {self.kind!r}: choose one of {list(PIPELINES)}")
+        if self.kind == "zbv" and self.virtual != 2 or self.kind not in VIRTUAL_PIPELINES and self.virtual != 1:
+            raise ConfigError(f"schedule {self.kind!r} cannot run {self.virtual} stage modules per device (zbv runs 2, gpipe and 1f1b 1)")
+        if self.cuts and len(self.cuts) != self.modules - 1:
+            raise ConfigError(f"{self.modules} stage modules need {self.modules - 1} cut points, got {list(self.cuts)}")
+
+    @property
+    def modules(self) -> int:
+        """Stage modules in the whole pipeline."""
+        return self.stages * self.virtual
+
+    def __str__(self) -> str:
+        parts = [f"{self.microbatches} microbatch(es)", f"recompute {self.recompute}"]
+        if self.stages > 1:
+            virtual = f" x {self.virtual} virtual" if self.virtual > 1 else ""
+            parts.insert(0, f"{self.stages} stages{virtual}, {self.kind}")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -149,7 +178,7 @@ class Plan:
             search_time_s=data["search_time_s"],
             replicated_ops=tuple(data["replicated_ops"]),
             zero=data["zero"],
-            schedule=Schedule(**data["schedule"]),
+            schedule=Schedule(**{**data["schedule"], "cuts": tuple(data["schedule"]["cuts"])}),
         )
 
     def save(self, path: str | Path) -> Path:

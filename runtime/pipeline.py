@@ -1,0 +1,192 @@
+"""Pipeline stages and microbatches at run time, on ``torch.distributed.pipelining``.
+
+:class:`PipelineModule` holds this rank's stage modules (the per-stage programs of
+``passes.stage_split``) and drives a torch pipelining schedule with them: GPipe, 1F1B,
+Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (``Schedule.kind``). Stages split the
+outermost mesh dimension "pp"; inside a stage the plan's data and tensor parallelism run as
+without a pipeline, on the stage's sub-mesh, whose DTensors hold this stage's parameters only.
+
+One ``train_step`` is one schedule step over ``microbatches`` pieces of the local batch. The
+loss is the mean of the microbatch losses and gradients are accumulated and divided by the
+microbatch count (the schedule's ``scale_grads``), so both equal one step on the whole batch.
+Gradients are summed over dp once, after the last microbatch: the schedule runs under
+``no_sync`` because zero-bubble schedules set weight gradients outside autograd's hooks.
+
+:class:`AccumulatingModule` is the same without stages: microbatches one after another,
+the gradient sync riding on the last backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from autopar.ir import ConfigError, Plan
+
+from .module import ParallelModule
+
+PIPELINE_AXIS = "pp"
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "interleaved-zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+}
+
+
+def stage_indices(kind: str, pp_rank: int, stages: int, virtual: int) -> list[int]:
+    """The stage modules a pipeline rank runs: a loop (rank r: r, r + p, ...) or, for zbv, a V."""
+    if kind == "zbv":
+        return [pp_rank, 2 * stages - 1 - pp_rank]
+    return [pp_rank + i * stages for i in range(virtual)]
+
+
+class _StageModule(nn.Module):
+    """One stage program as ``PipelineStage`` calls it: ``forward(*received, **user_inputs)``.
+
+    Its parameters are the ParallelModule's own leaves (plain tensors sharing storage with the
+    DTensors), put into ``_parameters`` as they are: the schedule's ``scale_grads`` and the
+    zero-bubble weight pass walk ``parameters()``, and a ``nn.Parameter`` would be a new leaf.
+    """
+
+    def __init__(self, stage, leaves: list[torch.Tensor], buffers: list[torch.Tensor], first: bool, last: bool):
+        super().__init__()
+        self.program = stage.graph_module
+        for index, leaf in enumerate(leaves):
+            self._parameters[f"param_{index}"] = leaf
+        self._leaves, self._buffer_values = leaves, buffers
+        self._input_names, self._first, self._last = stage.inputs, first, last
+
+    def forward(self, *received, **user_inputs):
+        received = () if self._first else received  # the first stage reads the inputs by name
+        inputs = [user_inputs[name] for name in self._input_names]
+        outputs = self.program(*self._leaves, *self._buffer_values, *inputs, *received)
+        # zero-bubble schedules detach outputs in place, which views do not allow: copy those
+        outputs = [out.clone() if out._is_view() else out for out in outputs]
+        if self._last:  # the loss, as a 1-element tensor so the schedule can merge microbatches
+            return outputs[0].reshape(1).clone()
+        return tuple(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _loss_of(output: torch.Tensor, _target) -> torch.Tensor:
+    return output.sum()  # the 1-element loss as a scalar that is not a view
+
+
+class PipelineModule(ParallelModule):
+    """This rank's pipeline stages as a trainable module. Built by ``autopar.parallelize``."""
+
+    def __init__(self, stage_programs: list, plan: Plan, mesh: DeviceMesh, *, param_names: dict[str, str],
+                 buffer_names: dict[str, str], input_names: tuple[str, ...], state: dict[str, torch.Tensor],
+                 tied: dict[str, str] | None = None):
+        schedule = plan.schedule
+        pp_rank = mesh.get_local_rank(PIPELINE_AXIS)
+        mine = [stage_programs[i] for i in stage_indices(schedule.kind, pp_rank, schedule.stages, schedule.virtual)]
+        _check_parameters_stay_in_one_stage(stage_programs, param_names)
+        names = [param_names[p] for stage in mine for p in stage.params]
+        buffers = list(dict.fromkeys(buffer_names[b] for stage in mine for b in stage.buffers))
+        local_plan = dataclasses.replace(plan, grad_sync={n: a for n, a in plan.grad_sync.items() if n in names})
+        super().__init__(
+            mine[0].graph_module, local_plan, mesh[tuple(plan.degrees)], param_order=names, buffer_order=buffers, state=state,
+            tied={alias: name for alias, name in (tied or {}).items() if name in names},
+        )
+        self.plan = plan
+        self.pipeline_mesh = mesh
+        self._input_names = input_names
+        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+        group = mesh.get_group(PIPELINE_AXIS)
+        self._stages = [
+            PipelineStage(
+                _StageModule(
+                    stage, [self._locals[param_names[p]] for p in stage.params], [self.get_buffer(buffer_names[b]) for b in stage.buffers],
+                    first=stage.index == 0, last=stage.index == schedule.modules - 1,
+                ),
+                stage.index, schedule.modules, device, group=group,
+            )
+            for stage in mine
+        ]
+        kind = SCHEDULES[schedule.kind]
+        single = schedule.kind in ("gpipe", "1f1b")
+        self._schedule = kind(self._stages[0] if single else self._stages, schedule.microbatches, loss_fn=_loss_of, scale_grads=True)
+        self._no_target = torch.zeros(schedule.microbatches)  # the loss is the model's own: the schedule's target is unused
+        self._holds_first = any(stage.is_first for stage in self._stages)
+        self._holds_last = any(stage.is_last for stage in self._stages)
+        last_pp_rank = next(
+            r for r in range(schedule.stages) if schedule.modules - 1 in stage_indices(schedule.kind, r, schedule.stages, schedule.virtual)
+        )
+        self._last_rank = dist.get_global_rank(group, last_pp_rank)  # the loss is known there
+
+    def train_step(self, *local_inputs) -> torch.Tensor:
+        """Forward and backward of the local batch through the pipeline; gradients complete
+        (summed over dp, averaged over microbatches) on every rank's own parameters.
+        Returns the global loss on every rank."""
+        self._follow_zeroed_grads()
+        losses: list[torch.Tensor] = []
+        args = local_inputs if self._holds_first else ()
+        with self._grad_sync.no_sync():
+            self._schedule.step(
+                *args, target=self._no_target, losses=losses, return_outputs=False, **dict(zip(self._input_names, local_inputs))
+            )
+        self._grad_sync.sync_accumulated()
+        self._after_backward()
+        loss = torch.stack([loss.detach() for loss in losses]).mean() if self._holds_last else torch.zeros(())
+        return self._from_last_stage(loss)
+
+    def forward(self, *local_inputs):
+        """The loss of the local batch, forward only (every rank gets it)."""
+        args = local_inputs if self._holds_first else ()
+        merged = self._schedule.eval(*args, target=self._no_target, **dict(zip(self._input_names, local_inputs)))
+        loss = merged.detach().mean() if self._holds_last else torch.zeros(())
+        return self._from_last_stage(loss)
+
+    def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.contiguous()
+        dist.broadcast(loss, src=self._last_rank, group=self.pipeline_mesh.get_group(PIPELINE_AXIS))
+        return loss
+
+
+def _check_parameters_stay_in_one_stage(stage_programs, param_names: dict[str, str]) -> None:
+    where: dict[str, int] = {}
+    for stage in stage_programs:
+        for placeholder in stage.params:
+            if where.setdefault(placeholder, stage.index) != stage.index:
+                raise ConfigError(
+                    f"parameter {param_names[placeholder]!r} is used by stage modules {where[placeholder]} and {stage.index}: "
+                    "a weight shared across pipeline stages (e.g. tied embeddings) is not supported; pin cut points that keep "
+                    "its uses in one stage, or untie it"
+                )
+
+
+class AccumulatingModule(ParallelModule):
+    """Gradient accumulation without stages: the local batch in ``microbatches`` pieces, one
+    after another; the gradient sync runs with the last backward."""
+
+    def _pieces(self, local_inputs) -> list[tuple]:
+        count = self.plan.schedule.microbatches
+        return list(zip(*(value.tensor_split(count) for value in local_inputs)))
+
+    def train_step(self, *local_inputs) -> torch.Tensor:
+        pieces = self._pieces(local_inputs)
+        losses = []
+        for index, piece in enumerate(pieces):
+            with self.no_sync() if index < len(pieces) - 1 else contextlib.nullcontext():
+                (loss,) = self._run(self.program, piece)
+                (loss / len(pieces)).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+    def forward(self, *local_inputs):
+        return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
