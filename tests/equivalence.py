@@ -45,8 +45,10 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     model = builder(**kwargs)
     inputs = model.example_inputs(batch)
     options_optimizer = options.pop("optimizer", "dtensor")
+    check_forward = options.pop("check_forward", False)
     pmodel = autopar.parallelize(model, options.pop("mesh", world), inputs, **options)
 
+    forward = pmodel(*pmodel.shard_batch(*inputs)) if check_forward else None
     reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     ref_loss = model(*inputs)
     ref_loss.backward()
@@ -73,6 +75,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         "overlapped_loss_reduction": pmodel._local_loss is not None,
         "collectives": sum(1 for node in pmodel.program.graph.nodes if "autopar" in str(node.target)),
         "held": sorted(grads),
+        "forward": _rel(forward, ref_loss) if check_forward else None,
         "schedule": pmodel.plan.schedule,
     }
 
