@@ -27,9 +27,12 @@ from pathlib import Path
 import torch
 
 from autopar.api import _capture, _plan_captured
-from autopar.ir import RECOMPUTE, AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
+from autopar.ir import PIPELINES, RECOMPUTE, AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
 from autopar.passes.export import write_export
-from autopar.report import decisions_text, degrees_text, module_rows, modules_text, search_text, summary, summary_text
+from autopar.report import (
+    decisions_text, degrees_text, module_rows, modules_text, search_text, stage_rows, stages_text, summary, summary_text,
+)
+from autopar.timeline import timeline_svg, timeline_text
 from autopar.passes.rewrite import rewrite
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # where examples/ lives in a source checkout
@@ -84,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     _planning_options(plan)
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument("--save", metavar="PLAN.json", help="also save the plan (for `explain`, `parallelize(plan=...)`)")
+    plan.add_argument("--timeline", metavar="FILE.svg", help="also draw the pipeline schedule's timeline as an SVG file")
     plan.set_defaults(handler=_cmd_plan)
 
     explain = commands.add_parser("explain", help="print a saved plan; needs no model")
@@ -143,7 +147,12 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         "--zero", type=int, choices=(0, 1, 2, 3), help="pin the ZeRO stage over the dp axis (default: the lowest that fits)"
     )
     parser.add_argument("--recompute", choices=RECOMPUTE, help="pin activation recomputation (default: the least that fits)")
-    parser.add_argument("--microbatches", type=_positive_int, help="pieces each rank's batch runs in (pipelines: default one sequence each)")
+    parser.add_argument("--microbatches", type=_positive_int, help="pieces each rank's batch runs in (default: searched with pipelines)")
+    parser.add_argument("--pipeline", choices=PIPELINES, help="pin the pipeline schedule (default: searched)")
+    parser.add_argument(
+        "--stage-cuts", type=lambda text: [cut.strip() for cut in text.split(",")], metavar="LAYER,...",
+        help="pin the layers that start each pipeline stage module after the first, e.g. layers.6 (default: balanced)",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -302,7 +311,7 @@ def _make_plan(args):
     inputs = model.example_inputs(batch, device="meta")
     captured = _capture(model, inputs)
     constraints = dict(args.constraint) or None
-    pins = dict(zero=args.zero, recompute=args.recompute, microbatches=args.microbatches)
+    pins = dict(zero=args.zero, recompute=args.recompute, microbatches=args.microbatches, pipeline=args.pipeline, stage_cuts=args.stage_cuts)
     plan = _plan_captured(captured, args.mesh, args.degrees, constraints, hardware, args.memory_limit, pins)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
     return captured, plan, program
@@ -327,6 +336,13 @@ def _cmd_plan(args) -> int:
         print(modules_text(rows))
         print()
         print(summary_text(plan))
+        if plan.schedule.stages > 1:
+            print()
+            print(stages_text(stage_rows(captured, plan), plan))
+            print(timeline_text(plan.schedule))
+    if getattr(args, "timeline", None):
+        Path(args.timeline).write_text(timeline_svg(plan.schedule))
+        print(f"wrote the schedule's timeline to {args.timeline}", file=sys.stderr if args.json else sys.stdout)
     if args.save:
         print(f"saved plan to {args.save}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 from tabulate import tabulate
 
-from autopar.ir import Plan
+from autopar.ir import Plan, Shard
 from autopar.passes.capture import module_path
 from autopar.passes.export import collective_calls, placeholders
 
@@ -109,7 +109,7 @@ def summary(plan: Plan) -> dict:
         "pipeline_s": cost.pipeline_s,
         "model_tflops_per_device": cost.model_flops_per_s / 1e12,
         "zero": plan.zero,
-        "schedule": dataclasses.asdict(plan.schedule),
+        "schedule": {**dataclasses.asdict(plan.schedule), "cuts": list(plan.schedule.cuts)},
         "peak_memory": cost.peak_memory,
         "memory": dict(cost.memory),
         "search_time_s": plan.search_time_s,
@@ -128,7 +128,7 @@ def summary_text(plan: Plan) -> str:
             f" + optimizer {cost.optimizer_s * 1e3:.2f} ms + pipeline bubble {cost.pipeline_s * 1e3:.2f} ms"
             f"; model {cost.model_flops_per_s / 1e12:.2f} TFLOP/s per device",
             f"schedule: {plan.schedule.stages} pipeline stage(s), {plan.schedule.microbatches} microbatch(es), "
-            f"recompute {plan.schedule.recompute}",
+            f"recompute {plan.schedule.recompute}" + (f", {plan.schedule.kind} x {plan.schedule.virtual} virtual" if plan.schedule.stages > 1 else ""),
             f"peak memory per device: {_size(cost.peak_memory)} (gradients replace activations during backward: "
             f"the larger of the two counts); by category: {memory}",
             search_text(plan),
@@ -192,4 +192,48 @@ def decisions_text(plan: Plan) -> str:
     axes = ", ".join(plan.degrees)
     return f"node decisions by module (placements over {axes}):\n" + tabulate(
         rows, headers=["module", "node", "op", "inputs", "output", "comm"]
+    )
+
+
+def stage_rows(captured, plan: Plan) -> list[dict]:
+    """Per pipeline stage module: its layers, the device (pipeline rank) and mesh ranks that run
+    it, and its parameters' bytes per device (ops outside layers go with the first or last)."""
+    from autopar.passes.facts import layer_of
+    from autopar.passes.stage_split import layer_stages
+    from autopar.timeline import device_modules
+
+    schedule = plan.schedule
+    layers = list(dict.fromkeys(layer for n in captured.graph.nodes if n.op == "call_function" and (layer := layer_of(n))))
+    by_layer = layer_stages(layers, schedule)
+    param_bytes = [0.0] * schedule.modules
+    for placeholder, name in captured.params.items():
+        node = next(n for n in captured.graph.nodes if n.name == placeholder)
+        users = [layer_of(u) for u in node.users]
+        layer = next((u for u in users if u is not None), None)
+        first_layer_op = next(i for i, n in enumerate(captured.graph.nodes) if layer_of(n) is not None)
+        before = min((list(captured.graph.nodes).index(u) for u in node.users), default=0) < first_layer_op
+        module = by_layer[layer] if layer else (0 if before else schedule.modules - 1)
+        shards = 1
+        for placement, size in zip(plan.params[name], plan.degrees.values()):
+            shards *= size if isinstance(placement, Shard) else 1
+        param_bytes[module] += _numel(node.meta["val"].shape) * node.meta["val"].element_size() / shards
+    per_stage = plan.mesh.size // schedule.stages
+    device_of = {k: d for d, ks in enumerate(device_modules(schedule)) for k in ks}
+    rows = []
+    for module in range(schedule.modules):
+        own = [layer for layer, k in by_layer.items() if k == module]
+        device = device_of[module]
+        rows.append({
+            "module": module, "layers": f"{own[0]}..{own[-1]}" if len(own) > 1 else own[0], "layer_count": len(own),
+            "device": device, "ranks": f"{device * per_stage}-{(device + 1) * per_stage - 1}", "param_bytes": param_bytes[module],
+        })
+    return rows
+
+
+def stages_text(rows: list[dict], plan: Plan) -> str:
+    table = [[r["module"], r["layers"], r["layer_count"], r["device"], r["ranks"], _size(r["param_bytes"])] for r in rows]
+    headers = ["stage module", "layers", "#", "pipeline device", "mesh ranks", "params/device"]
+    return (
+        f"pipeline: {plan.schedule}; peak memory of the busiest device {_size(plan.cost.peak_memory)}\n"
+        + tabulate(table, headers=headers)
     )

@@ -1,5 +1,15 @@
 """Whole-layer techniques and what they do to a plan's cost: activation recomputation,
-microbatches (gradient accumulation) and pipeline stages.
+microbatches (gradient accumulation) and pipeline stages under each pipeline schedule.
+
+Per schedule, for p stages, v stage modules per device and m microbatches: the idle share
+of a step (the bubble) and the microbatches whose activations a device holds at the peak:
+
+- GPipe: bubble (p − 1)/m; all m microbatches in flight.
+- 1F1B: bubble (p − 1)/m; up to p in flight (the first stage).
+- Interleaved 1F1B: bubble (p − 1)/(v·m); p·(1 + (p − 1)/(p·v)) in flight (Megatron-LM).
+- Interleaved zero-bubble: weight gradients fill about two thirds of that bubble (ZB-H1), same memory.
+- ZB-V: no bubble when forward, input- and weight-backward take as long; about 2p in flight
+  (ZB-H2's price for a zero bubble).
 
 A layer is the ops under one numbered module (``layers.3``: an entry of a ModuleList), the
 unit Megatron and torchtitan checkpoint and split into stages. Everything outside layers
@@ -17,22 +27,45 @@ from autopar.ir import Cost, HardwareProfile, Schedule
 
 from .cost import collective_time
 from .facts import NodeFacts, ShardedShapes, activation_bytes
+from .stages import partition
 from .strategies import numel
+
+BUBBLE_FACTOR = {"gpipe": 1.0, "1f1b": 1.0, "interleaved-1f1b": 1.0, "interleaved-zb": 1 / 3, "zbv": 0.0}
+
+
+def in_flight(schedule: Schedule) -> float:
+    """Microbatches whose saved activations one device holds at the peak (of its own layers)."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
+    if p == 1:
+        return 1.0
+    if schedule.kind == "gpipe":
+        return float(m)
+    if schedule.kind == "zbv":
+        return float(min(2 * p, m))
+    if schedule.kind == "1f1b":
+        return float(min(p, m))
+    return min(p, m) * (1 + (p - 1) / (p * v))
+
+
+def bubble_share(schedule: Schedule) -> float:
+    """The share of a device's busy time it idles in the pipeline's fill and drain."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
+    return BUBBLE_FACTOR[schedule.kind] * (p - 1) / (v * m) if p > 1 else 0.0
 
 _KEPT_BY_SELECTIVE = ("mm", "linear", "matmul", "attention", "embedding", "convolution")  # saves worth their memory
 
 
 def kept_share(fact: NodeFacts, schedule: Schedule) -> float:
     """The share of what autograd saves for this node that one device holds at the peak:
-    the stage's microbatches in flight (1F1B: up to p on the first stage), nothing inside a
+    the stage's microbatches in flight (:func:`in_flight`), nothing inside a
     layer under full recomputation (only layer inputs, counted in :func:`schedule_cost`),
     only what matmuls and attention save under selective recomputation."""
-    in_flight = min(schedule.stages, schedule.microbatches) / schedule.microbatches
+    share = min(1.0, in_flight(schedule) / schedule.microbatches)
     if fact.layer is None:
-        return in_flight
+        return share
     if schedule.recompute == "full" or (schedule.recompute == "selective" and not _kept_by_selective(fact)):
         return 0.0
-    return in_flight / schedule.stages
+    return share / schedule.stages
 
 
 def _forward_share(fact: NodeFacts) -> float:
@@ -44,10 +77,10 @@ def schedule_cost(cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes,
     """``cost`` (one batch, everything saved, one stage) under ``schedule``.
 
     Recomputation adds the forward of what it drops. Microbatches divide what is in flight;
-    a pipeline of p stages gives each device 1/p of the layers and their state, keeps up to
-    p microbatches in flight on the first stage (1F1B), idles (p − 1)/m of a stage's step
-    (the bubble) and sends each microbatch's boundary activation forward and its gradient
-    back over ``link``.
+    a pipeline gives each device its stage modules' layers (cut by :func:`stages.partition`:
+    the busiest device sets the pace) and their state, holds :func:`in_flight` microbatches,
+    idles :func:`bubble_share` of its step and sends each microbatch's boundary activation
+    forward and its gradient back over ``link``.
     """
     stages, micro = schedule.stages, schedule.microbatches
     kept = outside = recompute_s = 0.0
@@ -76,26 +109,28 @@ def schedule_cost(cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes,
         in_layers = kept
     else:
         in_layers = sum(layer_saved.values())
-    in_flight = min(stages, micro)  # 1F1B: the first stage holds up to p microbatches
+    split = partition(facts, local, schedule, link) if stages > 1 else None
+    time_share, param_share = (split.time_share, split.param_share) if split else (1.0, 1.0)
     memory = dict(cost.memory)
-    memory["activations"] = (in_layers / stages + outside) / micro * in_flight
+    memory["activations"] = (in_layers / stages + outside) / micro * min(in_flight(schedule), micro)
     memory["temporary"] = cost.memory.get("temporary", 0.0) / micro
     for category in ("params", "grads", "optimizer", "grad_buckets"):
-        memory[category] = cost.memory.get(category, 0.0) / stages
+        memory[category] = cost.memory.get(category, 0.0) * param_share
     # full recomputation runs each layer's forward again, its collectives too: about half the step's
     recompute_comm = cost.comm_s / 2 if schedule.recompute == "full" else 0.0
     comm = cost.comm_s + recompute_comm
-    work = (cost.compute_s + recompute_s + comm) / stages
+    work = (cost.compute_s + recompute_s + comm) * time_share
     boundary = max(checkpoints.values(), default=0.0) / micro
-    transfers = 2 * (micro + stages - 2) * collective_time("send_recv", boundary, 2, link) if stages > 1 else 0.0
+    messages = 2 * (schedule.virtual * micro + stages - 2)
+    transfers = messages * collective_time("send_recv", boundary, 2, link) if stages > 1 else 0.0
     return dataclasses.replace(
         cost,
-        compute_s=(cost.compute_s + recompute_s) / stages,
-        comm_s=comm / stages,
-        grad_sync_s=cost.grad_sync_s / stages,
-        optimizer_s=cost.optimizer_s / stages,
-        pipeline_s=work * (stages - 1) / micro + transfers,
-        model_flops=cost.model_flops / stages,
+        compute_s=(cost.compute_s + recompute_s) * time_share,
+        comm_s=comm * time_share,
+        grad_sync_s=cost.grad_sync_s * param_share,
+        optimizer_s=cost.optimizer_s * param_share,
+        pipeline_s=work * bubble_share(schedule) + transfers,
+        model_flops=cost.model_flops * time_share,
         memory=memory,
     )
 

@@ -1,7 +1,9 @@
 """Search: choose the parallel degrees and every node's placement with the cost model.
 
 Outer loop: every split of the devices into data × tensor parallel degrees (or the pinned
-one). Inner loop, per mesh axis, outermost first: the ILP of :mod:`ilp` picks one
+one), first without pipeline stages and, only when nothing fits, with the fewest stages
+that do (or the pinned ``pp``); per split, ZeRO stages and the schedule
+(:mod:`schedule_search`: recomputation, microbatches, pipeline kind and cut points). Inner loop, per mesh axis, outermost first: the ILP of :mod:`ilp` picks one
 :class:`Strategy` per node. The data-parallel axis pins user inputs to their batch dim and
 parameters to replicated; the tensor-parallel axis is free but for user pins
 (``constraints``). The memory budget binds on the last axis, where all sharding is known.
@@ -21,8 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.ir import (
-    RECOMPUTE,
-    VIRTUAL_PIPELINES,
     ConfigError,
     Cost,
     HardwareProfile,
@@ -45,6 +45,7 @@ from .evaluate import AxisContext, axis_spans, edge_time, edges, evaluate, node_
 from .facts import NodeFacts, ShardedShapes, analyze
 from .gradients import plan_gradients
 from .ilp import ChoiceProblem, solve_choices
+from .schedule_search import SchedulePins, base_schedules, best_schedule
 from .rules import node_strategies, pointwise, rule_for
 from .strategies import OpView, Strategy
 
@@ -86,20 +87,28 @@ def search(
     facts = analyze(captured, hardware, hardware.contention(mesh.shape))
     batch = _batch_size(captured, facts)
     degrees = dict(degrees or {})
-    pp = degrees.pop("pp", 1)
-    stage = stage_mesh(mesh, pp)
-    configs = [check_degrees(degrees, stage.size)] if degrees else degree_choices(stage.size)
-    configs = [c for c in configs if batch % c["dp"] == 0] or configs
-    configs = _with_zero(configs, zero)
+    pinned_pp = degrees.pop("pp", None)
     limit = memory_limit if memory_limit is not None else hardware.memory_bytes
     batch_placements = _batch_strategies(facts, hardware)
+    pins = dict(microbatches=microbatches, recompute=recompute, pipeline=pipeline, cuts=tuple(stage_cuts or ()))
+    # Without a pin, stages only when nothing fits without them (the fewest that do).
+    layers = len({f.layer for f in facts.values() if f.layer is not None})
+    ladder = [pinned_pp] if pinned_pp else [1] + [p for p in range(2, min(mesh.shape[0], layers) + 1) if mesh.shape[0] % p == 0]
     results = []
-    for cfg, zero_stages in configs:
-        for zero_stage in zero_stages:  # a higher stage only saves memory, at no less time: stop at the first that fits
-            schedules = _schedules(pp, microbatches, recompute, batch // cfg["dp"], pipeline, stage_cuts)
-            results.append(_solve_config(facts, cfg, stage, hardware, limit, constraints or {}, batch_placements, zero_stage, schedules))
-            if results[-1].feasible:
-                break
+    for pp in ladder:
+        stage = stage_mesh(mesh, pp)
+        configs = [check_degrees(degrees, stage.size)] if degrees else degree_choices(stage.size)
+        configs = [c for c in configs if batch % c["dp"] == 0] or configs
+        for cfg, zero_stages in _with_zero(configs, zero):
+            for zero_stage in zero_stages:  # a higher stage only saves memory, at no less time: stop at the first that fits
+                schedule_pins = SchedulePins(pp, **pins)
+                results.append(_solve_config(
+                    facts, cfg, stage, hardware, limit, constraints or {}, batch_placements, zero_stage, schedule_pins, batch // cfg["dp"],
+                ))
+                if results[-1].feasible:
+                    break
+        if any(r.feasible for r in results):
+            break
     feasible = [r for r in results if r.feasible]
     if not feasible:
         leanest = min(results, key=lambda r: r.cost.peak_memory)
@@ -114,22 +123,6 @@ def search(
     near = [r for r in feasible if r.cost.step_s <= fastest * (1 + TIE_TOLERANCE)]
     best = max(near, key=lambda r: (r.degrees["dp"], -r.zero, -r.cost.step_s))
     return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started)
-
-
-def _schedules(pp: int, microbatches: int | None, recompute: str | None, local_batch: int, pipeline=None, stage_cuts=None) -> list[Schedule]:
-    """The schedules to try, cheapest first: recomputation only saves memory, at a price in time.
-
-    Without a pin a pipeline runs one sequence per microbatch (the smallest bubble), and
-    without a pipeline the batch runs whole."""
-    if recompute is not None and recompute not in RECOMPUTE:
-        raise ConfigError(f"recompute={recompute!r}: choose one of {list(RECOMPUTE)}")
-    if microbatches is not None and not 1 <= microbatches <= local_batch:
-        raise ConfigError(f"microbatches={microbatches}: choose between 1 and the local batch size {local_batch}")
-    micro = microbatches or (max(1, local_batch) if pp > 1 else 1)
-    kind = pipeline or "1f1b"
-    virtual = 2 if kind in VIRTUAL_PIPELINES else 1
-    cuts = tuple(stage_cuts or ())
-    return [Schedule(pp, micro, r, kind, virtual, cuts) for r in ([recompute] if recompute else RECOMPUTE)]
 
 
 def _with_zero(configs: list[dict[str, int]], zero: int | None) -> list[tuple[dict[str, int], list[int]]]:
@@ -152,11 +145,11 @@ def _degrees_str(degrees: dict[str, int]) -> str:
     return " x ".join(f"{k}={v}" for k, v in degrees.items())
 
 
-def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch, zero: int, schedules: list[Schedule]) -> ConfigResult:
-    """Solve every axis for the first schedule (least recomputation first) that fits ``limit``."""
-    for schedule in schedules:
-        strategies = _solve_axes(facts, degrees, mesh, hardware, limit, constraints, batch, zero, schedule)
-        cost = evaluate(facts, degrees, strategies, mesh, hardware, zero, schedule)
+def _solve_config(facts, degrees, mesh, hardware, limit, constraints, batch, zero: int, pins: SchedulePins, local_batch: int) -> ConfigResult:
+    """Solve every axis for the first recomputation level whose best schedule fits ``limit``."""
+    for base in base_schedules(pins, local_batch):
+        strategies = _solve_axes(facts, degrees, mesh, hardware, limit, constraints, batch, zero, base)
+        schedule, cost = best_schedule(facts, degrees, strategies, mesh, hardware, zero, base, pins, local_batch, limit)
         if cost.peak_memory <= limit:
             break
     replicated = {str(f.node.target) for f in facts.values() if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None}

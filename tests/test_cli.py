@@ -49,10 +49,12 @@ def test_plan_json_honours_degrees_and_save_explain_round_trips(capsys, tmp_path
 
 def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):
     gpt = "examples/gpt.py:build(hidden=256, layers=4, heads=8, vocab=1024, seq=128)"
-    pins = ["--degrees", "pp=2,dp=2,tp=2", "--zero", "1", "--recompute", "full", "--microbatches", "4"]
+    pins = ["--degrees", "pp=2,dp=2,tp=2", "--zero", "1", "--recompute", "full", "--microbatches", "4", "--pipeline", "1f1b"]
     assert main(["plan", gpt, "--mesh", "4x2", "--batch", "16", "--hardware", "a100-80gb", *pins, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
-    assert summary["zero"] == 1 and summary["schedule"] == {"stages": 2, "microbatches": 4, "recompute": "full"}
+    assert summary["zero"] == 1 and summary["schedule"] == {
+        "stages": 2, "microbatches": 4, "recompute": "full", "kind": "1f1b", "virtual": 1, "cuts": ["layers.2"],
+    }
     assert summary["pipeline_s"] > 0 and summary["model_tflops_per_device"] > 0
     assert set(summary["memory"]) == {"params", "grads", "optimizer", "grad_buckets", "activations", "temporary"}
     assert main(["plan", gpt, "--mesh", "4x2", "--batch", "16", "--hardware", "a100-80gb", *pins]) == 0

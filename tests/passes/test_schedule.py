@@ -58,13 +58,14 @@ def test_microbatches_divide_activations_and_pipeline_stages_pay_the_bubble():
     flat = plan_example(  # one stage's devices, the whole model
         "gpt.py", 4, batch=16, model_kwargs=GPT, hardware="a100-80gb", degrees={"dp": 4, "tp": 1}, zero=0, recompute="none"
     )
-    assert piped.schedule == Schedule(2, 4, "none") and piped.degrees == {"dp": 4, "tp": 1}
+    assert piped.schedule == Schedule(2, 4, "none", cuts=("layers.2",)) and piped.degrees == {"dp": 4, "tp": 1}
     stage_work = piped.cost.compute_s + piped.cost.comm_s
     boundary_transfers = piped.cost.pipeline_s - stage_work * (2 - 1) / 4
     assert boundary_transfers > 0  # 2·(m + p − 2) boundary messages
-    assert piped.cost.compute_s == pytest.approx(flat.cost.compute_s / 2, rel=1e-6)
-    assert piped.cost.memory["params"] == pytest.approx(flat.cost.memory["params"] / 2)
-    assert piped.cost.model_flops == pytest.approx(flat.cost.model_flops / 2)
+    # the busiest stage sets the pace: half the layers, plus the embeddings or the head and loss
+    assert flat.cost.compute_s / 2 < piped.cost.compute_s < 0.6 * flat.cost.compute_s
+    assert flat.cost.memory["params"] / 2 < piped.cost.memory["params"] < 0.6 * flat.cost.memory["params"]
+    assert piped.cost.model_flops / piped.cost.compute_s == pytest.approx(flat.cost.model_flops / flat.cost.compute_s, rel=1e-6)
 
 
 def test_a_pipeline_must_split_the_outer_mesh_dimension_and_does_not_run_yet():
