@@ -1,0 +1,190 @@
+"""Pipeline parallelism: autopar's pipelined plan against a hand split with torch.distributed.pipelining.
+
+    python benchmarks/pipeline.py            # 2 and 4 ranks, rewrites its section of BENCHMARKS.md
+    python benchmarks/pipeline.py --quick    # smoke run; prints, writes nothing
+
+The GPT example (8 layers) runs in one stage per rank, 1F1B, 4 microbatches, both ways:
+autopar ``parallelize(degrees={"pp": N, "dp": 1, "tp": 1}, pipeline="1f1b", microbatches=4)``
+with the cuts pinned to an even split, and the same split written by hand (embeddings with
+the first layers, norm and head with the last, the loss as the schedule's ``loss_fn``) on
+``PipelineStage`` + ``Schedule1F1B``. Both must agree on the first two losses and on every
+gradient of the first step before anything is timed. Then rounds alternate the two, a barrier
+before each step (forward + backward + AdamW step + zero_grad), slowest rank, median.
+Memory: the parameters, gradients and AdamW state each rank holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+import autopar
+from autopar.runtime.spawn import run_local
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report import BENCHMARKS, write_section  # noqa: E402
+import step_time  # noqa: E402
+from step_time import LR, SEED, TARGET_RATIO, Competitor, Settings, _as_is, _load_gpt, _slowest_rank, _timed_step, check_equivalence  # noqa: E402
+
+SECTION = "pipeline"
+WORLD_SIZES = (2, 4)
+MICROBATCHES = 4
+PAIRS = (("pipeline 1F1B", "autopar PP", "torch PP"),)
+FULL = Settings(model=dict(hidden=256, layers=8, heads=8, vocab=1024, seq=128), batch=8, warmup_steps=3, rounds=10, steps_per_round=2, timeout_s=900)
+QUICK = Settings(model=dict(hidden=64, layers=4, heads=4, vocab=256, seq=32), batch=4, warmup_steps=2, rounds=2, steps_per_round=2, timeout_s=300)
+
+
+class HandStage(nn.Module):
+    """One rank's share of the GPT, as a pipelining user writes it: layers keep their global
+    names (``layers.5``), so gradients compare by the model's own parameter names."""
+
+    def __init__(self, model, stage: int, stages: int):
+        super().__init__()
+        per = len(model.layers) // stages
+        self.first, self.last = stage == 0, stage == stages - 1
+        if self.first:
+            self.tok_embeddings, self.pos_embeddings = model.tok_embeddings, model.pos_embeddings
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(stage * per, (stage + 1) * per)})
+        if self.last:
+            self.norm, self.output = model.norm, model.output
+
+    def forward(self, h):
+        if self.first:
+            h = self.tok_embeddings(h) + self.pos_embeddings(torch.arange(h.shape[1]))
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h)) if self.last else h
+
+
+def _cross_entropy(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+
+
+def _hand_split(model, global_inputs, rank: int, world_size: int) -> Competitor:
+    stage = HandStage(copy.deepcopy(model), rank, world_size)
+    schedule = Schedule1F1B(PipelineStage(stage, rank, world_size, torch.device("cpu")), MICROBATCHES, loss_fn=_cross_entropy)
+    tokens, labels = global_inputs
+
+    def forward_backward():
+        losses = []
+        if stage.first:
+            schedule.step(tokens)
+        elif stage.last:
+            schedule.step(target=labels, losses=losses)
+        else:
+            schedule.step()
+        loss = torch.stack(losses).mean() if losses else torch.zeros(())
+        dist.all_reduce(loss)  # only the last stage has it: share it
+        return loss
+
+    return Competitor("torch PP", stage, forward_backward, torch.optim.AdamW(stage.parameters(), lr=LR), _as_is)
+
+
+def _autopar(model, global_inputs, world_size: int) -> Competitor:
+    per = len(model.layers) // world_size
+    pmodel = autopar.parallelize(
+        copy.deepcopy(model), world_size, global_inputs, degrees={"pp": world_size, "dp": 1, "tp": 1},
+        pipeline="1f1b", microbatches=MICROBATCHES, stage_cuts=[f"layers.{per * k}" for k in range(1, world_size)],
+    )
+    batch = pmodel.shard_batch(*global_inputs)
+    return Competitor("autopar PP", pmodel, lambda: pmodel.train_step(*batch), pmodel.optimizer(torch.optim.AdamW, lr=LR), _as_is)
+
+
+def _state_bytes(competitor: Competitor) -> int:
+    """Parameters, gradients and optimizer state this rank holds after a step, each storage once."""
+    competitor.forward_backward()
+    competitor.optimizer.step()
+    tensors = [t for p in competitor.module.parameters() for t in (p, p.grad)]
+    tensors += [t for state in competitor.optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    competitor.optimizer.zero_grad()
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+
+
+def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
+    torch.manual_seed(SEED)
+    model = _load_gpt().build(**settings.model)
+    global_inputs = model.example_inputs(settings.batch)
+    competitors = {"autopar PP": _autopar(model, global_inputs, world_size), "torch PP": _hand_split(model, global_inputs, rank, world_size)}
+    step_time.PAIRS = PAIRS  # check_equivalence compares the pairs it names
+    losses = check_equivalence(competitors)
+    for _ in range(settings.warmup_steps - 2):
+        for competitor in competitors.values():
+            _timed_step(competitor)
+    rounds = {name: [] for name in competitors}
+    for round_index in range(settings.rounds):
+        for _, ours, theirs in PAIRS:
+            for name in (ours, theirs) if round_index % 2 == 0 else (theirs, ours):
+                rounds[name].append(_slowest_rank([_timed_step(competitors[name]) for _ in range(settings.steps_per_round)]))
+    peaks = {name: _state_bytes(competitor) for name, competitor in competitors.items()}
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, peaks)
+    return {"losses": losses, "rounds": rounds, "peaks": gathered}
+
+
+def render_section(results, settings: Settings, command: str, elapsed_s: float) -> str:
+    model = settings.model
+    lines = [
+        "## Pipeline parallelism: autopar vs a hand split with torch.distributed.pipelining",
+        "",
+        f"- command: `{command}` ({elapsed_s:.0f} s in all); date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- machine: {os.cpu_count()} cores, CPU, gloo, one torch thread per rank; 4 ranks on 2 cores are oversubscribed. "
+        f"torch {torch.__version__}, Python {platform.python_version()}.",
+        f"- model: examples/gpt.py `build({', '.join(f'{k}={v}' for k, v in model.items())})`, fp32, global batch "
+        f"{settings.batch}, AdamW lr {LR}; one stage per rank, 1F1B, {MICROBATCHES} microbatches; autopar with "
+        "`degrees={'pp': N, 'dp': 1, 'tp': 1}, pipeline='1f1b'` and the cuts pinned to the hand split's (even).",
+        f"- step: forward + backward + AdamW step + zero_grad; {settings.rounds} rounds of {settings.steps_per_round} steps "
+        "per competitor after warm-up, alternating order, a barrier before each step, slowest rank, median. Losses of "
+        "the first two steps and every gradient of the first checked equal before timing.",
+        "- memory: parameters + gradients + AdamW state a rank holds after a step (each storage once); the largest rank.",
+        "",
+        "| ranks | autopar ms | torch ms | ratio | target | met? | autopar state MiB | torch state MiB | loss step 1 (autopar / torch) |",
+        "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |",
+    ]
+    for world_size, result in results.items():
+        ours, theirs = (statistics.median(t for r in result["rounds"][n] for t in r) for n in ("autopar PP", "torch PP"))
+        peak = {n: max(p[n] for p in result["peaks"]) / 2**20 for n in ("autopar PP", "torch PP")}
+        ratio = ours / theirs
+        losses = result["losses"]
+        lines.append(
+            f"| {world_size} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {ratio:.2f} | ≤ {TARGET_RATIO:.2f} | "
+            f"{'yes' if ratio <= TARGET_RATIO else '**no**'} | {peak['autopar PP']:.1f} | {peak['torch PP']:.1f} | "
+            f"{losses['autopar PP'][0]:.6f} / {losses['torch PP'][0]:.6f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps; print, do not write")
+    args = parser.parse_args(argv)
+    settings = QUICK if args.quick else FULL
+    command = "python benchmarks/pipeline.py" + (" --quick" if args.quick else "")
+    start = time.monotonic()
+    results = {}
+    for world_size in WORLD_SIZES:
+        print(f"[pipeline] {world_size} ranks ...", flush=True)
+        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=settings.timeout_s)[0]
+    section = render_section(results, settings, command, time.monotonic() - start)
+    print(section)
+    if not args.quick:
+        write_section(SECTION, section)
+        print(f"[pipeline] wrote its section of {BENCHMARKS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
