@@ -36,8 +36,7 @@ from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from report import BENCHMARKS, write_section  # noqa: E402
-import step_time  # noqa: E402
-from step_time import LR, SEED, TARGET_RATIO, Competitor, Settings, _as_is, _load_gpt, _slowest_rank, _timed_step, check_equivalence  # noqa: E402
+from step_time import LR, SEED, TARGET_RATIO, Competitor, Settings, _as_is, _load_gpt, check_equivalence, time_rounds  # noqa: E402
 
 SECTION = "pipeline"
 WORLD_SIZES = (2, 4)
@@ -119,16 +118,8 @@ def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
     model = _load_gpt().build(**settings.model)
     global_inputs = model.example_inputs(settings.batch)
     competitors = {"autopar PP": _autopar(model, global_inputs, world_size), "torch PP": _hand_split(model, global_inputs, rank, world_size)}
-    step_time.PAIRS = PAIRS  # check_equivalence compares the pairs it names
-    losses = check_equivalence(competitors)
-    for _ in range(settings.warmup_steps - 2):
-        for competitor in competitors.values():
-            _timed_step(competitor)
-    rounds = {name: [] for name in competitors}
-    for round_index in range(settings.rounds):
-        for _, ours, theirs in PAIRS:
-            for name in (ours, theirs) if round_index % 2 == 0 else (theirs, ours):
-                rounds[name].append(_slowest_rank([_timed_step(competitors[name]) for _ in range(settings.steps_per_round)]))
+    losses = check_equivalence(competitors, pairs=PAIRS)
+    rounds = time_rounds(competitors, settings, PAIRS)
     peaks = {name: _state_bytes(competitor) for name, competitor in competitors.items()}
     gathered = [None] * world_size
     dist.all_gather_object(gathered, peaks)

@@ -217,7 +217,7 @@ def _slowest_rank(seconds: list[float]) -> list[float]:
     return times.tolist()
 
 
-def check_equivalence(competitors: dict[str, Competitor], steps: int = EQUIVALENCE_STEPS) -> dict[str, list[float]]:
+def check_equivalence(competitors: dict[str, Competitor], steps: int = EQUIVALENCE_STEPS, pairs=PAIRS) -> dict[str, list[float]]:
     """Run the first ``steps`` steps of every competitor; each pair must agree on every loss and,
     after the first backward, on every full gradient (a gradient off by a constant factor barely
     moves AdamW's next loss, so the losses alone would not catch it). Returns the losses."""
@@ -230,7 +230,7 @@ def check_equivalence(competitors: dict[str, Competitor], steps: int = EQUIVALEN
                 first_grads[name] = competitor.full_grads()
             competitor.optimizer.step()
             competitor.optimizer.zero_grad()
-    for comparison, ours, theirs in PAIRS:
+    for comparison, ours, theirs in pairs:
         for step, (a, b) in enumerate(zip(losses[ours], losses[theirs]), start=1):
             if abs(a - b) > LOSS_RTOL * abs(b):
                 _not_equivalent(comparison, f"step {step} loss: {ours} {a:.8f} vs {theirs} {b:.8f}")
@@ -265,19 +265,23 @@ def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
     competitors = build_competitors(model, global_inputs, rank, world_size)
 
     losses = check_equivalence(competitors)
+    return {"losses": losses, "rounds": time_rounds(competitors, settings)}
+
+
+def time_rounds(competitors: dict[str, Competitor], settings: Settings, pairs=PAIRS) -> dict[str, list[list[float]]]:
+    """Warm up (beyond the checked steps), then time ``settings.rounds`` rounds, each pair's
+    order alternating: per competitor, a list of rounds, each the slowest rank's step seconds."""
     for _ in range(settings.warmup_steps - EQUIVALENCE_STEPS):
         for competitor in competitors.values():
             _timed_step(competitor)
-
-    # rounds[name] = list of rounds, each a list of per-step seconds (slowest rank)
     rounds: dict[str, list[list[float]]] = {name: [] for name in competitors}
     for round_index in range(settings.rounds):
-        for _, ours, theirs in PAIRS:
+        for _, ours, theirs in pairs:
             order = (ours, theirs) if round_index % 2 == 0 else (theirs, ours)
             for name in order:
                 seconds = [_timed_step(competitors[name]) for _ in range(settings.steps_per_round)]
                 rounds[name].append(_slowest_rank(seconds))
-    return {"losses": losses, "rounds": rounds}
+    return rounds
 
 
 # --------------------------------------------------------------------------- spawning

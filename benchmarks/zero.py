@@ -52,9 +52,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import BENCHMARKS, write_section  # noqa: E402
 from step_time import (  # noqa: E402
     FULL, LR, QUICK, SEED, TARGET_RATIO, Competitor, _as_is, _backward, _ddp_local_batch, _load_gpt,
-    _mean_over_ranks, _slowest_rank, _timed_step, check_equivalence,
+    _mean_over_ranks, check_equivalence, time_rounds,
 )
-import step_time  # noqa: E402
 
 SECTION = "zero"
 WORLD_SIZES = (4, 2)
@@ -144,16 +143,8 @@ def bench_rank(rank: int, world_size: int, settings) -> dict:
     model = _load_gpt().build(**settings.model)
     global_inputs = model.example_inputs(settings.batch)
     competitors = {name: build(name, model, global_inputs, rank, world_size) for pair in PAIRS for name in pair[1:]}
-    step_time.PAIRS = PAIRS  # check_equivalence compares the pairs it names
-    losses = check_equivalence(competitors)
-    for _ in range(settings.warmup_steps - 2):
-        for competitor in competitors.values():
-            _timed_step(competitor)
-    rounds = {name: [] for name in competitors}
-    for round_index in range(settings.rounds):
-        for _, ours, theirs in PAIRS:
-            for name in (ours, theirs) if round_index % 2 == 0 else (theirs, ours):
-                rounds[name].append(_slowest_rank([_timed_step(competitors[name]) for _ in range(settings.steps_per_round)]))
+    losses = check_equivalence(competitors, pairs=PAIRS)
+    rounds = time_rounds(competitors, settings, PAIRS)
     return {"losses": losses, "rounds": rounds}
 
 
