@@ -28,7 +28,6 @@ STATE_BYTES = {
     "fp32": {"params": 4, "grads": 4, "optimizer": 8},
     "mixed": {"params": 2, "grads": 2, "optimizer": 12},
 }
-PARAM_STATE_BYTES = STATE_BYTES["fp32"]
 
 
 def model_state_bytes(params: float, *, data_parallel: int = 1, zero_stage: int = 0, precision: str = "fp32") -> dict[str, float]:
