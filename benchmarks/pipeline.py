@@ -35,6 +35,7 @@ import autopar
 from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
+from measure import model_state_bytes  # noqa: E402
 from report import BENCHMARKS, write_section  # noqa: E402
 from step_time import LR, SEED, TARGET_RATIO, Competitor, Settings, _as_is, _load_gpt, check_equivalence, time_rounds  # noqa: E402
 
@@ -103,14 +104,12 @@ def _autopar(model, global_inputs, world_size: int) -> Competitor:
 
 
 def _state_bytes(competitor: Competitor) -> int:
-    """Parameters, gradients and optimizer state this rank holds after a step, each storage once."""
+    """Parameters, gradients and optimizer state this rank holds after a step."""
     competitor.forward_backward()
     competitor.optimizer.step()
-    tensors = [t for p in competitor.module.parameters() for t in (p, p.grad)]
-    tensors += [t for state in competitor.optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
+    held = model_state_bytes(competitor)
     competitor.optimizer.zero_grad()
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+    return held
 
 
 def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:

@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -49,6 +48,7 @@ from autopar.passes.evaluate import evaluate_plan
 from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
+from measure import model_state_bytes  # noqa: E402
 from report import BENCHMARKS, write_section  # noqa: E402
 from step_time import (  # noqa: E402
     FULL, LR, QUICK, SEED, TARGET_RATIO, Competitor, _as_is, _backward, _ddp_local_batch, _load_gpt,
@@ -93,17 +93,6 @@ def build(name: str, model, global_inputs, rank: int, world_size: int) -> Compet
     if name.startswith("autopar"):
         return _autopar(model, global_inputs, world_size, int(name[-1]))
     return {"torch FSDP2": _fsdp2, "torch ZeRO-1": _ddp_zero1}[name](model, global_inputs, rank, world_size)
-
-
-def model_state_bytes(competitor: Competitor) -> int:
-    """Parameters, gradients and optimizer state on this rank, each storage once."""
-    optimizer = competitor.optimizer
-    inner = getattr(optimizer, "inner", None) or getattr(optimizer, "optim", None) or optimizer
-    tensors = [t for p in competitor.module.parameters() for t in (p, p.grad)]
-    tensors += [t for group in inner.param_groups for p in group["params"] for t in (p, p.grad)]
-    tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
-    local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
 
 
 def _resident_kib(field: str) -> int:
