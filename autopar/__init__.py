@@ -14,4 +14,5 @@ from .ir import (
     StalePlanError,
     TraceError,
 )
+from . import runtime  # noqa: F401  (registers torch.ops.autopar.*, which captured and rewritten graphs call)
 from .api import parallelize, plan

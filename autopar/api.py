@@ -10,9 +10,10 @@ import dataclasses
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, StalePlanError, get_profile
+from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, StalePlanError, batch_split, get_profile
 from autopar.passes.capture import CapturedGraph, capture
 from autopar.passes.pipeline import PassLog, verify_graph
+from autopar.passes.recompute import apply_recompute
 from autopar.passes.rewrite import rewrite
 from autopar.passes.search import search
 from autopar.passes.stage_split import split_stages
@@ -86,6 +87,7 @@ def parallelize(
     hardware: str | HardwareProfile | None = None,
     memory_limit: float | None = None,
     zero: int | None = None,
+    recompute: str | None = None,
     microbatches: int | None = None,
     pipeline: str | None = None,
     stage_cuts: list[str] | None = None,
@@ -96,7 +98,8 @@ def parallelize(
     ``autopar run``). The returned module's ``train_step(*local_inputs)`` runs forward and
     backward; ``shard_batch(*global_inputs)`` gives this rank's slice. With ``degrees={"pp": p,
     ...}`` the layers run in p pipeline stages over the outermost mesh dimension (``pipeline``
-    picks the schedule, ``stage_cuts`` the stage boundaries); ``microbatches`` splits the local
+    picks the schedule, ``stage_cuts`` the stage boundaries); ``recompute`` pins activation
+    recomputation, as for :func:`plan`; ``microbatches`` splits the local
     batch (gradient accumulation, and the pipeline's microbatches).
 
     >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
@@ -125,7 +128,7 @@ def parallelize(
     if plan is None:
         plan = _plan_on_rank_zero(lambda: _plan_captured(
             captured, mesh, degrees, constraints, hardware, memory_limit,
-            dict(zero=zero, recompute="none", microbatches=microbatches, pipeline=pipeline, stage_cuts=stage_cuts), log,
+            dict(zero=zero, recompute=recompute, microbatches=microbatches, pipeline=pipeline, stage_cuts=stage_cuts), log,
         ))
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
@@ -143,6 +146,7 @@ def parallelize(
         "rewrite", rewrite, running, dataclasses.replace(plan, fingerprint=running.fingerprint),
         groups=groups, device=device_type, verify=verify_graph,
     )
+    program = log.run("recompute", apply_recompute, program, schedule.recompute, verify=verify_graph)
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     if schedule.stages > 1:
         stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
@@ -164,14 +168,7 @@ def parallelize(
 
 def _check_runnable(plan: Plan) -> None:
     schedule = plan.schedule
-    if schedule.recompute != "none":
-        raise ConfigError(
-            f"the plan recomputes activations ({schedule.recompute!r}), which is for predictions only: "
-            "plan with recompute='none' to run it"
-        )
-    if (schedule.stages > 1 or schedule.microbatches > 1) and plan.zero:
-        raise ConfigError(f"ZeRO-{plan.zero} does not run with pipeline stages or microbatches yet: plan with zero=0")
-    local_batch = plan.batch_size // plan.degrees.get("dp", 1)
+    local_batch = plan.batch_size // batch_split(plan.degrees)
     if local_batch % schedule.microbatches:
         raise ConfigError(
             f"{schedule.microbatches} microbatches must divide the local batch of {local_batch}: pick a divisor"

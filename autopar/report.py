@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 from tabulate import tabulate
 
-from autopar.ir import Plan, Shard
+from autopar.ir import KERNEL_DIMS, Plan, Shard
 from autopar.passes.capture import module_path
 from autopar.passes.export import collective_calls, placeholders
 
@@ -188,7 +188,8 @@ def decisions_text(plan: Plan) -> str:
             inputs = ", ".join(_placement(p) if p is not None else "-" for p in decision.inputs)
             output = _placement(decision.output) if decision.output is not None else "-"
             comm = _size(decision.comm_bytes) if decision.comm_bytes else ""
-            rows.append([(module or "<top>") if index == 0 else "", name, decision.op, inputs, output, comm])
+            op = f"{decision.op} [{decision.kernel} over {KERNEL_DIMS[decision.kernel]}]" if decision.kernel else decision.op
+            rows.append([(module or "<top>") if index == 0 else "", name, op, inputs, output, comm])
     axes = ", ".join(plan.degrees)
     return f"node decisions by module (placements over {axes}):\n" + tabulate(
         rows, headers=["module", "node", "op", "inputs", "output", "comm"]

@@ -19,9 +19,10 @@ from torch import nn
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int) -> None:
+    def __init__(self, hidden: int, heads: int, causal: bool = True) -> None:
         super().__init__()
         self.head_dim = hidden // heads
+        self.causal = causal
         self.wq = nn.Linear(hidden, hidden, bias=False)
         self.wk = nn.Linear(hidden, hidden, bias=False)
         self.wv = nn.Linear(hidden, hidden, bias=False)
@@ -33,7 +34,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -48,10 +49,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int, ffn: int) -> None:
+    def __init__(self, hidden: int, heads: int, ffn: int, causal: bool = True) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, heads)
+        self.attn = Attention(hidden, heads, causal)
         self.mlp_norm = nn.LayerNorm(hidden)
         self.mlp = FeedForward(hidden, ffn)
 
@@ -63,13 +64,13 @@ class TransformerBlock(nn.Module):
 class GPT(nn.Module):
     """``forward(tokens [B, S] int64, labels [B, S] int64) -> mean cross-entropy``."""
 
-    def __init__(self, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int) -> None:
+    def __init__(self, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int, causal: bool = True) -> None:
         super().__init__()
         self.vocab = vocab
         self.seq = seq
         self.tok_embeddings = nn.Embedding(vocab, hidden)
         self.pos_embeddings = nn.Embedding(seq, hidden)
-        self.layers = nn.ModuleList(TransformerBlock(hidden, heads, ffn) for _ in range(layers))
+        self.layers = nn.ModuleList(TransformerBlock(hidden, heads, ffn, causal) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.output = nn.Linear(hidden, vocab, bias=False)
         self.init_weights()

@@ -20,6 +20,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.ir import TraceError
 
+from .moe import composite_moe
+
 
 @dataclass(frozen=True)
 class CapturedGraph:
@@ -50,7 +52,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
         # in-place ops, whose aliasing would not survive a redistribution placed between them.
         with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
             warnings.simplefilter("ignore", FutureWarning)
-            exported = torch.export.export(model, example_inputs, strict=False).run_decompositions({})
+            with composite_moe(model):  # each mixture-of-experts block becomes one autopar.moe node
+                exported = torch.export.export(model, example_inputs, strict=False).run_decompositions({})
     except Exception as error:  # export raises many types; all mean the same to the user
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}: {type(error).__name__}: "

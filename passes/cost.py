@@ -182,10 +182,15 @@ def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
 def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
     """Run the op and its backward on fresh fake leaves; note what autograd saves."""
     inputs = []
+    # On meta tensors attention decomposes into its math form, which saves the seq x seq
+    # scores; every real device (CPU included) runs a fused kernel that saves only its output
+    # and log-sum-exp: profile what will run.
+    fused = getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention
     for k, v in enumerate(values):
         if isinstance(v, torch.Tensor):
             grad = needs_grad and v.dtype.is_floating_point
-            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device, requires_grad=grad)
+            device = "cpu" if fused and v.device.type == "meta" else v.device
+            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device, requires_grad=grad)
             inputs.append(values[k])
     args, kwargs = tree_unflatten(values, spec)
     saved = []
@@ -194,7 +199,7 @@ def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
         out = target(*args, **kwargs)
     outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
     io_bytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
-    forward_flops = forward.get_total_flops() or _formula_flops(target, inputs)
+    forward_flops = forward.get_total_flops() or _formula_flops(target, inputs, args)
     differentiable = [o for o in outputs if o.requires_grad]
     backward_flops = 0.0
     if differentiable:
@@ -215,11 +220,18 @@ def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
     return OpProfile(float(forward_flops), float(backward_flops), float(io_bytes), tuple(sorted(slots)), saves_output, extra)
 
 
-def _formula_flops(target, inputs) -> float:
-    """FLOPs of ops the flop counter does not know on this device (CPU attention)."""
-    if getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention and len(inputs) >= 3:
+def _formula_flops(target, inputs, args) -> float:
+    """FLOPs of ops the flop counter does not know on this device (CPU attention, autopar's
+    mixture of experts)."""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is torch.ops.aten.scaled_dot_product_attention and len(inputs) >= 3:
         q, k = inputs[0], inputs[1]
         return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]  # QKᵀ and PV
+    if str(packet) == "autopar.moe":
+        x, router, gate_up, down = inputs[:4]
+        tokens, hidden = x.shape
+        top_k = args[4]  # each token through top_k experts: SwiGLU's up and gate, then down
+        return 2.0 * tokens * hidden * router.shape[0] + 2.0 * tokens * top_k * (gate_up[0].numel() + down[0].numel())
     return 0.0
 
 

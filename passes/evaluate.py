@@ -7,13 +7,14 @@ made, and :func:`evaluate_plan` does so for any plan, searched or pinned.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from autopar.ir import ConfigError, Cost, HardwareProfile, Mesh, Placement, Plan, Replicate, Schedule
+from autopar.ir import KERNEL_DIMS, ConfigError, Cost, HardwareProfile, Mesh, Placement, Plan, Replicate, Schedule, Shard
 
 from .capture import CapturedGraph
 from .cost import collective_time, grad_sync_time, model_state_bytes, optimizer_time, reshard_time
 from .facts import NodeFacts, ShardedShapes, activation_bytes, analyze
+from .kernel_cost import kernel_time
 from .layers import kept_share, schedule_cost
 from .strategies import Strategy, numel, work_fraction
 
@@ -31,11 +32,14 @@ class AxisContext:
     overlap: float  # share of gradient sync hidden behind backward
     bind_memory: bool = False
     batch: dict[str, Strategy] | None = None  # node → its batch-dim sharding; never used on this axis
+    sequence: dict[str, Strategy] | None = None  # node → its sequence-dim sharding; matmuls never split it here
     data_parallel: int = 1  # the dp degree, over which ZeRO shards model state
     zero: int = 0
     hardware: HardwareProfile | None = None
     contention: float = 1.0
     schedule: Schedule = Schedule()
+    later: int = 1  # devices the axes after this one split each of its shards into
+    kernels: dict[str, str] = field(default_factory=dict)  # node → the parallel kernel pinned for it
 
 
 def axis_spans(degrees: dict[str, int]) -> dict[str, int]:
@@ -80,7 +84,7 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
         zero_share = ctx.data_parallel if ctx.zero else 1
         return optimizer_time(elements / zero_share, ctx.hardware, ctx.contention) if ctx.hardware else 0.0, 0.0, 0.0
     compute = fact.full_time_s * ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
-    comm = sync = 0.0
+    comm, sync = kernel_time(fact, s, ctx), 0.0
     for name, seconds in partial_gradients(fact, s, ctx, facts):
         if facts[name].kind == "param":
             sync += seconds
@@ -92,6 +96,9 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
 def edge_time(producer: NodeFacts, src: Placement, dst: Placement, local_shape: tuple[int, ...], ctx: AxisContext) -> float:
     """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd)."""
     nbytes = numel(local_shape) * producer.elem_bytes
+    if ctx.name == "cp" and isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
+        # cp chunks are head-and-tail pairs, not rank-ordered runs: no all-to-all, gather then chunk
+        return min(reshard_time(src, R, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
     return min(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
 
 
@@ -150,6 +157,7 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
         for name, s in chosen.items():
             for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
                 partial[slot] = max(partial.get(slot, 0.0), seconds)
+        comm += sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
         for slot, seconds in partial.items():
             if facts[slot].kind == "param":
                 sync += seconds
@@ -200,7 +208,8 @@ def strategies_from_plan(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, d
             elif fact.kind == "op" and name in plan.nodes and plan.nodes[name].output is not None:
                 decision = plan.nodes[name]
                 inputs = tuple(slot[index] if slot is not None else None for slot in decision.inputs)
-                strategies[axis][name] = Strategy(inputs, decision.output[index])
+                kernel = decision.kernel if decision.kernel and KERNEL_DIMS[decision.kernel] == axis else ""
+                strategies[axis][name] = Strategy(inputs, decision.output[index], kernel)
     return strategies
 
 

@@ -29,6 +29,7 @@ import torch.fx as fx
 from autopar.ir import Partial, Placement, Plan, Replicate, Shard, format_placements
 
 from .capture import module_path
+from .kernel_cost import kernel_bytes
 
 AXIS_MEANING = {
     "dp": "data parallel: the batch is split, gradients are summed",
@@ -38,6 +39,7 @@ AXIS_MEANING = {
     "ep": "expert parallel: experts are split",
 }
 COLLECTIVE_NAMESPACE = "autopar"
+KERNEL_TRAFFIC = {"ring_attention": "ring", "ulysses_attention": "ulysses", "moe": "experts"}
 COLLECTIVE_COLOR = "orange"
 PARAM_COLOR = "lightblue"
 INPUT_COLOR = "palegreen"
@@ -146,8 +148,16 @@ def placeholders(program: fx.GraphModule, plan: Plan) -> list[PlaceholderInfo]:
 
 
 def is_collective(node: fx.Node) -> bool:
-    """Whether ``node`` calls one of the runtime's ``torch.ops.autopar.*`` collectives."""
-    return node.op == "call_function" and getattr(node.target, "namespace", None) == COLLECTIVE_NAMESPACE
+    """Whether ``node`` calls one of the runtime's ``torch.ops.autopar.*`` collectives or
+    parallel kernels (a mixture of experts given no group runs locally: not one)."""
+    if node.op != "call_function" or getattr(node.target, "namespace", None) != COLLECTIVE_NAMESPACE:
+        return False
+    return _collective_name(node) != "moe" or bool(_group(node))
+
+
+def _group(node: fx.Node) -> str:
+    """The group (axis) a collective or kernel talks over: its first string argument."""
+    return next((arg for arg in node.args if isinstance(arg, str)), "")
 
 
 def _collective_name(node: fx.Node) -> str:
@@ -197,9 +207,10 @@ def collective_calls(program: fx.GraphModule, plan: Plan) -> list[CollectiveCall
         nbytes = 0
         if val is not None and before is not None:
             nbytes = math.prod(local_shape(tuple(val.shape), before, plan.degrees)) * val.element_size()
-        calls.append(
-            CollectiveCall(node.name, _collective_name(node), str(node.args[1]), _consumer_module(node), before, after, nbytes)
-        )
+        op, group = _collective_name(node), _group(node)
+        if op in KERNEL_TRAFFIC:  # what the kernel itself sends, for its input's size
+            nbytes = kernel_bytes(KERNEL_TRAFFIC[op], nbytes, plan.degrees.get(group, 1), node.args[4] if op == "moe" else 1)
+        calls.append(CollectiveCall(node.name, op, group, _consumer_module(node), before, after, nbytes))
     return calls
 
 

@@ -25,7 +25,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.ir import Partial, Placement, Plan, Replicate, Shard, StalePlanError
+from autopar.ir import CONTEXT_PARALLEL, KERNEL_DIMS, Partial, Placement, Plan, Replicate, Shard, StalePlanError
 from autopar.ir.zero import DATA_PARALLEL, zero_shard_dim
 
 from .capture import CapturedGraph
@@ -69,9 +69,20 @@ def rewrite(captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], devi
             _rewrite_node(node, decision, plan, placements, builder, gradients, device)
     if plan.zero == 3:
         _gather_zero3_params(graph, captured, plan, groups)
+    _views_to_reshapes(graph)
     graph.eliminate_dead_code()
     graph.lint()
     return fx.GraphModule(captured.graph_module, graph)
+
+
+def _views_to_reshapes(graph: fx.Graph) -> None:
+    """Export writes ``view`` where the traced tensor's strides allowed one, e.g. after the
+    transpose of fused attention's output, which is laid out [b, s, h, d]. A collective or a
+    parallel kernel returns contiguous tensors, where the same view may be impossible; the graph
+    is functional, so ``reshape`` (a view when it can be, a copy when not) means the same."""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
 
 
 def _gather_zero3_params(graph: fx.Graph, captured: CapturedGraph, plan: Plan, groups: dict[str, str]) -> None:
@@ -108,9 +119,30 @@ def _rewrite_node(node, decision, plan, placements, builder, gradients, device) 
         with graph.inserting_before(node):
             new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad))
     _replace_inputs(node, slots, new_inputs)
+    if decision.kernel:
+        _use_kernel(node, decision.kernel, builder.groups[KERNEL_DIMS[decision.kernel]])
     _localize_arguments(node, decision.output, plan.degrees, device)
     if decision.output is not None:
         placements[node.name] = decision.output
+
+
+def _use_kernel(node: fx.Node, kernel: str, group: str) -> None:
+    """Run the node as its parallel kernel over ``group`` (see autopar.runtime.context_parallel
+    and expert_parallel): attention on a split sequence, or experts split over ranks."""
+    if kernel in ("ring", "ulysses"):
+        q, k, v = node.args[:3]
+        causal = _arg(node, 5, "is_causal", False)
+        scale = _arg(node, 6, "scale", None)
+        node.target = getattr(torch.ops.autopar, f"{kernel}_attention").default
+        node.args, node.kwargs = (q, k, v, group, causal, scale), {}
+    elif kernel == "experts":
+        node.args = (*node.args[:-1], group)  # the experts op's last argument: its process group
+    else:
+        raise StalePlanError(f"unknown kernel {kernel!r} for node {node.name}: re-run autopar.plan")
+
+
+def _arg(node: fx.Node, index: int, name: str, default):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def _producer_placements(captured: CapturedGraph, plan: Plan, by_name) -> dict[str, tuple[Placement, ...]]:
@@ -186,6 +218,8 @@ class _Collectives:
         group = self.groups[axis]
         if src == dst:
             return self._op("grad_all_reduce", value, group) if partial_grad else value
+        if axis == CONTEXT_PARALLEL and (isinstance(src, Shard) or isinstance(dst, Shard)):
+            return self._zigzag_axis(value, src, dst, axis, partial_grad)
         if isinstance(src, Shard) and isinstance(dst, Replicate):
             return self._op("all_gather", value, group, src.dim, partial_grad)
         if isinstance(src, Partial) and isinstance(dst, Replicate):
@@ -203,3 +237,19 @@ class _Collectives:
         if partial_grad and isinstance(dst, Replicate):
             value = self._op("grad_all_reduce", value, group)
         return value
+
+    def _zigzag_axis(self, value, src: Placement, dst: Placement, axis: str, partial_grad: bool) -> fx.Node:
+        """On cp a shard is a head and a tail chunk (:mod:`autopar.runtime.zigzag`): permute
+        into rank order before chunking and back after gathering; a shard moves to another
+        dim by way of the whole tensor."""
+        group = self.groups[axis]
+        if isinstance(src, Shard):
+            value = self._op("all_gather", value, group, src.dim, partial_grad and isinstance(dst, Replicate))
+            value = self._op("zigzag", value, group, src.dim, True)
+            if isinstance(dst, Replicate):
+                return value
+            src = R
+        value = self._op("zigzag", value, group, dst.dim, False)
+        if isinstance(src, Partial):
+            return self._op("reduce_scatter", value, group, dst.dim, src.reduce_op)
+        return self._op("chunk", value, group, dst.dim)

@@ -284,7 +284,9 @@ def index(view: OpView) -> list[Strategy]:
 
 
 def attention(view: OpView) -> list[Strategy]:
-    """scaled_dot_product_attention on [batch, heads, seq, head_dim]: shard batch or heads."""
+    """scaled_dot_product_attention on [batch, heads, seq, head_dim]: shard batch or heads;
+    or, without a mask or dropout, the sequence of q, k and v alike, run by a context-parallel
+    kernel (ring or Ulysses, see autopar.runtime.context_parallel)."""
     q_shape = view.in_shapes[0]
     strategies = []
     for d in (0, 1):
@@ -294,7 +296,18 @@ def attention(view: OpView) -> list[Strategy]:
             broadcast = in_dim < 0 or shape[in_dim] == 1
             placements.append(R if broadcast else Shard(in_dim))
         strategies.append(Strategy(tuple(placements), Shard(d)))
+    if len(view.in_shapes) == 3 and not view.arg(4, "dropout_p", 0.0):
+        seq = Shard(len(q_shape) - 2)
+        strategies += [Strategy((seq, seq, seq), seq, kernel) for kernel in ("ring", "ulysses")]
     return strategies
+
+
+def experts(view: OpView) -> list[Strategy]:
+    """autopar::moe(x [T, H], router [E, H], gate_up [E, 2F, H], down [E, H, F]) -> (out, logits):
+    split the tokens (every rank runs every expert on its tokens), or split the experts too
+    and send tokens to them (the expert-parallel kernel)."""
+    tokens = Strategy((Shard(0), R, R, R), Shard(0))
+    return [tokens, Strategy((Shard(0), R, Shard(0), Shard(0)), Shard(0), "experts")]
 
 
 def loss(view: OpView) -> list[Strategy]:
@@ -387,9 +400,14 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
 }
 
 
+OWN_OPS = {"autopar.moe": experts}  # autopar's composite ops, by name (registered by autopar.runtime)
+KERNEL_RULES = {"ring": attention, "ulysses": attention, "experts": experts}  # the rules offering each kernel
+MATMULS = (linear, mm, bmm, addmm, matmul, attention)  # the rules of ops that multiply whole rows by whole columns
+
+
 def rule_for(target) -> Callable[[OpView], list[Strategy]] | None:
     packet = getattr(target, "overloadpacket", None)
-    rule = RULES.get(target) or RULES.get(packet)
+    rule = RULES.get(target) or RULES.get(packet) or OWN_OPS.get(str(packet))
     if rule is None and isinstance(target, torch._ops.OpOverload):
         if torch.Tag.pointwise in target.tags or packet in _ALSO_POINTWISE:
             return pointwise
@@ -403,9 +421,14 @@ def node_strategies(view: OpView, axis_size: int) -> tuple[list[Strategy], bool]
     candidates = [fallback]
     if axis_size > 1 and rule is not None:
         for strategy in rule(view):
-            if strategy != fallback and _divisible(view, strategy, axis_size) and strategy not in candidates:
+            if strategy != fallback and _divisible(view, strategy, axis_size) and _kernel_fits(view, strategy, axis_size) and strategy not in candidates:
                 candidates.append(strategy)
     return candidates, rule is not None
+
+
+def _kernel_fits(view: OpView, strategy: Strategy, axis_size: int) -> bool:
+    """Ulysses trades the sequence for heads: every rank takes heads / p of them."""
+    return strategy.kernel != "ulysses" or all(shape[1] % axis_size == 0 for shape in view.in_shapes)
 
 
 def _divisible(view: OpView, strategy: Strategy, axis_size: int) -> bool:

@@ -25,9 +25,11 @@ R = Replicate()
 class Strategy:
     inputs: tuple[Placement | None, ...]  # one per tensor input slot (see tensor_inputs)
     output: Placement
+    kernel: str = ""  # a parallel kernel (autopar.ir.KERNEL_DIMS) that runs the op this way, on its axis only
 
     def __str__(self) -> str:
-        return f"{', '.join(str(p) if p else '-' for p in self.inputs)} -> {self.output}"
+        text = f"{', '.join(str(p) if p else '-' for p in self.inputs)} -> {self.output}"
+        return f"{text} [{self.kernel}]" if self.kernel else text
 
 
 @dataclass(frozen=True)

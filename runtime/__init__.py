@@ -16,6 +16,9 @@ from .collectives import (
 from .checkpoint import load_checkpoint, save_checkpoint
 from .grad_sync import GradSync
 from .zero3 import zero_gather
+from .zigzag import zigzag
+from .context_parallel import ring_attention, ulysses_attention
+from .expert_parallel import moe
 from .launch import free_port, init_from_env, launch_local
 from .process_groups import build_device_mesh, group_name
 from .spawn import run_local

@@ -27,12 +27,13 @@ from torch.distributed.tensor import Shard as DShard
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.ir import Plan, Replicate, Shard
+from autopar.ir import CONTEXT_PARALLEL, Plan, Replicate, Shard
 
 from .grad_sync import GradSync
 from .process_groups import group_name
 from .zero import ZeroLayout, ZeroOptimizer, add_grad
 from .zero3 import Zero3Runtime
+from .zigzag import zigzag_order
 
 
 def to_dtensor_placement(placement):
@@ -44,11 +45,15 @@ def to_dtensor_placement(placement):
 
 
 def local_chunk(full: torch.Tensor, placements, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's shard of a full tensor (outer mesh dims split first, as DTensor does)."""
+    """This rank's shard of a full tensor (outer mesh dims split first, as DTensor does; on
+    the context-parallel dim a head and a tail chunk, see :mod:`zigzag`)."""
     local = full
+    names = mesh.mesh_dim_names or ()
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             size = mesh.size(mesh_dim)
+            if mesh_dim < len(names) and names[mesh_dim] == CONTEXT_PARALLEL:
+                local = local.index_select(placement.dim, zigzag_order(local.shape[placement.dim], size).to(local.device))
             local = local.chunk(size, dim=placement.dim)[mesh.get_local_rank(mesh_dim)]
     return local.contiguous()
 

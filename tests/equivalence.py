@@ -74,6 +74,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         "param": max((_rel(params[n], ref_params[n]), n) for n in params),
         "overlapped_loss_reduction": pmodel._local_loss is not None,
         "collectives": sum(1 for node in pmodel.program.graph.nodes if "autopar" in str(node.target)),
+        "kernels": sorted(kernel for node in pmodel.program.graph.nodes if (kernel := _kernel(node))),
         "held": sorted(grads),
         "forward": _rel(forward, ref_loss) if check_forward else None,
         "schedule": pmodel.plan.schedule,
@@ -81,6 +82,14 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
 
 
 RTOL, ATOL = 1e-4, 1e-6
+KERNEL_OPS = {"autopar.ring_attention.default": "ring", "autopar.ulysses_attention.default": "ulysses"}
+
+
+def _kernel(node) -> str | None:
+    """The parallel kernel a program node runs, if any (experts: a moe op given a group)."""
+    if str(node.target) == "autopar.moe.default":
+        return "experts" if node.args[-1] else None
+    return KERNEL_OPS.get(str(node.target))
 
 
 def _rel(value: torch.Tensor, reference: torch.Tensor) -> float:

@@ -13,6 +13,6 @@ from .errors import (
     TraceError,
 )
 from .hardware import PROFILES, HardwareProfile, LinkTier, get_profile
-from .mesh import PARALLEL_DIMS, Mesh, check_degrees, degree_choices
+from .mesh import BATCH_DIMS, CONTEXT_PARALLEL, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
 from .placement import Partial, Placement, Replicate, Shard, format_placements, parse_placement
-from .plan import PIPELINES, RECOMPUTE, VIRTUAL_PIPELINES, Cost, NodeDecision, Plan, Schedule
+from .plan import KERNEL_DIMS, PIPELINES, RECOMPUTE, VIRTUAL_PIPELINES, Cost, NodeDecision, Plan, Schedule

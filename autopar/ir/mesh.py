@@ -8,8 +8,12 @@ from dataclasses import dataclass
 from .errors import ConfigError, MeshError
 
 # Parallel dimensions, outermost first. The innermost (tensor parallel) lands on
-# neighbouring ranks, which share a node on real clusters.
-PARALLEL_DIMS = ("dp", "tp")
+# neighbouring ranks, which share a node on real clusters. dp and tp are always present;
+# ep (experts, which also splits the batch) and cp (the sequence) only where a plan uses them.
+PARALLEL_DIMS = ("dp", "ep", "cp", "tp")
+ALWAYS_PRESENT = ("dp", "tp")
+BATCH_DIMS = ("dp", "ep")  # the dimensions that split the batch
+CONTEXT_PARALLEL = "cp"  # splits the sequence, in head-and-tail chunks (autopar.runtime.zigzag)
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def check_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
             f"this version supports {list(PARALLEL_DIMS)}"
         )
     fixed = math.prod(degrees.values())
-    missing = [dim for dim in PARALLEL_DIMS if dim not in degrees]
+    missing = [dim for dim in ALWAYS_PRESENT if dim not in degrees]
     full = dict(degrees)
     if world % fixed:
         raise ConfigError(f"degrees {degrees} multiply to {fixed}, which does not divide the {world} devices")
@@ -83,9 +87,24 @@ def check_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
         full["dp"] = full["dp"] * (world // math.prod(full.values()))
     if math.prod(full.values()) != world:
         raise ConfigError(f"degrees {full} multiply to {math.prod(full.values())}, but the mesh has {world} devices")
-    return {dim: full[dim] for dim in PARALLEL_DIMS}
+    return {dim: full[dim] for dim in PARALLEL_DIMS if dim in ALWAYS_PRESENT or full.get(dim, 1) > 1}
 
 
-def degree_choices(world: int) -> list[dict[str, int]]:
-    """Every way to split ``world`` devices into the parallel dimensions."""
-    return [{"dp": world // tp, "tp": tp} for tp in range(1, world + 1) if world % tp == 0]
+def degree_choices(world: int, optional: tuple[str, ...] = ()) -> list[dict[str, int]]:
+    """Every way to split ``world`` devices into dp, tp and the ``optional`` dimensions
+    (each of those present only with a degree above 1)."""
+    dims = [dim for dim in PARALLEL_DIMS if dim in ALWAYS_PRESENT or dim in optional]
+    choices = [{}]
+    for dim in dims:
+        choices = [{**c, dim: d} for c in choices for d in _divisors(world // math.prod(c.values()))]
+    full = [c for c in choices if math.prod(c.values()) == world]
+    return [{dim: n for dim, n in c.items() if dim in ALWAYS_PRESENT or n > 1} for c in full]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def batch_split(degrees: dict[str, int]) -> int:
+    """How many ways the global batch is split: data and expert parallelism both split it."""
+    return math.prod(degrees.get(dim, 1) for dim in BATCH_DIMS)

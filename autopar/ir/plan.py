@@ -18,7 +18,13 @@ from .errors import ConfigError, StalePlanError
 from .mesh import Mesh
 from .placement import Placement, format_placements, parse_placement
 
-PLAN_FORMAT = 3  # 3: the schedule's pipeline kind, virtual stages and cut points
+PLAN_FORMAT = 4  # 3: the schedule's pipeline kind, virtual stages and cut points; 4: kernels (cp, ep)
+
+# Nodes whose sharding needs their own parallel kernel, by kernel name: the mesh dimension the
+# kernel runs over. Context-parallel attention splits the sequence (ring: K/V blocks pass around
+# the ring; ulysses: all-to-all between sequence and heads); "experts" splits a mixture-of-experts
+# layer's experts, tokens going to their experts by all-to-all.
+KERNEL_DIMS = {"ring": "cp", "ulysses": "cp", "experts": "ep"}
 
 AxisPlacements = tuple[Placement, ...]  # one placement per parallel dimension of the plan
 
@@ -32,6 +38,7 @@ class NodeDecision:
     inputs: tuple[AxisPlacements | None, ...]  # one per argument; None for non-tensors
     output: AxisPlacements | None  # None for nodes without a tensor output
     comm_bytes: float = 0.0  # bytes moved to bring inputs into place, per step (fwd + bwd)
+    kernel: str = ""  # a KERNEL_DIMS name when the node runs as a parallel kernel, else ""
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,7 @@ class Plan:
                 inputs=tuple(_load(p) for p in node["inputs"]),
                 output=_load(node["output"]),
                 comm_bytes=node["comm_bytes"],
+                kernel=node["kernel"],
             )
             for name, node in data["nodes"].items()
         }

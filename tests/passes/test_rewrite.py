@@ -24,7 +24,7 @@ def test_megatron_plan_gets_one_all_reduce_per_row_parallel_layer_and_local_head
     all_reduces = [n for n in program.graph.nodes if n.target is torch.ops.autopar.all_reduce.default]
     # wo and fc2 produce partial sums; the loss needs no reduction over tp.
     assert len(all_reduces) == 2 and all(n.args[1] == "TP" for n in all_reduces)
-    heads = [n for n in program.graph.nodes if n.target is torch.ops.aten.view.default and len(n.args[1]) == 4]
+    heads = [n for n in program.graph.nodes if n.target is torch.ops.aten.reshape.default and len(n.args[1]) == 4]
     assert heads and all(n.args[1][2] == 1 for n in heads)  # 4 heads over 4 ranks: one each
     assert "torch.ops.autopar.all_reduce.default" in program.code
 

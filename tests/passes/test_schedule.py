@@ -34,13 +34,17 @@ def test_blocking_collectives_pay_the_rendezvous_scaled_by_contention():
 
 
 def _plan(**options):
-    return plan_example("gpt.py", (2, 4), batch=16, model_kwargs=GPT, hardware="a100-80gb", **options)
+    options = {"model_kwargs": GPT, **options}
+    return plan_example("gpt.py", (2, 4), batch=16, hardware="a100-80gb", **options)
 
 
 def test_recomputation_trades_activations_for_forward_compute():
-    none = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="none")
-    selective = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="selective")
-    full = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="full")
+    # 8 layers: full recomputation holds one whole layer's activations while it recomputes
+    # it, which only pays once there are more layers than a handful
+    deep = dict(model_kwargs={**GPT, "layers": 8})
+    none = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="none", **deep)
+    selective = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="selective", **deep)
+    full = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="full", **deep)
     act = lambda plan: plan.cost.memory["activations"]
     assert act(full) < act(selective) < act(none)
     assert none.cost.compute_s < selective.cost.compute_s < full.cost.compute_s

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.ir import MemoryLimitError, Replicate, Shard, ShardingRuleError, get_profile
+from autopar.ir import MemoryLimitError, Replicate, Shard, ShardingRuleError, degree_choices, get_profile
 from autopar.passes.capture import capture
 from autopar.passes.cost import collective_time
 from autopar.passes.rewrite import rewrite
@@ -98,6 +98,45 @@ def test_hugging_face_models_plan_and_report_their_coverage(builder):
 def test_llama_70b_layers_plan_for_64_simulated_gpus():
     model = meta_model("hf.py", "build_llama70b_shaped", layers=2)
     plan = autopar.plan(model, "8x8", model.example_inputs(64, device="meta"), hardware="a100-80gb")
-    assert plan.mesh.size == 64 and len({tuple(entry["degrees"].items()) for entry in plan.search}) == 7
+    tried = {tuple(entry["degrees"].items()) for entry in plan.search}
+    # every split of 64, cp included, but for cp=64: 64 tokens a rank cannot hide a ring step
+    expected = {tuple(c.items()) for c in degree_choices(64, ("cp",)) if c.get("cp", 1) < 64}
+    assert plan.mesh.size == 64 and tried == expected
     assert plan.cost.peak_memory <= get_profile("a100-80gb").memory_bytes
     assert next(p for p in model.parameters()).is_meta  # nothing was allocated
+
+
+def test_long_context_with_tight_memory_splits_the_sequence():
+    # one 8192-token sequence: data parallelism has nothing to split, and one device's
+    # activations do not fit the limit
+    model = meta_model("long_context_gpt.py", "build")
+    inputs = model.example_inputs(1, device="meta")
+    limit = 80 * 2**20
+    with pytest.raises(MemoryLimitError):
+        autopar.plan(model, 1, inputs, memory_limit=limit)
+    plan = autopar.plan(model, 4, inputs, memory_limit=limit)
+    assert plan.degrees.get("cp", 1) > 1 and plan.cost.peak_memory <= limit
+    assert all(placement[list(plan.degrees).index("cp")] == Shard(1) for placement in plan.inputs.values())
+    single = autopar.plan(model, 1, inputs)  # unlimited: the whole sequence on one device
+    assert plan.cost.memory["activations"] < 0.35 * single.cost.memory["activations"]
+
+
+def test_long_context_on_gpus_runs_attention_as_a_ring():
+    # at H100 speeds a K/V block's transfer hides behind its attention: ring over Ulysses
+    model = meta_model("long_context_gpt.py", "build", hidden=512, heads=8, seq=16384)
+    plan = autopar.plan(model, 4, model.example_inputs(1, device="meta"), degrees={"cp": 4}, hardware="h100-80gb")
+    attention = [d for d in plan.nodes.values() if "scaled_dot_product_attention" in d.op]
+    assert attention and all(d.kernel == "ring" for d in attention)
+
+
+def test_moe_example_splits_its_experts_over_devices():
+    model = meta_model("moe_gpt.py", "build", hidden=256, ffn=1024)
+    inputs = model.example_inputs(8, device="meta")
+    plan = autopar.plan(model, 4, inputs)
+    experts = [d for d in plan.nodes.values() if d.op == "autopar.moe.default"]
+    assert plan.degrees.get("ep", 1) > 1 and experts and all(d.kernel == "experts" for d in experts)
+    ep = list(plan.degrees).index("ep")
+    assert all(plan.params[name][ep] == Shard(0) for name in plan.params if ".experts." in name)
+    replicated = autopar.plan(model, 4, inputs, degrees={"dp": 4})  # every device holds every expert
+    assert plan.cost.step_s < replicated.cost.step_s
+    assert plan.cost.memory["params"] < replicated.cost.memory["params"]

@@ -1,0 +1,68 @@
+"""Context and expert parallelism against the unparallelized model: same loss, full gradients
+and parameters after AdamW (fp32), on gloo groups of 2 and 4 ranks. Each attention method
+(ring, Ulysses) causal and not; experts of the MoE example and of HF Mixtral; each composed
+with data, tensor and pipeline parallelism."""
+
+import pytest
+
+from autopar.runtime.spawn import run_local
+from equivalence import GPT_TP, compare_one_step, load_example
+
+LONG = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32)  # seq splits into 2 x 4 chunks
+MOE = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
+MIXTRAL = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
+RING, ULYSSES = {"layers.*.attn": "ring"}, {"layers.*.attn": "ulysses"}
+EXPERTS, MIXTRAL_EXPERTS = {"layers.*.moe": "experts"}, {"model.layers.*.mlp": "experts"}
+ATTENTION_TP = {name: placement for name, placement in GPT_TP.items() if ".attn." in name}  # Megatron's heads split
+
+
+def _attention_cases(cp: int) -> list:
+    return [
+        ("long_context_gpt", "build", {**LONG, "causal": causal}, dict(degrees={"cp": cp}, constraints=method))
+        for method in (RING, ULYSSES) for causal in (True, False)
+    ]
+
+
+TWO_RANKS = _attention_cases(2) + [
+    ("moe_gpt", "build", MOE, dict(degrees={"ep": 2}, constraints=EXPERTS)),
+    ("hf", "build_mixtral", MIXTRAL, dict(degrees={"ep": 2}, constraints=MIXTRAL_EXPERTS)),
+]
+FOUR_RANKS = _attention_cases(4) + [
+    ("long_context_gpt", "build", LONG, dict(mesh="2x2", degrees={"dp": 2, "cp": 2}, constraints=RING)),
+    ("long_context_gpt", "build", LONG, dict(mesh="2x2", degrees={"cp": 2, "tp": 2}, constraints={**GPT_TP, **ULYSSES})),
+    ("long_context_gpt", "build", LONG, dict(mesh="2x2", degrees={"pp": 2, "cp": 2}, constraints=RING, microbatches=2)),
+    ("moe_gpt", "build", MOE, dict(degrees={"ep": 4}, constraints=EXPERTS)),
+    ("hf", "build_mixtral", MIXTRAL, dict(degrees={"ep": 4}, constraints=MIXTRAL_EXPERTS)),
+    ("moe_gpt", "build", MOE, dict(mesh="2x2", degrees={"dp": 2, "ep": 2}, constraints=EXPERTS)),
+    ("moe_gpt", "build", MOE, dict(mesh="2x2", degrees={"dp": 2, "ep": 2}, constraints=EXPERTS, zero=1, optimizer="shards")),
+    ("moe_gpt", "build", MOE, dict(mesh="2x2", degrees={"ep": 2, "tp": 2}, constraints={**ATTENTION_TP, **EXPERTS})),
+]
+
+
+def _run_cases(rank, world, cases):
+    results = []
+    for file, builder, kwargs, options in cases:
+        example = load_example(f"{file}.py")
+        results.append(compare_one_step(getattr(example, builder), kwargs, 4, world, dict(options)))
+    return results
+
+
+def _check(cases, results):
+    for (file, builder, kwargs, options), result in zip(cases, results):
+        label = f"{file}:{builder} causal={kwargs.get('causal', True)} {options['degrees']} {options['constraints']}"
+        # each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|): allclose holds when <= 1
+        assert result["loss"] <= 1, (label, result)
+        assert result["grad"][0] <= 1, (label, result)
+        assert result["param"][0] <= 1, (label, result)
+        pinned = {dim: n for dim, n in options["degrees"].items() if dim != "pp"}
+        assert {dim: n for dim, n in result["degrees"].items() if n > 1} == pinned, (label, result)
+        kernel = next(value for value in options["constraints"].values() if value in ("ring", "ulysses", "experts"))
+        assert result["kernels"] and set(result["kernels"]) == {kernel}, (label, result)  # the kernel really ran
+        if "tp" in options["degrees"]:  # and the pinned tensor parallelism communicates too
+            assert result["collectives"] > len(result["kernels"]) + 3, (label, result)
+
+
+@pytest.mark.parametrize("world, cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])
+def test_one_training_step_matches_single_process(world, cases):
+    results = run_local(_run_cases, world, cases, timeout_s=600)[0]
+    _check(cases, results)
