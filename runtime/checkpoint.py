@@ -4,9 +4,11 @@ under the parameter's name, saved with torch.distributed.checkpoint (DCP).
 
 Because DCP reshards DTensors on load, a checkpoint written under one plan (say DP4 with
 ZeRO-1) loads under any other of the same model (DP2×TP2 with ZeRO-3, or one process):
-nothing in it depends on the degrees or the ZeRO stage. Each rank's optimizer state is
-wrapped, not copied: the DTensors share storage with what the optimizer steps, so a load
-writes straight into it.
+nothing in it depends on the degrees or the ZeRO stage. A pipelined module's ranks each
+write and read the parameters of their own stages (DTensors on the stage's sub-mesh), so a
+checkpoint of PP2×DP2 with ZeRO-3 loads under PP2×DP2 with ZeRO-2 or under DP4. Each rank's
+optimizer state is wrapped, not copied: the DTensors share storage with what the optimizer
+steps, so a load writes straight into it.
 
     save_checkpoint(pmodel, optimizer, "ckpt/step-100")       # every rank
     load_checkpoint(pmodel, optimizer, "ckpt/step-100")       # every rank, any plan

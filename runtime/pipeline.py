@@ -12,8 +12,15 @@ microbatch count (the schedule's ``scale_grads``), so both equal one step on the
 Gradients are summed over dp once, after the last microbatch: the schedule runs under
 ``no_sync`` because zero-bubble schedules set weight gradients outside autograd's hooks.
 
+ZeRO runs over the dp axis of the stage's sub-mesh, on the stage's parameters. ZeRO-2/3 sum
+each microbatch's gradients as soon as a backward made them (as DeepSpeed does, see
+``ZeroLayout.syncs_each_microbatch``): :class:`_Stage` syncs after every backward that makes
+weight gradients, a full one or a zero-bubble weight pass. Under ZeRO-3 each stage module
+gathers its weights per layer for each microbatch's forward and again for its backward
+(``zero3.Zero3Runtime``).
+
 :class:`AccumulatingModule` is the same without stages: microbatches one after another,
-the gradient sync riding on the last backward.
+the gradient sync riding on the last backward (ZeRO-2/3: on every backward).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from torch.distributed.pipelining import (
 from autopar.ir import ConfigError, Plan
 
 from .module import ParallelModule
+from .zero import synced_alone
+from .zero3 import Zero3Runtime
 
 PIPELINE_AXIS = "pp"
 SCHEDULES = {
@@ -46,6 +55,7 @@ SCHEDULES = {
     "interleaved-zb": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
+ZERO_BUBBLE = ("interleaved-zb", "zbv")  # weight gradients in a pass of their own, from torch.autograd.grad
 
 
 def stage_indices(kind: str, pp_rank: int, stages: int, virtual: int) -> list[int]:
@@ -56,30 +66,54 @@ def stage_indices(kind: str, pp_rank: int, stages: int, virtual: int) -> list[in
 
 
 class _StageModule(nn.Module):
-    """One stage program as ``PipelineStage`` calls it: ``forward(*received, **user_inputs)``.
+    """One stage program as ``PipelineStage`` calls it: ``forward(*received, **user_inputs)`` (see :func:`_keyword`).
 
     Its parameters are the ParallelModule's own leaves (plain tensors sharing storage with the
     DTensors), put into ``_parameters`` as they are: the schedule's ``scale_grads`` and the
     zero-bubble weight pass walk ``parameters()``, and a ``nn.Parameter`` would be a new leaf.
     """
 
-    def __init__(self, stage, leaves: list[torch.Tensor], buffers: list[torch.Tensor], first: bool, last: bool):
+    def __init__(self, stage, leaves: list[torch.Tensor], buffers: list[torch.Tensor], first: bool, last: bool,
+                 zero3: Zero3Runtime | None = None, shards: dict[str, torch.Tensor] | None = None):
         super().__init__()
         self.program = stage.graph_module
         for index, leaf in enumerate(leaves):
             self._parameters[f"param_{index}"] = leaf
         self._leaves, self._buffer_values = leaves, buffers
         self._input_names, self._first, self._last = stage.inputs, first, last
+        self._zero3, self._shards = zero3, shards
 
     def forward(self, *received, **user_inputs):
         received = () if self._first else received  # the first stage reads the inputs by name
-        inputs = [user_inputs[name] for name in self._input_names]
-        outputs = self.program(*self._leaves, *self._buffer_values, *inputs, *received)
+        inputs = [user_inputs[_keyword(name)] for name in self._input_names]
+        with self._zero3.forward(self._shards) if self._zero3 is not None else contextlib.nullcontext():
+            outputs = self.program(*self._leaves, *self._buffer_values, *inputs, *received)
         # zero-bubble schedules detach outputs in place, which views do not allow: copy those
         outputs = [out.clone() if out._is_view() else out for out in outputs]
         if self._last:  # the loss, as a 1-element tensor so the schedule can merge microbatches
             return outputs[0].reshape(1).clone()
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage that runs each backward making weight gradients (a full backward, or a
+    zero-bubble weight pass) inside ``sync_now()`` when given: torch's hook for data parallelism."""
+
+    def __init__(self, *args, sync_now=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._sync_now = sync_now
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if self._sync_now is None or backward_type == "input":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        with self._sync_now():
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def _keyword(input_name: str) -> str:
+    """The keyword a user input travels under through the schedule, whose own ``step`` takes
+    ``target`` and ``losses`` (an input named ``target`` would collide)."""
+    return f"input_{input_name}"
 
 
 def _loss_of(output: torch.Tensor, _target) -> torch.Tensor:
@@ -108,13 +142,19 @@ class PipelineModule(ParallelModule):
         self._input_names = input_names
         device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
         group = mesh.get_group(PIPELINE_AXIS)
+        self._whole_leaves = _whole_leaves(self)
+        zero3 = {}
+        if self._zero3 is not None:  # one runtime per stage module, in place of the one for mine[0]
+            self._zero3 = None
+            zero3 = {stage.index: self._stage_zero3(stage, param_names, schedule.kind in ZERO_BUBBLE) for stage in mine}
         self._stages = [
-            PipelineStage(
+            _Stage(
                 _StageModule(
                     stage, [self._locals[param_names[p]] for p in stage.params], [self.get_buffer(buffer_names[b]) for b in stage.buffers],
-                    first=stage.index == 0, last=stage.index == schedule.modules - 1,
+                    first=stage.index == 0, last=stage.index == schedule.modules - 1, zero3=zero3.get(stage.index), shards=self._locals,
                 ),
                 stage.index, schedule.modules, device, group=group,
+                sync_now=self._synced_microbatch if self.zero.syncs_each_microbatch else None,
             )
             for stage in mine
         ]
@@ -138,9 +178,12 @@ class PipelineModule(ParallelModule):
         args = local_inputs if self._holds_first else ()
         with self._grad_sync.no_sync():
             self._schedule.step(
-                *args, target=self._no_target, losses=losses, return_outputs=False, **dict(zip(self._input_names, local_inputs))
+                *args, target=self._no_target, losses=losses, return_outputs=False, **self._keywords(local_inputs)
             )
-        self._grad_sync.sync_accumulated()
+        if self.zero.syncs_each_microbatch:  # summed as they came (_synced_microbatch)
+            self._scale_zero_chunks()
+        else:
+            self._grad_sync.sync_accumulated()
         self._after_backward()
         loss = torch.stack([loss.detach() for loss in losses]).mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
@@ -148,9 +191,38 @@ class PipelineModule(ParallelModule):
     def forward(self, *local_inputs):
         """The loss of the local batch, forward only (every rank gets it)."""
         args = local_inputs if self._holds_first else ()
-        merged = self._schedule.eval(*args, target=self._no_target, **dict(zip(self._input_names, local_inputs)))
+        merged = self._schedule.eval(*args, target=self._no_target, **self._keywords(local_inputs))
         loss = merged.detach().mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
+
+    @contextlib.contextmanager
+    def _synced_microbatch(self):
+        """ZeRO-2/3 around one backward: sum its gradients over dp now, reduce-scattering those
+        ZeRO splits into their chunks (ZeRO-3's in the backward itself)."""
+        with synced_alone(self._whole_leaves):
+            yield
+            self._grad_sync.sync_accumulated()
+
+    def _scale_zero_chunks(self) -> None:
+        """ZeRO-2's accumulated gradient chunks, divided by the microbatch count as the schedule
+        divided its stage modules' own gradients (``scale_grads``)."""
+        for name, chunk in self._zero_chunks.items():
+            if self._grad_is_zero_chunk(name) and chunk.grad is not None:
+                chunk.grad.div_(self.plan.schedule.microbatches)
+
+    def _stage_zero3(self, stage, param_names: dict[str, str], per_parameter: bool) -> Zero3Runtime:
+        """ZeRO-3 for one stage module: its layers' gathers, and each microbatch's gradients
+        reduce-scattered in its backward (per parameter under zero-bubble schedules)."""
+        sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in self.plan.grad_sync.items()}
+        runtime = Zero3Runtime(
+            stage.graph_module, [param_names[p] for p in stage.params], self._locals, sum_over, syncing=lambda: True,
+            on_first_grad=lambda: torch.autograd.Variable._execution_engine.queue_callback(runtime.finish_backward),
+            per_parameter=per_parameter,
+        )
+        return runtime
+
+    def _keywords(self, local_inputs) -> dict[str, torch.Tensor]:
+        return {_keyword(name): value for name, value in zip(self._input_names, local_inputs)}
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
         loss = loss.contiguous()
@@ -182,11 +254,23 @@ class AccumulatingModule(ParallelModule):
         pieces = self._pieces(local_inputs)
         losses = []
         for index, piece in enumerate(pieces):
-            with self.no_sync() if index < len(pieces) - 1 else contextlib.nullcontext():
-                (loss,) = self._run(self.program, piece)
+            (loss,) = self._run(self.program, piece)
+            with self._accumulating(last=index == len(pieces) - 1):
                 (loss / len(pieces)).backward()
             losses.append(loss.detach())
         return torch.stack(losses).mean()
 
+    def _accumulating(self, last: bool):
+        """ZeRO-2/3: each backward synced on its own (``ZeroLayout.syncs_each_microbatch``);
+        otherwise accumulated locally and synced with the last."""
+        if self.zero.syncs_each_microbatch:
+            return synced_alone(_whole_leaves(self))
+        return contextlib.nullcontext() if last else self.no_sync()
+
     def forward(self, *local_inputs):
         return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
+
+
+def _whole_leaves(module: ParallelModule) -> list[torch.Tensor]:
+    """The trainable leaves ZeRO leaves whole (their gradients are all-reduced, not scattered)."""
+    return [leaf for name, leaf in module._locals.items() if name not in module.zero.dims and leaf.requires_grad]

@@ -15,11 +15,17 @@ right, and an elementwise optimizer on chunks is exactly the optimizer on the wh
 - ZeRO-3: the parameter itself is stored as its chunk; the rewritten program gathers it before
   its first use, one collective per layer, prefetched (:mod:`zero3`). Gradients are
   reduce-scattered per layer (:mod:`zero3_grads`), the optimizer is a plain one on the chunks.
+
+With microbatches (gradient accumulation, pipeline stages) ZeRO does what DeepSpeed does
+(:attr:`ZeroLayout.syncs_each_microbatch`): ZeRO-1 accumulates whole gradients and all-reduces
+them once, with the last microbatch; ZeRO-2/3 sync each microbatch's gradients as soon as its
+backward made them, reduce-scattered into the accumulated chunk (:func:`synced_alone`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -70,6 +76,18 @@ class ZeroLayout:
             return None
         return local, self.dp_group, Scatter(self.dims[name], sink, self.sum_after_dp(axes))
 
+    @property
+    def syncs_each_microbatch(self) -> bool:
+        """Whether each microbatch's gradients are synced on their own, not accumulated whole.
+
+        ZeRO-2/3 reduce-scatter every microbatch's gradients and accumulate the chunks, as
+        DeepSpeed does ("ZeRO stage >= 2 communicates during non gradient accumulation
+        boundaries as well"; its ``no_sync`` refuses gradient partitioning): no rank holds a
+        whole gradient longer than one microbatch's backward. ZeRO-1's gradients are whole
+        anyway: they accumulate locally and are all-reduced once, as DeepSpeed's stage 1 does.
+        """
+        return self.stage >= 2 and bool(self.dims)
+
     def sum_after_dp(self, axes: tuple[str, ...]) -> str | None:
         """The group a dp-reduce-scattered gradient chunk is then all-reduced over: the other
         gradient axes (summing chunks is summing the whole), or None."""
@@ -83,6 +101,26 @@ def add_grad(leaf: Tensor, grad: Tensor) -> None:
         leaf.grad = grad
     else:
         leaf.grad += grad
+
+
+@contextmanager
+def synced_alone(leaves: list[Tensor]):
+    """Run a backward (and its sync) with the gradients accumulated on ``leaves`` so far set
+    aside, then add them back: a sum synced per microbatch must not hold earlier microbatches,
+    which were summed already (every rank would add them again). Example::
+
+        with synced_alone(whole_leaves):   # ZeRO-2/3: gradients ZeRO leaves whole
+            (loss / microbatches).backward()   # all-reduced alone; the chunks reduce-scattered
+    """
+    held = [leaf.grad for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        yield
+    finally:
+        for leaf, grad in zip(leaves, held):
+            if grad is not None:
+                add_grad(leaf, grad)
 
 
 def gather_chunks(items: list[tuple[Tensor, Tensor, int]], group: str, bucket_bytes: int = DEFAULT_BUCKET_SIZE_BYTES) -> None:

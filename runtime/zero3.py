@@ -15,8 +15,10 @@ serves these ops:
   gathered weight for a note; in backward the first note of a group regathers the group
   (kept until its last note is unpacked) and starts the gather backward needs next;
 - the gather's backward hands the whole gradient to :class:`GroupReduceScatter`, one
-  asynchronous reduce-scatter per group. Run without a :class:`Zero3Forward` (a program
-  called by hand), the op all-gathers alone and its backward reduce-scatters.
+  asynchronous reduce-scatter per group (or, for zero-bubble pipelines, to
+  :class:`EachReduceScatter`, which returns it reduce-scattered). Run without a
+  :class:`Zero3Forward` (a program called by hand), the op all-gathers alone and its backward
+  reduce-scatters.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from .collectives import _all_gather_backward, _chunks_from_front, all_gather
-from .zero3_grads import GroupReduceScatter
+from .zero3_grads import EachReduceScatter, GroupReduceScatter
 
 # Autograd nodes of view ops: a saved tensor reached from a gather through these shares its memory.
 _VIEW_NODES = frozenset({
@@ -140,7 +142,7 @@ class Zero3Forward:
         loss.backward()                        # regathered per layer; gradients to ``grads``
     """
 
-    def __init__(self, groups: list[GatherGroup], shards: dict[str, Tensor], grads: GroupReduceScatter | None = None):
+    def __init__(self, groups: list[GatherGroup], shards: dict[str, Tensor], grads: GroupReduceScatter | EachReduceScatter | None = None):
         self.groups, self.grads = groups, grads
         self._shards = [[shards[slot.name] for slot in group.slots] for group in groups]
         self._slot_by_data = {shards[slot.name].data_ptr(): slot for group in groups for slot in group.slots}
@@ -260,8 +262,8 @@ def _zero_gather_backward(ctx, grad):
     _, _, reduce_grad = ctx.args
     if ctx.grads is None or not reduce_grad or not ctx.grads.handles(ctx.slot.name):
         return _all_gather_backward(ctx, grad)
-    ctx.grads.add(ctx.slot.name, grad)  # reduce-scattered with its group; the shard's .grad is set then
-    return None, None, None, None
+    chunk = ctx.grads.add(ctx.slot.name, grad)  # None: reduce-scattered with its group, the shard's .grad set then
+    return chunk, None, None, None
 
 
 zero_gather.register_autograd(_zero_gather_backward, setup_context=_setup_zero_gather)
@@ -274,12 +276,18 @@ class Zero3Runtime:
         with zero3.forward(shards):
             loss = program(*shards, *inputs)
         loss.backward(); zero3.finish_backward()   # from the module's end-of-backward callback
+
+    ``per_parameter=True`` reduce-scatters each gradient in its gather's backward instead
+    (:class:`EachReduceScatter`: zero-bubble pipelines; ``syncing`` and ``on_first_grad`` unused).
     """
 
     def __init__(self, program: fx.GraphModule, param_order: list[str], shards: dict[str, Tensor],
-                 sum_over: dict[str, str | None], *, syncing, on_first_grad):
+                 sum_over: dict[str, str | None], *, syncing, on_first_grad, per_parameter: bool = False):
         self.groups = gather_groups(program, param_order, shards)
-        self.grads = GroupReduceScatter(self.groups, shards, sum_over, syncing=syncing, on_first_grad=on_first_grad)
+        if per_parameter:
+            self.grads = EachReduceScatter(self.groups, shards, sum_over)
+        else:
+            self.grads = GroupReduceScatter(self.groups, shards, sum_over, syncing=syncing, on_first_grad=on_first_grad)
 
     def forward(self, shards: dict[str, Tensor]):
         return Zero3Forward(self.groups, shards, self.grads).recording()

@@ -11,6 +11,10 @@ Buckets launch strictly in one order on every rank, the reverse of the groups' f
 forward (the order backward completes them), because collectives on one process group must
 be issued in the same order everywhere. Inside ``no_sync`` the whole gradients accumulate
 locally (FSDP2's ``set_requires_gradient_sync(False)``) and join the next synced reduce-scatter.
+
+Zero-bubble pipeline schedules take weight gradients from ``torch.autograd.grad``, which sees
+only what a backward returns: for them :class:`EachReduceScatter` reduce-scatters each gradient
+in its gather's own backward and returns the chunk.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from .collectives import _chunks_to_front
+from .collectives import _chunks_to_front, _resized
 from .zero import add_grad
 
 
@@ -120,11 +124,12 @@ class GroupReduceScatter:
         return name in self._where
 
     def add(self, name: str, grad: Tensor) -> None:
-        """``name``'s whole gradient from this backward."""
+        """``name``'s whole gradient from this backward (its chunk reaches the shard's ``.grad``
+        in :meth:`finish`: nothing for the gather's backward to return)."""
         if not self._syncing():
             held = self._unsynced.get(name)
             self._unsynced[name] = grad.detach().clone() if held is None else held.add_(grad)
-            return
+            return None
         if not self._started:
             self._started = True
             self._on_first_grad()
@@ -150,3 +155,36 @@ class GroupReduceScatter:
                 bucket.finish()
         self._next_to_launch = 0
         self._started = False
+
+
+class EachReduceScatter:
+    """Reduce-scatter ZeRO-3 gradients one at a time, in the backward of the gather, which
+    returns the chunk as the shard's gradient (then summed over the parameter's other gradient
+    axes). Synchronous and unbucketed: for zero-bubble pipelines, whose weight pass accumulates
+    what ``torch.autograd.grad`` returns. Example::
+
+        grads = EachReduceScatter(groups, shards, sum_over)
+        chunk = grads.add(name, whole_grad)   # from zero_gather's backward: this rank's chunk of the sum
+    """
+
+    def __init__(self, groups: list, shards: dict[str, Tensor], sum_over: dict[str, str | None]):
+        self._targets = {
+            slot.name: (group.group_name, slot.dim, sum_over.get(slot.name))
+            for group in groups for slot in group.slots if slot.reduce_grad and shards[slot.name].requires_grad
+        }
+
+    def handles(self, name: str) -> bool:
+        return name in self._targets
+
+    def add(self, name: str, grad: Tensor) -> Tensor:
+        """This rank's chunk of ``name``'s gradient summed over dp (and its other axes)."""
+        group_name, dim, sum_over = self._targets[name]
+        group = _resolve_process_group(group_name)
+        chunk = grad.new_empty(_resized(grad, dim, grad.shape[dim] // group.size()))
+        dist.reduce_scatter_single(chunk.view(-1), _chunks_to_front(grad, dim, group.size()).view(-1), group=group)
+        if sum_over is not None:
+            dist.all_reduce(chunk, group=_resolve_process_group(sum_over))
+        return chunk
+
+    def finish(self) -> None:
+        """Nothing waits: every chunk was returned in its backward."""
