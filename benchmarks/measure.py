@@ -65,6 +65,21 @@ def saved_activation_bytes(pmodel, batch, exclude: set[int]) -> int:
     return sum(n for ptr, n in saved.items() if ptr not in exclude)
 
 
+def forward_allocations(forward) -> tuple[object, int, int]:
+    """``forward()``'s result, the bytes allocated inside it and still live when it returns (for
+    a loss: what its autograd graph holds for backward, plus the loss), and the highest net
+    allocation on the way. A block allocated before and freed inside would count negative:
+    call it with gradients freed (a forward frees nothing else it did not allocate)."""
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = forward()
+    net = peak = 0
+    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+        net += nbytes
+        peak = max(peak, net)
+    return result, net, peak
+
+
 def _clear_grads(pmodel, optimizer) -> None:
     """``zero_grad()`` on the plain leaves and on the DTensor parameters sharing their storage,
     so the old gradients are freed now, not (unseen by the profiler) inside the next step."""

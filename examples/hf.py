@@ -35,6 +35,7 @@ from transformers import (
     MixtralForCausalLM,
     PreTrainedModel,
 )
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 
 class CausalLM(nn.Module):
@@ -56,9 +57,13 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         base = getattr(self, self.base_name)
-        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
-        logits = self.lm_head(hidden)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        outputs = base(input_ids=input_ids, use_cache=False)
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        if getattr(self.config, "output_router_logits", False):  # a mixture of experts' load-balancing loss
+            experts, top_k = self.config.num_local_experts, self.config.num_experts_per_tok
+            loss = loss + self.config.router_aux_loss_coef * load_balancing_loss_func(outputs.router_logits, experts, top_k)
+        return loss
 
     def example_inputs(self, batch_size: int, device=None) -> tuple[torch.Tensor, ...]:
         """A global batch ``(input_ids, labels)`` of next-token pairs, deterministic (seed 0).
@@ -198,10 +203,12 @@ def build_mixtral(
     seq: int = 32,
     attn_implementation: str = "sdpa",
     experts_implementation: str = "batched_mm",
+    aux_loss_coef: float = 0.0,
 ) -> CausalLM:
     """Mixtral (Llama attention, top-k routed SwiGLU experts in ``model.layers.N.mlp``).
 
-    The router's load-balancing auxiliary loss is not added (``output_router_logits=False``).
+    ``aux_loss_coef`` > 0 adds the router's load-balancing loss (Switch Transformer's, as
+    Hugging Face computes it with ``output_router_logits``) times that coefficient.
     ``experts_implementation`` is a transformers 5 option; see the module docstring for which
     choices export.
 
@@ -224,7 +231,8 @@ def build_mixtral(
         sliding_window=None,
         attention_dropout=0.0,
         router_jitter_noise=0.0,
-        output_router_logits=False,
+        output_router_logits=aux_loss_coef > 0,
+        router_aux_loss_coef=aux_loss_coef,
         use_cache=False,
         tie_word_embeddings=False,
         attn_implementation=attn_implementation,

@@ -20,7 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.ir import TraceError
 
-from .moe import composite_moe
+from .moe import composite_moe, record_expert_load
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
     graph_module = fx.GraphModule(exported.graph_module, exported.graph_module.graph)
     tied = _merge_tied_parameters(graph_module.graph, params, model)
     graph_module.recompile()
+    _measure_experts(graph_module, params, buffers, model, example_inputs)
     return CapturedGraph(
         graph_module=graph_module,
         params=params,
@@ -91,6 +92,18 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
         fingerprint=fingerprint(graph_module.graph),
         tied=tied,
     )
+
+
+def _measure_experts(graph_module: fx.GraphModule, params, buffers, model, example_inputs) -> None:
+    """Routing depends on the data: with real weights and inputs, run the graph once and note
+    how the example's tokens spread over the experts (for the cost model's load imbalance)."""
+    if not any(str(node.target) == "autopar.moe.default" for node in graph_module.graph.nodes):
+        return
+    state = {**{p: model.get_parameter(n) for p, n in params.items()}, **{b: model.get_buffer(n) for b, n in buffers.items()}}
+    inputs = iter(example_inputs)
+    args = [state[node.name] if node.name in state else next(inputs) for node in graph_module.graph.nodes if node.op == "placeholder"]
+    if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+        record_expert_load(graph_module, args)
 
 
 def _merge_tied_parameters(graph: fx.Graph, params: dict[str, str], model: torch.nn.Module) -> dict[str, str]:

@@ -187,6 +187,8 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
             if fact.kind == "op" and fact.needs_grad:
                 largest = max(largest, elements * fact.elem_bytes)
     memory["temporary"] = 2 * largest
+    if zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
+        sync *= schedule.microbatches
     cost = Cost(
         compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory,
         optimizer_s=optimizer_time(optimizer_elements, hardware, contention), model_flops=flops,

@@ -170,3 +170,24 @@ def _shapes_agree(router_weight, gate_up, down) -> bool:
     experts, hidden = router_weight.shape
     ffn = down.shape[2]
     return tuple(gate_up.shape) == (experts, 2 * ffn, hidden) and tuple(down.shape) == (experts, hidden, ffn)
+
+
+def record_expert_load(graph_module: torch.fx.GraphModule, args: list) -> None:
+    """Run the captured graph once on real values (parameters, buffers, example inputs, in
+    placeholder order) and note on each ``autopar.moe`` node the share of routed tokens each
+    expert got (``node.meta["expert_load"]``): the cost model's load imbalance."""
+    from .kernel_cost import expert_load
+
+    class Recorder(torch.fx.Interpreter):
+        def call_function(self, target, call_args, kwargs):
+            result = super().call_function(target, call_args, kwargs)
+            if str(target) == "autopar.moe.default":
+                self.current_node.meta["expert_load"] = expert_load(result[1], call_args[4]).tolist()
+            return result
+
+        def run_node(self, node):
+            self.current_node = node
+            return super().run_node(node)
+
+    with torch.no_grad():
+        Recorder(graph_module).run(*args)

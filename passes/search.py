@@ -46,11 +46,11 @@ from autopar.ir import (
 )
 
 from .capture import CapturedGraph, module_path
-from .evaluate import AxisContext, axis_spans, edge_time, edges, evaluate, node_memory, node_terms, stage_mesh
+from .evaluate import AxisContext, axis_spans, edge_time, edges, node_memory, node_terms, stage_mesh
 from .facts import NodeFacts, ShardedShapes, analyze
 from .gradients import plan_gradients
 from .ilp import ChoiceProblem, solve_choices
-from .kernel_cost import ring_hideable_seq
+from .kernel_cost import ring_hideable_block
 from .schedule_search import SchedulePins, base_schedules, best_schedule
 from .rules import KERNEL_RULES, MATMULS, node_strategies, pointwise, rule_for
 from .strategies import OpView, Strategy
@@ -181,10 +181,12 @@ def _useful_cp(facts: dict[str, NodeFacts], hardware: HardwareProfile) -> int:
     attention = [f for f in facts.values() if f.kind == "op" and "scaled_dot_product_attention" in str(f.node.target)]
     if not attention:
         return 1
-    elem = attention[0].elem_bytes
-    block = ring_hideable_seq(hardware.flops_per_s("float32" if elem == 4 else "bfloat16"), hardware.links[0].bandwidth, elem)
-    seq = attention[0].out_shape[-2]
-    return max(1, int(seq // max(block, 1.0)))
+    fact = attention[0]
+    q, k = (tuple(slot.meta["val"].shape) for slot in fact.slots[:2])
+    flops = hardware.flops_per_s("float32" if fact.elem_bytes == 4 else "bfloat16")
+    causal = bool(fact.node.kwargs.get("is_causal", fact.node.args[5] if len(fact.node.args) > 5 else False))
+    block = ring_hideable_block(q[1], k[1], fact.elem_bytes, flops, hardware.links[0].bandwidth, causal=causal)
+    return max(1, q[2] // max(block, 1))
 
 
 def _sequence_splits(facts: dict[str, NodeFacts], cp: int) -> bool:

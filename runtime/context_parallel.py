@@ -3,8 +3,7 @@
 Layout, ZIGZAG: over a cp group of p ranks the sequence is cut into 2p equal chunks
 c0 … c(2p−1) and group rank r holds [c_r, c_(2p−1−r)], in that order. Under a causal mask
 early tokens attend to little and late ones to much, so pairing them gives every rank the
-same attention work. :func:`zigzag_order`, :func:`inverse_order` and :func:`zigzag_positions`
-describe the layout; they communicate nothing.
+same attention work (:mod:`zigzag` describes the layout).
 
 Two kernels take this rank's shard of q, k, v, ``(batch, heads, local seq, head_dim)``, and
 return the attention output of the same local tokens, equal up to fp32 rounding to
@@ -24,8 +23,8 @@ is one node in a captured or rewritten graph; the private op (``autopar::_ulysse
 log-sum-exp) rather than recompute them with communication. Grouped-query attention (k, v
 with fewer heads, dividing q's) is supported; dropout and attn_mask are not.
 
-Cost hooks for the planner (pure arithmetic): :func:`ulysses_bytes`, :func:`ring_bytes`,
-:func:`ring_hideable_block`.
+The planner's cost of both (bytes sent, the ring block that hides its transfer) is in
+``autopar.passes.kernel_cost``.
 """
 
 import math
@@ -39,7 +38,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from autopar.ir.errors import ShardingRuleError
 
 from .collectives import all_to_all
-from .zigzag import inverse_order, zigzag_order, zigzag_positions  # noqa: F401  (part of this module's API)
+from .zigzag import inverse_order, zigzag_order
 
 _KV_TAG, _GRAD_TAG = 0, 1  # backward sends K/V and their gradients to the same peer at once
 
@@ -340,44 +339,3 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: boo
     Example: ``out = torch.ops.autopar.ring_attention(q, k, v, cp_group, True, None)``.
     """
     return torch.ops.autopar._ring_attention(q, k, v, group_name, causal, scale)[0]
-
-
-# --- cost hooks --------------------------------------------------------------------------------
-
-def ulysses_bytes(batch: int, heads: int, seq: int, head_dim: int, world: int, itemsize: int) -> float:
-    """Bytes one rank sends in one Ulysses all-to-all of a (batch, heads, seq/p, head_dim) tensor.
-
-    It keeps 1/p of its shard and sends the rest: B·H·(S/p)·D·itemsize·(p−1)/p — the N·h/p
-    per link of the DeepSpeed-Ulysses paper. A layer's forward does 4 (q, k, v, out; pass the
-    k/v head count for k and v under GQA) and its backward 4 more (grad of out, dq, dk, dv).
-    Example: ``ulysses_bytes(1, 32, 8192, 128, 8, 2)`` is 7 MiB.
-    """
-    return batch * heads * (seq / world) * head_dim * itemsize * (world - 1) / world
-
-
-def ring_bytes(batch: int, kv_heads: int, seq: int, head_dim: int, world: int, itemsize: int,
-               *, backward: bool = False) -> float:
-    """Bytes one rank sends around the ring per attention layer, in forward or in backward.
-
-    A K/V block is 2·B·H_kv·(S/p)·D·itemsize. Forward: p−1 blocks. Backward
-    (``backward=True``): p−1 K/V blocks again plus p blocks of dK/dV, which travel in fp32.
-    Example: ``ring_bytes(1, 8, 8192, 128, 8, 2)`` is 28 MiB.
-    """
-    elements = 2 * batch * kv_heads * (seq / world) * head_dim
-    forward = (world - 1) * elements * itemsize
-    if not backward or world == 1:  # a ring of one sends nothing
-        return forward
-    return forward + world * elements * 4
-
-
-def ring_hideable_block(heads: int, kv_heads: int, itemsize: int, flops_per_s: float,
-                        bytes_per_s: float, *, causal: bool) -> int:
-    """Smallest local sequence length s = S/p at which a ring step's attention hides its send.
-
-    One step computes s queries × s keys on every head: 4·B·H·s²·D FLOPs (q·kᵀ and p·v),
-    half of that under the zigzag causal split; it sends 2·B·H_kv·s·D·itemsize bytes. Compute
-    ≥ send when s ≥ H_kv·itemsize·F / (2·H·W), doubled when causal (B and D cancel).
-    Example: ``ring_hideable_block(32, 8, 2, 400e12, 50e9, causal=True)`` is 4000.
-    """
-    tokens = kv_heads * itemsize * flops_per_s / (2 * heads * bytes_per_s)
-    return math.ceil(tokens * (2 if causal else 1))

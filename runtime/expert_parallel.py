@@ -37,7 +37,7 @@ Gradients. ``backward`` of the local loss gives, on each rank:
 Backward recomputes the experts' forward (no routed activations are kept between forward and
 backward: their count depends on the data, which a fixed-shape op cannot return), so it sends
 each slot's input and output gradient to its owner and gets back the input gradient and the
-gate-weight gradient: see :func:`dispatch_bytes`.
+gate-weight gradient: see ``autopar.passes.kernel_cost.dispatch_bytes``.
 """
 
 from __future__ import annotations
@@ -303,29 +303,3 @@ def _moe_autograd(ctx, grad_out, grad_logits):
 
 
 moe.register_autograd(_moe_autograd, setup_context=_save_for_backward)
-
-
-def expert_load(router_logits: Tensor, top_k: int) -> Tensor:
-    """Fraction of the token-slots (T·top_k) each expert receives: [E], summing to 1.
-
-    Uniform routing gives 1/E each; the cost model reads max(load)·E as the imbalance factor.
-    Example: ``expert_load(torch.randn(16, 8), 2).max() * 8``.
-    """
-    num_experts = router_logits.shape[-1]
-    chosen = torch.softmax(router_logits.float(), dim=-1).topk(top_k, dim=-1).indices.reshape(-1)
-    counts = torch.bincount(chosen, minlength=num_experts).float()
-    return counts / chosen.numel()
-
-
-def dispatch_bytes(tokens: int, hidden: int, top_k: int, world: int, itemsize: int, *, backward: bool = False) -> float:
-    """Bytes one rank sends in an MoE layer's all-to-alls, expected under uniform routing.
-
-    Forward: dispatch and combine each move the rank's T·k slot rows of H elements, of which the
-    share (P−1)/P leaves the rank: ``2 · T·k·H · itemsize · (P−1)/P``. Backward (``backward=True``)
-    sends rows of 2H+1 (input, output gradient, weight) and returns rows of H+1 (input gradient,
-    weight gradient): ``T·k·(3H+2) · itemsize · (P−1)/P``, about 1.5× the forward. The count
-    exchanges (E integers each) are left out. Dropless; capacity can only lower it.
-    Example: ``dispatch_bytes(4096, 4096, 2, 8, 2)`` ≈ 117 MB.
-    """
-    row_elements = 3 * hidden + 2 if backward else 2 * hidden
-    return tokens * top_k * row_elements * itemsize * (world - 1) / world

@@ -6,11 +6,11 @@ with data, tensor and pipeline parallelism."""
 import pytest
 
 from autopar.runtime.spawn import run_local
-from equivalence import GPT_TP, compare_one_step, load_example
+from equivalence import GPT_SP, GPT_TP, compare_one_step, load_example
 
 LONG = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32)  # seq splits into 2 x 4 chunks
 MOE = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
-MIXTRAL = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
+MIXTRAL = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16, aux_loss_coef=0.02)  # its router loss too
 RING, ULYSSES = {"layers.*.attn": "ring"}, {"layers.*.attn": "ulysses"}
 EXPERTS, MIXTRAL_EXPERTS = {"layers.*.moe": "experts"}, {"model.layers.*.mlp": "experts"}
 ATTENTION_TP = {name: placement for name, placement in GPT_TP.items() if ".attn." in name}  # Megatron's heads split
@@ -30,6 +30,7 @@ TWO_RANKS = _attention_cases(2) + [
 FOUR_RANKS = _attention_cases(4) + [
     ("long_context_gpt", "build", LONG, dict(mesh="2x2", degrees={"dp": 2, "cp": 2}, constraints=RING)),
     ("long_context_gpt", "build", LONG, dict(mesh="2x2", degrees={"cp": 2, "tp": 2}, constraints={**GPT_TP, **ULYSSES})),
+    ("long_context_gpt", "build", LONG, dict(mesh="2x2", degrees={"cp": 2, "tp": 2}, constraints={**GPT_SP, **RING})),
     ("long_context_gpt", "build", LONG, dict(mesh="2x2", degrees={"pp": 2, "cp": 2}, constraints=RING, microbatches=2)),
     ("moe_gpt", "build", MOE, dict(degrees={"ep": 4}, constraints=EXPERTS)),
     ("hf", "build_mixtral", MIXTRAL, dict(degrees={"ep": 4}, constraints=MIXTRAL_EXPERTS)),

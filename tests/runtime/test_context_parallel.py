@@ -17,14 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.ir.errors import ShardingRuleError
 from autopar.runtime import build_device_mesh, group_name
-from autopar.runtime.context_parallel import (
-    inverse_order,
-    ring_bytes,
-    ring_hideable_block,
-    ulysses_bytes,
-    zigzag_order,
-    zigzag_positions,
-)
+from autopar.runtime.zigzag import inverse_order, zigzag_order, zigzag_positions
 from autopar.runtime.spawn import run_local
 
 ops = torch.ops.autopar
@@ -226,18 +219,3 @@ def test_layout_examples_and_errors():
         zigzag_order(10, 2)
     with pytest.raises(ShardingRuleError, match="rank 2 is not in a cp group of 2"):
         zigzag_positions(8, 2, 2)
-
-
-def test_cost_hooks_follow_their_formulas():
-    mib = 2 ** 20
-    # 32 heads × 1024 local tokens × 128 × 2 bytes = 8 MiB shard, 7/8 of it leaves
-    assert ulysses_bytes(1, 32, 8192, 128, 8, 2) == 7 * mib
-    assert ulysses_bytes(1, 32, 8192, 128, 1, 2) == 0
-    # K/V block: 2 × 8 heads × 1024 × 128 × 2 bytes = 4 MiB; 7 sends forward
-    assert ring_bytes(1, 8, 8192, 128, 8, 2) == 28 * mib
-    # backward: 7 K/V blocks again and 8 fp32 dK/dV blocks (8 MiB each); a ring of one sends nothing
-    assert ring_bytes(1, 8, 8192, 128, 8, 2, backward=True) == 28 * mib + 64 * mib
-    assert ring_bytes(1, 8, 8192, 128, 1, 2, backward=True) == 0
-    # s ≥ H_kv·itemsize·F / (2·H·W) = 8·2·400e12 / (2·32·50e9) = 2000; zigzag causal halves compute
-    assert ring_hideable_block(32, 8, 2, 400e12, 50e9, causal=False) == 2000
-    assert ring_hideable_block(32, 8, 2, 400e12, 50e9, causal=True) == 4000

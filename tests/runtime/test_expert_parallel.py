@@ -19,7 +19,6 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.passes.moe import composite_moe
 from autopar.runtime import build_device_mesh, group_name
-from autopar.runtime.expert_parallel import dispatch_bytes, expert_load
 from autopar.runtime.spawn import run_local
 from equivalence import load_example
 
@@ -137,16 +136,6 @@ def test_op_passes_opcheck_traces_with_its_backward_and_names_bad_shapes():
         assert "gate_up [3, 2·ffn, 4]" in str(error) and "(2, 10, 4)" in str(error)
     else:
         raise AssertionError("a gate_up with the wrong expert count must be refused")
-
-
-def test_expert_load_and_dispatch_bytes():
-    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0], [3.0, 0.0, 2.0, -1.0], [0.0, 3.0, 2.0, -1.0]])
-    # top-2 slots: {0,1}, {0,2}, {1,2}: experts 0, 1, 2 get 2 of 6 slots each, expert 3 none
-    torch.testing.assert_close(expert_load(logits, 2), torch.tensor([1 / 3, 1 / 3, 1 / 3, 0.0]))
-    # forward: dispatch + combine, 2·T·k·H elements, 3/4 of them leave the rank at P = 4
-    assert dispatch_bytes(10, 8, 2, 4, 4) == 2 * 10 * 2 * 8 * 4 * 3 / 4
-    assert dispatch_bytes(10, 8, 2, 4, 4, backward=True) == 10 * 2 * (3 * 8 + 2) * 4 * 3 / 4
-    assert dispatch_bytes(10, 8, 2, 1, 4) == 0
 
 
 # --- expert parallelism on gloo ------------------------------------------------------------
