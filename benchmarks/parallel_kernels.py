@@ -1,26 +1,22 @@
 """Context and expert parallelism: activation memory, ring vs Ulysses, experts sharded vs replicated.
 
-Three measurements on local gloo ranks, all programs made by autopar with their kernels pinned:
+On 4 local gloo ranks, every program made by autopar with its kernel pinned (and checked to run):
 
-- activation memory: the long-context GPT (``examples/long_context_gpt.py``, batch 1) at the
-  longest sequence, context-parallel over 4 ranks (``degrees={"cp": 4}``, attention pinned to
-  ``"ring"`` or ``"ulysses"``), against the same model in one plain torch process. Activation
-  memory is what autograd saves for backward in one step: the distinct storages its
-  ``saved_tensors_hooks`` see, parameters left out (``measure.saved_activation_bytes``).
-  Cross-check: the bytes allocated during the forward alone and still live when it returns
-  (``measure.forward_allocations``; saved tensors plus the loss), and the forward's peak.
-- ring vs Ulysses step time at two sequence lengths, on the same 4 ranks;
-- the MoE GPT (``examples/moe_gpt.py``) with its experts split over 4 ranks
-  (``degrees={"ep": 4}``, ``"experts"`` kernel) against replicated experts (``degrees={"dp": 4}``),
-  step time and the parameter bytes each rank holds.
+- activation memory of the long-context GPT (``examples/long_context_gpt.py``, batch 1) at the
+  longest sequence, ``degrees={"cp": 4}`` with attention ``"ring"`` or ``"ulysses"``, against the
+  plain model in one process: the distinct storages autograd saves for backward in one step,
+  parameters left out (``measure.saved_activation_bytes``), cross-checked by what the forward
+  alone allocates and leaves live (``measure.forward_allocations``);
+- ring vs Ulysses step time at two sequence lengths;
+- the MoE GPT (``examples/moe_gpt.py``) with experts split, ``degrees={"ep": 4}`` and the
+  ``"experts"`` kernel, against replicated experts, ``degrees={"dp": 4}``: step time and the
+  parameter bytes each rank holds.
 
-Every plan is made here, in one quiet process, before the ranks start (the search times ops on
-this machine), with this machine's calibrated profile if ``autopar calibrate`` wrote one, else
-the default profile; its ``cost.step_s`` and ``cost.memory["activations"]`` are the predictions.
-Timing follows ``step_time.py``: a pair must agree on the losses of its first two steps and on
-every full gradient of the first (and here the first losses within 1e-5 relative, also against
-one process) before rounds alternate the order within a pair, a barrier before each step,
-the slowest rank's time, the median.
+Plans are made here, before the ranks start (the search times ops on this machine), with the
+calibrated profile if ``autopar calibrate`` wrote one, else the default; their ``cost`` gives
+the predictions. Timing follows ``step_time.py`` (pairs checked equivalent first, alternating
+order, a barrier per step, slowest rank, median); every first loss must also equal one
+process's within 1e-5 relative.
 
 Run from the repository root::
 
@@ -122,17 +118,15 @@ def _moe(settings: Settings):
 # --------------------------------------------------------------------------- memory
 
 
-class _Eager:
-    """The plain model behind ``measure``'s helpers, which step a ``train_step``."""
+class _Eager(torch.nn.Module):
+    """The plain model, with the ``train_step`` that ``measure``'s helpers call."""
 
     def __init__(self, model):
+        super().__init__()
         self.model = model
 
-    def __call__(self, *batch):
+    def forward(self, *batch):
         return self.model(*batch)
-
-    def parameters(self):
-        return self.model.parameters()
 
     def train_step(self, *batch):
         loss = self.model(*batch)

@@ -82,14 +82,21 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.loss(self.output(self.norm(h)), labels)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token plus learned position embeddings: [B, S] -> [B, S, hidden]."""
         seq = tokens.shape[1]
         if seq > self.seq:
             raise ValueError(f"input sequence length {seq} exceeds the model's seq={self.seq}; build with seq>={seq}")
         positions = torch.arange(seq, device=tokens.device)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.output(self.norm(h))
+        return self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over every token of the batch."""
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
 
     def example_inputs(self, batch_size: int, device=None) -> tuple[torch.Tensor, ...]:

@@ -5,6 +5,11 @@ keeps the sequence dimension (``cross_entropy(logits [B, V, S], labels [B, S])``
 flattening batch and sequence together, so a plan that splits the sequence over ranks can
 compute the loss on each rank's tokens without ever gathering the logits.
 
+``build(attention="eager")`` writes attention out, as models from before
+``scaled_dot_product_attention`` do: ``softmax(q @ kᵀ * scale + causal_mask) @ v``. autopar's
+capture turns that back into one attention node (passes/attention_pattern.py), so both variants
+get the same plans; given the same weights they compute the same loss.
+
 Example::
 
     model = build()                      # seq=8192
@@ -21,30 +26,46 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling example, however this file is loaded
-from gpt import GPT  # noqa: E402
+from gpt import GPT, Attention  # noqa: E402
 
 
 class LongContextGPT(GPT):
     """``forward(tokens [B, S], labels [B, S]) -> mean cross-entropy`` over every token."""
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.seq:
-            raise ValueError(f"input sequence length {seq} exceeds the model's seq={self.seq}; build with seq>={seq}")
-        positions = torch.arange(seq, device=tokens.device)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-        for layer in self.layers:
-            h = layer(h)
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.transpose(1, 2), labels)
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.transpose(1, 2), labels)  # [B, V, S]: the sequence dim stays
+
+
+class EagerAttention(Attention):
+    """:class:`gpt.Attention` with the attention math written out instead of calling SDPA."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) * self.head_dim**-0.5
+        if self.causal:  # -inf above the diagonal: each position sees itself and the ones before
+            scores = scores + torch.full((seq, seq), float("-inf"), dtype=scores.dtype, device=x.device).triu(1)
+        out = torch.softmax(scores, dim=-1) @ v
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 def build(
     *, hidden: int = 128, layers: int = 2, heads: int = 8, vocab: int = 256, seq: int = 8192, ffn: int | None = None,
-    causal: bool = True,
+    causal: bool = True, attention: str = "sdpa",
 ) -> LongContextGPT:
     """Build the model; module names as in examples/gpt.py's ``build``. ``causal=False`` makes
-    every token attend to every other (an encoder's attention)."""
+    every token attend to every other (an encoder's attention). ``attention="eager"`` uses
+    :class:`EagerAttention` (same weights as "sdpa" for the same seed)."""
     if hidden % heads != 0:
         raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
-    return LongContextGPT(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn or 4 * hidden, causal=causal)
+    if attention not in ("sdpa", "eager"):
+        raise ValueError(f"attention={attention!r} is not known: pass 'sdpa' or 'eager'")
+    model = LongContextGPT(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn or 4 * hidden, causal=causal)
+    if attention == "eager":
+        for layer in model.layers:
+            eager = EagerAttention(hidden, heads, causal)
+            eager.load_state_dict(layer.attn.state_dict())  # the initialized weights, not fresh ones
+            layer.attn = eager
+    return model

@@ -23,7 +23,6 @@ import importlib.util
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -123,29 +122,24 @@ class MoEGPT(nn.Module):
 
     def init_weights(self, std: float = 0.02) -> None:
         """N(0, std) for embeddings, projections, routers and experts; LayerNorms stay (1, 0)."""
+        gpt.GPT.init_weights(self, std)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, Experts):
+            if isinstance(module, Experts):
                 nn.init.normal_(module.gate_up_proj, mean=0.0, std=std)
                 nn.init.normal_(module.down_proj, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        seq = tokens.shape[1]
-        if seq > self.seq:
-            raise ValueError(f"input sequence length {seq} exceeds the model's seq={self.seq}; build with seq>={seq}")
-        positions = torch.arange(seq, device=tokens.device)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        h = self.embed(tokens)
         router_logits = []
         for layer in self.layers:
             h, layer_logits = layer(h)
             router_logits.append(layer_logits)
-        logits = self.output(self.norm(h))
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        loss = gpt.GPT.loss(self, self.output(self.norm(h)), labels)
         if self.aux_loss_coef:
             loss = loss + self.aux_loss_coef * load_balancing_loss(router_logits, self.top_k)
         return loss
 
+    embed = gpt.GPT.embed
     example_inputs = gpt.GPT.example_inputs
 
 

@@ -20,6 +20,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.ir import TraceError
 
+from .attention_pattern import buffer_values, fuse_eager_attention
 from .moe import composite_moe, record_expert_load
 
 
@@ -61,6 +62,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
             "autopar needs a forward without data-dependent Python control flow; see the torch.export "
             "docs (torch.cond, static shapes) or pass a model whose forward traces."
         ) from error
+    fuse_eager_attention(exported.graph_module, buffer_values(exported))  # softmax(q kᵀ) v → one sdpa node
     signature = exported.graph_signature
     params, buffers, user_inputs = {}, {}, []
     for spec in signature.input_specs:

@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import sympy
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
@@ -242,7 +243,18 @@ def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool
     """
     passes = 2 if needs_grad else 1
     flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
-    return max(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.memory_bandwidth) + passes * hardware.op_overhead_s
+    return maximum(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.memory_bandwidth) + passes * hardware.op_overhead_s
+
+
+def maximum(*values):
+    """``max``, kept open (``sympy.Max``) where a value is an expression in batch and
+    sequence length (:mod:`symbolic`); plain numbers take the plain ``max``."""
+    return max(values) if all(isinstance(v, (int, float)) for v in values) else sympy.Max(*values)
+
+
+def minimum(*values):
+    """``min``, kept open (``sympy.Min``) for expressions, as :func:`maximum`."""
+    return min(values) if all(isinstance(v, (int, float)) for v in values) else sympy.Min(*values)
 
 
 MEASURE_LIMIT_BYTES = 64 * 2**20  # larger ops are timed by the roofline: planning must stay light

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from autopar.ir import KERNEL_DIMS, ConfigError, Cost, HardwareProfile, Mesh, Placement, Plan, Replicate, Schedule, Shard
 
 from .capture import CapturedGraph
-from .cost import collective_time, grad_sync_time, model_state_bytes, optimizer_time, reshard_time
+from .cost import collective_time, grad_sync_time, maximum, minimum, model_state_bytes, optimizer_time, reshard_time
 from .facts import NodeFacts, ShardedShapes, activation_bytes, analyze
 from .kernel_cost import kernel_time
 from .layers import kept_share, schedule_cost
@@ -98,8 +98,8 @@ def edge_time(producer: NodeFacts, src: Placement, dst: Placement, local_shape: 
     nbytes = numel(local_shape) * producer.elem_bytes
     if ctx.name == "cp" and isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
         # cp chunks are head-and-tail pairs, not rank-ordered runs: no all-to-all, gather then chunk
-        return min(reshard_time(src, R, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
-    return min(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
+        return minimum(reshard_time(src, R, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
+    return minimum(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
 
 
 def edges(facts, ctx: AxisContext):
@@ -156,7 +156,7 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
         partial: dict[str, float] = {}
         for name, s in chosen.items():
             for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
-                partial[slot] = max(partial.get(slot, 0.0), seconds)
+                partial[slot] = maximum(partial.get(slot, 0.0), seconds)
         comm += sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
         for slot, seconds in partial.items():
             if facts[slot].kind == "param":
@@ -171,7 +171,7 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
         local = local.after(chosen, ctx.size)
     contention = hardware.contention(mesh.shape)
     compute = sum(f.full_time_s * local.work[n] for n, f in facts.items())
-    flops = sum((f.profile.forward_flops + f.profile.backward_flops * f.needs_grad) * local.work[n] for n, f in facts.items())
+    flops = sum((f.profile.forward_flops + (f.profile.backward_flops if f.needs_grad else 0.0)) * local.work[n] for n, f in facts.items())
     memory = dict.fromkeys(("params", "grads", "optimizer", "grad_buckets", "activations", "temporary"), 0.0)
     optimizer_elements = largest = 0.0
     for name, fact in facts.items():
@@ -185,7 +185,7 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
         else:
             memory["activations"] += activation_bytes(fact, local.shapes[name], local.work[name])
             if fact.kind == "op" and fact.needs_grad:
-                largest = max(largest, elements * fact.elem_bytes)
+                largest = maximum(largest, elements * fact.elem_bytes)
     memory["temporary"] = 2 * largest
     if zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
         sync *= schedule.microbatches

@@ -25,7 +25,7 @@ import dataclasses
 
 from autopar.ir import Cost, HardwareProfile, Schedule
 
-from .cost import collective_time
+from .cost import collective_time, maximum
 from .facts import NodeFacts, ShardedShapes, activation_bytes
 from .stages import partition
 from .strategies import numel
@@ -104,7 +104,7 @@ def schedule_cost(cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes,
             kept += saved
     checkpoints = {layer: sum(_bytes(facts[n], local.shapes[n]) for n in names) for layer, names in layer_inputs.items()}
     if schedule.recompute == "full":
-        in_layers = sum(checkpoints.values()) + max(layer_saved.values(), default=0.0)
+        in_layers = sum(checkpoints.values()) + maximum(0.0, *layer_saved.values())
     elif schedule.recompute == "selective":
         in_layers = kept
     else:
@@ -120,7 +120,7 @@ def schedule_cost(cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes,
     recompute_comm = cost.comm_s / 2 if schedule.recompute == "full" else 0.0
     comm = cost.comm_s + recompute_comm
     work = (cost.compute_s + recompute_s + comm) * time_share
-    boundary = max(checkpoints.values(), default=0.0) / micro
+    boundary = maximum(0.0, *checkpoints.values()) / micro
     messages = 2 * (schedule.virtual * micro + stages - 2)
     transfers = messages * collective_time("send_recv", boundary, 2, link) if stages > 1 else 0.0
     return dataclasses.replace(

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from autopar.ir import ConfigError, Schedule
 
-from .cost import collective_time
+from .cost import collective_time, maximum
 from .facts import NodeFacts, ShardedShapes
 from .strategies import numel
 
@@ -85,7 +85,7 @@ def partition(facts: dict[str, NodeFacts], local: ShardedShapes, schedule: Sched
     total_time, total_params = sum(module_time) or 1.0, sum(module_params) or 1.0
     return StageSplit(
         cuts=tuple(names[a] for a, _ in bounds[1:]),
-        time_share=max(sum(module_time[k] for k in ks) for ks in devices) / total_time,
+        time_share=maximum(*(sum(module_time[k] for k in ks) for ks in devices)) / total_time,
         param_share=max(sum(module_params[k] for k in ks) for ks in devices) / total_params,
     )
 

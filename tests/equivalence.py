@@ -100,3 +100,54 @@ def _rel(value: torch.Tensor, reference: torch.Tensor) -> float:
     """
     value, reference = value.detach().float(), reference.detach().float()
     return ((value - reference).abs() / (ATOL + RTOL * reference.abs())).max().item()
+
+
+def run_cases(rank: int, world: int, cases: list, batch: int = 8) -> list[dict]:
+    """``compare_one_step`` for each (example file, builder, model kwargs, options), on this rank."""
+    return [
+        compare_one_step(getattr(load_example(f"{file}.py"), builder), kwargs, batch, world, dict(options))
+        for file, builder, kwargs, options in cases
+    ]
+
+
+def assert_matches(label: str, result: dict) -> None:
+    """Loss, every full gradient and every parameter after AdamW allclose to the reference:
+    each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|), at most 1."""
+    assert result["loss"] <= 1, (label, result)
+    assert result["grad"][0] <= 1, (label, result)
+    assert result["param"][0] <= 1, (label, result)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def load_and_compare(reader, optimizer, path, model, reference) -> tuple[dict, dict]:
+    """Load a checkpoint into ``reader`` and its optimizer; the logical state, and whether the
+    parameters and AdamW moments this rank holds equal the single-process ``model``'s and
+    ``reference`` optimizer's (plus the learning rate the checkpoint set)."""
+    from autopar.runtime.checkpoint import load_checkpoint, logical_state
+
+    load_checkpoint(reader, optimizer, path)
+    state = logical_state(reader, optimizer)
+    params = dict(model.named_parameters())
+    return state, {
+        "params": all(close(p.full_tensor(), params[name]) for name, p in reader.named_parameters()),
+        "moments": all(
+            close(state["optimizer"][name][key].full_tensor(), reference.state[params[name]][key])
+            for name in state["optimizer"] for key in ("exp_avg", "exp_avg_sq")
+        ),
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def reference_after_one_step(builder, kwargs: dict, batch: int):
+    """The single-process model (seed 0), its inputs and its AdamW after one training step."""
+    torch.manual_seed(0)
+    model = builder(**kwargs)
+    inputs = model.example_inputs(batch)
+    reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    model(*inputs).backward()
+    reference.step()
+    reference.zero_grad()
+    return model, inputs, reference

@@ -6,9 +6,9 @@ import dataclasses
 import torch
 
 import autopar
-from autopar.runtime.checkpoint import load_checkpoint, logical_state, save_checkpoint
+from autopar.runtime.checkpoint import save_checkpoint
 from autopar.runtime.spawn import run_local
-from equivalence import ADAM_EPS, ATOL, GPT_TP, LEARNING_RATE, RTOL, load_example
+from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, load_and_compare, load_example, reference_after_one_step
 
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 BATCH = 8
@@ -23,19 +23,9 @@ def _parallel(gpt, seed: int, mesh, degrees, constraints, zero: int, lr: float):
     return pmodel, pmodel.optimizer(torch.optim.AdamW, lr=lr, eps=ADAM_EPS)
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
-
-
 def _save_under_dp4_zero1_resume_under_others(rank: int, world: int, path: str) -> dict:
     gpt = load_example("gpt.py")
-    torch.manual_seed(0)
-    model = gpt.build(**GPT)
-    inputs = model.example_inputs(BATCH)
-    reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
-    model(*inputs).backward()
-    reference.step()
-    reference.zero_grad()
+    model, inputs, reference = reference_after_one_step(gpt.build, GPT, BATCH)
 
     writer, writer_optimizer = _parallel(gpt, 0, 4, {"dp": 4, "tp": 1}, None, 1, LEARNING_RATE)
     writer.train_step(*writer.shard_batch(*inputs))
@@ -51,18 +41,9 @@ def _resume(gpt, model, reference, inputs, path, mesh, degrees, constraints, zer
     decides all of them); compare with the reference after its first step, then after a
     second step taken both ways."""
     reader, reader_optimizer = _parallel(gpt, 1, mesh, degrees, constraints, zero, 10 * LEARNING_RATE)
-    load_checkpoint(reader, reader_optimizer, path)
-    state = logical_state(reader, reader_optimizer)
+    state, loaded = load_and_compare(reader, reader_optimizer, path, model, reference)
+    loaded["steps"] = {float(entry["step"]) for entry in state["optimizer"].values()}
     params = dict(model.named_parameters())
-    loaded = {
-        "params": all(_close(p.full_tensor(), params[name]) for name, p in reader.named_parameters()),
-        "moments": all(
-            _close(state["optimizer"][name][key].full_tensor(), reference.state[params[name]][key])
-            for name in state["optimizer"] for key in ("exp_avg", "exp_avg_sq")
-        ),
-        "steps": {float(entry["step"]) for entry in state["optimizer"].values()},
-        "lr": reader_optimizer.param_groups[0]["lr"],
-    }
     ref_model = {name: p.detach().clone() for name, p in params.items()}
     ref_state = {p: {k: v.clone() for k, v in s.items()} for p, s in reference.state.items()}
     model(*inputs).backward()  # a second step, both ways
@@ -70,7 +51,7 @@ def _resume(gpt, model, reference, inputs, path, mesh, degrees, constraints, zer
     reference.zero_grad()
     reader.train_step(*reader.shard_batch(*inputs))
     reader_optimizer.step()
-    loaded["second_step"] = all(_close(p.full_tensor(), params[name]) for name, p in reader.named_parameters())
+    loaded["second_step"] = all(close(p.full_tensor(), params[name]) for name, p in reader.named_parameters())
     with torch.no_grad():  # back to the first step for the next reader
         for name, p in params.items():
             p.copy_(ref_model[name])

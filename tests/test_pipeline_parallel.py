@@ -14,9 +14,9 @@ import autopar
 from autopar.api import _plan_on_rank_zero
 from autopar.ir import PIPELINES
 from autopar.runtime import zero3
-from autopar.runtime.checkpoint import load_checkpoint, logical_state, save_checkpoint
+from autopar.runtime.checkpoint import save_checkpoint
 from autopar.runtime.spawn import run_local
-from equivalence import ADAM_EPS, ATOL, GPT_TP, LEARNING_RATE, RTOL, compare_one_step, load_example
+from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, compare_one_step, load_and_compare, load_example, reference_after_one_step
 
 GPT = dict(hidden=32, layers=8, heads=4, vocab=64, seq=8)  # 8 layers: 4 stages x 2 virtual
 
@@ -108,13 +108,7 @@ def _zero3_checkpoint_round_trip(gpt, path: str) -> dict:
     """A PP2xDP2 ZeRO-3 step (its weights gathered per layer, freed after use), saved; read
     under PP2xDP2 ZeRO-2 and DP4 ZeRO-1: the single-process parameters and AdamW moments,
     and a second step taken both ways agrees."""
-    torch.manual_seed(0)
-    model = gpt.build(**GPT)
-    inputs = model.example_inputs(BATCH)
-    reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
-    model(*inputs).backward()
-    reference.step()
-    reference.zero_grad()
+    model, inputs, reference = reference_after_one_step(gpt.build, GPT, BATCH)
     pipelined = dict(degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="1f1b")
     writer, writer_optimizer = _pinned(gpt, 0, "2x2", zero=3, lr=LEARNING_RATE, **pipelined)
     gathered, unflatten = [], zero3.unflatten_gathered
@@ -150,18 +144,9 @@ def _resume(gpt, model, reference, inputs, path, *, mesh, zero, degrees, **sched
     """Load under another plan (other weights and learning rate: the checkpoint decides them);
     compare the parameters this rank holds with the reference, then after a second step."""
     reader, optimizer = _pinned(gpt, 1, mesh, degrees, zero, 10 * LEARNING_RATE, **schedule)
-    load_checkpoint(reader, optimizer, path)
-    state = logical_state(reader, optimizer)
+    state, loaded = load_and_compare(reader, optimizer, path, model, reference)
+    loaded["held"] = sorted(state["model"])
     params = dict(model.named_parameters())
-    loaded = {
-        "params": all(_close(p.full_tensor(), params[name]) for name, p in reader.named_parameters()),
-        "moments": all(
-            _close(state["optimizer"][name][key].full_tensor(), reference.state[params[name]][key])
-            for name in state["optimizer"] for key in ("exp_avg", "exp_avg_sq")
-        ),
-        "held": sorted(state["model"]),
-        "lr": optimizer.param_groups[0]["lr"],
-    }
     saved = ({n: p.detach().clone() for n, p in params.items()}, {p: {k: v.clone() for k, v in s.items()} for p, s in reference.state.items()})
     model(*inputs).backward()  # a second step, both ways
     reference.step()
@@ -174,17 +159,13 @@ def _resume(gpt, model, reference, inputs, path, *, mesh, zero, degrees, **sched
         dist.reduce_scatter_single = reduce_scatter
     loaded["reduce_scatters"], loaded["buckets"] = len(issued), reader._grad_sync.num_buckets
     optimizer.step()
-    loaded["second_step"] = all(_close(p.full_tensor(), params[name]) for name, p in reader.named_parameters())
+    loaded["second_step"] = all(close(p.full_tensor(), params[name]) for name, p in reader.named_parameters())
     with torch.no_grad():  # back to the first step for the next reader
         for name, p in params.items():
             p.copy_(saved[0][name])
         for p, s in saved[1].items():
             reference.state[p] = s
     return loaded
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
 def test_zero_inside_pipeline_stages_matches_single_process_and_checkpoints(tmp_path):

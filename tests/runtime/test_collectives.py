@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from autopar.runtime.spawn import run_local
+from op_checks import opcheck_failures
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -114,14 +115,7 @@ def _opcheck_failures(group: str) -> dict:
         "all_to_all": (x, group, 1, 2),
         "keep_on_first": (x, group),
     }
-    failures = {}
-    for name, args in calls.items():
-        try:
-            torch.library.opcheck(getattr(ops, name).default, args, test_utils=(
-                "test_schema", "test_autograd_registration", "test_faketensor"))
-        except Exception as error:  # reported to the parent, which asserts there is none
-            failures[name] = repr(error)
-    return failures
+    return opcheck_failures(calls)
 
 
 def _traced_backward_ops(group: str) -> list[str]:

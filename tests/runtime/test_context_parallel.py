@@ -19,6 +19,7 @@ from autopar.ir.errors import ShardingRuleError
 from autopar.runtime import build_device_mesh, group_name
 from autopar.runtime.zigzag import inverse_order, zigzag_order, zigzag_positions
 from autopar.runtime.spawn import run_local
+from op_checks import opcheck_failures
 
 ops = torch.ops.autopar
 TOLERANCE = 1e-5
@@ -115,14 +116,7 @@ def _opcheck_failures(group: str) -> dict:
         "_ring_attention_backward": (torch.randn(1, 4, 8, 8), q.detach(), k.detach(), v.detach(),
                                      out.detach(), lse, group, True, None),
     }
-    failures = {}
-    for name, args in calls.items():
-        try:
-            torch.library.opcheck(getattr(ops, name).default, args, test_utils=(
-                "test_schema", "test_autograd_registration", "test_faketensor"))
-        except Exception as error:  # reported to the parent, which asserts there is none
-            failures[name] = repr(error)
-    return failures
+    return opcheck_failures(calls)
 
 
 def _error_of(fn) -> str:

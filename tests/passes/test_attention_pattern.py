@@ -1,0 +1,201 @@
+"""fuse_eager_attention: softmax(q kᵀ · scale + mask) v becomes one scaled_dot_product_attention
+node with the same values and gradients (fp32), in hand-written variants, the long-context
+example and Hugging Face's eager attention; masks it cannot prove causal leave the graph alone;
+and context parallelism runs on the eager example."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.passes.attention_pattern import buffer_values, fuse_eager_attention
+from autopar.passes.capture import capture, module_path
+from autopar.runtime.spawn import run_local
+from equivalence import compare_one_step, load_example
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+BATCH, HEADS, SEQ, HEAD_DIM = 2, 4, 12, 8
+HIDDEN = HEADS * HEAD_DIM
+
+
+class Attend(torch.nn.Module):
+    """One attention over a projection of x, masked as ``variant`` says; returns [B, H, S, D]."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN, bias=False)
+        self.register_buffer("additive", torch.full((16, 16), float("-inf")).triu(1))  # longer than SEQ: sliced
+        self.register_buffer("tril", torch.ones(16, 16, dtype=torch.bool).tril().view(1, 1, 16, 16))
+        self.register_buffer("noise", torch.randn(SEQ, SEQ))
+
+    def forward(self, x: torch.Tensor, input_mask: torch.Tensor):
+        variant, (batch, seq, _) = self.variant, x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, HEADS, HEAD_DIM).permute(2, 0, 3, 1, 4)
+        if variant == "bmm":  # [B·H, S, D] views and bmm, as older code writes it
+            q3, k3, v3 = (t.reshape(batch * HEADS, seq, HEAD_DIM) for t in (q, k, v))
+            probs = (torch.bmm(q3, k3.transpose(1, 2)) / math.sqrt(HEAD_DIM)).softmax(-1)
+            return torch.bmm(probs, v3).view(batch, HEADS, seq, HEAD_DIM)
+        if variant == "key_pretransposed":  # kᵀ [B, H, D, S] made directly, no k node
+            key_t = self.qkv(x)[..., HIDDEN : 2 * HIDDEN].view(batch, seq, HEADS, HEAD_DIM).permute(0, 2, 3, 1)
+            return torch.softmax(q @ key_t * 0.5, dim=-1) @ v
+        scores = q @ k.transpose(-2, -1) * HEAD_DIM**-0.5
+        i = torch.arange(seq, device=x.device)
+        if variant in ("buffer_add", "buffer_on_meta"):
+            scores = scores + self.additive[:seq, :seq]
+        elif variant == "buffer_fill":  # nanoGPT
+            scores = scores.masked_fill(self.tril[:, :, :seq, :seq] == 0, float("-inf"))
+        elif variant == "arange_fill":
+            scores = scores.masked_fill(i[None, :] > i[:, None], float("-inf"))
+        elif variant == "where_min":  # Hugging Face's fill value: the dtype's minimum
+            scores = torch.where(i[None, :] <= i[:, None], scores, torch.finfo(scores.dtype).min)
+        elif variant == "sliding_window":
+            scores = scores.masked_fill((i[None, :] > i[:, None]) | (i[None, :] < i[:, None] - 3), float("-inf"))
+        elif variant == "one_future_key":  # causal but for key i + 1
+            scores = scores + torch.full((seq, seq), float("-inf")).triu(2)
+        elif variant == "noise_mask":
+            scores = scores + self.noise
+        elif variant == "input_mask":
+            scores = scores + input_mask
+        probs = F.softmax(scores.float(), dim=-1).type_as(q)  # an upcast softmax, as in mixed precision
+        probs = F.dropout(probs, 0.1 if variant == "dropout" else 0.0, training=True)
+        out = probs @ v
+        return (out, probs) if variant == "weights_returned" else out
+
+
+FUSED = {  # variant → is_causal of the fused node
+    "none": False, "bmm": False, "key_pretransposed": False, "buffer_add": True, "buffer_fill": True,
+    "arange_fill": True, "where_min": True,
+}
+LEFT_ALONE = ["sliding_window", "one_future_key", "noise_mask", "input_mask", "buffer_on_meta", "weights_returned", "dropout"]
+
+
+def _exported(variant: str, decompose: bool = False):
+    torch.manual_seed(0)
+    model = Attend(variant)
+    inputs = (torch.randn(BATCH, SEQ, HIDDEN), torch.randn(SEQ, SEQ))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        exported = torch.export.export(model, inputs, strict=False).run_decompositions(None if decompose else {})
+    return model, inputs, exported
+
+
+def _outputs_and_grads(graph_module, model, inputs):
+    """Outputs and the gradients of a fixed random functional of them w.r.t. weight and x."""
+    weight = model.qkv.weight.detach().clone().requires_grad_()
+    x = inputs[0].clone().requires_grad_()
+    outputs = graph_module(weight, *model.buffers(), x, inputs[1])
+    probes = torch.Generator().manual_seed(1)
+    loss = sum((out * torch.randn(out.shape, generator=probes)).sum() for out in outputs)
+    return outputs, torch.autograd.grad(loss, (weight, x))
+
+
+def _sdpa_nodes(graph):
+    return [node for node in graph.nodes if node.target is SDPA]
+
+
+@pytest.mark.parametrize("variant, decompose", [(v, False) for v in FUSED] + [("buffer_add", True), ("bmm", True)])
+def test_eager_attention_becomes_one_sdpa_node_with_equal_values_and_gradients(variant, decompose):
+    model, inputs, exported = _exported(variant, decompose)
+    unfused = copy.deepcopy(exported.graph_module)
+    softmax = next(node for node in unfused.graph.nodes if "softmax" in str(node.target))
+    assert fuse_eager_attention(exported.graph_module, buffer_values(exported)) == 1
+    (node,) = _sdpa_nodes(exported.graph)
+    assert node.args[5] is FUSED[variant] and node.kwargs["scale"] == pytest.approx(0.5 if "key" in variant else 8**-0.5)
+    assert node.meta["nn_module_stack"] == softmax.meta["nn_module_stack"]
+    assert not any(str(n.target).startswith(("aten.softmax", "aten._softmax", "aten.bmm", "aten.matmul")) for n in exported.graph.nodes)
+    expected, expected_grads = _outputs_and_grads(unfused, model, inputs)
+    got, grads = _outputs_and_grads(exported.graph_module, model, inputs)
+    assert node.meta["val"].shape == (BATCH, HEADS, SEQ, HEAD_DIM) and got[0].shape == expected[0].shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", LEFT_ALONE)
+def test_masks_not_proved_causal_and_shared_weights_leave_the_graph_alone(variant):
+    _, _, exported = _exported(variant)
+    before = [(node.name, node.target) for node in exported.graph.nodes]
+    buffers = {} if variant == "buffer_on_meta" else buffer_values(exported)  # a meta buffer has no value
+    assert fuse_eager_attention(exported.graph_module, buffers) == 0
+    assert [(node.name, node.target) for node in exported.graph.nodes] == before
+
+
+def _placeholder_values(captured, model, inputs):
+    values, user_inputs = [], iter(inputs)
+    for node in captured.graph.nodes:
+        if node.op == "placeholder":
+            name = node.name
+            if name in captured.params:
+                values.append(model.get_parameter(captured.params[name]))
+            elif name in captured.buffers:
+                values.append(model.get_buffer(captured.buffers[name]))
+            else:
+                values.append(next(user_inputs))
+    return values
+
+
+def _assert_same_loss_and_grads(captured, model, inputs):
+    """The captured graph, run on ``model``'s weights, against ``model`` itself."""
+    params = [p for p in model.parameters()]
+    loss = captured.graph_module(*_placeholder_values(captured, model, inputs))[0]
+    grads = torch.autograd.grad(loss, params)
+    expected = model(*inputs)
+    expected_grads = torch.autograd.grad(expected, params)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_eager_long_context_example_captures_as_the_sdpa_one(causal):
+    example = load_example("long_context_gpt.py")
+    sizes = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32, causal=causal)
+    torch.manual_seed(0)
+    eager = example.build(**sizes, attention="eager")
+    torch.manual_seed(0)
+    sdpa = example.build(**sizes)
+    inputs = eager.example_inputs(4)
+    captured, reference = capture(eager, inputs), capture(sdpa, inputs)
+    nodes = _sdpa_nodes(captured.graph)
+    assert [module_path(node) for node in nodes] == ["layers.0.attn", "layers.1.attn"]
+    assert all(node.args[5] is causal and node.kwargs == {"scale": 8**-0.5} for node in nodes)
+    # the same ops as the sdpa model's graph: no mask, transpose or softmax node is left over
+    assert [str(n.target) for n in captured.graph.nodes] == [str(n.target) for n in reference.graph.nodes]
+    assert captured.fingerprint == capture(eager, inputs).fingerprint
+    _assert_same_loss_and_grads(captured, sdpa, inputs)  # the eager graph on the sdpa model's weights
+    with torch.device("meta"):  # planning on "meta": the on-the-fly mask is still evaluated, on the CPU
+        on_meta = example.build(**sizes, attention="eager")
+    assert len(_sdpa_nodes(capture(on_meta, on_meta.example_inputs(4)).graph)) == 2
+
+
+def test_an_unknown_attention_option_is_a_clear_error():
+    with pytest.raises(ValueError, match="attention='flash' is not known: pass 'sdpa' or 'eager'"):
+        load_example("long_context_gpt.py").build(seq=16, attention="flash")
+
+
+@pytest.mark.parametrize("builder, path", [("build_llama", "model.layers.{}.self_attn"), ("build_gpt2", "transformer.h.{}.attn")])
+def test_hugging_face_eager_attention_is_fused_with_its_arange_built_causal_mask(builder, path):
+    torch.manual_seed(0)
+    model = getattr(load_example("hf.py"), builder)(layers=2, attn_implementation="eager")
+    inputs = model.example_inputs(2)
+    captured = capture(model, inputs)
+    nodes = _sdpa_nodes(captured.graph)
+    assert [module_path(node) for node in nodes] == [path.format(0), path.format(1)]
+    assert all(node.args[5] is True for node in nodes)
+    assert not any(str(n.target) in ("aten.where.ScalarOther", "aten.softmax.int") for n in captured.graph.nodes)
+    _assert_same_loss_and_grads(captured, model, inputs)
+
+
+def _ring_on_eager(rank, world):
+    example = load_example("long_context_gpt.py")
+    sizes = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32, attention="eager")
+    return compare_one_step(example.build, sizes, 4, world, dict(degrees={"cp": 2}, constraints={"layers.*.attn": "ring"}))
+
+
+def test_ring_attention_runs_on_the_eager_example():
+    result = run_local(_ring_on_eager, 2, timeout_s=300)[0]
+    # each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|): allclose holds when <= 1
+    assert result["loss"] <= 1 and result["grad"][0] <= 1 and result["param"][0] <= 1, result
+    assert result["kernels"] == ["ring", "ring"], result
