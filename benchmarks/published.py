@@ -56,15 +56,26 @@ def predict(gpt, row: dict) -> dict:
     started = time.perf_counter()
     with torch.device("meta"):
         model = gpt.build(hidden=row["hidden"], layers=row["layers"], heads=row["heads"], vocab=VOCAB, seq=SEQ).to(torch.bfloat16)
-    plan = autopar.plan(
-        model,
-        (row["gpus"] // 8, 8),
-        model.example_inputs(row["global_batch"], device="meta"),
-        degrees={"pp": row["pp"], "dp": row["dp"], "tp": row["tp"]},
-        zero=0,
-        recompute="full",
-        hardware="a100-80gb",
-    )
+    local_batch = row["global_batch"] // row["dp"]
+    # pipelined: the search picks the microbatches; else the fewest that fit (gradient
+    # accumulation, which Megatron's runs without pipelines use for these batches too)
+    counts = [None] if row["pp"] > 1 else [m for m in range(1, local_batch + 1) if local_batch % m == 0]
+    for microbatches in counts:
+        try:
+            plan = autopar.plan(
+                model,
+                (row["gpus"] // 8, 8),
+                model.example_inputs(row["global_batch"], device="meta"),
+                degrees={"pp": row["pp"], "dp": row["dp"], "tp": row["tp"]},
+                zero=0,
+                recompute="full",
+                microbatches=microbatches,
+                hardware="a100-80gb",
+            )
+            break
+        except autopar.MemoryLimitError:
+            if microbatches == counts[-1]:
+                raise
     tflops = megatron_flops(row) / row["gpus"] / plan.cost.step_s / 1e12
     return {"row": row, "plan": plan, "tflops": tflops, "error": tflops / row["tflops_per_gpu"] - 1,
             "seconds": time.perf_counter() - started}
@@ -80,17 +91,17 @@ def render(results: list[dict], zero: list[tuple[int, float, float]], peak_rss_g
         "`examples/gpt.py` built on the meta device in bfloat16 with the row's shapes (vocabulary 51200, "
         "sequence 2048), planned on mesh (gpus/8)x8 with `degrees` {pp, dp, tp} as published, `zero=0`, "
         "`recompute=\"full\"`, `hardware=\"a100-80gb\"` (one compute efficiency, 0.5, for every row); microbatches: "
-        "one sequence each when pipelined. TFLOP/s per GPU = the paper's FLOPs per iteration "
+        "the search's when pipelined, else the fewest that fit in 80 GB (gradient accumulation). TFLOP/s per GPU = the paper's FLOPs per iteration "
         "96·B·s·l·h²·(1 + s/6h + V/16lh) / GPUs / predicted step time.",
         "",
-        "| params | layers | hidden | GPUs | tp | pp | dp | batch | predicted step s | compute / comm / sync / bubble s | predicted TFLOP/s | published | error % | plan s |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        "| params | layers | hidden | GPUs | tp | pp | dp | batch | microbatches | predicted step s | compute / comm / sync / bubble s | predicted TFLOP/s | published | error % | plan s |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         row, cost = r["row"], r["plan"].cost
         lines.append(
             f"| {row['params_b']}B | {row['layers']} | {row['hidden']} | {row['gpus']} | {row['tp']} | {row['pp']} | {row['dp']} | "
-            f"{row['global_batch']} | {cost.step_s:.2f} | {cost.compute_s:.2f} / {cost.comm_s:.2f} / {cost.grad_sync_s:.2f} / "
+            f"{row['global_batch']} | {r['plan'].schedule.microbatches} | {cost.step_s:.2f} | {cost.compute_s:.2f} / {cost.comm_s:.2f} / {cost.grad_sync_s:.2f} / "
             f"{cost.pipeline_s:.2f} | {r['tflops']:.0f} | {row['tflops_per_gpu']} | {r['error'] * 100:+.1f} | {r['seconds']:.0f} |"
         )
     worst = max(abs(r["error"]) for r in results)

@@ -53,7 +53,9 @@ def base_schedules(pins: SchedulePins, local_batch: int) -> list[Schedule]:
 
 
 def variants(base: Schedule, pins: SchedulePins, local_batch: int, layers: int) -> list[Schedule]:
-    """The runnable (kind, microbatches) choices around ``base``, simplest first."""
+    """The runnable (kind, microbatches) choices around ``base``, simplest first. Without
+    stages, microbatches are gradient accumulation, which the user pins (the batch per step is
+    theirs to choose): the pinned count, else one."""
     if base.stages == 1:
         return [base]
     kinds = [pins.pipeline] if pins.pipeline else list(SIMPLEST_FIRST)

@@ -126,7 +126,7 @@ def search(
         raise MemoryLimitError(
             f"no plan fits the memory limit of {limit / 2**20:.1f} MiB per device on mesh {mesh}. "
             f"The leanest configuration ({_degrees_str(leanest.degrees)}) needs {leanest.cost.peak_memory / 2**20:.1f} MiB: "
-            f"{breakdown}. Raise memory_limit, use more devices, or shrink the batch or model."
+            f"{breakdown}. Raise memory_limit, use more devices, accumulate gradients (microbatches=N), or shrink the batch or model."
         )
     fastest = min(r.cost.step_s for r in feasible)
     # Within the model's resolution, prefer the simplest plan: the most data parallelism.
