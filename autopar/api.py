@@ -105,7 +105,6 @@ def parallelize(
     >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
     >>> loss = pmodel.train_step(*pmodel.shard_batch(*batch))         # doctest: +SKIP
     """
-    from autopar.runtime import collectives  # noqa: F401  (registers torch.ops.autopar.*)
     from autopar.runtime.module import ParallelModule
     from autopar.runtime.pipeline import PIPELINE_AXIS, AccumulatingModule, PipelineModule
     from autopar.runtime.process_groups import build_device_mesh, group_name

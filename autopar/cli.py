@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import importlib.util
 import json
 import os
@@ -29,6 +30,7 @@ import torch
 from autopar.api import _capture, _plan_captured
 from autopar.ir import PIPELINES, RECOMPUTE, AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
 from autopar.passes.export import write_export
+from autopar.passes.symbolic import symbolic_cost
 from autopar.report import (
     decisions_text, degrees_text, module_rows, modules_text, search_text, stage_rows, stages_text, summary, summary_text,
 )
@@ -88,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     plan.add_argument("--save", metavar="PLAN.json", help="also save the plan (for `explain`, `parallelize(plan=...)`)")
     plan.add_argument("--timeline", metavar="FILE.svg", help="also draw the pipeline schedule's timeline as an SVG file")
+    plan.add_argument("--at", type=_sizes, metavar="batch=N,seq=N", help="also predict the plan at another global batch and/or sequence (no new search)")
     plan.set_defaults(handler=_cmd_plan)
 
     explain = commands.add_parser("explain", help="print a saved plan; needs no model")
@@ -170,6 +173,13 @@ def _ranks(text: str) -> tuple[int, ...]:
     if min(sizes) < 2:
         raise argparse.ArgumentTypeError(f"{text!r}: a collective needs groups of at least 2 ranks, e.g. 2,4")
     return sizes
+
+
+def _sizes(text: str) -> dict[str, int]:
+    pairs = [item.partition("=") for item in text.split(",")]
+    if not all(key.strip() in ("batch", "seq") and value.strip().isdigit() and int(value) > 0 for key, _, value in pairs):
+        raise argparse.ArgumentTypeError(f"cannot read {text!r}: write batch=N and/or seq=N joined by a comma, e.g. batch=2048,seq=4096")
+    return {key.strip(): int(value) for key, _, value in pairs}
 
 
 def _mesh(text: str) -> Mesh:
@@ -298,9 +308,7 @@ def _resolve_model_file(location: str, spec: str) -> Path:
 
 
 def _make_plan(args):
-    """MODEL on meta → (captured graph, plan, this rank's program with axis-named groups)."""
-    import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar.*)
-
+    """MODEL on meta → (captured graph, plan, this rank's program with axis-named groups, with --at its cost in batch and seq)."""
     hardware_name = args.hardware
     if hardware_name is None and default_profile_path().is_file():
         hardware_name = str(default_profile_path())
@@ -314,11 +322,13 @@ def _make_plan(args):
     pins = dict(zero=args.zero, recompute=args.recompute, microbatches=args.microbatches, pipeline=args.pipeline, stage_cuts=args.stage_cuts)
     plan = _plan_captured(captured, args.mesh, args.degrees, constraints, hardware, args.memory_limit, pins)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
-    return captured, plan, program
+    at = getattr(args, "at", None)  # only `plan` has it
+    symbolic = at and symbolic_cost(captured, plan, hardware, model=model, example_inputs=inputs, seq_dim=1 if "seq" in at else None)
+    return captured, plan, program, symbolic
 
 
 def _cmd_plan(args) -> int:
-    captured, plan, program = _make_plan(args)
+    captured, plan, program, symbolic = _make_plan(args)
     rows = module_rows(captured, plan, program)
     if args.save:
         plan.save(args.save)
@@ -331,11 +341,16 @@ def _cmd_plan(args) -> int:
             "replicated_ops": list(plan.replicated_ops),
             "plan": plan.to_json(),
         }
+        if symbolic:
+            cost = symbolic.at(**args.at)
+            report["at"] = {**args.at, "step_s": cost.step_s, "peak_memory": cost.peak_memory, **dataclasses.asdict(cost)}
         print(json.dumps(report, indent=1))
     else:
         print(modules_text(rows))
         print()
         print(summary_text(plan))
+        if symbolic:
+            print(symbolic.compare(**args.at))
         if plan.schedule.stages > 1:
             print()
             print(stages_text(stage_rows(captured, plan), plan))
@@ -366,7 +381,7 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    _, plan, program = _make_plan(args)
+    _, plan, program, _ = _make_plan(args)
     world = args.mesh.size
     paths = write_export(args.out, {rank: program for rank in range(world)}, plan)
     print(f"plan: {degrees_text(plan.degrees)}, predicted step {plan.cost.step_s * 1e3:.2f} ms")

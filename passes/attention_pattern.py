@@ -43,6 +43,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.export.graph_signature import InputKind
+from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
@@ -58,10 +59,7 @@ _MAX_MASK_ELEMENTS = 1 << 26  # an 8192 x 8192 mask; a larger one is not evaluat
 
 @dataclass(frozen=True)
 class _Mask:
-    """How a mask hides scores: ``kind`` "add" (``mask`` is the float addend), "hide" (``mask``
-    is True where hidden, as masked_fill's condition) or "keep" (True where visible)."""
-
-    kind: str
+    kind: str  # "add": ``mask`` is a float addend; "hide": True where hidden (masked_fill); "keep": True where seen
     mask: fx.Node
     dtype: torch.dtype  # of the masked scores
 
@@ -82,7 +80,8 @@ def fuse_eager_attention(graph_module: fx.GraphModule, buffers: Mapping[str, tor
     """Replace each eager attention subgraph (see the module docstring) by one sdpa node, in
     place; returns how many were replaced.
 
-    >>> exported = torch.export.export(model, inputs, strict=False).run_decompositions({})
+    >>> model = build(layers=2, seq=64, attention="eager")  # examples/long_context_gpt.py
+    >>> exported = torch.export.export(model, model.example_inputs(2), strict=False).run_decompositions({})
     >>> fuse_eager_attention(exported.graph_module, buffer_values(exported))  # one per layer
     2
     """
@@ -130,6 +129,8 @@ def _match(scores: fx.Node, buffers: Mapping[str, torch.Tensor]) -> _Match | Non
         elif before_softmax and mask is None and (found := _mask(user, node, buffers)) is not None:
             mask = found
         elif before_softmax and user.target in _SOFTMAXES and user.args[0] is node and _last_dim(user):
+            if not _wide(_val(user).dtype, _val(scores).dtype):
+                return None
             softmax = user
         else:
             return None
@@ -163,9 +164,7 @@ def _passes_through(node: fx.Node, source: fx.Node, dtype: torch.dtype) -> bool:
     if not isinstance(after, torch.Tensor):
         return False
     if node.target in _CASTS:
-        # a narrower dtype would round what sdpa keeps exact
-        wide = after.dtype == dtype or (after.is_floating_point() and after.dtype.itemsize >= 4)
-        return wide and after.shape == before.shape and after.device == before.device
+        return _wide(after.dtype, dtype) and after.shape == before.shape and after.device == before.device
     if node.target in _COPIES or node.target is aten.expand.default:
         return after.shape == before.shape
     if node.target is aten.dropout.default:
@@ -175,10 +174,15 @@ def _passes_through(node: fx.Node, source: fx.Node, dtype: torch.dtype) -> bool:
     return False
 
 
+def _wide(dtype: torch.dtype, base: torch.dtype) -> bool:
+    """True if scores in ``dtype`` lose nothing that sdpa on ``base`` inputs keeps."""
+    return dtype == base or (dtype.is_floating_point and dtype.itemsize >= 4)
+
+
 def _scale(node: fx.Node, source: fx.Node, buffers: Mapping[str, torch.Tensor]) -> float | None:
     """The factor ``node`` multiplies ``source`` by, if it is a constant."""
     divides = _SCALES.get(node.target)
-    if divides is None or len(node.args) != 2:
+    if divides is None or len(node.args) != 2 or _val(node).shape != _val(source).shape:
         return None
     if node.args[0] is source:
         factor = _scalar(node.args[1], buffers)
@@ -345,15 +349,17 @@ def _constant_value(node: fx.Node, buffers: Mapping[str, torch.Tensor]) -> torch
             if each.op == "placeholder":
                 values[each] = buffers[each.name]
                 continue
-            args, kwargs = fx.map_arg((each.args, each.kwargs), values.__getitem__)
-            if "device" in kwargs:
-                kwargs = {**kwargs, "device": torch.device("cpu")}
+            args, kwargs = tree_map(_on_cpu, fx.map_arg((each.args, each.kwargs), values.__getitem__))
             try:
                 values[each] = each.target(*args, **kwargs)
             except (RuntimeError, TypeError, ValueError, NotImplementedError):
                 return None  # an op that will not run on these values: nothing proved, the graph stays
     value = values[node]
     return value if isinstance(value, torch.Tensor) else None
+
+
+def _on_cpu(arg):
+    return torch.device("cpu") if isinstance(arg, torch.device) else arg
 
 
 def _evaluable(node: fx.Node) -> bool:
@@ -398,18 +404,13 @@ def _replace(match: _Match) -> set[fx.Node]:
 
 
 def _new_node(graph: fx.Graph, target, args: tuple, meta: dict, **kwargs) -> fx.Node:
+    """A node with ``meta`` and, as ``meta["val"]``, its output on its inputs' fake values."""
     node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
-    node.meta.update(meta)
-    node.meta["val"] = _fake_run(node)
+    fake_args = fx.map_arg(args, _val)
+    fake_mode = detect_fake_mode(tuple(arg for arg in fake_args if isinstance(arg, torch.Tensor)))
+    with fake_mode or FakeTensorMode(allow_non_fake_inputs=True):
+        node.meta.update(meta, val=target(*fake_args, **kwargs))
     return node
-
-
-def _fake_run(node: fx.Node):
-    """The node's output on its inputs' fake values."""
-    args, kwargs = fx.map_arg((node.args, node.kwargs), _val)
-    tensors = tuple(arg for arg in args if isinstance(arg, torch.Tensor))
-    with detect_fake_mode(tensors) or FakeTensorMode(allow_non_fake_inputs=True):
-        return node.target(*args, **kwargs)
 
 
 def _erase_unused(node: fx.Node) -> set[fx.Node]:
@@ -417,7 +418,7 @@ def _erase_unused(node: fx.Node) -> set[fx.Node]:
     erased, stack = set(), [node]
     while stack:
         node = stack.pop()
-        if node in erased or node.op != "call_function" or _real_users(node):
+        if node in erased or node.op != "call_function" or _real_users(node) or node.is_impure():
             continue
         inputs = node.all_input_nodes
         for check in list(node.users):

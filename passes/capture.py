@@ -145,5 +145,5 @@ def fingerprint(graph: fx.Graph) -> str:
     for node in graph.nodes:
         val = node.meta.get("val")
         shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        digest.update(f"{node.op}|{node.target}|{node.args}|{shape}\n".encode())
+        digest.update(f"{node.op}|{node.target}|{node.args}|{node.kwargs}|{shape}\n".encode())
     return digest.hexdigest()[:16]

@@ -289,14 +289,14 @@ def attention(view: OpView) -> list[Strategy]:
     kernel (ring or Ulysses, see autopar.runtime.context_parallel)."""
     q_shape = view.in_shapes[0]
     strategies = []
-    for d in (0, 1):
+    for d in (0, 1) if len(q_shape) == 4 else (0,):  # [batch * heads, seq, head_dim]: dim 1 is the sequence
         placements = []
         for shape in view.in_shapes:
             in_dim = d - (len(q_shape) - len(shape))
             broadcast = in_dim < 0 or shape[in_dim] == 1
             placements.append(R if broadcast else Shard(in_dim))
         strategies.append(Strategy(tuple(placements), Shard(d)))
-    if len(view.in_shapes) == 3 and not view.arg(4, "dropout_p", 0.0):
+    if len(q_shape) == 4 and len(view.in_shapes) == 3 and not view.arg(4, "dropout_p", 0.0):
         seq = Shard(len(q_shape) - 2)
         strategies += [Strategy((seq, seq, seq), seq, kernel) for kernel in ("ring", "ulysses")]
     return strategies

@@ -114,7 +114,8 @@ def search(
         for cfg, zero_stages in _with_zero(configs, zero):
             def solve(zero_stage, cfg=cfg):
                 return _solve_config(
-                    facts, cfg, stage, hardware, limit, constraints or {}, splits, zero_stage, SchedulePins(pp, **pins), batch // batch_split(cfg),
+                    facts, cfg, stage, hardware, limit, constraints or {}, splits, zero_stage,
+                    SchedulePins(pp, **pins), batch // batch_split(cfg),
                 )
             results += _lowest_fitting_zero(solve, zero_stages)
         if any(r.feasible for r in results):
@@ -126,7 +127,8 @@ def search(
         raise MemoryLimitError(
             f"no plan fits the memory limit of {limit / 2**20:.1f} MiB per device on mesh {mesh}. "
             f"The leanest configuration ({_degrees_str(leanest.degrees)}) needs {leanest.cost.peak_memory / 2**20:.1f} MiB: "
-            f"{breakdown}. Raise memory_limit, use more devices, accumulate gradients (microbatches=N), or shrink the batch or model."
+            f"{breakdown}. Raise memory_limit, use more devices, accumulate gradients (microbatches=N), "
+            "or shrink the batch or model."
         )
     fastest = min(r.cost.step_s for r in feasible)
     # Within the model's resolution, prefer the simplest plan: the most data parallelism.
@@ -278,7 +280,9 @@ def _kernel_pins(facts, constraints) -> dict[str, str]:
             matched = [n for n, f in facts.items() if f.kind == "op" and fnmatch.fnmatchcase(module_path(f.node), pattern)]
             pins.update({name: value for name in matched if _has_kernel(facts[name], value)})
             if not any(_has_kernel(facts[name], value) for name in matched):
-                raise ShardingRuleError(f"constraint {pattern!r}: {value!r} pins a kernel, but no op of a module matching it has one")
+                raise ShardingRuleError(
+                    f"constraint {pattern!r}: {value!r} pins a kernel, but no op of a module matching it has one"
+                )
     return pins
 
 
@@ -455,7 +459,9 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
                 slot_pl = tuple(tuple(s.inputs[i] for s in per_axis) for i in range(len(fact.slots)))
                 out = tuple(s.output for s in per_axis)
             kernel = next((s.kernel for s in per_axis if s is not None and s.kernel), "")
-            nodes[name] = NodeDecision(op=str(fact.node.target), module=module_path(fact.node), inputs=slot_pl, output=out, kernel=kernel)
+            nodes[name] = NodeDecision(
+                op=str(fact.node.target), module=module_path(fact.node), inputs=slot_pl, output=out, kernel=kernel
+            )
         elif fact.kind == "param":
             params[fact.name] = tuple(s.output for s in per_axis)
         elif fact.kind == "input":

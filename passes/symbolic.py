@@ -53,6 +53,7 @@ from .strategies import output_tensors
 BATCH, SEQ = sympy.Symbol("b", positive=True), sympy.Symbol("s", positive=True)
 _BATCH_BLOCK, _SEQ_BLOCK = sympy.Symbol("beta", positive=True, integer=True), sympy.Symbol("sigma", positive=True, integer=True)
 TIME_TERMS = ("compute_s", "comm_s", "grad_sync_s", "optimizer_s", "pipeline_s", "model_flops")
+TERM_NAMES = ("compute", "communication", "gradient sync", "optimizer", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,9 @@ class SymbolicCost:
         lines = []
         for label, b, s in (("planned at", self.batch, self.seq), ("re-evaluated at", batch or self.batch, seq or self.seq)):
             cost = self.at(batch=b, seq=s)
-            parts = ", ".join(f"{term.removesuffix('_s')} {getattr(cost, term) * 1e3:.3f}" for term in TIME_TERMS[:-1])
+            parts = ", ".join(f"{name} {getattr(cost, term) * 1e3:.3f}" for term, name in zip(TIME_TERMS, TERM_NAMES))
             size = f"batch {b}" + (f", seq {s}" if s is not None else "")
-            lines.append(f"{label} {size}: step {cost.step_s * 1e3:.3f} ms ({parts}); peak memory {cost.peak_memory / 2**30:.3f} GiB")
+            lines.append(f"{label} {size}: step {cost.step_s * 1e3:.3f} ms ({parts}); peak memory {cost.peak_memory / 2**20:.1f} MiB")
         return "\n".join(lines)
 
     def _point(self, batch, seq) -> dict:
@@ -97,7 +98,7 @@ class SymbolicCost:
         if self.seq is not None and (not isinstance(seq, int) or seq < 1):
             raise ConfigError(f"seq={seq!r}: give a positive integer sequence length")
         if batch % self.batch_multiple:
-            raise ConfigError(f"batch={batch}: the plan splits the batch {self.batch_multiple} ways (ranks x microbatches): pick a multiple of it")
+            raise ConfigError(f"batch={batch}: the plan splits the batch over ranks and microbatches: pick a multiple of {self.batch_multiple}")
         point = {BATCH: sympy.Integer(batch), SEQ: sympy.Integer(seq or 1)}
         for what, size, ranks in self.splits:
             value = size.xreplace(point)
@@ -186,7 +187,7 @@ def sample_facts(captured: CapturedGraph, model, example_inputs: tuple, seq_dim:
     """The grid around the example inputs' sizes and the facts of the graph captured at each
     point (``captured`` itself first), the check point's last. Op times are not measured here."""
     grid = _grid(*_sizes(captured, example_inputs, seq_dim))
-    roofline = get_profile("a100-80gb")  # any analytic profile: only shapes and op profiles are read
+    roofline = get_profile("a100-80gb")  # any profile that measures nothing: only shapes and op profiles are read
     expected = [(n.name, n.op, str(n.target)) for n in captured.graph.nodes]
     samples = []
     for batch, seq in [*grid.points, grid.check]:
@@ -256,6 +257,13 @@ def _numbers(fact: NodeFacts) -> list:
     return [d for shape in fact.out_shapes + fact.slot_shapes for d in shape] + [p.forward_flops, p.backward_flops, p.io_bytes, p.saved_extra_bytes]
 
 
+def _labels(fact: NodeFacts) -> list[str]:
+    """What each of :func:`_numbers` is, for errors."""
+    shapes = [(f"output {k}", s) for k, s in enumerate(fact.out_shapes)] + [(f"input {k}", s) for k, s in enumerate(fact.slot_shapes)]
+    dims = [f"{what}'s dim {d}" for what, shape in shapes for d in range(len(shape))]
+    return dims + ["forward FLOPs", "backward FLOPs", "bytes read and written", "bytes saved for backward"]
+
+
 def _with_numbers(fact: NodeFacts, numbers: list) -> NodeFacts:
     values = iter(numbers)
     out = [tuple(next(values) for _ in shape) for shape in fact.out_shapes]
@@ -279,7 +287,7 @@ def _symbolic_facts(facts, samples, grid: Grid, hardware: HardwareProfile, conte
         if any(_structure(sample[name]) != _structure(fact) for sample in samples):
             raise ConfigError(f"node {fact.node.format_node()} changes kind, gradient or saved tensors with the batch or sequence size: plan per size")
         columns = list(zip(*(_numbers(sample[name]) for sample in samples)))
-        numbers = [_polynomial(values, grid, inverse, f"{name}'s size #{k}") for k, values in enumerate(columns)]
+        numbers = [_polynomial(values, grid, inverse, f"node {name}: {label}") for label, values in zip(_labels(fact), columns)]
         sized = _with_numbers(fact, numbers)
         symbolic[name] = dataclasses.replace(sized, full_time_s=_op_time(fact, sized.profile, hardware, contention))
     return symbolic

@@ -30,7 +30,6 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from autopar.ir import CONTEXT_PARALLEL, Plan, Replicate, Shard
 
 from .grad_sync import GradSync
-from .process_groups import group_name
 from .zero import ZeroLayout, ZeroOptimizer, add_grad
 from .zero3 import Zero3Runtime
 from .zigzag import zigzag_order

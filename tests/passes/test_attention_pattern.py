@@ -75,8 +75,9 @@ LEFT_ALONE = ["sliding_window", "one_future_key", "noise_mask", "input_mask", "b
 
 def _exported(variant: str, decompose: bool = False):
     torch.manual_seed(0)
-    model = Attend(variant)
-    inputs = (torch.randn(BATCH, SEQ, HIDDEN), torch.randn(SEQ, SEQ))
+    with torch.device("meta" if variant == "buffer_on_meta" else "cpu"):  # a meta buffer has no value to prove
+        model = Attend(variant)
+        inputs = (torch.randn(BATCH, SEQ, HIDDEN), torch.randn(SEQ, SEQ))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         exported = torch.export.export(model, inputs, strict=False).run_decompositions(None if decompose else {})
@@ -106,7 +107,8 @@ def test_eager_attention_becomes_one_sdpa_node_with_equal_values_and_gradients(v
     (node,) = _sdpa_nodes(exported.graph)
     assert node.args[5] is FUSED[variant] and node.kwargs["scale"] == pytest.approx(0.5 if "key" in variant else 8**-0.5)
     assert node.meta["nn_module_stack"] == softmax.meta["nn_module_stack"]
-    assert not any(str(n.target).startswith(("aten.softmax", "aten._softmax", "aten.bmm", "aten.matmul")) for n in exported.graph.nodes)
+    eager_ops = ("aten.softmax", "aten._softmax", "aten.bmm", "aten.matmul")
+    assert not any(str(n.target).startswith(eager_ops) for n in exported.graph.nodes)
     expected, expected_grads = _outputs_and_grads(unfused, model, inputs)
     got, grads = _outputs_and_grads(exported.graph_module, model, inputs)
     assert node.meta["val"].shape == (BATCH, HEADS, SEQ, HEAD_DIM) and got[0].shape == expected[0].shape
@@ -118,8 +120,7 @@ def test_eager_attention_becomes_one_sdpa_node_with_equal_values_and_gradients(v
 def test_masks_not_proved_causal_and_shared_weights_leave_the_graph_alone(variant):
     _, _, exported = _exported(variant)
     before = [(node.name, node.target) for node in exported.graph.nodes]
-    buffers = {} if variant == "buffer_on_meta" else buffer_values(exported)  # a meta buffer has no value
-    assert fuse_eager_attention(exported.graph_module, buffers) == 0
+    assert fuse_eager_attention(exported.graph_module, buffer_values(exported)) == 0
     assert [(node.name, node.target) for node in exported.graph.nodes] == before
 
 
@@ -148,6 +149,13 @@ def _assert_same_loss_and_grads(captured, model, inputs):
     torch.testing.assert_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
 
 
+def _ops(graph) -> list[str]:
+    """The ops in order; the reshape after attention copies an eager output (clone, _unsafe_view)
+    but views SDPA's, whose layout is already [B, S, H, D]: count both as a view."""
+    ops = [str(node.target).replace("_unsafe_view", "view") for node in graph.nodes]
+    return [op for op in ops if op != "aten.clone.default"]
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_the_eager_long_context_example_captures_as_the_sdpa_one(causal):
     example = load_example("long_context_gpt.py")
@@ -160,9 +168,9 @@ def test_the_eager_long_context_example_captures_as_the_sdpa_one(causal):
     captured, reference = capture(eager, inputs), capture(sdpa, inputs)
     nodes = _sdpa_nodes(captured.graph)
     assert [module_path(node) for node in nodes] == ["layers.0.attn", "layers.1.attn"]
-    assert all(node.args[5] is causal and node.kwargs == {"scale": 8**-0.5} for node in nodes)
-    # the same ops as the sdpa model's graph: no mask, transpose or softmax node is left over
-    assert [str(n.target) for n in captured.graph.nodes] == [str(n.target) for n in reference.graph.nodes]
+    assert all(node.args[5] is causal and node.kwargs["scale"] == pytest.approx(8**-0.5) for node in nodes)
+    # the sdpa model's ops: no mask, transpose, scale or softmax node is left over
+    assert _ops(captured.graph) == _ops(reference.graph)
     assert captured.fingerprint == capture(eager, inputs).fingerprint
     _assert_same_loss_and_grads(captured, sdpa, inputs)  # the eager graph on the sdpa model's weights
     with torch.device("meta"):  # planning on "meta": the on-the-fly mask is still evaluated, on the CPU
