@@ -80,6 +80,38 @@ def forward_allocations(forward) -> tuple[object, int, int]:
     return result, net, peak
 
 
+class _EagerStep:
+    """A plain model whose forward returns the loss, with the ``train_step`` the helpers call."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def train_step(self, *batch):
+        loss = self.model(*batch)
+        loss.backward()
+        return loss.detach()
+
+
+def activation_memory(module, optimizer, batch) -> dict:
+    """What one step of ``module`` (a parallelized module, or a plain model returning its loss)
+    keeps for backward: ``saved``, the bytes autograd saves (:func:`saved_activation_bytes`,
+    parameters left out); and, in another step, over the forward alone, ``held_after_forward``
+    (bytes allocated and still live when it returns) and ``forward_peak``
+    (:func:`forward_allocations`). Gradients are freed before each and after."""
+    step = module if hasattr(module, "train_step") else _EagerStep(module)
+    exclude = set(_storages(module.parameters()))
+    _clear_grads(module, optimizer)
+    saved = saved_activation_bytes(step, batch, exclude)
+    _clear_grads(module, optimizer)
+    loss, held, peak = forward_allocations(lambda: module(*batch))
+    loss.backward()
+    _clear_grads(module, optimizer)
+    return {"saved": saved, "held_after_forward": held, "forward_peak": peak}
+
+
 def _clear_grads(pmodel, optimizer) -> None:
     """``zero_grad()`` on the plain leaves and on the DTensor parameters sharing their storage,
     so the old gradients are freed now, not (unseen by the profiler) inside the next step."""

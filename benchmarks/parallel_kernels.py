@@ -5,8 +5,8 @@ On 4 local gloo ranks, every program made by autopar with its kernel pinned (and
 - activation memory of the long-context GPT (``examples/long_context_gpt.py``, batch 1) at the
   longest sequence, ``degrees={"cp": 4}`` with attention ``"ring"`` or ``"ulysses"``, against the
   plain model in one process: the distinct storages autograd saves for backward in one step,
-  parameters left out (``measure.saved_activation_bytes``), cross-checked by what the forward
-  alone allocates and leaves live (``measure.forward_allocations``);
+  parameters left out, cross-checked by what the forward alone allocates and leaves live
+  (``measure.activation_memory``);
 - ring vs Ulysses step time at two sequence lengths;
 - the MoE GPT (``examples/moe_gpt.py``) with experts split, ``degrees={"ep": 4}`` and the
   ``"experts"`` kernel, against replicated experts, ``degrees={"dp": 4}``: step time and the
@@ -47,7 +47,7 @@ from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cost_model import _loadavg  # noqa: E402
-from measure import _clear_grads, _storages, forward_allocations, saved_activation_bytes  # noqa: E402
+from measure import _storages, activation_memory  # noqa: E402
 from pipeline import _state_bytes  # noqa: E402
 from report import BENCHMARKS, write_section  # noqa: E402
 from step_time import LR, SEED, Competitor, _as_is, check_equivalence, time_rounds  # noqa: E402
@@ -115,37 +115,7 @@ def _moe(settings: Settings):
     return model, model.example_inputs(settings.moe_batch)
 
 
-# --------------------------------------------------------------------------- memory
-
-
-class _Eager(torch.nn.Module):
-    """The plain model, with the ``train_step`` that ``measure``'s helpers call."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, *batch):
-        return self.model(*batch)
-
-    def train_step(self, *batch):
-        loss = self.model(*batch)
-        loss.backward()
-        return loss.detach()
-
-
-def activation_memory(runner, optimizer, batch) -> dict:
-    """Bytes autograd saves in one step (parameters left out), and, in another step, the bytes
-    the forward allocates and leaves live for backward, and its peak. Gradients are freed
-    before each (a forward frees nothing it did not allocate, so the walk is complete)."""
-    exclude = set(_storages(runner.parameters()))
-    _clear_grads(runner, optimizer)
-    saved = saved_activation_bytes(runner, batch, exclude)
-    _clear_grads(runner, optimizer)
-    loss, held, peak = forward_allocations(lambda: runner(*batch))
-    loss.backward()
-    _clear_grads(runner, optimizer)
-    return {"saved": saved, "held_after_forward": held, "forward_peak": peak}
+# --------------------------------------------------------------------------- one process
 
 
 def one_process(settings: Settings) -> dict:
@@ -155,7 +125,7 @@ def one_process(settings: Settings) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        memory = activation_memory(_Eager(model), torch.optim.AdamW(model.parameters(), lr=LR), inputs)
+        memory = activation_memory(model, torch.optim.AdamW(model.parameters(), lr=LR), inputs)
     finally:
         torch.set_num_threads(threads)
     predicted = autopar.plan(model, 1, inputs, hardware=_profile()).cost.memory["activations"]
@@ -292,10 +262,69 @@ def _build_text(keywords: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in keywords.items())
 
 
+def _memory_rows(settings: Settings, single: dict, context: dict, plans: dict) -> list[str]:
+    base, rows = single["memory"], []
+    rows.append(f"| one process | {_mib(base['saved'])} | 100% | | | {_mib(base['held_after_forward'])} | "
+                f"{_mib(base['forward_peak'])} | {_mib(single['predicted_activations'])} | "
+                f"{(single['predicted_activations'] / base['saved'] - 1) * 100:+.0f}% |")
+    for method in METHODS:
+        name = f"{method} {settings.seqs[-1]}"
+        worst = {key: max(r[key] for r in context["memory"][name]) for key in base}
+        share, predicted = worst["saved"] / base["saved"], plans[name].cost.memory["activations"]
+        rows.append(f"| CP{WORLD} {method} | {_mib(worst['saved'])} | {share * 100:.0f}% | ≤ {TARGET_ACTIVATION_SHARE * 100:.0f}% | "
+                    f"{'yes' if share <= TARGET_ACTIVATION_SHARE else '**no**'} | {_mib(worst['held_after_forward'])} | "
+                    f"{_mib(worst['forward_peak'])} | {_mib(predicted)} | {(predicted / worst['saved'] - 1) * 100:+.0f}% |")
+    return rows
+
+
+def _ring_note(settings: Settings, single: dict, context: dict) -> str:
+    """What the forward's peak and the step times show beyond the saved activations, and why."""
+    seq, heads = settings.seqs[-1], settings.long_model["heads"]
+    chunk = seq // (2 * WORLD)
+    peaks = {m: max(r["forward_peak"] for r in context["memory"][f"{m} {seq}"]) for m in METHODS}
+    share = {m: peaks[m] / single["memory"]["forward_peak"] * 100 for m in METHODS}
+    note = (f"The forward's transient peak on a rank is {_mib(peaks['ring'])} MiB with ring, {share['ring']:.0f}% of one "
+            f"process's forward peak (Ulysses: {_mib(peaks['ulysses'])} MiB, {share['ulysses']:.0f}%): each ring block pair "
+            f"materializes its fp32 scores, {heads} heads x c x c with c = seq / 2p = {chunk} "
+            f"({_mib(heads * chunk * chunk * 4)} MiB a tensor, and the softmax makes more of that size; "
+            "`runtime/context_parallel.py` `_block_forward`), where Ulysses calls torch's fused CPU attention.")
+    ring, ulysses = (_median_s(context, f"{m} {seq}") for m in METHODS)
+    if ulysses / ring < 2 / 3:
+        note += (" The same unfused block math makes ring slower than Ulysses (below). The cost model charges a ring "
+                 "block's compute as its share of fused attention (`passes/kernel_cost.py`: compute as for any split op), "
+                 "so it predicts the two about equal.")
+    return note
+
+
+def _attention_rows(settings: Settings, context: dict, plans: dict, references: dict) -> list[str]:
+    rows = []
+    for seq in settings.seqs:
+        ring, ulysses = (_median_s(context, f"{m} {seq}") for m in METHODS)
+        predicted = [plans[f"{m} {seq}"].cost.step_s for m in METHODS]
+        first = [context["losses"][f"{m} {seq}"][0] for m in METHODS] + [references[f"seq {seq}"]]
+        rows.append(f"| {seq} | {_ms(ring)} | {_ms(ulysses)} | {ulysses / ring:.2f} | "
+                    f"{_round_ratio(context, f'ulysses {seq}', f'ring {seq}'):.2f} | {_ms(predicted[0])} | {_ms(predicted[1])} | "
+                    f"{predicted[1] / predicted[0]:.2f} | {' / '.join(f'{x:.6f}' for x in first)} |")
+    return rows
+
+
+def _experts_rows(experts: dict, plans: dict) -> list[str]:
+    rows, (_, dp) = [], MOE_OPTIONS
+    for name in MOE_OPTIONS:
+        biggest = max(experts["params"][name], key=lambda p: p["all"])
+        cost = plans[name].cost
+        rows.append(
+            f"| {name} | {_ms(_median_s(experts, name))} | {_median_s(experts, name) / _median_s(experts, dp):.2f} | "
+            f"{_round_ratio(experts, name, dp):.2f} | {_ms(cost.step_s)} | {cost.step_s / plans[dp].cost.step_s:.2f} | "
+            f"{_mib(biggest['all'])} ({_mib(biggest['experts'])}) | {_mib(cost.memory['params'])} | "
+            f"{_mib(max(experts['state'][name]))} | {experts['losses'][name][0]:.6f} |"
+        )
+    return rows
+
+
 def render_section(settings, single, context, experts, plans, references, command, elapsed_s, loads) -> str:
-    long_seq = settings.seqs[-1]
-    profile = _profile()
-    lines = [
+    long_seq, profile = settings.seqs[-1], _profile()
+    return "\n".join([
         "## Context and expert parallelism",
         "",
         f"- command: `{command}` ({elapsed_s:.0f} s in all); date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
@@ -311,7 +340,8 @@ def render_section(settings, single, context, experts, plans, references, comman
         "alternating order, a barrier before each step, the slowest rank's time, median ('per round': the median over "
         "rounds of the ratio of the two round medians, less sensitive to drift). Before timing, each pair agrees "
         "on the losses of its first two steps and every full gradient of the first (as in the step-time section), and "
-        f"every first loss equals one process's within {FIRST_LOSS_RTOL} relative.",
+        f"every first loss equals one process's within {FIRST_LOSS_RTOL} relative. Each program is checked to run its "
+        "pinned kernel (`autopar::ring_attention`, `autopar::ulysses_attention`, `autopar::moe` with or without a group).",
         "",
         f"### Activation memory at sequence {long_seq}: context parallelism over {WORLD} ranks vs one process",
         "",
@@ -326,38 +356,18 @@ def render_section(settings, single, context, experts, plans, references, comman
         "",
         "| program | saved MiB | share of one process | target | met? | held MiB | forward peak MiB | predicted MiB | prediction error |",
         "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
-    base = single["memory"]
-    lines.append(f"| one process | {_mib(base['saved'])} | 100% | | | {_mib(base['held_after_forward'])} | "
-                 f"{_mib(base['forward_peak'])} | {_mib(single['predicted_activations'])} | "
-                 f"{(single['predicted_activations'] / base['saved'] - 1) * 100:+.0f}% |")
-    for method in METHODS:
-        name = f"{method} {long_seq}"
-        ranks = context["memory"][name]
-        worst = {key: max(r[key] for r in ranks) for key in ranks[0]}
-        share = worst["saved"] / base["saved"]
-        predicted = plans[name].cost.memory["activations"]
-        lines.append(f"| CP{WORLD} {method} | {_mib(worst['saved'])} | {share * 100:.0f}% | ≤ {TARGET_ACTIVATION_SHARE * 100:.0f}% | "
-                     f"{'yes' if share <= TARGET_ACTIVATION_SHARE else '**no**'} | {_mib(worst['held_after_forward'])} | "
-                     f"{_mib(worst['forward_peak'])} | {_mib(predicted)} | {(predicted / worst['saved'] - 1) * 100:+.0f}% |")
-    lines += [
+        *_memory_rows(settings, single, context, plans),
+        "",
+        _ring_note(settings, single, context),
         "",
         f"### Ulysses vs ring attention, CP{WORLD}",
         "",
         "The same model at each sequence length (`seq=S`), batch 1. Predicted = `plan.cost.step_s`.",
         "",
-        "| seq | ring ms | Ulysses ms | ratio Ulysses/ring | per round | predicted ring ms | predicted Ulysses ms | predicted ratio | first loss (ring / Ulysses / one process) |",
+        "| seq | ring ms | Ulysses ms | ratio Ulysses/ring | per round | predicted ring ms | predicted Ulysses ms "
+        "| predicted ratio | first loss (ring / Ulysses / one process) |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for seq in settings.seqs:
-        ring, ulysses = (_median_s(context, f"{m} {seq}") for m in METHODS)
-        predicted = [plans[f"{m} {seq}"].cost.step_s for m in METHODS]
-        first = [context["losses"][f"{m} {seq}"][0] for m in METHODS] + [references[f"seq {seq}"]]
-        lines.append(f"| {seq} | {_ms(ring)} | {_ms(ulysses)} | {ulysses / ring:.2f} | "
-                     f"{_round_ratio(context, f'ulysses {seq}', f'ring {seq}'):.2f} | {_ms(predicted[0])} | {_ms(predicted[1])} | "
-                     f"{predicted[1] / predicted[0]:.2f} | {' / '.join(f'{x:.6f}' for x in first)} |")
-    ep, dp = (name for name in MOE_OPTIONS)
-    lines += [
+        *_attention_rows(settings, context, plans, references),
         "",
         f"### Experts split over {WORLD} ranks vs replicated",
         "",
@@ -368,21 +378,13 @@ def render_section(settings, single, context, experts, plans, references, comman
         "Both run the routed `autopar::moe` op. Parameters / state = the bytes a rank holds (each storage once; state = "
         "parameters + gradients + AdamW state after a step); largest rank.",
         "",
-        "| program | median ms | ratio to replicated | per round | predicted ms | predicted ratio | parameters MiB (experts) | predicted parameters MiB | state MiB | first loss |",
+        "| program | median ms | ratio to replicated | per round | predicted ms | predicted ratio | parameters MiB (experts) "
+        "| predicted parameters MiB | state MiB | first loss |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
-    ]
-    for name in (ep, dp):
-        params = experts["params"][name]
-        biggest = max(params, key=lambda p: p["all"])
-        lines.append(
-            f"| {name} | {_ms(_median_s(experts, name))} | {_median_s(experts, name) / _median_s(experts, dp):.2f} | "
-            f"{_round_ratio(experts, name, dp):.2f} | "
-            f"{_ms(plans[name].cost.step_s)} | {plans[name].cost.step_s / plans[dp].cost.step_s:.2f} | "
-            f"{_mib(biggest['all'])} ({_mib(biggest['experts'])}) | {_mib(plans[name].cost.memory['params'])} | "
-            f"{_mib(max(experts['state'][name]))} | {experts['losses'][name][0]:.6f} |"
-        )
-    lines.append(f"\nOne process's first loss on the same batch: {references['moe']:.6f}.")
-    return "\n".join(lines)
+        *_experts_rows(experts, plans),
+        "",
+        f"One process's first loss on the same batch: {references['moe']:.6f}.",
+    ])
 
 
 def main(argv: list[str] | None = None) -> int:

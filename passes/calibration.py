@@ -1,4 +1,5 @@
-"""Fit measured collective times into the α-β model the planner uses; build a hardware profile.
+"""Fit measured collective times into the α-β model the planner uses, and the measured
+compute contention and in-step rendezvous per rank count; build a hardware profile.
 
 Pure arithmetic on the dict that ``autopar.runtime.calibrate.calibrate`` returns.
 
@@ -113,19 +114,50 @@ def fit_errors(records: list[dict], link: LinkTier) -> dict[str, dict[int, float
     return {kind: {ranks: float(np.median(values)) for ranks, values in sorted(by_ranks.items())} for kind, by_ranks in errors.items()}
 
 
-def fit_sync(records: list[dict], link: LinkTier, cores: int) -> float:
-    """Seconds a blocking collective costs in a step beyond alpha-beta, per unit of contention.
+def fit_contention(records: list[dict]) -> dict[int, float]:
+    """How much slower each rank computes when this many ranks share the host, per rank count.
 
-    The median over ``measure_sync`` records of (in-step cost − ``collective_time``), each
-    divided by its job's contention (ranks per core, at least 1), never below 0. The
-    profile's :meth:`~autopar.ir.HardwareProfile.link` multiplies it back for a mesh.
+    ``records`` come from ``measure_contention``: the op mix's pass with every rank running
+    it at once (the slowest rank, median over rounds), divided by its pass on one rank
+    alone; at least 1 (sharing never speeds a rank up; a lower ratio is noise). Empty when
+    the one-rank pass is missing. :meth:`~autopar.ir.HardwareProfile.contention` reads it.
+
+    >>> fit_contention([{"ranks": 1, "mix_s": 0.024}, {"ranks": 4, "mix_s": 0.060}])
+    {4: 2.5}
+    """
+    alone = [r["mix_s"] for r in records if r["ranks"] == 1]
+    if not alone:
+        return {}
+    return {r["ranks"]: max(1.0, r["mix_s"] / alone[0]) for r in records if r["ranks"] > 1}
+
+
+def _sync_excess(record: dict, link: LinkTier) -> float:
+    """An in-step all-reduce's cost beyond its alpha-beta time."""
+    return record["in_step_s"] - collective_time("all_reduce", record["nbytes"], record["ranks"], link)
+
+
+def fit_sync_by_ranks(records: list[dict], link: LinkTier) -> dict[int, float]:
+    """Seconds a blocking collective costs in a step beyond alpha-beta, per job size.
+
+    The median over a job's ``measure_sync`` records (every group size and burst it ran)
+    of (in-step cost − ``collective_time``), never below 0. The profile's
+    :meth:`~autopar.ir.HardwareProfile.link` uses it for a mesh of that many ranks.
+    """
+    jobs = sorted({r["job_ranks"] for r in records})
+    return {job: max(0.0, float(np.median([_sync_excess(r, link) for r in records if r["job_ranks"] == job]))) for job in jobs}
+
+
+def fit_sync(records: list[dict], link: LinkTier, cores: int, contention: dict[int, float] | None = None) -> float:
+    """Seconds a blocking collective costs in a step beyond alpha-beta, per unit of contention:
+    what :meth:`~autopar.ir.HardwareProfile.link` scales for a job size not measured.
+
+    The median over ``measure_sync`` records of the excess, each divided by its job's
+    contention (``contention`` where measured, else ranks per core, at least 1), never below 0.
     """
     if not records:
         return 0.0
-    excess = [
-        (r["in_step_s"] - collective_time("all_reduce", r["nbytes"], r["ranks"], link)) / max(1.0, r["job_ranks"] / cores)
-        for r in records
-    ]
+    contention = contention or {}
+    excess = [_sync_excess(r, link) / contention.get(r["job_ranks"], max(1.0, r["job_ranks"] / cores)) for r in records]
     return max(0.0, float(np.median(excess)))
 
 
@@ -134,8 +166,10 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
 
     ``peak_flops`` are the measured achieved matmul rates, so ``compute_efficiency`` is 1.0;
     the one link tier ("loopback") carries an (α, B) per measured kind and group size, and
-    its own (α, B) are all-reduce's over the largest group. Memory size, op overhead and
-    overlap come from ``base``. ``extra`` keeps the fit errors and the raw measurements.
+    its own (α, B) are all-reduce's over the largest group, and the in-step rendezvous per
+    job size measured. ``contention_by_ranks`` is the measured compute slowdown per rank
+    count. Memory size, op overhead and overlap come from ``base``. ``extra`` keeps the fit
+    errors and the raw measurements.
 
     >>> fit_profile(calibrate(quick=True)).save("cpu.json")       # doctest: +SKIP
     """
@@ -150,13 +184,16 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
     link = LinkTier("loopback", alpha, bandwidth, fitted=fitted)
     errors = fit_errors(records, link)
     cores = measurements.get("cores") or base.cores_per_host
-    link = replace(link, sync_s=fit_sync(measurements.get("sync", []), link, cores))
+    contention = fit_contention(measurements.get("contention", []))
+    sync = measurements.get("sync", [])
+    link = replace(link, sync_s=fit_sync(sync, link, cores, contention), sync_by_ranks=fit_sync_by_ranks(sync, link))
     sizes = sorted({ranks for _, ranks in groups})
     description = (
         f"measured by `autopar calibrate` at {measurements.get('measured_at', '?')} on {measurements.get('host', 'this machine')}: "
         f"one thread per rank; peak_flops are the achieved matmul rates measured (so compute_efficiency is 1.0), "
         f"memory_bandwidth one large copy, collectives on gloo over loopback with {', '.join(map(str, sizes))} ranks, "
-        "alpha-beta fitted per kind and group size, the in-step rendezvous per blocking collective"
+        "alpha-beta fitted per kind and group size, the compute slowdown and the in-step rendezvous per "
+        "blocking collective measured per number of ranks"
         + (" (quick run)" if measurements.get("quick") else "")
     )
     return replace(
@@ -169,6 +206,7 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
         links=(link,),
         cores_per_host=cores,
         measure_ops=True,
+        contention_by_ranks=contention,
         extra={
             **base.extra,
             "fit_error": {kind: {str(ranks): error for ranks, error in by_ranks.items()} for kind, by_ranks in errors.items()},

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from .cost import collective_time
+from .cost import collective_time, minimum
 from .strategies import numel
 
 
@@ -116,7 +116,7 @@ def kernel_time(fact, strategy, ctx) -> float:
         sent = [ring_bytes(batch, kv_heads, seq, head_dim, p, elem, backward=b) / steps for b in (False, True)]
         transfer = sum(collective_time("send_recv", nbytes, 2, ctx.link) for nbytes in sent)
         compute = fact.full_time_s * ctx.local.work[fact.node.name] / p / p  # one block pair, forward + backward
-        return steps * (transfer - min(transfer, compute) * ctx.overlap)
+        return steps * (transfer - minimum(transfer, compute) * ctx.overlap)
     if strategy.kernel == "experts":
         (tokens, hidden), top_k = shapes[0], fact.node.args[4]
         imbalance = expert_imbalance(fact.node.meta.get("expert_load"), p)

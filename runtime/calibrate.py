@@ -1,10 +1,13 @@
-"""Measure this machine for the cost model: matmul FLOP/s, memory bandwidth, collective times.
+"""Measure this machine for the cost model: matmul FLOP/s, memory bandwidth, compute
+contention, collective times and the in-step rendezvous.
 
 Measurement only; ``autopar.passes.calibration`` fits the numbers into a
 :class:`~autopar.ir.HardwareProfile`, and ``autopar calibrate`` does both. Everything runs
 as training does here: ONE thread per rank (``torch.set_num_threads(1)``, as torchrun and
 ``run_local`` set it), so the FLOP/s and bytes/s are one rank's, and the collectives run
 on real gloo process groups over loopback, spawned by :func:`~autopar.runtime.spawn.run_local`.
+Ranks that share the cores compute slower than one rank alone: the same op mix timed on
+one rank and on every rank of each group size at once measures by how much.
 
     measurements = calibrate(ranks=(2, 4))      # ~25 s on 2 cores; quick=True ~8 s
     measurements["collectives"][0]
@@ -219,8 +222,84 @@ def measure_sync(rank: int, world_size: int) -> list[dict]:
     return records
 
 
-def _collectives_and_sync(rank: int, world_size: int, sizes_bytes, repeats: int) -> dict:
-    return {"collectives": measure_collectives(rank, world_size, sizes_bytes, repeats), "sync": measure_sync(rank, world_size)}
+# The op mix whose slowdown under sharing is the contention, half matmul and half memory-
+# or overhead-bound time, as in the steps of small models here: linear layers (tokens x in @
+# in x out) and elementwise passes over 256 KiB (call overhead) and 4 MiB (memory bandwidth).
+MIX_MATMULS = ((512, 128, 512), (1024, 256, 1024), (512, 512, 1024))
+MIX_ELEMENTWISE_NUMEL = (2**16, 2**20)
+MIX_MATMUL_S, MIX_ELEMENTWISE_S = 4e-3, 2e-3  # each op repeated to take this long alone
+MIX_ROUNDS = 15
+
+
+def _mix_ops() -> list[tuple[str, object]]:
+    """(category, closure) of every op of the mix, on fresh tensors."""
+    ops = []
+    for tokens, inner, outer in MIX_MATMULS:
+        x, weight = torch.randn(tokens, inner), torch.randn(inner, outer)
+        ops.append(("matmul", lambda x=x, weight=weight: x @ weight))
+    for numel in MIX_ELEMENTWISE_NUMEL:
+        a, b = torch.randn(numel), torch.randn(numel)
+        ops += [
+            ("elementwise", lambda a=a, b=b: a + b),
+            ("elementwise", lambda a=a: torch.nn.functional.gelu(a)),
+            ("elementwise", lambda a=a: torch.softmax(a.view(-1, 128), dim=-1)),
+        ]
+    return ops
+
+
+def mix_repeats() -> list[int]:
+    """How often each op of the mix runs per pass so that it takes its share alone, on ONE
+    thread; every rank count runs these same repeats (a rank that chose its own would fill
+    the same wall time and hide the slowdown)."""
+    with _one_thread(), torch.no_grad():
+        return [
+            max(1, round((MIX_MATMUL_S if category == "matmul" else MIX_ELEMENTWISE_S) / _best_time(run, 5)))
+            for category, run in _mix_ops()
+        ]
+
+
+def measure_contention(rank: int, world_size: int, repeats: list[int], rounds: int = MIX_ROUNDS) -> dict:
+    """Seconds of one pass of the op mix per rank while ``world_size`` ranks run it at once.
+
+    Every round starts after a barrier, as a training step does, and every rank times its
+    pass; the slowest rank counts (ranks in a step wait for the slowest), per category and
+    for the whole pass, and the median over rounds is reported. With ``world_size`` 1 it
+    runs in this process, no group needed. ``passes.calibration.fit_contention`` divides
+    by the one-rank pass. Every rank returns ``{"ranks", "mix_s", "matmul_s", "elementwise_s"}``.
+
+        run_local(measure_contention, 4, mix_repeats())[0]
+        {'ranks': 4, 'mix_s': 0.061, 'matmul_s': 0.031, 'elementwise_s': 0.030}
+    """
+    ops = _mix_ops()
+    with _one_thread(), torch.no_grad():
+        def one_pass() -> dict[str, float]:
+            seconds = {"matmul_s": 0.0, "elementwise_s": 0.0}
+            for (category, run), count in zip(ops, repeats):
+                start = time.perf_counter()
+                for _ in range(count):
+                    run()
+                seconds[f"{category}_s"] += time.perf_counter() - start
+            return {**seconds, "mix_s": sum(seconds.values())}
+
+        one_pass()  # warm-up: first-call dispatch and allocation
+        passes = []
+        for _ in range(rounds):
+            if world_size > 1:
+                dist.barrier()
+            passes.append(one_pass())
+    if world_size > 1:
+        by_rank = [None] * world_size
+        dist.all_gather_object(by_rank, passes)
+        passes = [{key: max(p[key] for p in rank_passes) for key in rank_passes[0]} for rank_passes in zip(*by_rank)]
+    return {"ranks": world_size, **{key: statistics.median(p[key] for p in passes) for key in passes[0]}}
+
+
+def _collectives_and_sync(rank: int, world_size: int, sizes_bytes, repeats: int, mix: list[int]) -> dict:
+    return {
+        "contention": measure_contention(rank, world_size, mix),
+        "collectives": measure_collectives(rank, world_size, sizes_bytes, repeats),
+        "sync": measure_sync(rank, world_size),
+    }
 
 
 def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
@@ -231,7 +310,7 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
 
     >>> measurements = calibrate(quick=True, progress=lambda line: None)   # doctest: +SKIP
     >>> sorted(measurements)                                                # doctest: +SKIP
-    ['collectives', 'host', 'matmul', 'measured_at', 'memory_bandwidth', 'quick', 'seconds', 'threads_per_rank']
+    ['collectives', 'contention', 'cores', 'host', 'matmul', 'measured_at', 'memory_bandwidth', 'quick', 'seconds', 'sync', 'threads_per_rank']
     """
     ranks = (2,) if quick else tuple(ranks)
     if not ranks or min(ranks) < 2:
@@ -246,23 +325,31 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
     progress("memory bandwidth, one large copy, one thread (~1 s)")
     memory_bandwidth = measure_memory_bandwidth()
     progress(f"  {memory_bandwidth / 1e9:.1f} GB/s")
+    progress("compute contention: a mix of matmuls and elementwise ops, one rank alone (~1 s)")
+    mix = mix_repeats()
+    contention = [measure_contention(0, 1, mix)]
 
     collectives, sync = [], []
     for index, world_size in enumerate(ranks):
         eta = sum(6 + 3 * size for size in ranks[index:])  # spawn and sweep, measured on 2 cores
         progress(
             f"collectives over {world_size} gloo ranks: {len(KINDS)} kinds x {len(sizes)} sizes "
-            f"({sizes[0] // 1024} KiB .. {sizes[-1] // 2**20} MiB), {repeats} repeats, then the in-step "
-            f"rendezvous (~{eta} s left)"
+            f"({sizes[0] // 1024} KiB .. {sizes[-1] // 2**20} MiB), {repeats} repeats, after the same op mix "
+            f"on every rank at once, then the in-step rendezvous (~{eta} s left)"
         )
         step_start = time.perf_counter()
-        measured = run_local(_collectives_and_sync, world_size, sizes, repeats, timeout_s=300)[0]
+        measured = run_local(_collectives_and_sync, world_size, sizes, repeats, mix, timeout_s=300)[0]
+        contention.append(measured["contention"])
         collectives += measured["collectives"]
         sync += measured["sync"]
-        progress(f"  done in {time.perf_counter() - step_start:.0f} s")
+        progress(
+            f"  done in {time.perf_counter() - step_start:.0f} s; the op mix took "
+            f"{measured['contention']['mix_s'] / contention[0]['mix_s']:.2f}x its time alone"
+        )
     return {
         "matmul": matmul,
         "memory_bandwidth": memory_bandwidth,
+        "contention": contention,
         "collectives": collectives,
         "sync": sync,
         "cores": os.cpu_count(),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import math
 from contextlib import redirect_stdout
 
@@ -18,7 +19,7 @@ import pytest
 import autopar.calibrate_cmd
 from autopar.cli import default_profile_path, main
 from autopar.ir import HardwareProfile, LinkTier, get_profile
-from autopar.passes.calibration import fit_collective, fit_errors, fit_profile, model_coefficients
+from autopar.passes.calibration import fit_collective, fit_contention, fit_errors, fit_profile, model_coefficients
 from autopar.passes.cost import collective_time
 from autopar.runtime.calibrate import KINDS, SIZES_BYTES, calibrate
 from planning import plan_example
@@ -32,7 +33,9 @@ TRUE_LINKS = {  # (alpha seconds, bandwidth bytes/s) per kind, different so a mi
 }
 
 
-TRUE_SYNC_S, TRUE_CORES = 0.8e-3, 2
+TRUE_CORES = 2
+TRUE_SLOWDOWN = {2: 1.15, 4: 2.6}  # per-rank compute slowdown with this many ranks on the host
+TRUE_SYNC_BY_RANKS = {2: 0.5e-3, 4: 1.9e-3}  # in-step rendezvous per blocking collective, per job size
 
 
 def synthetic_measurements(noise: float = 0.05, seed: int = 0) -> dict:
@@ -45,16 +48,24 @@ def synthetic_measurements(noise: float = 0.05, seed: int = 0) -> dict:
             for nbytes in SIZES_BYTES:
                 seconds = collective_time(kind, nbytes, ranks, link) * rng.uniform(1 - noise, 1 + noise)
                 records.append({"kind": kind, "ranks": ranks, "nbytes": nbytes, "seconds": seconds})
-    sync = []  # in-step all-reduces: alpha-beta + TRUE_SYNC_S x the job's ranks per core
+    sync = []  # in-step all-reduces: alpha-beta + the job's rendezvous
     for job_ranks, ranks in ((2, 2), (4, 4), (4, 2)):
         link = LinkTier("truth", 0.0, 1.0, fitted={"all_reduce": {ranks: TRUE_LINKS["all_reduce"]}})
         for burst_s in (0.002, 0.008, 0.024):
-            in_step = collective_time("all_reduce", 2**18, ranks, link) + TRUE_SYNC_S * job_ranks / TRUE_CORES
+            in_step = collective_time("all_reduce", 2**18, ranks, link) + TRUE_SYNC_BY_RANKS[job_ranks]
             sync.append({"job_ranks": job_ranks, "ranks": ranks, "nbytes": 2**18, "burst_s": burst_s,
                          "in_step_s": in_step * rng.uniform(1 - noise, 1 + noise)})
+    alone = {"matmul_s": 0.012, "elementwise_s": 0.012}  # one pass of the op mix on one rank
+    contention = [{"ranks": 1, **alone, "mix_s": 0.024}] + [  # every rank slowed by the same factor, ±noise
+        {"ranks": ranks, **{key: seconds * factor * rng.uniform(1 - noise, 1 + noise) for key, seconds in alone.items()}}
+        for ranks, factor in TRUE_SLOWDOWN.items()
+    ]
+    for record in contention[1:]:
+        record["mix_s"] = record["matmul_s"] + record["elementwise_s"]
     return {
         "matmul": {"float32": 8e10, "bfloat16": 2e11},
         "memory_bandwidth": 2.5e10,
+        "contention": contention,
         "collectives": records,
         "sync": sync,
         "cores": TRUE_CORES,
@@ -103,8 +114,7 @@ def test_fit_profile_round_trips_and_plans(tmp_path):
     assert profile.flops_per_s("float32") == 8e10 and profile.memory_bandwidth == 2.5e10
     assert (link.alpha_s, link.bandwidth) == link.fitted["all_reduce"][4]  # the largest group
     assert set(link.fitted) == set(KINDS) and all(set(by_ranks) == {2, 4} for by_ranks in link.fitted.values())
-    assert link.sync_s == pytest.approx(TRUE_SYNC_S, rel=0.1) and profile.cores_per_host == TRUE_CORES
-    assert profile.link((4,), 4).sync_s == pytest.approx(2 * link.sync_s)  # 4 ranks on 2 cores wait twice as long
+    assert profile.cores_per_host == TRUE_CORES
     assert "autopar calibrate" in profile.description and "achieved" in profile.description
     errors = profile.extra["fit_error"]
     assert set(errors) == set(KINDS) and all(0 <= e < 0.05 for by_ranks in errors.values() for e in by_ranks.values())
@@ -132,6 +142,47 @@ def test_plan_cli_uses_the_calibrated_profile_when_it_exists(tmp_path, monkeypat
     assert "(calibrated)" not in capsys.readouterr().out  # an explicit --hardware wins
 
 
+def test_fit_recovers_the_measured_contention_and_rendezvous_per_rank_count():
+    measurements = synthetic_measurements()
+    assert fit_contention(measurements["contention"]) == pytest.approx(TRUE_SLOWDOWN, rel=0.06)  # ±5% noise on one pass
+    assert fit_contention(measurements["contention"][1:]) == {}  # nothing to compare with
+    noise_below_alone = [{"ranks": 1, "mix_s": 0.024}, {"ranks": 2, "mix_s": 0.023}]
+    assert fit_contention(noise_below_alone) == {2: 1.0}  # sharing never speeds a rank up
+    profile = fit_profile(measurements)
+    link = profile.links[0]
+    assert profile.contention_by_ranks == fit_contention(measurements["contention"])
+    assert link.sync_by_ranks == pytest.approx(TRUE_SYNC_BY_RANKS, rel=0.06)
+    # per unit of contention, for rank counts not measured: 0.5 ms / 1.15 and 1.9 ms / 2.6, median of 9 records
+    assert link.sync_s == pytest.approx(TRUE_SYNC_BY_RANKS[4] / TRUE_SLOWDOWN[4], rel=0.06)
+
+
+def test_contention_uses_the_measured_factor_where_there_is_one():
+    preset = dataclasses.replace(get_profile("cpu-local"), cores_per_host=2)
+    link = LinkTier("loopback", 1e-4, 1e9, sync_s=1e-3)
+    assumed = dataclasses.replace(preset, links=(link,))
+    assert [assumed.contention((n,)) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]  # no measurement: ranks per core
+    assert assumed.link((4,), 4).sync_s == pytest.approx(2e-3)
+    measured = dataclasses.replace(
+        assumed, contention_by_ranks={2: 1.15, 4: 2.6}, links=(dataclasses.replace(link, sync_by_ranks={2: 0.5e-3, 4: 1.9e-3}),)
+    )
+    assert [measured.contention((n,)) for n in (1, 2, 4, 8)] == [1.0, 1.15, 2.6, 4.0]  # 8 was not measured
+    assert measured.contention((2, 2)) == 2.6  # one host: every rank of the mesh shares it
+    assert measured.link((4,), 4).sync_s == 1.9e-3 and measured.link((2, 2), 2, 2).sync_s == 1.9e-3  # the job's, any group
+    assert measured.link((2,), 2).sync_s == 0.5e-3 and measured.link((8,), 8).sync_s == pytest.approx(4e-3)
+    assert HardwareProfile.from_json(json.loads(json.dumps(measured.to_json()))) == measured  # JSON keys are strings
+    old_format = {key: value for key, value in assumed.to_json().items() if key != "contention_by_ranks"}
+    old_format["links"] = [{key: value for key, value in data.items() if key != "sync_by_ranks"} for data in old_format["links"]]
+    assert HardwareProfile.from_json(old_format) == assumed  # profiles written before the fields load as before
+
+    # the planner's every use: op times, the optimizer step and the rendezvous follow the measured factor
+    times = {}
+    for name, profile in (("assumed", assumed), ("measured", measured)):
+        plan = plan_example("mlp.py", 4, batch=8, hardware=profile, degrees={"dp": 4, "tp": 1})
+        times[name] = plan.cost
+    assert times["measured"].compute_s == pytest.approx(times["assumed"].compute_s * 2.6 / 2.0, rel=1e-6)
+    assert times["measured"].optimizer_s == pytest.approx(times["assumed"].optimizer_s * 2.6 / 2.0, rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def quick_run():
     lines = []
@@ -147,7 +198,12 @@ def test_quick_calibration_measures_sane_positive_numbers(quick_run):
     assert {(r["kind"], r["ranks"]) for r in records} == {(kind, 2) for kind in KINDS}
     assert all(r["nbytes"] > 0 for r in records)
     assert all(math.isfinite(x) and x > 0 for x in rates + [r["seconds"] for r in records])
-    link = fit_profile(measurements).links[0]
+    assert [r["ranks"] for r in measurements["contention"]] == [1, 2]
+    assert all(r[key] > 0 for r in measurements["contention"] for key in ("mix_s", "matmul_s", "elementwise_s"))
+    profile = fit_profile(measurements)
+    assert set(profile.contention_by_ranks) == {2} and 1.0 <= profile.contention((2,)) < 10  # 2 ranks at once, measured
+    assert set(profile.links[0].sync_by_ranks) == {2}
+    link = profile.links[0]
     for kind in KINDS:
         alpha, bandwidth = link.alpha_beta(kind, 2)
         assert math.isfinite(alpha) and alpha >= 0 and math.isfinite(bandwidth) and bandwidth > 0
@@ -170,6 +226,7 @@ def test_calibrate_cli_prints_table_and_writes_a_loadable_profile(quick_run, tmp
     text = printed.getvalue()
     assert asked == {"ranks": (2,), "quick": True}
     assert "fit error %" in text and "GFLOP/s" in text and "memory copy" in text and str(out_path) in text
+    assert "compute slowdown" in text and "rendezvous ms" in text
     assert all(f"{kind} " in text for kind in KINDS)
     profile = get_profile(str(out_path))
     assert profile.name == "cpu-local-calibrated" and profile.links[0].fitted["all_reduce"][2][1] > 0

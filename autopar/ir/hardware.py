@@ -31,6 +31,7 @@ class LinkTier:
     bandwidth: float
     fitted: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     sync_s: float = 0.0  # fixed cost of each blocking collective in a step: waiting for the slowest rank
+    sync_by_ranks: dict[int, float] = field(default_factory=dict)  # sync_s measured per number of ranks on the host
     inner: "LinkTier | None" = None  # the tier inside a node, when a group spans nodes with several members in each
     local_ranks: int = 1  # members of the group inside one node
 
@@ -56,17 +57,32 @@ class HardwareProfile:
     op_overhead_s: float = 0.0  # fixed cost of launching one op
     cores_per_host: int = 0  # CPU processes share this many cores; 0: every device computes on its own
     measure_ops: bool = False  # this profile is the planning machine: time ops on it instead of the roofline
+    contention_by_ranks: dict[int, float] = field(default_factory=dict)  # measured compute slowdown per ranks on the host
     extra: dict = field(default_factory=dict)
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency
 
+    def ranks_per_host(self, mesh_shape: tuple[int, ...]) -> int:
+        """Ranks that share one host: the whole mesh on a one-tier machine, else a node."""
+        return math.prod(mesh_shape) if len(self.links) == 1 else mesh_shape[-1]
+
     def contention(self, mesh_shape: tuple[int, ...]) -> float:
-        """How much slower each rank computes because ranks on one host share its cores."""
+        """How much slower each rank computes because ranks on one host share its cores.
+
+        The slowdown ``autopar calibrate`` measured for this many ranks where it did
+        (``contention_by_ranks``), else ranks per core, at least 1.
+
+        >>> profile = dataclasses.replace(get_profile("cpu-local"), cores_per_host=2)
+        >>> profile.contention((4,)), dataclasses.replace(profile, contention_by_ranks={4: 2.6}).contention((4,))
+        (2.0, 2.6)
+        """
+        ranks = self.ranks_per_host(mesh_shape)
+        if ranks in self.contention_by_ranks:
+            return self.contention_by_ranks[ranks]
         if not self.cores_per_host:
             return 1.0
-        ranks_per_host = math.prod(mesh_shape) if len(self.links) == 1 else mesh_shape[-1]
-        return max(1.0, ranks_per_host / self.cores_per_host)
+        return max(1.0, ranks / self.cores_per_host)
 
     def link(self, mesh_shape: tuple[int, ...], axis_span: int, group_size: int = 1) -> LinkTier:
         """The tier a collective over ``group_size`` ranks spread evenly over the
@@ -74,21 +90,28 @@ class HardwareProfile:
 
         A group across nodes with several members in each runs hierarchically: it carries
         the inner tier and how many members share a node. Ranks that share cores arrive at
-        a collective with more skew: the wait grows with the contention."""
+        a collective with more skew: the wait is the one measured for this many ranks on the
+        host (``sync_by_ranks``), else ``sync_s`` per unit of contention."""
         node = mesh_shape[-1]
         inside_node = axis_span <= node
         link = self.links[0] if inside_node or len(self.links) == 1 else self.links[1]
         if not inside_node and len(self.links) > 1:
             stride = max(1, axis_span // max(1, group_size))
             link = dataclasses.replace(link, inner=self.links[0], local_ranks=max(1, node // stride))
-        return dataclasses.replace(link, sync_s=link.sync_s * self.contention(mesh_shape))
+        measured = link.sync_by_ranks.get(self.ranks_per_host(mesh_shape))
+        return dataclasses.replace(link, sync_s=measured if measured is not None else link.sync_s * self.contention(mesh_shape))
 
     def to_json(self) -> dict:
         data = asdict(self)
         data["links"] = [
-            {**asdict(link), "fitted": {kind: {str(n): list(ab) for n, ab in sizes.items()} for kind, sizes in link.fitted.items()}}
+            {
+                **asdict(link),
+                "fitted": {kind: {str(n): list(ab) for n, ab in sizes.items()} for kind, sizes in link.fitted.items()},
+                "sync_by_ranks": {str(n): seconds for n, seconds in link.sync_by_ranks.items()},
+            }
             for link in self.links
         ]
+        data["contention_by_ranks"] = {str(n): factor for n, factor in self.contention_by_ranks.items()}
         return data
 
     @classmethod
@@ -100,10 +123,12 @@ class HardwareProfile:
                 bandwidth=link["bandwidth"],
                 fitted={kind: {int(n): tuple(ab) for n, ab in sizes.items()} for kind, sizes in link.get("fitted", {}).items()},
                 sync_s=link.get("sync_s", 0.0),
+                sync_by_ranks={int(n): seconds for n, seconds in link.get("sync_by_ranks", {}).items()},
             )
             for link in data["links"]
         )
-        return cls(**{**data, "links": links})
+        contention = {int(n): factor for n, factor in data.get("contention_by_ranks", {}).items()}  # JSON keys are strings
+        return cls(**{**data, "links": links, "contention_by_ranks": contention})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
