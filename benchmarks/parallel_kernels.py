@@ -277,22 +277,24 @@ def _memory_rows(settings: Settings, single: dict, context: dict, plans: dict) -
     return rows
 
 
-def _ring_note(settings: Settings, single: dict, context: dict) -> str:
+def _ring_note(settings: Settings, single: dict, context: dict, plans: dict) -> str:
     """What the forward's peak and the step times show beyond the saved activations, and why."""
     seq, heads = settings.seqs[-1], settings.long_model["heads"]
     chunk = seq // (2 * WORLD)
     peaks = {m: max(r["forward_peak"] for r in context["memory"][f"{m} {seq}"]) for m in METHODS}
     share = {m: peaks[m] / single["memory"]["forward_peak"] * 100 for m in METHODS}
     note = (f"The forward's transient peak on a rank is {_mib(peaks['ring'])} MiB with ring, {share['ring']:.0f}% of one "
-            f"process's forward peak (Ulysses: {_mib(peaks['ulysses'])} MiB, {share['ulysses']:.0f}%): each ring block pair "
-            f"materializes its fp32 scores, {heads} heads x c x c with c = seq / 2p = {chunk} "
-            f"({_mib(heads * chunk * chunk * 4)} MiB a tensor, and the softmax makes more of that size; "
-            "`runtime/context_parallel.py` `_block_forward`), where Ulysses calls torch's fused CPU attention.")
+            f"process's forward peak (Ulysses: {_mib(peaks['ulysses'])} MiB, {share['ulysses']:.0f}%).")
+    if peaks["ring"] > 1.5 * peaks["ulysses"]:
+        note += (f" Each ring block pair materializes its fp32 scores, {heads} heads x c x c with c = seq / 2p = {chunk} "
+                 f"({_mib(heads * chunk * chunk * 4)} MiB a tensor, and the softmax makes more of that size; "
+                 "`runtime/context_parallel.py` `_block_forward`), where Ulysses calls torch's fused CPU attention.")
     ring, ulysses = (_median_s(context, f"{m} {seq}") for m in METHODS)
     if ulysses / ring < 2 / 3:
-        note += (" The same unfused block math makes ring slower than Ulysses (below). The cost model charges a ring "
-                 "block's compute as its share of fused attention (`passes/kernel_cost.py`: compute as for any split op), "
-                 "so it predicts the two about equal.")
+        predicted = plans[f"ulysses {seq}"].cost.step_s / plans[f"ring {seq}"].cost.step_s
+        note += (f" Unfused block math makes ring slower than Ulysses (below: {ulysses / ring:.2f}); the cost model "
+                 "charges a ring block's compute as its share of fused attention (`passes/kernel_cost.py`: compute as "
+                 f"for any split op) and predicts {predicted:.2f}.")
     return note
 
 
@@ -358,7 +360,7 @@ def render_section(settings, single, context, experts, plans, references, comman
         "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
         *_memory_rows(settings, single, context, plans),
         "",
-        _ring_note(settings, single, context),
+        _ring_note(settings, single, context, plans),
         "",
         f"### Ulysses vs ring attention, CP{WORLD}",
         "",

@@ -1,15 +1,18 @@
-"""Eager attention → one ``aten.scaled_dot_product_attention`` node.
+"""Eager attention → one ``aten.scaled_dot_product_attention`` node; causal masks → ``is_causal``.
 
-Context parallelism splits attention only where it is one node (``passes/rules.py``'s
-``attention``), but many models spell it out: ``softmax(q @ kᵀ * scale + causal_mask) @ v``.
+Context parallelism splits attention only where it is one node without a mask (``passes/rules.py``'s
+``attention``), but many models spell it out: ``softmax(q @ kᵀ * scale + causal_mask) @ v``, and
+Hugging Face's sdpa attention passes SDPA a materialized [B, 1, S, S] causal mask under export.
 :func:`fuse_eager_attention` replaces each such subgraph by
-``scaled_dot_product_attention(q, k, v, None, 0.0, is_causal, scale=scale)``.
+``scaled_dot_product_attention(q, k, v, None, 0.0, is_causal, scale=scale)``, then gives each sdpa
+node whose ``attn_mask`` is proved causal (below; boolean True where seen, or additive 0/-inf) and
+whose q and k are as long ``attn_mask=None, is_causal=True``, keeping its other arguments.
 
 Pre: an aten-level graph from ``torch.export`` (``passes/capture.py``) whose nodes carry
 ``meta["val"]``; ``buffers`` maps buffer placeholders to their values (:func:`buffer_values`).
 Post: each recognized subgraph is one sdpa node carrying the softmax's ``nn_module_stack`` and a
-fake ``meta["val"]``; nodes only it used are erased; values and gradients are unchanged up to fp32
-rounding. Everything else is left as it was.
+fake ``meta["val"]``; nodes only it used are erased (so is a mask no node needs any more); values and
+gradients are unchanged up to fp32 rounding. Everything else is left as it was.
 
 Recognized, read from the scores on:
 
@@ -47,6 +50,7 @@ from torch.utils._pytree import tree_map
 
 aten = torch.ops.aten
 
+_SDPA = aten.scaled_dot_product_attention.default
 _MATMULS = {aten.matmul.default, aten.bmm.default}
 _SOFTMAXES = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 _CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default}
@@ -77,8 +81,9 @@ class _Match:
 
 
 def fuse_eager_attention(graph_module: fx.GraphModule, buffers: Mapping[str, torch.Tensor] | None = None) -> int:
-    """Replace each eager attention subgraph (see the module docstring) by one sdpa node, in
-    place; returns how many were replaced.
+    """Replace each eager attention subgraph (see the module docstring) by one sdpa node and
+    each sdpa node's provably causal mask by ``is_causal=True``, in place; returns how many
+    attention nodes it made or changed.
 
     >>> model = build(layers=2, seq=64, attention="eager")  # examples/long_context_gpt.py
     >>> exported = torch.export.export(model, model.example_inputs(2), strict=False).run_decompositions({})
@@ -91,14 +96,19 @@ def fuse_eager_attention(graph_module: fx.GraphModule, buffers: Mapping[str, tor
     fused = 0
     for scores in [node for node in graph_module.graph.nodes if node.target in _MATMULS]:
         match = None if scores in erased else _match(scores, buffers)
-        if match is None or (match.mask is not None and not _proved_causal(match, buffers, verdicts)):
+        if match is None:
+            continue
+        queries, keys = _val(match.q).shape[2], _val(match.v).shape[2]
+        if match.mask is not None and not _proved_causal(match.mask, queries, keys, buffers, verdicts):
             continue
         erased |= _replace(match)
         fused += 1
-    if fused:
+    sdpa_nodes = [node for node in graph_module.graph.nodes if node.target is _SDPA]
+    unmasked = sum(_unmask_if_causal(node, buffers, verdicts) for node in sdpa_nodes)
+    if fused or unmasked:
         graph_module.graph.lint()
         graph_module.recompile()
-    return fused
+    return fused + unmasked
 
 
 def buffer_values(exported: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
@@ -283,13 +293,31 @@ def _shapes_agree(match: _Match) -> bool:
     )
 
 
-def _proved_causal(match: _Match, buffers: Mapping[str, torch.Tensor], verdicts: dict[tuple, bool]) -> bool:
+def _unmask_if_causal(sdpa: fx.Node, buffers: Mapping[str, torch.Tensor], verdicts: dict[tuple, bool]) -> bool:
+    """Give ``sdpa`` ``attn_mask=None, is_causal=True`` if its mask is proved causal for q and k
+    of one length (sdpa's is_causal is the top-left triangle, not the one a KV cache needs)."""
+    names = [argument.name for argument in _SDPA._schema.arguments]
+    given = {**dict(zip(names, sdpa.args)), **sdpa.kwargs}
+    mask, queries, keys = given.get("attn_mask"), _val(given["query"]).shape[-2], _val(given["key"]).shape[-2]
+    if not isinstance(mask, fx.Node) or given.get("is_causal", False) or queries != keys:
+        return False
+    kind = "keep" if _val(mask).dtype == torch.bool else "add"  # sdpa: True attends; a float mask adds
+    if not _proved_causal(_Mask(kind, mask, _val(given["query"]).dtype), queries, keys, buffers, verdicts):
+        return False
+    sdpa.args = (given["query"], given["key"], given["value"], None, given.get("dropout_p", 0.0), True)
+    sdpa.kwargs = {name: value for name, value in sdpa.kwargs.items() if name not in names[3:6]}  # scale, enable_gqa
+    _erase_unused(mask)
+    return True
+
+
+def _proved_causal(
+    mask: _Mask, queries: int, keys: int, buffers: Mapping[str, torch.Tensor], verdicts: dict[tuple, bool]
+) -> bool:
     """True if the mask, evaluated, hides exactly the keys after each query (sdpa's is_causal)."""
-    queries, keys = _val(match.q).shape[2], _val(match.v).shape[2]
-    key = (match.mask.kind, match.mask.dtype, _structure(match.mask.mask), queries, keys)
+    key = (mask.kind, mask.dtype, _structure(mask.mask), queries, keys)
     if key not in verdicts:
-        value = _constant_value(match.mask.mask, buffers)
-        verdicts[key] = value is not None and _is_causal(match.mask, value, queries, keys)
+        value = _constant_value(mask.mask, buffers)
+        verdicts[key] = value is not None and _is_causal(mask, value, queries, keys)
     return verdicts[key]
 
 

@@ -9,7 +9,7 @@ graph; :class:`ShardedShapes` follows every node's local shapes through the solv
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -55,6 +55,8 @@ class ShardedShapes:
     shapes: dict[str, list[tuple[int, ...]]]  # node → local output shapes
     slot_shapes: dict[str, list[tuple[int, ...]]]  # node → local shape of each tensor input
     work: dict[str, float]  # node → fraction of its work one rank still does
+    producers: dict[str, list[str]] = field(default_factory=dict)  # node → the node behind each tensor input
+    moved: frozenset[tuple[str, int]] = frozenset()  # (node, input slot) a collective brings: a new tensor
 
     @classmethod
     def unsharded(cls, facts: dict[str, NodeFacts]) -> "ShardedShapes":
@@ -62,6 +64,7 @@ class ShardedShapes:
             {n: list(f.out_shapes) for n, f in facts.items()},
             {n: list(f.slot_shapes) for n, f in facts.items()},
             {n: 1.0 for n in facts},
+            {n: [slot.name for slot in f.slots] for n, f in facts.items()},
         )
 
     def after(self, chosen: dict[str, Strategy], size: int) -> "ShardedShapes":
@@ -72,10 +75,18 @@ class ShardedShapes:
         def ins(n, shapes):
             return [local_shape(x, p, size) for x, p in zip(shapes, chosen[n].inputs)] if n in chosen else shapes
 
+        moved = {  # the rewrite redistributes an input whose placement differs from its producer's
+            (n, index)
+            for n, s in chosen.items()
+            for index, (producer, wanted) in enumerate(zip(self.producers.get(n, ()), s.inputs))
+            if size > 1 and wanted is not None and producer in chosen and wanted != chosen[producer].output
+        }
         return ShardedShapes(
             {n: out(n, shp) for n, shp in self.shapes.items()},
             {n: ins(n, shp) for n, shp in self.slot_shapes.items()},
             {n: w * (work_fraction(chosen[n], size) if n in chosen else 1.0) for n, w in self.work.items()},
+            self.producers,
+            self.moved | moved,
         )
 
 
@@ -153,9 +164,37 @@ def _slot_shape(node: fx.Node, slot: fx.Node) -> tuple[int, ...]:
     return tuple(val.shape)
 
 
-def activation_bytes(fact: NodeFacts, local_shapes, work: float, output_fraction: float = 1.0) -> float:
-    """Bytes autograd keeps for this node: its output if saved, plus what the op saves itself."""
+def activation_bytes(fact: NodeFacts, local_shapes, work: float, output_fraction: float = 1.0, saved: bool | None = None) -> float:
+    """Bytes autograd keeps for this node: its output if saved (``saved`` overrides the
+    node's own flag), plus what the op saves itself."""
     if fact.kind not in ("op", "input"):
         return 0.0
-    output = sum(numel(sh) for sh in local_shapes) * fact.elem_bytes * output_fraction if fact.saved else 0.0
+    saved = fact.saved if saved is None else saved
+    output = sum(numel(sh) for sh in local_shapes) * fact.elem_bytes * output_fraction if saved else 0.0
     return output + fact.profile.saved_extra_bytes * work
+
+
+def saved_bytes(facts: dict[str, NodeFacts], local: ShardedShapes) -> dict[str, float]:
+    """Bytes autograd keeps for each node once every axis is solved (``local``).
+
+    An op that saves an input a collective brings (``local.moved``: an all-gathered
+    sequence-parallel norm output, a chunk) saves the collective's output, a new tensor at
+    its own input placement, one per such input, as the rewrite moves a value once per
+    consumer; the producer's output is kept only where the op saves it or a consumer saves
+    it as it is. Without moved inputs this is :func:`activation_bytes` of every node.
+    """
+    kept = {n for n, f in facts.items() if f.kind == "op" and f.needs_grad and f.profile.saves_output}
+    copies = dict.fromkeys(facts, 0.0)
+    for name, fact in facts.items():
+        if fact.kind != "op" or not fact.needs_grad:
+            continue
+        for slot in fact.profile.saved_inputs:
+            producer = fact.slots[slot].name
+            if (name, slot) in local.moved:
+                copies[name] += numel(local.slot_shapes[name][slot]) * facts[producer].elem_bytes
+            else:
+                kept.add(producer)
+    return {
+        name: activation_bytes(fact, local.shapes[name], local.work[name], saved=name in kept) + copies[name]
+        for name, fact in facts.items()
+    }

@@ -14,7 +14,9 @@ return the attention output of the same local tokens, equal up to fp32 rounding 
   torch's SDPA on heads/p heads, all-to-all back. Needs heads % p == 0.
 - ``torch.ops.autopar.ring_attention(q, k, v, group_name, causal, scale)``, ring attention
   (Liu et al. 2023) with the zigzag causal split of ring-flash-attention: K/V blocks travel
-  the ring while the held block is computed, partial results merge by log-sum-exp.
+  the ring while the held block is computed, partial results merge by log-sum-exp. On CPU each
+  block pair runs torch's fused flash-attention kernels, forward and backward; elsewhere an
+  explicit fp32 version of the same math (``_block_kernels`` picks by device).
 
 Both are composite ops over a private custom op, as ``aten::scaled_dot_product_attention`` is
 over ``aten::_scaled_dot_product_flash_attention``: the public op returns the output alone and
@@ -142,9 +144,29 @@ _ulysses_attention.register_autograd(_ulysses_backward, setup_context=_ulysses_s
 
 
 # --- ring: per-block math ----------------------------------------------------------------------
-# Blocks are (batch, kv_heads, group, seq, head_dim): q's heads grouped under the k/v head they
-# share (group = 1 without GQA), k and v with group 1, so broadcasting serves every q head and
-# summing over the group dim reduces k/v gradients. All block math runs in fp32.
+# One block pair: a query chunk (batch, heads, c, head_dim) on a key/value chunk (batch, kv_heads,
+# c, head_dim), all fp32 so that partial results merge without rounding. Forward gives the pair's
+# normalized out and log-sum-exp per query (batch, heads, c). Backward, given the query chunk's
+# FINAL out and lse (merged over all its key chunks), gives the pair's share of dq, dk, dv:
+# FlashAttention-2's backward uses probs = exp(scores − lse) and delta = rowsum(grad_out · out),
+# which are then the whole softmax's, so the shares sum to the full gradient (ring-flash-attention).
+# A diagonal pair (query chunk == key chunk) is top-left causal.
+
+def _fused_forward(q, k, v, scale: float, diagonal: bool) -> tuple[Tensor, Tensor]:
+    """torch's fused CPU flash attention; it serves grouped-query k/v heads itself."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, diagonal, scale=scale)
+
+
+def _fused_backward(grad_out, q, k, v, out, lse, scale: float, diagonal: bool):
+    """torch's fused CPU flash-attention backward; dk, dv come summed over each k/v head's group."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, diagonal, scale=scale)
+
+
+# The explicit fallback materializes each [c × c] score matrix. It groups q's heads under the
+# k/v head they share, (batch, kv_heads, group, c, head_dim), and gives k, v a group dim of 1, so
+# broadcasting serves every q head and summing over the group dim reduces k/v gradients.
 
 def _block_scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
     scores = (q @ k.mT) * scale
@@ -154,11 +176,29 @@ def _block_scores(q: Tensor, k: Tensor, scale: float, diagonal: bool) -> Tensor:
     return scores
 
 
-def _block_forward(q, k, v, scale: float, diagonal: bool) -> tuple[Tensor, Tensor]:
-    """Attention of one query chunk on one key chunk: (normalized out, log-sum-exp per query)."""
-    scores = _block_scores(q, k, scale, diagonal)
+def _explicit_forward(q, k, v, scale: float, diagonal: bool) -> tuple[Tensor, Tensor]:
+    scores = _block_scores(q.unflatten(1, (k.shape[1], -1)), k.unsqueeze(2), scale, diagonal)
     lse = scores.logsumexp(-1)
-    return (scores - lse.unsqueeze(-1)).exp() @ v, lse
+    out = (scores - lse.unsqueeze(-1)).exp() @ v.unsqueeze(2)
+    return out.flatten(1, 2), lse.flatten(1, 2)
+
+
+def _explicit_backward(grad_out, q, k, v, out, lse, scale: float, diagonal: bool):
+    """d scores = probs · (grad_out @ vᵀ − delta), the FlashAttention-2 backward written out."""
+    grad_out, q, out, lse = (x.unflatten(1, (k.shape[1], -1)) for x in (grad_out, q, out, lse))
+    k, v = k.unsqueeze(2), v.unsqueeze(2)
+    delta = (grad_out * out).sum(-1)
+    probs = (_block_scores(q, k, scale, diagonal) - lse.unsqueeze(-1)).exp()
+    grad_scores = probs * (grad_out @ v.mT - delta.unsqueeze(-1)) * scale
+    return (grad_scores @ k).flatten(1, 2), (grad_scores.mT @ q).sum(2), (probs.mT @ grad_out).sum(2)
+
+
+def _block_kernels(device: torch.device):
+    """(forward, backward) block math for tensors on ``device``: torch's fused kernels where they
+    are tested here (CPU), the explicit math elsewhere."""
+    if device.type == "cpu":
+        return _fused_forward, _fused_backward
+    return _explicit_forward, _explicit_backward
 
 
 def _merge(out, lse, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -168,16 +208,6 @@ def _merge(out, lse, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tens
     merged_lse = torch.logaddexp(lse, block_lse)
     return ((lse - merged_lse).exp().unsqueeze(-1) * out
             + (block_lse - merged_lse).exp().unsqueeze(-1) * block_out), merged_lse
-
-
-def _block_backward(grad_out, q, k, v, lse, delta, scale: float, diagonal: bool):
-    """(dq, dk, dv) of one block, from the final lse and delta = rowsum(grad_out · out): with
-    probs = exp(scores − lse), d scores = probs · (grad_out @ vᵀ − delta) (FlashAttention-2)."""
-    probs = (_block_scores(q, k, scale, diagonal) - lse.unsqueeze(-1)).exp()
-    grad_scores = probs * (grad_out @ v.mT - delta.unsqueeze(-1)) * scale
-    grad_k = (grad_scores.mT @ q).sum(2, keepdim=True)
-    grad_v = (probs.mT @ grad_out).sum(2, keepdim=True)
-    return grad_scores @ k, grad_k, grad_v
 
 
 def _block_pairs(rank: int, owner: int, world: int, causal: bool):
@@ -216,9 +246,9 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def _grouped(x: Tensor, kv_heads: int) -> tuple[Tensor, Tensor]:
-    """(b, h, 2c, d) → the two local chunks as fp32 (b, kv_heads, h/kv_heads, c, d)."""
-    return x.float().unflatten(1, (kv_heads, -1)).chunk(2, dim=-2)
+def _chunks(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(b, h, 2c, d) → its two chunks (b, h, c, d) as fp32; views where ``x`` is fp32 already."""
+    return x.float().chunk(2, dim=-2)
 
 
 def _ring_blocks(kv: Tensor, group, causal: bool):
@@ -228,8 +258,7 @@ def _ring_blocks(kv: Tensor, group, causal: bool):
     for step in range(world):
         if step < world - 1:
             next_kv, requests = _pass_on(kv, group, _KV_TAG)
-        chunks = tuple(x.float().unsqueeze(2).chunk(2, dim=-2) for x in kv)
-        yield chunks, _block_pairs(rank, (rank - step) % world, world, causal)
+        yield tuple(_chunks(x) for x in kv), _block_pairs(rank, (rank - step) % world, world, causal)
         if step < world - 1:
             _wait(requests)
             kv = next_kv
@@ -241,15 +270,15 @@ def _ring_attention(q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bo
     """Ring attention; returns (out, fp32 log-sum-exp of shape (b, h, local seq)) for backward."""
     _check_inputs(q, k, v, "ring_attention")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale  # SDPA's default
-    queries = _grouped(q, k.shape[1])
+    block_forward, _ = _block_kernels(q.device)
+    queries = _chunks(q)
     outs, lses = [None, None], [None, None]
     group = _resolve_process_group(group_name)
     for (keys, values), pairs in _ring_blocks(torch.stack([k, v]), group, causal):
         for i, j, diagonal in pairs:
-            block = _block_forward(queries[i], keys[j], values[j], scale, diagonal)
+            block = block_forward(queries[i], keys[j], values[j], scale, diagonal)
             outs[i], lses[i] = _merge(outs[i], lses[i], *block)
-    out = torch.cat(outs, dim=-2).flatten(1, 2).to(q.dtype)
-    return out, torch.cat(lses, dim=-1).flatten(1, 2)
+    return torch.cat(outs, dim=-2).to(q.dtype), torch.cat(lses, dim=-1)
 
 
 @_ring_attention.register_fake
@@ -271,31 +300,31 @@ def _ring_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                              scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """The ring backward, (dq, dk, dv): K/V travel the ring again, and with each block travels
     the fp32 gradient of its K/V, which every rank adds to and which is back at its owner
-    after p steps. Block scores are recomputed from q, k and the forward's lse."""
+    after p steps. Each block's scores are recomputed from q, k and the forward's final lse."""
+    _, block_backward = _block_kernels(q.device)
     group = _resolve_process_group(group_name)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    kv_heads = k.shape[1]
-    queries, grad_outs = _grouped(q, kv_heads), _grouped(grad_out, kv_heads)
-    lses = lse.unflatten(1, (kv_heads, -1)).chunk(2, dim=-1)
-    deltas = (grad_out.float() * out.float()).sum(-1).unflatten(1, (kv_heads, -1)).chunk(2, dim=-1)
-    grad_queries = [torch.zeros_like(x) for x in queries]
+    queries, grad_outs, outs = _chunks(q), _chunks(grad_out), _chunks(out)
+    lses = lse.chunk(2, dim=-1)
+    grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    grad_queries = grad_q.chunk(2, dim=-2)  # views: adding to a chunk adds to grad_q
     received_grad_kv, grad_requests = 0.0, []  # what the ranks before added to the held block's grad
     for (keys, values), pairs in _ring_blocks(torch.stack([k, v]), group, causal):
-        grad_keys, grad_values = [torch.zeros_like(x) for x in keys], [torch.zeros_like(x) for x in values]
+        grad_kv = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)
+        grad_keys, grad_values = (x.chunk(2, dim=-2) for x in grad_kv)
         for i, j, diagonal in pairs:
-            grad_query, grad_key, grad_value = _block_backward(
-                grad_outs[i], queries[i], keys[j], values[j], lses[i], deltas[i], scale, diagonal)
-            grad_queries[i] += grad_query
-            grad_keys[j] += grad_key
-            grad_values[j] += grad_value
-        grad_kv = torch.stack([torch.cat(grad_keys, dim=-2), torch.cat(grad_values, dim=-2)])
+            grad_query, grad_key, grad_value = block_backward(
+                grad_outs[i], queries[i], keys[j], values[j], outs[i], lses[i], scale, diagonal)
+            grad_queries[i].add_(grad_query)
+            grad_keys[j].add_(grad_key)
+            grad_values[j].add_(grad_value)
         _wait(grad_requests)
         grad_kv += received_grad_kv
         received_grad_kv, grad_requests = _pass_on(grad_kv, group, _GRAD_TAG)
     _wait(grad_requests)
     # copies: the two halves of one buffer must not come out as aliases of each other
-    grad_k, grad_v = (x.squeeze(2).to(k.dtype, copy=True) for x in received_grad_kv)
-    return torch.cat(grad_queries, dim=-2).flatten(1, 2).to(q.dtype), grad_k, grad_v
+    grad_k, grad_v = (x.to(k.dtype, copy=True) for x in received_grad_kv)
+    return grad_q.to(q.dtype), grad_k, grad_v
 
 
 @_ring_attention_backward.register_fake

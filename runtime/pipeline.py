@@ -30,6 +30,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining.schedules import _ComputationType
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -191,7 +192,8 @@ class PipelineModule(ParallelModule):
     def forward(self, *local_inputs):
         """The loss of the local batch, forward only (every rank gets it)."""
         args = local_inputs if self._holds_first else ()
-        merged = self._schedule.eval(*args, target=self._no_target, **self._keywords(local_inputs))
+        with _forward_actions_only(self._schedule):
+            merged = self._schedule.eval(*args, target=self._no_target, **self._keywords(local_inputs))
         loss = merged.detach().mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
 
@@ -274,3 +276,27 @@ class AccumulatingModule(ParallelModule):
 def _whole_leaves(module: ParallelModule) -> list[torch.Tensor]:
     """The trainable leaves ZeRO leaves whole (their gradients are all-reduced, not scattered)."""
     return [leaf for name, leaf in module._locals.items() if name not in module.zero.dims and leaf.requires_grad]
+
+
+@contextlib.contextmanager
+def _forward_actions_only(schedule):
+    """torch's ``eval`` runs a multi-stage schedule's own action list with backward switched
+    off, which zero-bubble V schedules cannot do ("can't steal_bwd_input"): keep only the
+    forward computations and their sends and receives (the per-time-step order of the
+    looped schedules keeps a hole where an action goes: ranks pair their messages by step)."""
+    kept = (_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
+            _ComputationType.UNSHARD, _ComputationType.RESHARD)
+    saved = {name: getattr(schedule, name, None) for name in ("pipeline_order", "pipeline_order_with_comms")}
+    for name, order in saved.items():
+        if order is not None:
+            keep = (lambda a: a is not None and a.computation_type in kept)
+            filtered = {rank: [a if keep(a) else None for a in actions] for rank, actions in order.items()}
+            if name == "pipeline_order_with_comms":  # executed in sequence: drop the holes
+                filtered = {rank: [a for a in actions if a is not None] for rank, actions in filtered.items()}
+            setattr(schedule, name, filtered)
+    try:
+        yield
+    finally:
+        for name, order in saved.items():
+            if order is not None:
+                setattr(schedule, name, order)

@@ -20,12 +20,12 @@ from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, compare_one_step
 
 GPT = dict(hidden=32, layers=8, heads=4, vocab=64, seq=8)  # 8 layers: 4 stages x 2 virtual
 
-TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind) for kind in PIPELINES] + [
+TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forward=True) for kind in PIPELINES] + [
     dict(degrees={"pp": 2}, microbatches=2, pipeline="1f1b", stage_cuts=["layers.6"], check_forward=True),
     dict(degrees={"dp": 2}, microbatches=2, check_forward=True),  # gradient accumulation, synced once
     dict(degrees={"tp": 2}, constraints=GPT_TP, microbatches=4),
 ]
-FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind) for kind in PIPELINES] + [
+FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forward=True) for kind in PIPELINES] + [
     dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="1f1b", check_forward=True),
     dict(mesh="2x2", degrees={"pp": 2, "tp": 2}, constraints=GPT_TP, microbatches=2, pipeline="interleaved-zb"),
 ]
@@ -66,7 +66,7 @@ ZERO_CASES = [
     ("gpt", 2, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
     ("gpt", 3, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
     ("gpt", 3, dict(pipeline="interleaved-zb", microbatches=4), dict(check_forward=True)),
-    ("gpt", 2, dict(pipeline="zbv", microbatches=2), dict(how="zero=N")),  # torch's eval of a V schedule fails: no forward
+    ("gpt", 2, dict(pipeline="zbv", microbatches=2), dict(how="zero=N", check_forward=True)),
     ("mlp", 2, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
 ]
 PP2xDP2 = dict(mesh="2x2", degrees={"pp": 2, "dp": 2})

@@ -124,6 +124,103 @@ def test_masks_not_proved_causal_and_shared_weights_leave_the_graph_alone(varian
     assert [(node.name, node.target) for node in exported.graph.nodes] == before
 
 
+KV_HEADS = 2
+
+
+class AttendMasked(torch.nn.Module):
+    """One ``scaled_dot_product_attention`` call over a projection of x, k and v in ``KV_HEADS``
+    groups (enable_gqa), with the ``attn_mask`` ``variant`` names; returns [B, H, Sq, D]."""
+
+    def __init__(self, variant: str) -> None:
+        super().__init__()
+        self.variant = variant
+        self.qkv = torch.nn.Linear(HIDDEN, HIDDEN + 2 * KV_HEADS * HEAD_DIM, bias=False)
+        self.register_buffer("tril", torch.ones(16, 16, dtype=torch.bool).tril().view(1, 1, 16, 16))
+        self.register_buffer("additive", torch.full((16, 16), float("-inf")).triu(1))
+
+    def forward(self, x: torch.Tensor, padding: torch.Tensor):
+        variant, (batch, seq, _) = self.variant, x.shape
+        q, k, v = self.qkv(x).split([HIDDEN, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        q, k, v = (t.view(batch, seq, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))
+        i = torch.arange(seq, device=x.device)
+        masks = {
+            "bool_buffer": lambda: self.tril[:, :, :seq, :seq],
+            "additive_buffer": lambda: self.additive[:seq, :seq],
+            "arange_bool": lambda: (i[None, :] <= i[:, None]).expand(batch, 1, seq, seq),  # Hugging Face's shape
+            "dtype_min": lambda: torch.full((seq, seq), torch.finfo(x.dtype).min).triu(1),
+            "dropout": lambda: self.tril[:, :, :seq, :seq],
+            "sliding_window": lambda: (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 4),
+            "one_future_key": lambda: i[None, :] <= i[:, None] + 1,
+            "padding_input": lambda: padding & (i[None, :] <= i[:, None]),
+            "shorter_queries": lambda: torch.ones(4, seq, dtype=torch.bool).tril(),  # causal, but Sq != Sk
+        }
+        if variant == "shorter_queries":
+            q = q[:, :, :4]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=masks[variant](), dropout_p=0.3 if variant == "dropout" else 0.0, scale=0.3, enable_gqa=True
+        )
+
+
+UNMASKED = ["bool_buffer", "additive_buffer", "arange_bool", "dtype_min", "dropout"]
+MASK_KEPT = ["sliding_window", "one_future_key", "padding_input", "shorter_queries"]
+
+
+def _exported_masked(variant: str):
+    torch.manual_seed(0)
+    model = AttendMasked(variant)
+    padding = torch.ones(BATCH, 1, 1, SEQ, dtype=torch.bool)
+    padding[1, ..., -3:] = False  # the second sequence's last three tokens are padding
+    inputs = (torch.randn(BATCH, SEQ, HIDDEN), padding)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return model, inputs, torch.export.export(model, inputs, strict=False).run_decompositions({})
+
+
+def _masked_outputs_and_grads(graph_module, model, inputs, seed: int = 2):
+    """As _outputs_and_grads, with the dropout draws ``seed`` makes."""
+    weight = model.qkv.weight.detach().clone().requires_grad_()
+    x = inputs[0].clone().requires_grad_()
+    torch.manual_seed(seed)
+    (out,) = graph_module(weight, *model.buffers(), x, inputs[1])
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    return out, torch.autograd.grad((out * probe).sum(), (weight, x))
+
+
+def _dead_nodes(graph) -> list[str]:
+    """Computations nothing reads (an assert only checks metadata)."""
+    return [
+        node.name for node in graph.nodes
+        if node.op == "call_function" and node.target is not torch.ops.aten._assert_tensor_metadata.default
+        and all(user.target is torch.ops.aten._assert_tensor_metadata.default for user in node.users)
+    ]
+
+
+@pytest.mark.parametrize("variant", UNMASKED)
+def test_a_provably_causal_sdpa_mask_becomes_is_causal_with_equal_values_and_gradients(variant):
+    model, inputs, exported = _exported_masked(variant)
+    masked = copy.deepcopy(exported.graph_module)
+    assert _dead_nodes(exported.graph) == []
+    assert fuse_eager_attention(exported.graph_module, buffer_values(exported)) == 1
+    (node,) = _sdpa_nodes(exported.graph)
+    assert node.args[3:] == (None, 0.3 if variant == "dropout" else 0.0, True)
+    assert node.kwargs == {"scale": 0.3, "enable_gqa": True}
+    assert _dead_nodes(exported.graph) == []  # the mask's computation is gone
+    expected, expected_grads = _masked_outputs_and_grads(masked, model, inputs)
+    got, grads = _masked_outputs_and_grads(exported.graph_module, model, inputs)
+    if variant == "dropout":  # equal because both drew the same dropout, which really drops
+        assert not torch.allclose(_masked_outputs_and_grads(exported.graph_module, model, inputs, seed=3)[0], got)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads, expected_grads, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", MASK_KEPT)
+def test_an_sdpa_mask_not_proved_causal_is_kept(variant):
+    _, _, exported = _exported_masked(variant)
+    before = [(node.name, node.target, node.args, node.kwargs) for node in exported.graph.nodes]
+    assert fuse_eager_attention(exported.graph_module, buffer_values(exported)) == 0
+    assert [(node.name, node.target, node.args, node.kwargs) for node in exported.graph.nodes] == before
+
+
 def _placeholder_values(captured, model, inputs):
     values, user_inputs = [], iter(inputs)
     for node in captured.graph.nodes:
@@ -207,3 +304,61 @@ def test_ring_attention_runs_on_the_eager_example():
     # each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|): allclose holds when <= 1
     assert result["loss"] <= 1 and result["grad"][0] <= 1 and result["param"][0] <= 1, result
     assert result["kernels"] == ["ring", "ring"], result
+
+
+HF_MASKS = [("build_llama", "model.layers.{}.self_attn"), ("build_gpt2", "transformer.h.{}.attn"), ("build_mixtral", "model.layers.{}.self_attn")]
+
+
+@pytest.mark.parametrize("builder, path", HF_MASKS)
+def test_hugging_face_sdpa_attention_drops_its_materialized_causal_mask(builder, path):
+    torch.manual_seed(0)
+    model = getattr(load_example("hf.py"), builder)(layers=2)
+    inputs = model.example_inputs(2)
+    captured = capture(model, inputs)
+    nodes = _sdpa_nodes(captured.graph)
+    assert [module_path(node) for node in nodes] == [path.format(0), path.format(1)]
+    assert all(node.args[3:] == (None, 0.0, True) and node.kwargs == {"scale": 0.25} for node in nodes)
+    bool_masks = [n for n in captured.graph.nodes if getattr(n.meta.get("val"), "dtype", None) == torch.bool]
+    assert bool_masks == [] and _dead_nodes(captured.graph) == []  # nor the packed-sequence check it came with
+    _assert_same_loss_and_grads(captured, model, inputs)
+
+
+class PaddedLlama(torch.nn.Module):
+    """Hugging Face Llama given a padding mask as an input: its sdpa mask depends on that input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = load_example("hf.py").build_llama(layers=1).model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state.square().mean()
+
+
+def test_hugging_face_attention_under_a_padding_mask_input_keeps_its_mask():
+    torch.manual_seed(0)
+    model = PaddedLlama()
+    padding = torch.ones(2, 32, dtype=torch.int64)
+    padding[1, :5] = 0  # left padding
+    inputs = (torch.randint(0, 256, (2, 32)), padding)
+    captured = capture(model, inputs)
+    (node,) = _sdpa_nodes(captured.graph)
+    mask = node.args[3]
+    assert isinstance(mask, torch.fx.Node) and len(node.args) < 6 and mask.meta["val"].shape == (2, 1, 32, 32)
+    _assert_same_loss_and_grads(captured, model, inputs)
+
+
+def _context_parallel_hf_llama(rank, world):
+    builder = load_example("hf.py").build_llama
+    sizes = dict(hidden=64, layers=2, heads=4, kv_heads=2, seq=32)
+    return [
+        compare_one_step(builder, sizes, 4, world, dict(degrees={"cp": 2}, constraints={"model.layers.*.self_attn": kernel}))
+        for kernel in ("ring", "ulysses")
+    ]
+
+
+def test_context_parallelism_runs_on_hugging_face_llama_with_rope():
+    results = run_local(_context_parallel_hf_llama, 2, timeout_s=300)[0]
+    for kernel, result in zip(("ring", "ulysses"), results):
+        # each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|): allclose holds when <= 1
+        assert result["loss"] <= 1 and result["grad"][0] <= 1 and result["param"][0] <= 1, (kernel, result)
+        assert result["degrees"]["cp"] == 2 and result["kernels"] == [kernel, kernel], (kernel, result)

@@ -17,6 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.ir.errors import ShardingRuleError
 from autopar.runtime import build_device_mesh, group_name
+from autopar.runtime import context_parallel
 from autopar.runtime.zigzag import inverse_order, zigzag_order, zigzag_positions
 from autopar.runtime.spawn import run_local
 from op_checks import opcheck_failures
@@ -190,6 +191,48 @@ def test_user_errors_name_the_problem(two_ranks):
     uneven, odd = two_ranks[0]["uneven heads"], two_ranks[0]["odd local seq"]
     assert uneven.startswith("ShardingRuleError") and "3 heads over 2 cp ranks" in uneven
     assert odd.startswith("ShardingRuleError") and "local seq is 7" in odd
+
+
+BLOCK_KERNELS = {
+    "fused": (context_parallel._fused_forward, context_parallel._fused_backward),
+    "explicit": (context_parallel._explicit_forward, context_parallel._explicit_backward),
+}
+
+
+@pytest.mark.parametrize("kernels", BLOCK_KERNELS)
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_ring_block_math_merges_to_sdpa_and_its_gradient(kernels, heads, kv_heads):
+    """One query chunk on two key chunks, the one before whole and its own one causal: the merged
+    block outputs are SDPA's, and each block's backward, given the merged out and lse, returns a
+    share of dq, dk, dv; the shares add up to SDPA's gradients."""
+    block_forward, block_backward = BLOCK_KERNELS[kernels]
+    generator = torch.Generator().manual_seed(heads + kv_heads)
+    chunk, scale = 8, 0.3
+    q, upstream = (torch.randn(2, heads, chunk, 8, generator=generator) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, 2 * chunk, 8, generator=generator) for _ in range(2))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    repeats = heads // kv_heads
+    visible = torch.ones(chunk, 2 * chunk, dtype=torch.bool).tril(chunk)  # query i sees keys ≤ chunk + i
+    expected = F.scaled_dot_product_attention(
+        leaves[0], *(x.repeat_interleave(repeats, 1) for x in leaves[1:]), attn_mask=visible, scale=scale)
+    (expected * upstream).sum().backward()
+
+    pairs = [(key, value, diagonal) for key, value, diagonal
+             in zip(k.chunk(2, dim=-2), v.chunk(2, dim=-2), (False, True))]
+    out = lse = None
+    for key, value, diagonal in pairs:
+        out, lse = context_parallel._merge(out, lse, *block_forward(q, key, value, scale, diagonal))
+    shares = [block_backward(upstream, q, key, value, out, lse, scale, diagonal) for key, value, diagonal in pairs]
+    grad_q = shares[0][0] + shares[1][0]
+    grad_k, grad_v = (torch.cat([share[n] for share in shares], dim=-2) for n in (1, 2))
+    for actual, leaf in zip((grad_q, grad_k, grad_v), leaves):
+        assert _max_error(actual, leaf.grad) < TOLERANCE
+    assert _max_error(out, expected.detach()) < TOLERANCE
+
+
+def test_ring_block_math_is_fused_on_cpu_only():
+    assert context_parallel._block_kernels(torch.device("cpu")) == BLOCK_KERNELS["fused"]
+    assert context_parallel._block_kernels(torch.device("cuda")) == BLOCK_KERNELS["explicit"]
 
 
 @pytest.mark.parametrize("seq_len, world", [(8, 1), (8, 2), (24, 3), (64, 4)])
