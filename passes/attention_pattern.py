@@ -6,7 +6,7 @@ Hugging Face's sdpa attention passes SDPA a materialized [B, 1, S, S] causal mas
 :func:`fuse_eager_attention` replaces each such subgraph by
 ``scaled_dot_product_attention(q, k, v, None, 0.0, is_causal, scale=scale)``, then gives each sdpa
 node whose ``attn_mask`` is proved causal (below; boolean True where seen, or additive 0/-inf) and
-whose q and k are as long ``attn_mask=None, is_causal=True``, keeping its other arguments.
+whose q and k have one sequence length ``attn_mask=None, is_causal=True``, keeping its other arguments.
 
 Pre: an aten-level graph from ``torch.export`` (``passes/capture.py``) whose nodes carry
 ``meta["val"]``; ``buffers`` maps buffer placeholders to their values (:func:`buffer_values`).
@@ -25,7 +25,7 @@ Recognized, read from the scores on:
   ``full``, ``triu``, ...) and buffers with known values, never from an input or parameter — that
   is exactly causal (key j visible to query i iff j <= i). It is evaluated on the CPU to prove
   that. Anything else (padding from an input, a sliding window, a bias, a buffer on the meta
-  device, a mask over ``_MAX_MASK_ELEMENTS``) leaves the subgraph alone;
+  device, a mask over ``causal_mask.MAX_MASK_ELEMENTS``) leaves the subgraph alone;
 - softmax over the last dim; between any of these, casts to a dtype at least as wide as q's,
   ``clone``/``alias``, no-op ``expand``, views that keep the last two dims, ``dropout`` with p=0
   or in eval; then ``probs @ v``.
@@ -37,16 +37,16 @@ returned keep the eager form).
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export.graph_signature import InputKind
-from torch.utils._pytree import tree_map
+
+from .causal_mask import Mask, constant_value, node_value as _val, proved_causal
 
 aten = torch.ops.aten
 
@@ -58,14 +58,6 @@ _COPIES = {aten.clone.default, aten.alias.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 _SCALES = {aten.mul.Tensor: False, aten.mul.Scalar: False, aten.div.Tensor: True, aten.div.Scalar: True}  # op → divides
 _ASSERT = aten._assert_tensor_metadata.default
-_MAX_MASK_ELEMENTS = 1 << 26  # an 8192 x 8192 mask; a larger one is not evaluated, so not proved causal
-
-
-@dataclass(frozen=True)
-class _Mask:
-    kind: str  # "add": ``mask`` is a float addend; "hide": True where hidden (masked_fill); "keep": True where seen
-    mask: fx.Node
-    dtype: torch.dtype  # of the masked scores
 
 
 @dataclass(frozen=True)
@@ -75,7 +67,7 @@ class _Match:
     key_transposed: bool
     v: fx.Node  # [B, H, Sk, Dv]
     scale: float
-    mask: _Mask | None
+    mask: Mask | None
     softmax: fx.Node
     output: fx.Node  # the probs @ v node, [B, H, Sq, Dv] or [B·H, Sq, Dv]
 
@@ -99,7 +91,7 @@ def fuse_eager_attention(graph_module: fx.GraphModule, buffers: Mapping[str, tor
         if match is None:
             continue
         queries, keys = _val(match.q).shape[2], _val(match.v).shape[2]
-        if match.mask is not None and not _proved_causal(match.mask, queries, keys, buffers, verdicts):
+        if match.mask is not None and not proved_causal(match.mask, queries, keys, buffers, verdicts):
             continue
         erased |= _replace(match)
         fused += 1
@@ -162,10 +154,6 @@ def _real_users(node: fx.Node) -> list[fx.Node]:
     return [user for user in node.users if user.target is not _ASSERT]  # asserts only check metadata
 
 
-def _val(node):
-    return node.meta.get("val") if isinstance(node, fx.Node) else None
-
-
 def _passes_through(node: fx.Node, source: fx.Node, dtype: torch.dtype) -> bool:
     """True if ``node`` hands ``source``'s values on unchanged but for a harmless cast or view."""
     if not node.args or node.args[0] is not source:
@@ -210,12 +198,12 @@ def _scalar(arg, buffers: Mapping[str, torch.Tensor]) -> float | None:
     if isinstance(arg, (int, float)) and not isinstance(arg, bool):
         return float(arg)
     if isinstance(arg, fx.Node) and isinstance(_val(arg), torch.Tensor) and _val(arg).numel() == 1:
-        value = _constant_value(arg, buffers)
+        value = constant_value(arg, buffers)
         return None if value is None else float(value)
     return None
 
 
-def _mask(node: fx.Node, source: fx.Node, buffers: Mapping[str, torch.Tensor]) -> _Mask | None:
+def _mask(node: fx.Node, source: fx.Node, buffers: Mapping[str, torch.Tensor]) -> Mask | None:
     """How ``node`` masks ``source``, if it masks it with -inf (or the dtype's minimum)."""
     out, scores = _val(node), _val(source)
     if not isinstance(out, torch.Tensor) or out.shape != scores.shape or out.dtype != scores.dtype:
@@ -223,12 +211,12 @@ def _mask(node: fx.Node, source: fx.Node, buffers: Mapping[str, torch.Tensor]) -
     args = node.args
     if node.target is aten.add.Tensor and len(args) == 2 and source in args and node.kwargs.get("alpha", 1) == 1:
         other = args[1] if args[0] is source else args[0]
-        return _Mask("add", other, scores.dtype) if isinstance(other, fx.Node) and other is not source else None
+        return Mask("add", other, scores.dtype) if isinstance(other, fx.Node) and other is not source else None
     if node.target in (aten.masked_fill.Scalar, aten.masked_fill.Tensor) and args[0] is source:
-        return _Mask("hide", args[1], scores.dtype) if _hides(args[2], scores.dtype, buffers) else None
+        return Mask("hide", args[1], scores.dtype) if _hides(args[2], scores.dtype, buffers) else None
     if node.target in (aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf) and source in args[1:]:
         kind, other = ("keep", args[2]) if args[1] is source else ("hide", args[1])
-        return _Mask(kind, args[0], scores.dtype) if _hides(other, scores.dtype, buffers) else None
+        return Mask(kind, args[0], scores.dtype) if _hides(other, scores.dtype, buffers) else None
     return None
 
 
@@ -302,109 +290,12 @@ def _unmask_if_causal(sdpa: fx.Node, buffers: Mapping[str, torch.Tensor], verdic
     if not isinstance(mask, fx.Node) or given.get("is_causal", False) or queries != keys:
         return False
     kind = "keep" if _val(mask).dtype == torch.bool else "add"  # sdpa: True attends; a float mask adds
-    if not _proved_causal(_Mask(kind, mask, _val(given["query"]).dtype), queries, keys, buffers, verdicts):
+    if not proved_causal(Mask(kind, mask, _val(given["query"]).dtype), queries, keys, buffers, verdicts):
         return False
     sdpa.args = (given["query"], given["key"], given["value"], None, given.get("dropout_p", 0.0), True)
     sdpa.kwargs = {name: value for name, value in sdpa.kwargs.items() if name not in names[3:6]}  # scale, enable_gqa
     _erase_unused(mask)
     return True
-
-
-def _proved_causal(
-    mask: _Mask, queries: int, keys: int, buffers: Mapping[str, torch.Tensor], verdicts: dict[tuple, bool]
-) -> bool:
-    """True if the mask, evaluated, hides exactly the keys after each query (sdpa's is_causal)."""
-    key = (mask.kind, mask.dtype, _structure(mask.mask), queries, keys)
-    if key not in verdicts:
-        value = _constant_value(mask.mask, buffers)
-        verdicts[key] = value is not None and _is_causal(mask, value, queries, keys)
-    return verdicts[key]
-
-
-def _is_causal(mask: _Mask, value: torch.Tensor, queries: int, keys: int) -> bool:
-    if value.ndim < 2:
-        value = value.reshape((1,) * (2 - value.ndim) + tuple(value.shape))
-    value = value.expand(*value.shape[:-2], queries, keys)
-    if mask.kind == "add":
-        visible = value == 0
-        if value.dtype == torch.bool or not bool((visible | (value <= torch.finfo(mask.dtype).min)).all()):
-            return False
-    elif value.dtype == torch.bool:
-        visible = value if mask.kind == "keep" else ~value
-    else:
-        return False
-    causal = torch.ones(queries, keys, dtype=torch.bool).tril()
-    return torch.equal(visible, causal.expand_as(visible))
-
-
-def _structure(node: fx.Node) -> tuple:
-    """What ``node`` computes, independent of node names: equal for the same mask built per layer."""
-    memo: dict[fx.Node, tuple] = {}
-    for each in _ancestors(node):
-        if each.op != "call_function":
-            memo[each] = (each.op, each.name)
-        else:
-            memo[each] = (str(each.target),) + fx.map_arg((each.args, each.kwargs), memo.__getitem__)
-    return memo[node]
-
-
-def _ancestors(node: fx.Node) -> list[fx.Node]:
-    """``node`` and everything it depends on, in graph order."""
-    seen, stack = {node}, [node]
-    while stack:
-        for source in stack.pop().all_input_nodes:
-            if source not in seen:
-                seen.add(source)
-                stack.append(source)
-    order = {each: index for index, each in enumerate(node.graph.nodes)}
-    return sorted(seen, key=order.__getitem__)
-
-
-def _constant_value(node: fx.Node, buffers: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
-    """``node``'s real value if it depends only on factory ops and ``buffers``, else None.
-
-    Evaluated on the CPU (factory ops on "meta" included), under no fake mode and no grad.
-    """
-    nodes = _ancestors(node)
-    for each in nodes:
-        if each.op == "placeholder" and each.name not in buffers:
-            return None
-        if each.op not in ("placeholder", "call_function") or not _evaluable(each):
-            return None
-    values: dict[fx.Node, object] = {}
-    with unset_fake_temporarily(), torch.no_grad():
-        for each in nodes:
-            if each.op == "placeholder":
-                values[each] = buffers[each.name]
-                continue
-            args, kwargs = tree_map(_on_cpu, fx.map_arg((each.args, each.kwargs), values.__getitem__))
-            try:
-                values[each] = each.target(*args, **kwargs)
-            except (RuntimeError, TypeError, ValueError, NotImplementedError):
-                return None  # an op that will not run on these values: nothing proved, the graph stays
-    value = values[node]
-    return value if isinstance(value, torch.Tensor) else None
-
-
-def _on_cpu(arg):
-    return torch.device("cpu") if isinstance(arg, torch.device) else arg
-
-
-def _evaluable(node: fx.Node) -> bool:
-    """Deterministic, with a value small enough to compute while compiling."""
-    if node.op == "placeholder":
-        return True
-    target = node.target
-    if target is not operator.getitem:
-        if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded in target.tags:
-            return False
-        if "empty" in target._opname:  # uninitialized memory
-            return False
-    val = _val(node)
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    if not all(isinstance(each, torch.Tensor) or each is None for each in vals):
-        return isinstance(val, (int, float, bool))
-    return sum(each.numel() for each in vals if each is not None) <= _MAX_MASK_ELEMENTS
 
 
 def _replace(match: _Match) -> set[fx.Node]:

@@ -62,7 +62,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
             "autopar needs a forward without data-dependent Python control flow; see the torch.export "
             "docs (torch.cond, static shapes) or pass a model whose forward traces."
         ) from error
-    fuse_eager_attention(exported.graph_module, buffer_values(exported))  # softmax(q kᵀ) v → one sdpa node
+    fuse_eager_attention(exported.graph_module, buffer_values(exported))  # one sdpa node, causal masks as is_causal
     signature = exported.graph_signature
     params, buffers, user_inputs = {}, {}, []
     for spec in signature.input_specs:

@@ -1,7 +1,8 @@
 """fuse_eager_attention: softmax(q kᵀ · scale + mask) v becomes one scaled_dot_product_attention
 node with the same values and gradients (fp32), in hand-written variants, the long-context
-example and Hugging Face's eager attention; masks it cannot prove causal leave the graph alone;
-and context parallelism runs on the eager example."""
+example and Hugging Face's eager attention; an sdpa node's provably causal mask becomes
+is_causal=True (hand-written masks, Hugging Face's sdpa attention); masks it cannot prove causal
+leave the graph alone; and context parallelism runs on the eager example and on Hugging Face Llama."""
 
 import copy
 import math
@@ -156,9 +157,8 @@ class AttendMasked(torch.nn.Module):
         }
         if variant == "shorter_queries":
             q = q[:, :, :4]
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=masks[variant](), dropout_p=0.3 if variant == "dropout" else 0.0, scale=0.3, enable_gqa=True
-        )
+        dropout = 0.3 if variant == "dropout" else 0.0
+        return F.scaled_dot_product_attention(q, k, v, masks[variant](), dropout, scale=0.3, enable_gqa=True)
 
 
 UNMASKED = ["bool_buffer", "additive_buffer", "arange_bool", "dtype_min", "dropout"]
@@ -306,7 +306,10 @@ def test_ring_attention_runs_on_the_eager_example():
     assert result["kernels"] == ["ring", "ring"], result
 
 
-HF_MASKS = [("build_llama", "model.layers.{}.self_attn"), ("build_gpt2", "transformer.h.{}.attn"), ("build_mixtral", "model.layers.{}.self_attn")]
+HF_MASKS = [
+    ("build_llama", "model.layers.{}.self_attn"), ("build_gpt2", "transformer.h.{}.attn"),
+    ("build_mixtral", "model.layers.{}.self_attn"),
+]
 
 
 @pytest.mark.parametrize("builder, path", HF_MASKS)
