@@ -51,7 +51,7 @@ from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import measure_memory, no_communication  # noqa: E402
-from report import BENCHMARKS, write_section  # noqa: E402
+from report import publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "cost_model"
@@ -407,10 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = analyse(results)
     load_text = ", ".join(f"{w} ranks: {l}" for w, l in loads.items())
     section = render_section(rows, settings, command, time.monotonic() - start, load_text, hardware)
-    print(section)
-    if not args.quick:
-        write_section(SECTION, section)
-        print(f"[cost_model] wrote its section of {BENCHMARKS}")
+    publish(SECTION, section, args.quick)
     return 0
 
 

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cost_model import _loadavg  # noqa: E402
 from measure import _storages, activation_memory  # noqa: E402
 from pipeline import _state_bytes  # noqa: E402
-from report import BENCHMARKS, write_section  # noqa: E402
+from report import publish  # noqa: E402
 from step_time import LR, SEED, Competitor, _as_is, check_equivalence, time_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -409,10 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_first_losses(experts["losses"], MOE_PAIRS, references["moe"])
     loads = f"{load_start} → {_loadavg()}"
     section = render_section(settings, single, context, experts, plans, references, command, time.monotonic() - start, loads)
-    print(section)
-    if not args.quick:
-        write_section(SECTION, section)
-        print(f"[parallel_kernels] wrote its section of {BENCHMARKS}")
+    publish(SECTION, section, args.quick)
     return 0
 
 

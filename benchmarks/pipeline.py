@@ -36,7 +36,7 @@ from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import model_state_bytes  # noqa: E402
-from report import BENCHMARKS, write_section  # noqa: E402
+from report import publish  # noqa: E402
 from step_time import LR, SEED, TARGET_RATIO, Competitor, Settings, _as_is, _load_gpt, check_equivalence, time_rounds  # noqa: E402
 
 SECTION = "pipeline"
@@ -169,10 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[pipeline] {world_size} ranks ...", flush=True)
         results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=settings.timeout_s)[0]
     section = render_section(results, settings, command, time.monotonic() - start)
-    print(section)
-    if not args.quick:
-        write_section(SECTION, section)
-        print(f"[pipeline] wrote its section of {BENCHMARKS}")
+    publish(SECTION, section, args.quick)
     return 0
 
 

@@ -17,3 +17,11 @@ def write_section(name: str, body: str, path: Path = BENCHMARKS) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def publish(name: str, section: str, quick: bool) -> None:
+    """Print the section; a full run (not ``--quick``) also writes it into BENCHMARKS.md."""
+    print(section)
+    if not quick:
+        write_section(name, section)
+        print(f"[{name}] wrote its section of {BENCHMARKS}")

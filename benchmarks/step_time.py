@@ -49,7 +49,7 @@ import autopar
 from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import BENCHMARKS, write_section  # noqa: E402
+from report import publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "step_time"  # its part of BENCHMARKS.md, between <!-- step_time:begin/end --> markers
@@ -377,10 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[step_time] {world_size} ranks ...", flush=True)
         results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=remaining)[0]
     section = render_section(results, settings, command, time.monotonic() - start)
-    print(section)
-    if not args.quick:
-        write_section(SECTION, section)
-        print(f"[step_time] wrote its section of {BENCHMARKS}")
+    publish(SECTION, section, args.quick)
     return 0
 
 

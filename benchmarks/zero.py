@@ -49,7 +49,7 @@ from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import model_state_bytes  # noqa: E402
-from report import BENCHMARKS, write_section  # noqa: E402
+from report import publish  # noqa: E402
 from step_time import (  # noqa: E402
     FULL, LR, QUICK, SEED, TARGET_RATIO, Competitor, _as_is, _backward, _ddp_local_batch, _load_gpt,
     _mean_over_ranks, check_equivalence, time_rounds,
@@ -218,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[zero] {world_size} ranks: memory of {name} ...", flush=True)
             memory[world_size][name] = run_local(memory_rank, world_size, settings, name, timeout_s=300)
     section = render_section(results, memory, settings, command, time.monotonic() - start)
-    print(section)
-    if not args.quick:
-        write_section(SECTION, section)
-        print(f"[zero] wrote its section of {BENCHMARKS}")
+    publish(SECTION, section, args.quick)
     return 0
 
 
