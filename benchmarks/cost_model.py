@@ -302,14 +302,19 @@ def render_section(rows, settings: Settings, command: str, elapsed_s: float, loa
         f"- machine: {os.cpu_count()} cores, shared and noisy (load average {loads}); CPU, gloo, one torch thread per rank "
         f"(4 ranks on {os.cpu_count()} cores is oversubscribed); torch {torch.__version__}, Python {platform.python_version()}.",
         f"- hardware profile: `{PROFILE}`, from `autopar calibrate` ({hardware.description.split(':')[0]}): "
-        f"rendezvous {link.sync_s * 1e3:.2f} ms per blocking collective per unit of contention, {hardware.cores_per_host} cores.",
+        "measured compute contention (the same op mix on every rank at once vs one rank alone) "
+        + ", ".join(f"{n} ranks x{f:.2f}" for n, f in sorted(hardware.contention_by_ranks.items()))
+        + "; rendezvous per blocking collective "
+        + ", ".join(f"{n} ranks {t * 1e3:.2f} ms" for n, t in sorted(link.sync_by_ranks.items()))
+        + f"; {hardware.cores_per_host} cores.",
         "- models: examples/gpt.py, fp32, AdamW; "
         + "; ".join(f"{k} = `build({', '.join(f'{a}={b}' for a, b in v.items())})`" for k, v in MODELS.items())
         + ". Strategies: DP `{dp: N, tp: 1}`; TP `{dp: 1, tp: N}` + Megatron constraints; TP+SP adds `attn_norm`, `mlp_norm`: S(1); "
         "DPxTP `{dp: 2, tp: 2}` + Megatron constraints; auto = no degrees, no constraints. Plans are made once, in the "
         "parent process, before the ranks start.",
         "- predicted: `plan.cost.step_s` = compute (each op's forward + backward timed on this machine at its unsharded "
-        "shape, one thread, scaled by the share of its work a rank does, x the contention max(1, ranks / cores)) + exposed "
+        "shape, one thread, scaled by the share of its work a rank does, x the contention `autopar calibrate` measured for "
+        "that many ranks) + exposed "
         "communication (alpha-beta per collective the plan implies, + the rendezvous per blocking collective) + gradient "
         "sync not hidden behind backward + the AdamW step (80 B per local parameter / memory bandwidth x contention). "
         f"Measured: `train_step` + `optimizer.step()` + `zero_grad()`, a barrier before each step, the slowest rank, median "

@@ -136,29 +136,44 @@ def _sync_excess(record: dict, link: LinkTier) -> float:
     return record["in_step_s"] - collective_time("all_reduce", record["nbytes"], record["ranks"], link)
 
 
+def _burst_weighted_median(values: list[float], records: list[dict]) -> float:
+    """The median of ``values`` weighted by 1 / each record's burst: an excess is the
+    difference of two timings of the burst, so its noise grows with the burst; and the
+    rendezvous weighs most in steps whose collectives come after short compute."""
+    order = np.argsort(values)
+    weights = np.array([1.0 / records[i]["burst_s"] for i in order])
+    middle = np.searchsorted(np.cumsum(weights), weights.sum() / 2)
+    return float(np.array(values)[order][middle])
+
+
 def fit_sync_by_ranks(records: list[dict], link: LinkTier) -> dict[int, float]:
     """Seconds a blocking collective costs in a step beyond alpha-beta, per job size.
 
-    The median over a job's ``measure_sync`` records (every group size and burst it ran)
-    of (in-step cost − ``collective_time``), never below 0. The profile's
+    Over a job's ``measure_sync`` records (every group size and burst it ran), the median
+    of (in-step cost − ``collective_time``) weighted by 1 / burst (see
+    ``_burst_weighted_median``), never below 0. The profile's
     :meth:`~autopar.ir.HardwareProfile.link` uses it for a mesh of that many ranks.
     """
-    jobs = sorted({r["job_ranks"] for r in records})
-    return {job: max(0.0, float(np.median([_sync_excess(r, link) for r in records if r["job_ranks"] == job]))) for job in jobs}
+    fitted = {}
+    for job in sorted({r["job_ranks"] for r in records}):
+        chosen = [r for r in records if r["job_ranks"] == job]
+        fitted[job] = max(0.0, _burst_weighted_median([_sync_excess(r, link) for r in chosen], chosen))
+    return fitted
 
 
 def fit_sync(records: list[dict], link: LinkTier, cores: int, contention: dict[int, float] | None = None) -> float:
     """Seconds a blocking collective costs in a step beyond alpha-beta, per unit of contention:
     what :meth:`~autopar.ir.HardwareProfile.link` scales for a job size not measured.
 
-    The median over ``measure_sync`` records of the excess, each divided by its job's
-    contention (``contention`` where measured, else ranks per core, at least 1), never below 0.
+    Over ``measure_sync`` records, the excess each divided by its job's contention
+    (``contention`` where measured, else ranks per core, at least 1), its median weighted
+    by 1 / burst, never below 0.
     """
     if not records:
         return 0.0
     contention = contention or {}
     excess = [_sync_excess(r, link) / contention.get(r["job_ranks"], max(1.0, r["job_ranks"] / cores)) for r in records]
-    return max(0.0, float(np.median(excess)))
+    return max(0.0, _burst_weighted_median(excess, records))
 
 
 def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: HardwareProfile = PROFILES["cpu-local"]) -> HardwareProfile:

@@ -26,7 +26,7 @@ import dataclasses
 from autopar.ir import Cost, HardwareProfile, Schedule
 
 from .cost import collective_time, maximum
-from .facts import NodeFacts, ShardedShapes, activation_bytes
+from .facts import NodeFacts, ShardedShapes, saved_bytes
 from .stages import partition
 from .strategies import numel
 
@@ -86,10 +86,11 @@ def schedule_cost(cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes,
     kept = outside = recompute_s = 0.0
     layer_saved: dict[str, float] = {}
     layer_inputs: dict[str, set[str]] = {}
+    saved_by_node = saved_bytes(facts, local)  # moved inputs an op saves count as the copies they are
     for name, fact in facts.items():
         if fact.kind not in ("op", "input"):
             continue
-        saved = activation_bytes(fact, local.shapes[name], local.work[name])
+        saved = saved_by_node[name]
         layer = fact.layer
         if layer is None:
             outside += saved

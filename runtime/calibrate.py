@@ -9,7 +9,7 @@ on real gloo process groups over loopback, spawned by :func:`~autopar.runtime.sp
 Ranks that share the cores compute slower than one rank alone: the same op mix timed on
 one rank and on every rank of each group size at once measures by how much.
 
-    measurements = calibrate(ranks=(2, 4))      # ~25 s on 2 cores; quick=True ~8 s
+    measurements = calibrate(ranks=(2, 4))      # ~30 s on 2 cores; quick=True ~10 s
     measurements["collectives"][0]
     {'kind': 'all_reduce', 'ranks': 2, 'nbytes': 4096, 'seconds': 0.00021}
 """
@@ -303,14 +303,17 @@ def _collectives_and_sync(rank: int, world_size: int, sizes_bytes, repeats: int,
 
 
 def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
-    """Measure matmul, memory and collectives on this machine; a dict for ``passes.calibration.fit_profile``.
+    """Measure matmul, memory, contention and collectives on this machine; a dict for
+    ``passes.calibration.fit_profile``.
 
     ``quick`` measures sizes up to 4 MiB with fewer repeats over 2 ranks only (~8 s
-    instead of ~25 s on 2 cores). ``progress`` receives one line per step.
+    instead of ~30 s on 2 cores). ``progress`` receives one line per step. The op mix
+    runs alone here first, then on every rank of each group size at once (``contention``).
 
     >>> measurements = calibrate(quick=True, progress=lambda line: None)   # doctest: +SKIP
     >>> sorted(measurements)                                                # doctest: +SKIP
-    ['collectives', 'contention', 'cores', 'host', 'matmul', 'measured_at', 'memory_bandwidth', 'quick', 'seconds', 'sync', 'threads_per_rank']
+    ['collectives', 'contention', 'cores', 'host', 'matmul', 'measured_at', 'memory_bandwidth',
+     'quick', 'seconds', 'sync', 'threads_per_rank']
     """
     ranks = (2,) if quick else tuple(ranks)
     if not ranks or min(ranks) < 2:

@@ -1,4 +1,5 @@
-"""``autopar calibrate``: the α-β fit (synthetic, exact), the profile it writes, one real quick run.
+"""``autopar calibrate``: the α-β fit (synthetic, exact), the measured contention and rendezvous
+per rank count and the planner's use of them, the profile it writes, one real quick run.
 
 The fitting tests need no processes. One quick calibration on real gloo ranks (~15 s) is
 shared by the end-to-end test and the CLI test; nothing reads the calibrated profile in the
@@ -19,7 +20,14 @@ import pytest
 import autopar.calibrate_cmd
 from autopar.cli import default_profile_path, main
 from autopar.ir import HardwareProfile, LinkTier, get_profile
-from autopar.passes.calibration import fit_collective, fit_contention, fit_errors, fit_profile, model_coefficients
+from autopar.passes.calibration import (
+    fit_collective,
+    fit_contention,
+    fit_errors,
+    fit_profile,
+    fit_sync_by_ranks,
+    model_coefficients,
+)
 from autopar.passes.cost import collective_time
 from autopar.runtime.calibrate import KINDS, SIZES_BYTES, calibrate
 from planning import plan_example
@@ -154,6 +162,16 @@ def test_fit_recovers_the_measured_contention_and_rendezvous_per_rank_count():
     assert link.sync_by_ranks == pytest.approx(TRUE_SYNC_BY_RANKS, rel=0.06)
     # per unit of contention, for rank counts not measured: 0.5 ms / 1.15 and 1.9 ms / 2.6, median of 9 records
     assert link.sync_s == pytest.approx(TRUE_SYNC_BY_RANKS[4] / TRUE_SLOWDOWN[4], rel=0.06)
+
+
+def test_rendezvous_fit_weighs_short_bursts_most():
+    link = LinkTier("free", 0.0, 1e15)  # alpha-beta ~0: the excess is the in-step time
+    measured = [(0.004, 1.2e-3), (0.017, -0.9e-3), (0.053, -1.3e-3), (0.004, 3.6e-3), (0.018, 0.7e-3), (0.051, 0.2e-3)]
+    records = [{"job_ranks": 4, "ranks": 4, "nbytes": 4, "burst_s": burst, "in_step_s": seconds} for burst, seconds in measured]
+    # 4 ranks on 2 cores (a calibration here): after long bursts the wait hides behind the others'
+    # compute and the difference of two long timings is noise; the plain median would say 0.45 ms
+    assert fit_sync_by_ranks(records, link) == {4: pytest.approx(1.2e-3, abs=1e-9)}
+    assert fit_sync_by_ranks([{**r, "in_step_s": -1e-3} for r in records], link) == {4: 0.0}  # never below 0
 
 
 def test_contention_uses_the_measured_factor_where_there_is_one():
