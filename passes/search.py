@@ -318,14 +318,14 @@ def _expert_params(facts) -> frozenset[str]:
     )
 
 
-def _on_axis(strategy: Strategy, view: OpView | None, ctx: AxisContext) -> bool:
+def _on_axis(strategy: Strategy, view: OpView, ctx: AxisContext) -> bool:
     """Kernels run only on their own axis; on cp every split dim holds 2·p chunks, and
     Ulysses needs the heads left after later axes to split again."""
     if strategy.kernel and KERNEL_DIMS[strategy.kernel] != ctx.name:
         return False
     if strategy.kernel == "ulysses" and view.in_shapes[0][1] % (ctx.size * ctx.later):
         return False
-    if ctx.name != "cp" or view is None:
+    if ctx.name != CONTEXT_PARALLEL:
         return True
     shapes = list(view.in_shapes) + [view.out_shape]
     placements = list(strategy.inputs) + [strategy.output]
@@ -336,7 +336,7 @@ def _candidates(fact: NodeFacts, ctx: AxisContext) -> tuple[list[Strategy], bool
     name = fact.node.name
     if fact.kind in ("param", "buffer", "input"):
         shape = ctx.local.shapes[name][0]
-        multiple = 2 * ctx.size if ctx.name == "cp" else ctx.size
+        multiple = 2 * ctx.size if ctx.name == CONTEXT_PARALLEL else ctx.size
         options = [Strategy((), R)] + [Strategy((), Shard(d)) for d in range(len(shape)) if ctx.size > 1 and shape[d] % multiple == 0]
         has_rule = True
     else:
