@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from autopar.api import _capture, _plan_captured
-from autopar.ir import PIPELINES, RECOMPUTE, AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
+from autopar.ir import KERNEL_DIMS, PIPELINES, RECOMPUTE, AutoparError, Mesh, MeshError, Plan, get_profile, parse_placement
 from autopar.passes.export import write_export
 from autopar.passes.symbolic import symbolic_cost
 from autopar.report import (
@@ -138,7 +138,8 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="PATTERN=PLACEMENT",
-        help="pin a parameter or module (fnmatch pattern) on the tp axis, e.g. 'layers.*.mlp.fc1=S(-1)'; repeatable",
+        help="pin a parameter or module (fnmatch pattern) on the tp axis, e.g. 'layers.*.mlp.fc1=S(-1)', or a "
+        f"module's parallel kernel ({', '.join(KERNEL_DIMS)}), e.g. 'layers.*.attn=ring'; repeatable",
     )
     parser.add_argument(
         "--hardware",
@@ -203,6 +204,8 @@ def _constraint(text: str) -> tuple[str, str]:
     pattern, _, placement = text.partition("=")
     if not pattern or not placement:
         raise argparse.ArgumentTypeError(f"cannot read {text!r}: write PATTERN=PLACEMENT, e.g. 'layers.*.mlp.fc1=S(-1)'")
+    if placement.strip() in KERNEL_DIMS:  # a parallel kernel, e.g. 'layers.*.attn=ring'
+        return pattern.strip(), placement.strip()
     try:
         parse_placement(placement)
     except AutoparError as error:

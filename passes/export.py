@@ -270,7 +270,7 @@ def program_code(program: fx.GraphModule, plan: Plan, rank: int) -> str:
         "from math import inf, nan",
         "from torch import device",
         "",
-        "import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar.*)",
+        "import autopar  # noqa: F401  (registers torch.ops.autopar.*: collectives and parallel kernels)",
         "",
     ]
     return "\n".join(lines) + "\n" + _annotated_code(program, plan)

@@ -36,6 +36,8 @@ from torch import nn
 
 from autopar.ir import ConfigError
 
+from .kernel_cost import expert_load
+
 _ROUTER_NAMES = ("gate", "router")
 _EXPERT_PARAMS = {"gate_up_proj", "down_proj"}
 
@@ -87,14 +89,11 @@ def composite_moe(model: nn.Module, *, capacity_factor: float = 0.0):
     """While active, every MoE block of ``model`` runs as one ``autopar::moe`` call (group "").
 
     ``capacity_factor`` > 0 drops slots over capacity, which the eager blocks (dropless) do not:
-    the loss then differs from the eager one. The op must be registered (import
-    ``autopar.runtime``). Example::
+    the loss then differs from the eager one (``import autopar`` registers the op). Example::
 
         with composite_moe(model):
             captured = capture(model, model.example_inputs(8, device="meta"))
     """
-    if not hasattr(torch.ops.autopar, "moe"):
-        raise RuntimeError("torch.ops.autopar.moe is not registered: import autopar.runtime.expert_parallel first")
     overridden: list[tuple[nn.Module, object]] = []
     try:
         for name, block in moe_modules(model).items():
@@ -176,8 +175,6 @@ def record_expert_load(graph_module: torch.fx.GraphModule, args: list) -> None:
     """Run the captured graph once on real values (parameters, buffers, example inputs, in
     placeholder order) and note on each ``autopar.moe`` node the share of routed tokens each
     expert got (``node.meta["expert_load"]``): the cost model's load imbalance."""
-    from .kernel_cost import expert_load
-
     class Recorder(torch.fx.Interpreter):
         def call_function(self, target, call_args, kwargs):
             result = super().call_function(target, call_args, kwargs)

@@ -13,6 +13,7 @@ import pytest
 
 from autopar.cli import main, parse_bytes
 from autopar.ir import Plan
+from equivalence import ROOT
 
 MESH = ["--mesh", "2x2", "--batch", "8"]
 PINNED_TP = ["--degrees", "dp=1,tp=4", "--constraint", "layers.*.mlp.fc1=S(-1)", "--constraint", "layers.*.mlp.fc2=P"]
@@ -24,6 +25,18 @@ def test_plan_prints_module_table_and_predicted_step(capsys):
     assert "layers.0.attn.wq" in out and "weight (" in out
     assert "predicted step time:" in out and " ms" in out
     assert "peak memory per device:" in out and "<- chosen" in out
+
+
+def test_plan_pins_a_parallel_kernel_and_shows_its_traffic(capsys):
+    pins = ["--degrees", "dp=1,cp=4,tp=1", "--constraint", "layers.*.attn=ring", "--json"]
+    model = f"{ROOT / 'examples' / 'long_context_gpt.py'}:build(seq=256)"
+    assert main(["plan", model, "--mesh", "4", "--batch", "1", *pins]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["degrees"] == {"dp": 1, "cp": 4, "tp": 1}
+    attention = [n for n in report["plan"]["nodes"].values() if "scaled_dot_product_attention" in n["op"]]
+    assert attention and all(n["kernel"] == "ring" for n in attention)
+    rows = [row for row in report["modules"] if row["module"].endswith(".attn")]
+    assert rows and all(row["collectives"].get("ring_attention/cp") == 1 and row["collective_bytes"] > 0 for row in rows)
 
 
 def test_plan_json_honours_degrees_and_save_explain_round_trips(capsys, tmp_path):

@@ -14,8 +14,6 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar.*)
-import autopar.runtime.zero3  # noqa: F401  (registers torch.ops.autopar.zero_gather)
 from autopar.ir import ConfigError
 from autopar.passes.capture import capture
 from autopar.passes.facts import layer_of

@@ -9,7 +9,6 @@ from torch import nn
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-import autopar.runtime.expert_parallel  # noqa: F401  (registers torch.ops.autopar.moe)
 from autopar.ir import ConfigError
 from autopar.passes.capture import capture, module_path
 from autopar.passes.moe import composite_moe, moe_modules
