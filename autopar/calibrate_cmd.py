@@ -16,13 +16,13 @@ from autopar.passes.calibration import fit_errors, fit_profile
 from autopar.runtime.calibrate import calibrate
 
 
-def run_calibrate(*, ranks=(2, 4), quick: bool = False, out: Path, progress=None) -> HardwareProfile:
+def run_calibrate(*, ranks=(2, 4), quick: bool = False, out: Path, progress=None, backend: str = "gloo") -> HardwareProfile:
     """Measure, fit, print the table and write the profile to ``out``; return the profile.
 
     >>> run_calibrate(quick=True, out=Path("cpu.json"))     # doctest: +SKIP
     """
     progress = progress or (lambda line: print(line, flush=True))
-    measurements = calibrate(ranks=ranks, quick=quick, progress=progress)
+    measurements = calibrate(ranks=ranks, quick=quick, progress=progress, backend=backend)
     profile = fit_profile(measurements)
     print()
     print(calibration_text(profile))
@@ -42,9 +42,14 @@ def calibration_text(profile: HardwareProfile) -> str:
         for ranks, (alpha, bandwidth) in sorted(by_ranks.items()):
             error = errors.get(kind, {}).get(ranks, float("nan"))
             lines.append(f"{kind:<15}{ranks:>6}{alpha * 1e6:>11.1f}{bandwidth / 1e9:>16.3f}{error * 100:>13.1f}")
-    lines += ["", *contention_lines(profile), ""]
-    lines += [f"matmul {dtype:<9} {rate / 1e9:8.1f} GFLOP/s (one thread)" for dtype, rate in profile.peak_flops.items()]
-    lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.1f} GB/s (one thread, read + write)")
+    if profile.cores_per_host:  # CPU ranks share cores; GPU ranks each have a device
+        lines += ["", *contention_lines(profile), ""]
+        lines += [f"matmul {dtype:<9} {rate / 1e9:8.1f} GFLOP/s (one thread)" for dtype, rate in profile.peak_flops.items()]
+        lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.1f} GB/s (one thread, read + write)")
+    else:
+        lines += [""] + [f"matmul {dtype:<9} {rate / 1e12:8.1f} TFLOP/s" for dtype, rate in profile.peak_flops.items()]
+        lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.0f} GB/s (read + write)")
+        lines.append(f"compute efficiency {profile.compute_efficiency:.2f} of those rates (the preset's whole-model factor)")
     return "\n".join(lines)
 
 

@@ -116,7 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats, 2 ranks only (~10 s instead of ~30 s)")
     calibrate.add_argument("--ranks", type=_ranks, default=(2, 4), metavar="2,4", help="group sizes to measure collectives over")
     calibrate.add_argument(
-        "--out", type=Path, metavar="PATH", help=f"where to write the profile (default {_tilde(default_profile_path())})"
+        "--backend", choices=("gloo", "nccl"), default="gloo",
+        help="gloo: this machine's CPU processes (default); nccl: its GPUs, one per rank (pass the profile to plan with --hardware)",
+    )
+    calibrate.add_argument(
+        "--out", type=Path, metavar="PATH",
+        help=f"where to write the profile (default {_tilde(default_profile_path())}; with nccl {_tilde(default_profile_path('nccl'))})",
     )
     calibrate.set_defaults(handler=_cmd_calibrate)
     return parser
@@ -226,10 +231,11 @@ def parse_bytes(text: str) -> float:
     return float(match.group(1)) * UNITS[unit]
 
 
-def default_profile_path() -> Path:
-    """Where ``autopar calibrate`` writes and plan/export look for this machine's profile."""
+def default_profile_path(backend: str = "gloo") -> Path:
+    """Where ``autopar calibrate`` writes and plan/export look for this machine's profile
+    (a GPU profile is only written there: plan takes it with ``--hardware``)."""
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "autopar" / "profiles" / "cpu-local-calibrated.json"
+    return Path(cache) / "autopar" / "profiles" / ("gpu-calibrated.json" if backend == "nccl" else "cpu-local-calibrated.json")
 
 
 def _tilde(path: Path) -> str:
@@ -404,7 +410,7 @@ def _cmd_run(args) -> int:
 def _cmd_calibrate(args) -> int:
     from autopar.calibrate_cmd import run_calibrate
 
-    run_calibrate(ranks=args.ranks, quick=args.quick, out=args.out or default_profile_path())
+    run_calibrate(ranks=args.ranks, quick=args.quick, out=args.out or default_profile_path(args.backend), backend=args.backend)
     return 0
 
 

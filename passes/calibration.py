@@ -176,6 +176,29 @@ def fit_sync(records: list[dict], link: LinkTier, cores: int, contention: dict[i
     return max(0.0, _burst_weighted_median(excess, records))
 
 
+def fit_link(records: list[dict], name: str, fallback: LinkTier) -> LinkTier:
+    """One link tier with an (α, B) fitted per measured kind and group size; its own (α, B)
+    are all-reduce's over the largest group (``fallback``'s without all-reduce records)."""
+    order = {kind: index for index, kind in enumerate(COLLECTIVES)}
+    groups = sorted({(r["kind"], r["ranks"]) for r in records}, key=lambda group: (order.get(group[0], len(order)), group))
+    fitted: dict[str, dict[int, tuple[float, float]]] = {}
+    for kind, ranks in groups:
+        fitted.setdefault(kind, {})[ranks] = fit_collective(records, kind, ranks)
+    all_reduce = fitted.get("all_reduce")
+    alpha, bandwidth = all_reduce[max(all_reduce)] if all_reduce else (fallback.alpha_s, fallback.bandwidth)
+    return LinkTier(name, alpha, bandwidth, fitted=fitted)
+
+
+def _extra(base: HardwareProfile, measurements: dict, link: LinkTier) -> dict:
+    """The base's extras, the fit's error per kind and group size, the raw measurements."""
+    errors = fit_errors(measurements["collectives"], link)
+    return {
+        **base.extra,
+        "fit_error": {kind: {str(ranks): error for ranks, error in by_ranks.items()} for kind, by_ranks in errors.items()},
+        "measurements": measurements,
+    }
+
+
 def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: HardwareProfile = PROFILES["cpu-local"]) -> HardwareProfile:
     """The hardware profile ``measurements`` (from ``runtime.calibrate.calibrate``) describe.
 
@@ -184,25 +207,19 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
     its own (α, B) are all-reduce's over the largest group, and the in-step rendezvous per
     job size measured. ``contention_by_ranks`` is the measured compute slowdown per rank
     count. Memory size, op overhead and overlap come from ``base``. ``extra`` keeps the fit
-    errors and the raw measurements.
+    errors and the raw measurements. GPU measurements (NCCL) go to :func:`fit_gpu_profile`.
 
     >>> fit_profile(calibrate(quick=True)).save("cpu.json")       # doctest: +SKIP
     """
-    records = measurements["collectives"]
-    order = {kind: index for index, kind in enumerate(COLLECTIVES)}
-    groups = sorted({(r["kind"], r["ranks"]) for r in records}, key=lambda group: (order.get(group[0], len(order)), group))
-    fitted: dict[str, dict[int, tuple[float, float]]] = {}
-    for kind, ranks in groups:
-        fitted.setdefault(kind, {})[ranks] = fit_collective(records, kind, ranks)
-    all_reduce = fitted.get("all_reduce")
-    alpha, bandwidth = all_reduce[max(all_reduce)] if all_reduce else (base.links[0].alpha_s, base.links[0].bandwidth)
-    link = LinkTier("loopback", alpha, bandwidth, fitted=fitted)
-    errors = fit_errors(records, link)
+    if measurements.get("backend") == "nccl":
+        return fit_gpu_profile(measurements)
+    link = fit_link(measurements["collectives"], "loopback", base.links[0])
+    extra = _extra(base, measurements, link)  # the fit's errors: collectives after a barrier, no rendezvous
     cores = measurements.get("cores") or base.cores_per_host
     contention = fit_contention(measurements.get("contention", []))
     sync = measurements.get("sync", [])
     link = replace(link, sync_s=fit_sync(sync, link, cores, contention), sync_by_ranks=fit_sync_by_ranks(sync, link))
-    sizes = sorted({ranks for _, ranks in groups})
+    sizes = sorted({r["ranks"] for r in measurements["collectives"]})
     description = (
         f"measured by `autopar calibrate` at {measurements.get('measured_at', '?')} on {measurements.get('host', 'this machine')}: "
         f"one thread per rank; peak_flops are the achieved matmul rates measured (so compute_efficiency is 1.0), "
@@ -222,9 +239,47 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
         cores_per_host=cores,
         measure_ops=True,
         contention_by_ranks=contention,
-        extra={
-            **base.extra,
-            "fit_error": {kind: {str(ranks): error for ranks, error in by_ranks.items()} for kind, by_ranks in errors.items()},
-            "measurements": measurements,
-        },
+        extra=extra,
+    )
+
+
+GPU_PRESETS = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb", "V100": "v100-16gb"}
+
+
+def gpu_preset(device_name: str) -> HardwareProfile:
+    """The preset of the GPU named ``device_name`` (``torch.cuda.get_device_name``): its
+    inter-node tier, overlap and op overhead are what a one-node calibration cannot measure.
+    An unknown GPU takes the H100's."""
+    return PROFILES[next((preset for key, preset in GPU_PRESETS.items() if key in device_name.upper()), "h100-80gb")]
+
+
+def fit_gpu_profile(measurements: dict, name: str = "gpu-calibrated") -> HardwareProfile:
+    """The profile of a GPU node from ``calibrate(backend="nccl")`` measurements.
+
+    The measured link replaces the preset's tier inside a node (between nodes stays the
+    preset's); peak FLOP/s are the measured large-matmul rates, memory size and bandwidth
+    the device's. ``compute_efficiency`` keeps the preset's whole-model factor against its
+    datasheet peak (set against published runs): preset efficiency x preset peak / measured
+    peak in bfloat16, so a GPU that reaches its datasheet rate on a matmul plans as the preset.
+    """
+    base = gpu_preset(measurements.get("device_name", ""))
+    link = fit_link(measurements["collectives"], base.links[0].name, base.links[0])
+    peak = {dtype: float(rate) for dtype, rate in measurements["matmul"].items()}
+    reference = "bfloat16" if "bfloat16" in peak and "bfloat16" in base.peak_flops else "float32"
+    efficiency = min(1.0, base.compute_efficiency * base.peak_flops[reference] / peak[reference])
+    return replace(
+        base,
+        name=name,
+        description=(
+            f"measured by `autopar calibrate --backend nccl` at {measurements.get('measured_at', '?')} on "
+            f"{measurements.get('host', 'this machine')}: peak_flops are the achieved matmul rates, memory bandwidth one "
+            f"device copy, collectives on NCCL over {', '.join(map(str, sorted({r['ranks'] for r in measurements['collectives']})))} "
+            f"GPUs, alpha-beta fitted per kind and group size; between nodes, overlap and op overhead from {base.name}"
+        ),
+        peak_flops=peak,
+        compute_efficiency=efficiency,
+        memory_bytes=float(measurements.get("memory_bytes", base.memory_bytes)),
+        memory_bandwidth=float(measurements["memory_bandwidth"]),
+        links=(link, *base.links[1:]),
+        extra=_extra(base, measurements, link),
     )

@@ -144,7 +144,8 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
     """Predicted step time and memory of a fully chosen configuration.
 
     The ILP's terms summed by category, compute counted once over all axes, each partial
-    gradient once. Memory as the runtime holds it: model state (ZeRO-sharded), gradient-sync
+    gradient once, a value moved once per destination and layer (as the rewrite shares the
+    move; the ILP, linear, prices every edge). Memory as the runtime holds it: model state (ZeRO-sharded), gradient-sync
     buckets (a flat copy of every synced gradient), the activations autograd saves and, at
     the start of backward, about two tensors of the largest activation (the loss's gradient
     chain); gradients grow as activations are freed (see :attr:`Cost.peak_memory`).
@@ -164,9 +165,12 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
                 synced.add(slot)
             else:
                 comm += seconds
+        moves = set()  # the rewrite moves a value once per (destination, layer): see _Collectives
         for producer, consumer, slot_index, shape in edges(facts, ctx):
             dst = R if facts[consumer].kind == "output" else chosen[consumer].inputs[slot_index] if consumer in chosen else None
-            if producer in chosen and dst is not None:
+            move = (producer, dst, facts[consumer].layer or consumer)
+            if producer in chosen and dst is not None and move not in moves:
+                moves.add(move)
                 comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
         local = local.after(chosen, ctx.size)
     contention = hardware.contention(mesh.shape)

@@ -179,21 +179,25 @@ def saved_bytes(facts: dict[str, NodeFacts], local: ShardedShapes) -> dict[str, 
 
     An op that saves an input a collective brings (``local.moved``: an all-gathered
     sequence-parallel norm output, a chunk) saves the collective's output, a new tensor at
-    its own input placement, one per such input, as the rewrite moves a value once per
-    consumer; the producer's output is kept only where the op saves it or a consumer saves
-    it as it is. Without moved inputs this is :func:`activation_bytes` of every node.
+    its own input placement, once per value, destination and layer however many ops there
+    save it, as the rewrite shares the move (q, k and v save one gathered input); the
+    producer's output is kept only where the op saves it or a consumer saves it as it is. Without moved inputs this is :func:`activation_bytes` of every node.
     """
     kept = {n for n, f in facts.items() if f.kind == "op" and f.needs_grad and f.profile.saves_output}
     copies = dict.fromkeys(facts, 0.0)
+    counted = set()  # (value, its local shape there, layer): one shared move
     for name, fact in facts.items():
         if fact.kind != "op" or not fact.needs_grad:
             continue
         for slot in fact.profile.saved_inputs:
             producer = fact.slots[slot].name
-            if (name, slot) in local.moved:
-                copies[name] += numel(local.slot_shapes[name][slot]) * facts[producer].elem_bytes
-            else:
+            if (name, slot) not in local.moved:
                 kept.add(producer)
+                continue
+            move = (producer, tuple(local.slot_shapes[name][slot]), fact.layer or name)
+            if move not in counted:
+                counted.add(move)
+                copies[name] += numel(local.slot_shapes[name][slot]) * facts[producer].elem_bytes
     return {
         name: activation_bytes(fact, local.shapes[name], local.work[name], saved=name in kept) + copies[name]
         for name, fact in facts.items()

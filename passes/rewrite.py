@@ -6,7 +6,8 @@ Post: a GraphModule with the same placeholders, taking each parameter's, buffer'
 input's LOCAL shard, in which
 - every edge whose producer's placement differs from what its consumer needs carries the
   redistribution (per mesh axis: chunk, all-gather, all-reduce, reduce-scatter, all-to-all,
-  keep-on-first), each an autograd op whose backward is the dual;
+  keep-on-first), each an autograd op whose backward is the dual, one per value, destination
+  and layer however many consumers take it;
 - partial gradients are completed where :mod:`gradients` says (Megatron's f, fused into the
   all-gather when the input was just gathered: sequence parallelism's reduce-scatter), and
   left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
@@ -29,6 +30,7 @@ from autopar.ir import CONTEXT_PARALLEL, KERNEL_DIMS, Partial, Placement, Plan, 
 from autopar.ir.zero import DATA_PARALLEL, zero_shard_dim
 
 from .capture import CapturedGraph
+from .facts import layer_of
 from .gradients import plan_gradients
 from .pipeline import at_node
 from .strategies import tensor_inputs
@@ -117,7 +119,7 @@ def _rewrite_node(node, decision, plan, placements, builder, gradients, device) 
         if node.target is operator.getitem and placements[slot.name] != wanted:
             raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
         with graph.inserting_before(node):
-            new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad))
+            new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad, scope=layer_of(node) or node.name))
     _replace_inputs(node, slots, new_inputs)
     if decision.kernel:
         _use_kernel(node, decision.kernel, builder.groups[KERNEL_DIMS[decision.kernel]])
@@ -194,10 +196,22 @@ class _Collectives:
 
     def __init__(self, graph: fx.Graph, groups: dict[str, str], axes: tuple[str, ...], degrees: dict[str, int]):
         self.graph, self.groups, self.axes, self.degrees = graph, groups, axes, degrees
+        self.emitted: dict[tuple, fx.Node] = {}
 
-    def redistribute(self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str]) -> fx.Node:
+    def redistribute(self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str], scope: str | None = None) -> fx.Node:
+        """``value`` moved from ``src`` to ``dst``, completing its gradient on the axes in
+        ``partial_grad``. Consumers with the same ``scope`` (the caller passes the layer) share
+        one move: q, k and v take one gather of a sequence-parallel norm's output, and backward
+        sums their gradients before its reduce-scatter, which is linear. Moves are not shared
+        across layers, so stage cuts and recomputed layers keep their boundaries."""
         if src == dst and not partial_grad:
             return value
+        key = (value, src, dst, frozenset(partial_grad), scope)
+        if key not in self.emitted:
+            self.emitted[key] = self._move(value, src, dst, partial_grad)
+        return self.emitted[key]
+
+    def _move(self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str]) -> fx.Node:
         current = list(src)
         # Un-shard inner axes first and shard outer axes first: chunk k of a dim sharded over
         # (dp, tp) is dp-chunk-major, as in DTensor.

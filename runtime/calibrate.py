@@ -9,6 +9,11 @@ on real gloo process groups over loopback, spawned by :func:`~autopar.runtime.sp
 Ranks that share the cores compute slower than one rank alone: the same op mix timed on
 one rank and on every rank of each group size at once measures by how much.
 
+On a GPU machine (``backend="nccl"``) the same sweep runs on the GPUs: matmul FLOP/s per
+dtype and memory bandwidth on one device, and the collectives over NCCL with one device
+per rank, each timed between device synchronizations. Ranks do not share a device there,
+so there is no contention or rendezvous to measure.
+
     measurements = calibrate(ranks=(2, 4))      # ~30 s on 2 cores; quick=True ~10 s
     measurements["collectives"][0]
     {'kind': 'all_reduce', 'ranks': 2, 'nbytes': 4096, 'seconds': 0.00021}
@@ -17,6 +22,7 @@ one rank and on every rank of each group size at once measures by how much.
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -26,12 +32,17 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from autopar.ir import ConfigError
+
 from .spawn import run_local
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES_BYTES = tuple(1024 * 4**k for k in range(1, 8))  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES_BYTES = SIZES_BYTES[:-1]  # up to 4 MiB
 MATMUL_SIZES = (128, 256, 512, 768, 1024, 1536, 2048)
+GPU_SIZES_BYTES = tuple(2**16 * 4**k for k in range(7))  # 64 KiB, 256 KiB, ..., 256 MiB: NVLink needs big messages
+GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
+GPU_DTYPES = ("float32", "tf32", "bfloat16", "float16")
 MATMUL_TARGET_S = 0.05  # a matmul this long is past cache and call-overhead effects
 _FLOAT_BYTES = 4  # collectives move float32
 
@@ -46,16 +57,36 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _best_time(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _synchronize(device) -> None:
+    """Wait for the device's queued work: a GPU op returns before it runs."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def measure_matmul(dtypes=("float32", "bfloat16"), sizes=MATMUL_SIZES, repeats: int = 3) -> dict[str, float]:
+def _timed(fn, device="cpu") -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    fn()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def _best_time(fn, repeats: int, device="cpu") -> float:
+    return min(_timed(fn, device) for _ in range(repeats))
+
+
+@contextmanager
+def _matmul_dtype(dtype: str):
+    """``tf32`` is float32 storage with TensorFloat-32 matmuls (off by default in torch)."""
+    allowed = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
+    try:
+        yield torch.float32 if dtype == "tf32" else getattr(torch, dtype)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
+
+
+def measure_matmul(dtypes=("float32", "bfloat16"), sizes=MATMUL_SIZES, repeats: int = 3, device="cpu") -> dict[str, float]:
     """Achieved FLOP/s of square matmuls per dtype, on ONE thread (one rank's share of the CPU).
 
     Walks up ``sizes`` until one product takes at least 50 ms (or the sizes run out) and
@@ -66,30 +97,31 @@ def measure_matmul(dtypes=("float32", "bfloat16"), sizes=MATMUL_SIZES, repeats: 
     """
     rates = {}
     with _one_thread(), torch.no_grad():
-        for dtype in dtypes:
-            for n in sizes:
-                a = torch.randn(n, n).to(getattr(torch, dtype))
-                b = torch.randn(n, n).to(getattr(torch, dtype))
-                torch.mm(a, b)  # warm-up: first-call dispatch and allocation
-                seconds = _best_time(lambda: torch.mm(a, b), 1)
-                if seconds >= MATMUL_TARGET_S or n == sizes[-1]:
-                    seconds = min(seconds, _best_time(lambda: torch.mm(a, b), repeats - 1))
-                    rates[dtype] = 2 * n**3 / seconds
-                    break
+        for name in dtypes:
+            with _matmul_dtype(name) as dtype:
+                for n in sizes:
+                    a = torch.randn(n, n, device=device).to(dtype)
+                    b = torch.randn(n, n, device=device).to(dtype)
+                    torch.mm(a, b)  # warm-up: first-call dispatch and allocation
+                    seconds = _best_time(lambda: torch.mm(a, b), 1, device)
+                    if seconds >= MATMUL_TARGET_S or n == sizes[-1]:
+                        seconds = min(seconds, _best_time(lambda: torch.mm(a, b), repeats - 1, device))
+                        rates[name] = 2 * n**3 / seconds
+                        break
     return rates
 
 
-def measure_memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 5) -> float:
+def measure_memory_bandwidth(nbytes: int = 128 * 2**20, repeats: int = 5, device="cpu") -> float:
     """Bytes/s of one large tensor copy on ONE thread, reads plus writes counted (2·nbytes).
 
     >>> measure_memory_bandwidth()        # doctest: +SKIP
     9.8e9
     """
     with _one_thread():
-        source = torch.ones(nbytes // _FLOAT_BYTES)
+        source = torch.ones(nbytes // _FLOAT_BYTES, device=device)
         target = torch.empty_like(source)
         target.copy_(source)  # warm-up: touches every page of the target
-        return 2 * nbytes / _best_time(lambda: target.copy_(source), repeats)
+        return 2 * nbytes / _best_time(lambda: target.copy_(source), repeats, device)
 
 
 def _numel(nbytes: int, world_size: int) -> int:
@@ -98,23 +130,24 @@ def _numel(nbytes: int, world_size: int) -> int:
     return max(quantum, nbytes // _FLOAT_BYTES // quantum * quantum)
 
 
-def _collective(kind: str, numel: int, rank: int, world_size: int):
+def _collective(kind: str, numel: int, rank: int, world_size: int, device="cpu"):
     """A closure that runs one ``kind`` on the full tensor of ``numel`` elements, and its byte count."""
     chunk = numel // world_size
+    ones, empty = functools.partial(torch.ones, device=device), functools.partial(torch.empty, device=device)
     if kind == "all_reduce":
-        tensor = torch.ones(numel)
+        tensor = ones(numel)
         return lambda: dist.all_reduce(tensor)
     if kind == "all_gather":
-        local, full = torch.ones(chunk), torch.empty(numel)
+        local, full = ones(chunk), empty(numel)
         return lambda: dist.all_gather_single(full, local)
     if kind == "reduce_scatter":
-        full, local = torch.ones(numel), torch.empty(chunk)
+        full, local = ones(numel), empty(chunk)
         return lambda: dist.reduce_scatter_single(local, full)
     if kind == "all_to_all":  # each rank holds numel/world_size and keeps 1/world_size of it
-        sent, received = torch.ones(chunk), torch.empty(chunk)
+        sent, received = ones(chunk), empty(chunk)
         return lambda: dist.all_to_all_single(received, sent)
     if kind == "send_recv":  # pairs (0,1), (2,3), ...: a ping-pong, so one message is half of it
-        message = torch.ones(numel)
+        message = ones(numel)
         peer = rank ^ 1
         if peer >= world_size:
             return lambda: None
@@ -124,7 +157,7 @@ def _collective(kind: str, numel: int, rank: int, world_size: int):
     raise ValueError(f"unknown collective {kind!r}: choose one of {KINDS}")
 
 
-def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, repeats: int = 10) -> list[dict]:
+def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, repeats: int = 10, device="cpu") -> list[dict]:
     """Median seconds of every collective kind and size over this process group; run on every rank.
 
     Call through ``run_local(measure_collectives, world_size, sizes, repeats)``. Each repeat
@@ -136,6 +169,7 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
     ``nbytes`` is what ``collective_time`` takes: the full logical tensor (world_size × the
     per-rank chunk for all_gather, reduce_scatter, all_to_all), the tensor for all_reduce,
     one message for send_recv (timed as half a ping-pong). Every rank returns all records.
+    On a GPU (``device``) each timing waits for the device before and after.
 
         run_local(measure_collectives, 2, (4096, 2**20), 5)[0][0]
         {'kind': 'all_reduce', 'ranks': 2, 'nbytes': 4096, 'seconds': 9.1e-05}
@@ -145,7 +179,7 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
     for kind in KINDS:
         for nbytes in sizes_bytes:
             numel = _numel(nbytes, world_size)
-            run = _collective(kind, numel, rank, world_size)
+            run = _collective(kind, numel, rank, world_size, device)
             run()  # warm-up: gloo sets up its buffers on first use
             count = 2 * repeats if nbytes <= 2**18 else repeats if nbytes <= 2**20 else max(3, repeats // 3)
             cases.append((kind, numel * _FLOAT_BYTES, run, count))
@@ -154,9 +188,7 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
         for case, (kind, _, run, count) in enumerate(cases):
             if round_index < count:
                 dist.barrier()
-                start = time.perf_counter()
-                run()
-                elapsed = time.perf_counter() - start
+                elapsed = _timed(run, device)
                 seconds[case].append(elapsed / 2 if kind == "send_recv" else elapsed)
     by_rank = [None] * world_size
     dist.all_gather_object(by_rank, seconds)
@@ -168,8 +200,9 @@ def measure_collectives(rank: int, world_size: int, sizes_bytes=SIZES_BYTES, rep
 
 
 SYNC_BYTES = 2**18  # the all-reduce that measures the rendezvous: 256 KiB
-SYNC_BURST_S = (0.002, 0.008, 0.024)  # compute before each collective, one core's time
-SYNC_REPEATS = 8
+SYNC_BURST_S = (0.001, 0.004, 0.016)  # compute before each collective, one core's time: a step's spacing
+SYNC_REPEATS = 8  # bursts per timing
+SYNC_ROUNDS = 9  # paired timings (alone, then with collectives) per burst
 
 
 def _slowest(seconds: float) -> float:
@@ -184,9 +217,11 @@ def measure_sync(rank: int, world_size: int) -> list[dict]:
     ``measure_collectives`` starts every collective after a barrier, all ranks waiting. In a
     step the ranks come from compute and arrive apart: the first wait for the last, and
     sleeping processes must be woken. Here every rank runs bursts of matmuls each followed
-    by an all-reduce (no barrier), and the same bursts alone; the slowest rank's difference
-    per repeat is the collective's in-step cost. In a job of 4 or more ranks, pairs run
-    side by side too, as tensor-parallel groups inside data parallelism do. Every rank
+    by an all-reduce (no barrier), and the same bursts alone, in pairs of timings taken one
+    right after the other; the median over pairs of the slowest rank's difference, per
+    burst, is the collective's in-step cost (a difference of two medians taken apart would
+    carry the machine's drift between them). In a job of 4 or more ranks, pairs of ranks
+    run side by side too, as tensor-parallel groups inside data parallelism do. Every rank
     returns all records: ``{"job_ranks", "ranks", "nbytes", "burst_s", "in_step_s"}``.
     """
     torch.set_num_threads(1)
@@ -213,11 +248,11 @@ def measure_sync(rank: int, world_size: int) -> list[dict]:
                         dist.all_reduce(tensor, group=group)
                 return _slowest(time.perf_counter() - start) / SYNC_REPEATS
 
-            alone = [bursts(False) for _ in range(3)]
-            together = [bursts(True) for _ in range(3)]
+            pairs_s = [(bursts(False), bursts(True)) for _ in range(SYNC_ROUNDS)]
             records.append({
-                "job_ranks": world_size, "ranks": size, "nbytes": SYNC_BYTES, "burst_s": statistics.median(alone),
-                "in_step_s": statistics.median(together) - statistics.median(alone),
+                "job_ranks": world_size, "ranks": size, "nbytes": SYNC_BYTES,
+                "burst_s": statistics.median(alone for alone, _ in pairs_s),
+                "in_step_s": statistics.median(together - alone for alone, together in pairs_s),
             })
     return records
 
@@ -302,22 +337,32 @@ def _collectives_and_sync(rank: int, world_size: int, sizes_bytes, repeats: int,
     }
 
 
-def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
+def _gpu_collectives(rank: int, world_size: int, sizes_bytes, repeats: int) -> list[dict]:
+    torch.cuda.set_device(rank)  # one device per rank, as torchrun's LOCAL_RANK
+    return measure_collectives(rank, world_size, sizes_bytes, repeats, device=f"cuda:{rank}")
+
+
+def calibrate(ranks=(2, 4), quick: bool = False, progress=print, backend: str = "gloo") -> dict:
     """Measure matmul, memory, contention and collectives on this machine; a dict for
     ``passes.calibration.fit_profile``.
 
     ``quick`` measures sizes up to 4 MiB with fewer repeats over 2 ranks only (~8 s
     instead of ~30 s on 2 cores). ``progress`` receives one line per step. The op mix
     runs alone here first, then on every rank of each group size at once (``contention``).
+    ``backend="nccl"`` measures the GPUs instead (:func:`calibrate_gpus`).
 
     >>> measurements = calibrate(quick=True, progress=lambda line: None)   # doctest: +SKIP
     >>> sorted(measurements)                                                # doctest: +SKIP
-    ['collectives', 'contention', 'cores', 'host', 'matmul', 'measured_at', 'memory_bandwidth',
-     'quick', 'seconds', 'sync', 'threads_per_rank']
+    ['backend', 'collectives', 'contention', 'cores', 'host', 'matmul', 'measured_at',
+     'memory_bandwidth', 'quick', 'seconds', 'sync', 'threads_per_rank']
     """
     ranks = (2,) if quick else tuple(ranks)
     if not ranks or min(ranks) < 2:
         raise ValueError(f"ranks must be group sizes of at least 2, got {ranks}")
+    if backend == "nccl":
+        return calibrate_gpus(ranks, quick, progress)
+    if backend != "gloo":
+        raise ValueError(f"unknown backend {backend!r}: calibrate measures gloo (CPU) or nccl (GPU)")
     sizes, repeats = (QUICK_SIZES_BYTES, 10) if quick else (SIZES_BYTES, 30)
     started = time.perf_counter()
     measured_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -350,6 +395,7 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
             f"{measured['contention']['mix_s'] / contention[0]['mix_s']:.2f}x its time alone"
         )
     return {
+        "backend": "gloo",
         "matmul": matmul,
         "memory_bandwidth": memory_bandwidth,
         "contention": contention,
@@ -358,6 +404,49 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
         "cores": os.cpu_count(),
         "measured_at": measured_at,
         "host": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})",
+        "threads_per_rank": 1,
+        "quick": quick,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def calibrate_gpus(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
+    """The GPU sweep: matmul FLOP/s per dtype (float32, TF32, bfloat16, float16) and memory
+    bandwidth on GPU 0, then every collective kind over NCCL for each group size, one GPU
+    per rank, messages of 64 KiB to 256 MiB. Same record format as :func:`calibrate`, with
+    the device's name and memory; no contention or rendezvous records."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < max(ranks):
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(
+            f"calibrating NCCL over {max(ranks)} ranks needs {max(ranks)} GPUs, this machine has {found}: "
+            "pass --ranks with at most that many, or calibrate gloo (the default) on a CPU machine"
+        )
+    sizes, repeats = (GPU_SIZES_BYTES[:-2], 10) if quick else (GPU_SIZES_BYTES, 30)
+    started = time.perf_counter()
+    measured_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    device = torch.device("cuda", 0)
+    progress(f"matmul FLOP/s on {torch.cuda.get_device_name(device)}, {', '.join(GPU_DTYPES)}")
+    matmul = measure_matmul(GPU_DTYPES, GPU_MATMUL_SIZES, repeats=10, device=device)
+    progress("  " + ", ".join(f"{dtype} {rate / 1e12:.1f} TFLOP/s" for dtype, rate in matmul.items()))
+    memory_bandwidth = measure_memory_bandwidth(2**30, repeats=10, device=device)
+    progress(f"memory bandwidth, one 1 GiB copy: {memory_bandwidth / 1e9:.0f} GB/s")
+    collectives = []
+    for world_size in ranks:
+        progress(f"collectives over {world_size} GPUs on NCCL: {len(KINDS)} kinds x {len(sizes)} sizes, {repeats} repeats")
+        collectives += run_local(_gpu_collectives, world_size, sizes, repeats, timeout_s=600, backend="nccl")[0]
+    properties = torch.cuda.get_device_properties(device)
+    return {
+        "backend": "nccl",
+        "matmul": matmul,
+        "memory_bandwidth": memory_bandwidth,
+        "contention": [],
+        "collectives": collectives,
+        "sync": [],
+        "cores": 0,
+        "device_name": properties.name,
+        "memory_bytes": properties.total_memory,
+        "measured_at": measured_at,
+        "host": f"{platform.node()} ({torch.cuda.device_count()} x {properties.name}, torch {torch.__version__})",
         "threads_per_rank": 1,
         "quick": quick,
         "seconds": time.perf_counter() - started,

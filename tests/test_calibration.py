@@ -19,7 +19,7 @@ import pytest
 
 import autopar.calibrate_cmd
 from autopar.cli import default_profile_path, main
-from autopar.ir import HardwareProfile, LinkTier, get_profile
+from autopar.ir import ConfigError, HardwareProfile, LinkTier, get_profile
 from autopar.passes.calibration import (
     fit_collective,
     fit_contention,
@@ -29,7 +29,7 @@ from autopar.passes.calibration import (
     model_coefficients,
 )
 from autopar.passes.cost import collective_time
-from autopar.runtime.calibrate import KINDS, SIZES_BYTES, calibrate
+from autopar.runtime.calibrate import GPU_SIZES_BYTES, KINDS, SIZES_BYTES, calibrate
 from planning import plan_example
 
 TRUE_LINKS = {  # (alpha seconds, bandwidth bytes/s) per kind, different so a mix-up shows
@@ -83,6 +83,58 @@ def synthetic_measurements(noise: float = 0.05, seed: int = 0) -> dict:
         "quick": False,
         "seconds": 1.0,
     }
+
+
+GPU_LINKS = {kind: (alpha / 20, bandwidth * 250) for kind, (alpha, bandwidth) in TRUE_LINKS.items()}  # NVLink-like
+GPU_MATMUL = {"float32": 50e12, "tf32": 380e12, "bfloat16": 700e12, "float16": 720e12}
+
+
+def synthetic_gpu_measurements(noise: float = 0.05, seed: int = 0) -> dict:
+    """What calibrate(backend="nccl") would return on an 8-GPU H100 node following collective_time."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for ranks in (2, 8):
+        link = LinkTier("truth", 0.0, 1.0, fitted={kind: {ranks: ab} for kind, ab in GPU_LINKS.items()})
+        records += [
+            {"kind": kind, "ranks": ranks, "nbytes": nbytes,
+             "seconds": collective_time(kind, nbytes, ranks, link) * rng.uniform(1 - noise, 1 + noise)}
+            for kind in KINDS for nbytes in GPU_SIZES_BYTES
+        ]
+    return {
+        "backend": "nccl", "matmul": GPU_MATMUL, "memory_bandwidth": 3.0e12, "contention": [], "collectives": records,
+        "sync": [], "cores": 0, "device_name": "NVIDIA H100 80GB HBM3", "memory_bytes": 85e9,
+        "measured_at": "2026-01-01T00:00:00+00:00", "host": "test", "threads_per_rank": 1, "quick": False, "seconds": 1.0,
+    }
+
+
+def test_gpu_measurements_make_a_node_profile_on_the_matching_preset(tmp_path):
+    profile = fit_profile(synthetic_gpu_measurements())
+    preset = get_profile("h100-80gb")
+    inside, between = profile.links
+    assert profile.name == "gpu-calibrated" and inside.name == preset.links[0].name and between == preset.links[1]
+    for kind, (alpha, bandwidth) in GPU_LINKS.items():
+        for ranks in (2, 8):
+            fitted_alpha, fitted_bandwidth = inside.alpha_beta(kind, ranks)
+            assert fitted_alpha == pytest.approx(alpha, rel=0.10) and fitted_bandwidth == pytest.approx(bandwidth, rel=0.10)
+    assert profile.peak_flops == GPU_MATMUL and profile.memory_bytes == 85e9 and profile.memory_bandwidth == 3.0e12
+    # the preset's whole-model factor against its datasheet: the same bfloat16 rate as the preset plans with
+    assert profile.flops_per_s("bfloat16") == pytest.approx(preset.flops_per_s("bfloat16"))
+    assert not profile.measure_ops and profile.contention((8,)) == 1.0 and profile.link((8,), 8).sync_s == 0.0
+    assert HardwareProfile.load(profile.save(tmp_path / "gpu.json")) == profile
+    plan = plan_example("mlp.py", 8, batch=64, hardware=profile)
+    assert plan.hardware == "gpu-calibrated" and plan.cost.step_s > 0
+    assert fit_profile({**synthetic_gpu_measurements(), "device_name": "NVIDIA A100-SXM4-80GB"}).links[1] == get_profile("a100-80gb").links[1]
+
+
+def test_calibrating_nccl_without_enough_gpus_says_what_to_do(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="needs 4 GPUs, this machine has 0: pass --ranks"):
+        calibrate(ranks=(2, 4), backend="nccl", progress=lambda line: None)
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        calibrate(backend="mpi", progress=lambda line: None)
 
 
 def test_coefficients_are_read_off_collective_time():
@@ -231,8 +283,8 @@ def test_calibrate_cli_prints_table_and_writes_a_loadable_profile(quick_run, tmp
     measurements, _ = quick_run
     asked = {}
 
-    def measured(ranks, quick, progress):  # reuse the quick run: the CLI's job is fit, print, save
-        asked.update(ranks=ranks, quick=quick)
+    def measured(ranks, quick, progress, backend):  # reuse the quick run: the CLI's job is fit, print, save
+        asked.update(ranks=ranks, quick=quick, backend=backend)
         progress("measuring (reused)")
         return measurements
 
@@ -242,7 +294,7 @@ def test_calibrate_cli_prints_table_and_writes_a_loadable_profile(quick_run, tmp
     with redirect_stdout(printed):
         assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out_path)]) == 0
     text = printed.getvalue()
-    assert asked == {"ranks": (2,), "quick": True}
+    assert asked == {"ranks": (2,), "quick": True, "backend": "gloo"}
     assert "fit error %" in text and "GFLOP/s" in text and "memory copy" in text and str(out_path) in text
     assert "compute slowdown" in text and "rendezvous ms" in text
     assert all(f"{kind} " in text for kind in KINDS)

@@ -29,14 +29,18 @@ def _saved(constraints, degrees):
     return facts, local, saved_bytes(facts, local), by_target
 
 
-def test_sequence_parallel_linears_save_their_own_gathered_input():
+def test_sequence_parallel_linears_share_the_gathered_input_they_save():
     facts, local, saved, by_target = _saved(SEQUENCE_PARALLEL, {"dp": 1, "tp": 2})
     full = BATCH * GPT["seq"] * GPT["hidden"] * FLOAT  # the norm output all-gathered over the sequence
     norm, mlp_norm = by_target("layer_norm")[:2]
     q, k, v, wo, fc1 = by_target("linear")[:5]
-    for linear in (q, k, v, fc1):  # each gathers the norm output for itself and saves that copy
+    for linear in (q, k, v, fc1):
         assert (linear, 0) in local.moved
-        assert saved[linear] == activation_bytes(facts[linear], local.shapes[linear], local.work[linear]) + full
+    # the rewrite gathers the attention norm's output once for q, k and v: one copy, counted at q
+    assert saved[q] == activation_bytes(facts[q], local.shapes[q], local.work[q]) + full
+    for linear in (k, v):
+        assert saved[linear] == activation_bytes(facts[linear], local.shapes[linear], local.work[linear])
+    assert saved[fc1] == activation_bytes(facts[fc1], local.shapes[fc1], local.work[fc1]) + full
     for name in (norm, mlp_norm):  # its sequence shard is saved by nobody as it is: only what layer_norm saves itself
         assert saved[name] == activation_bytes(facts[name], local.shapes[name], local.work[name], saved=False)
         assert facts[name].saved and local.shapes[name][0] == (BATCH, GPT["seq"] // 2, GPT["hidden"])

@@ -29,6 +29,18 @@ def test_megatron_plan_gets_one_all_reduce_per_row_parallel_layer_and_local_head
     assert "torch.ops.autopar.all_reduce.default" in program.code
 
 
+def test_sequence_parallel_norm_output_is_gathered_once_for_q_k_and_v():
+    sp = {**TP, "layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}
+    plan = plan_example("gpt.py", 4, batch=8, model_kwargs=GPT, degrees={"tp": 4}, constraints=sp)
+    program = _rewritten(plan)
+    gathers = [n for n in program.graph.nodes if n.target is torch.ops.autopar.all_gather.default]
+    gathered = [n.args[0].name for n in gathers]
+    assert len(gathered) == len(set(gathered))  # each value gathered once, whatever its consumers
+    qkv_input = [n for n in gathers if len(n.users) == 3]  # wq, wk, wv share the norm output's gather
+    assert len(qkv_input) == 1 and all(u.target is torch.ops.aten.linear.default for u in qkv_input[0].users)
+    assert qkv_input[0].args[-1] is True  # backward reduce-scatters the summed partial gradients
+
+
 def test_data_parallel_plan_only_reduces_the_loss():
     # a GPU profile: this machine's profile times ops while planning, and on a busy machine a
     # tiny model's measured times can tip it to replicating a cheap op
