@@ -189,7 +189,7 @@ def fit_link(records: list[dict], name: str, fallback: LinkTier) -> LinkTier:
     return LinkTier(name, alpha, bandwidth, fitted=fitted)
 
 
-def _extra(base: HardwareProfile, measurements: dict, link: LinkTier) -> dict:
+def _fit_extras(base: HardwareProfile, measurements: dict, link: LinkTier) -> dict:
     """The base's extras, the fit's error per kind and group size, the raw measurements."""
     errors = fit_errors(measurements["collectives"], link)
     return {
@@ -214,7 +214,7 @@ def fit_profile(measurements: dict, name: str = "cpu-local-calibrated", base: Ha
     if measurements.get("backend") == "nccl":
         return fit_gpu_profile(measurements)
     link = fit_link(measurements["collectives"], "loopback", base.links[0])
-    extra = _extra(base, measurements, link)  # the fit's errors: collectives after a barrier, no rendezvous
+    extra = _fit_extras(base, measurements, link)  # the fit's errors: collectives after a barrier, no rendezvous
     cores = measurements.get("cores") or base.cores_per_host
     contention = fit_contention(measurements.get("contention", []))
     sync = measurements.get("sync", [])
@@ -281,5 +281,5 @@ def fit_gpu_profile(measurements: dict, name: str = "gpu-calibrated") -> Hardwar
         memory_bytes=float(measurements.get("memory_bytes", base.memory_bytes)),
         memory_bandwidth=float(measurements["memory_bandwidth"]),
         links=(link, *base.links[1:]),
-        extra=_extra(base, measurements, link),
+        extra=_fit_extras(base, measurements, link),
     )

@@ -13,7 +13,7 @@ from autopar.ir import KERNEL_DIMS, ConfigError, Cost, HardwareProfile, Mesh, Pl
 
 from .capture import CapturedGraph
 from .cost import collective_time, grad_sync_time, maximum, minimum, model_state_bytes, optimizer_time, reshard_time
-from .facts import NodeFacts, ShardedShapes, activation_bytes, analyze
+from .facts import NodeFacts, ShardedShapes, activation_bytes, analyze, move_scope
 from .kernel_cost import kernel_time
 from .layers import kept_share, schedule_cost
 from .strategies import Strategy, numel, work_fraction
@@ -144,9 +144,9 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
     """Predicted step time and memory of a fully chosen configuration.
 
     The ILP's terms summed by category, compute counted once over all axes, each partial
-    gradient once, a value moved once per destination and layer (as the rewrite shares the
-    move; the ILP, linear, prices every edge). Memory as the runtime holds it: model state (ZeRO-sharded), gradient-sync
-    buckets (a flat copy of every synced gradient), the activations autograd saves and, at
+    gradient once, a value moved once per destination and :func:`~.facts.move_scope` (as the
+    rewrite shares the move; the ILP, linear, prices every edge). Memory as the runtime holds
+    it: model state (ZeRO-sharded), gradient-sync buckets (a flat copy of every synced gradient), the activations autograd saves and, at
     the start of backward, about two tensors of the largest activation (the loss's gradient
     chain); gradients grow as activations are freed (see :attr:`Cost.peak_memory`).
     """
@@ -165,10 +165,10 @@ def evaluate(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: 
                 synced.add(slot)
             else:
                 comm += seconds
-        moves = set()  # the rewrite moves a value once per (destination, layer): see _Collectives
+        moves = set()  # (value, destination, scope): moved once
         for producer, consumer, slot_index, shape in edges(facts, ctx):
             dst = R if facts[consumer].kind == "output" else chosen[consumer].inputs[slot_index] if consumer in chosen else None
-            move = (producer, dst, facts[consumer].layer or consumer)
+            move = (producer, dst, move_scope(facts[consumer].node))
             if producer in chosen and dst is not None and move not in moves:
                 moves.add(move)
                 comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)

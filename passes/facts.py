@@ -147,6 +147,13 @@ def layer_of(node: fx.Node) -> str | None:
     return match.group(1) if match else None
 
 
+def move_scope(node: fx.Node) -> str:
+    """Consumers of one value in one scope share its move to a placement (the rewrite emits
+    one collective for q, k and v): its layer; outside layers every consumer is its own scope,
+    so no move crosses a stage cut or a recomputed layer."""
+    return layer_of(node) or node.name
+
+
 def _op_time(node: fx.Node, profile: OpProfile, hardware: HardwareProfile, needs_grad: bool) -> float:
     measured = measured_time(node, needs_grad, profile) if hardware.measure_ops else None
     if measured is not None:
@@ -179,13 +186,14 @@ def saved_bytes(facts: dict[str, NodeFacts], local: ShardedShapes) -> dict[str, 
 
     An op that saves an input a collective brings (``local.moved``: an all-gathered
     sequence-parallel norm output, a chunk) saves the collective's output, a new tensor at
-    its own input placement, once per value, destination and layer however many ops there
-    save it, as the rewrite shares the move (q, k and v save one gathered input); the
-    producer's output is kept only where the op saves it or a consumer saves it as it is. Without moved inputs this is :func:`activation_bytes` of every node.
+    its own input placement, once per value, destination and :func:`move_scope` however many
+    ops there save it (q, k and v save one gathered input); the producer's output is kept
+    only where the op saves it or a consumer saves it as it is. Without moved inputs this is
+    :func:`activation_bytes` of every node.
     """
     kept = {n for n, f in facts.items() if f.kind == "op" and f.needs_grad and f.profile.saves_output}
     copies = dict.fromkeys(facts, 0.0)
-    counted = set()  # (value, its local shape there, layer): one shared move
+    counted = set()  # (value, its local shape there, scope): one shared move
     for name, fact in facts.items():
         if fact.kind != "op" or not fact.needs_grad:
             continue
@@ -194,7 +202,7 @@ def saved_bytes(facts: dict[str, NodeFacts], local: ShardedShapes) -> dict[str, 
             if (name, slot) not in local.moved:
                 kept.add(producer)
                 continue
-            move = (producer, tuple(local.slot_shapes[name][slot]), fact.layer or name)
+            move = (producer, tuple(local.slot_shapes[name][slot]), move_scope(fact.node))
             if move not in counted:
                 counted.add(move)
                 copies[name] += numel(local.slot_shapes[name][slot]) * facts[producer].elem_bytes

@@ -30,7 +30,7 @@ from autopar.ir import CONTEXT_PARALLEL, KERNEL_DIMS, Partial, Placement, Plan, 
 from autopar.ir.zero import DATA_PARALLEL, zero_shard_dim
 
 from .capture import CapturedGraph
-from .facts import layer_of
+from .facts import move_scope
 from .gradients import plan_gradients
 from .pipeline import at_node
 from .strategies import tensor_inputs
@@ -119,7 +119,7 @@ def _rewrite_node(node, decision, plan, placements, builder, gradients, device) 
         if node.target is operator.getitem and placements[slot.name] != wanted:
             raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
         with graph.inserting_before(node):
-            new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad, scope=layer_of(node) or node.name))
+            new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad, move_scope(node)))
     _replace_inputs(node, slots, new_inputs)
     if decision.kernel:
         _use_kernel(node, decision.kernel, builder.groups[KERNEL_DIMS[decision.kernel]])
@@ -198,12 +198,11 @@ class _Collectives:
         self.graph, self.groups, self.axes, self.degrees = graph, groups, axes, degrees
         self.emitted: dict[tuple, fx.Node] = {}
 
-    def redistribute(self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str], scope: str | None = None) -> fx.Node:
+    def redistribute(self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str], scope: str) -> fx.Node:
         """``value`` moved from ``src`` to ``dst``, completing its gradient on the axes in
-        ``partial_grad``. Consumers with the same ``scope`` (the caller passes the layer) share
+        ``partial_grad``. Consumers with the same ``scope`` (:func:`~.facts.move_scope`) share
         one move: q, k and v take one gather of a sequence-parallel norm's output, and backward
-        sums their gradients before its reduce-scatter, which is linear. Moves are not shared
-        across layers, so stage cuts and recomputed layers keep their boundaries."""
+        sums their gradients before its reduce-scatter, which is linear."""
         if src == dst and not partial_grad:
             return value
         key = (value, src, dst, frozenset(partial_grad), scope)
