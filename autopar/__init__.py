@@ -1,18 +1,38 @@
 """autopar: find how to spread a PyTorch model over a device mesh, and run it there."""
 
-from .ir import (
+from autopar import runtime  # noqa: F401, I001  (registers torch.ops.autopar.*, which captured and rewritten graphs call)
+from autopar.api import capture, parallelize, plan
+from autopar.ir import (
     AutoparError,
     ConfigError,
     MemoryLimitError,
-    MeshError,
     Mesh,
+    MeshError,
     Partial,
     Plan,
+    PlanOptions,
     Replicate,
     Shard,
     ShardingRuleError,
     StalePlanError,
     TraceError,
 )
-from . import runtime  # noqa: F401  (registers torch.ops.autopar.*, which captured and rewritten graphs call)
-from .api import parallelize, plan
+
+__all__ = [
+    "AutoparError",
+    "ConfigError",
+    "MemoryLimitError",
+    "Mesh",
+    "MeshError",
+    "Partial",
+    "Plan",
+    "PlanOptions",
+    "Replicate",
+    "Shard",
+    "ShardingRuleError",
+    "StalePlanError",
+    "TraceError",
+    "capture",
+    "parallelize",
+    "plan",
+]

@@ -10,70 +10,62 @@ import dataclasses
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir import ConfigError, HardwareProfile, Mesh, MeshError, Plan, StalePlanError, batch_split, get_profile
-from autopar.passes.capture import CapturedGraph, capture
-from autopar.passes.pipeline import PassLog, verify_graph
-from autopar.passes.recompute import apply_recompute
-from autopar.passes.rewrite import rewrite
-from autopar.passes.search import search
-from autopar.passes.stage_split import split_stages
+from autopar.ir import Axis, ConfigError, Mesh, MeshError, Plan, PlanOptions, StalePlanError, batch_split
+from autopar.passes.capture.graph import CapturedGraph
+from autopar.passes.capture.graph import capture as capture_graph
+from autopar.passes.rewrite.recompute import apply_recompute
+from autopar.passes.rewrite.rewrite import rewrite
+from autopar.passes.rewrite.stages import split_stages
+from autopar.passes.runner import PassLog, verify_graph
+from autopar.passes.search.search import search
+
+
+def capture(model: nn.Module, example_inputs: tuple) -> CapturedGraph:
+    """Capture ``model`` on ``example_inputs`` (the GLOBAL batch; real, fake or meta tensors) as
+    an aten-level graph: the first stage of :func:`plan`, for planning one model several ways.
+
+    >>> captured = capture(model, model.example_inputs(8, device="meta"))   # doctest: +SKIP
+    >>> plan(captured, "2x2", zero=1)                                        # doctest: +SKIP
+    """
+    return _capture(model, example_inputs)
 
 
 def plan(
-    model: nn.Module,
+    model: nn.Module | CapturedGraph,
     mesh,
-    example_inputs: tuple,
-    *,
-    degrees: dict[str, int] | None = None,
-    constraints: dict[str, object] | None = None,
-    hardware: str | HardwareProfile | None = None,
-    memory_limit: float | None = None,
-    zero: int | None = None,
-    recompute: str | None = None,
-    microbatches: int | None = None,
-    pipeline: str | None = None,
-    stage_cuts: list[str] | None = None,
+    example_inputs: tuple | None = None,
+    options: PlanOptions | None = None,
+    **pins,
 ) -> Plan:
     """Find how to run ``model`` on ``mesh``; needs no process group and works on meta models.
 
-    ``example_inputs`` describe the GLOBAL batch. ``degrees`` pins parallel sizes
-    (``{"dp": 2, "tp": 2}``), ``constraints`` pins placements by parameter or module name
-    pattern (``{"layers.*.attn_norm": "S(1)"}``, on the tensor-parallel axis), ``zero`` pins
-    the ZeRO stage (0-3) over the data-parallel axis; by default the search takes the lowest
-    stage that fits ``memory_limit``. ``degrees={"pp": 2, ...}`` pins pipeline stages,
-    ``recompute`` ("none", "selective", "full") activation recomputation (by default the
-    least that fits), ``microbatches`` the pieces the local batch runs in, ``pipeline`` the
-    schedule ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv"; by default the
-    search picks it) and ``stage_cuts`` the layers that start each stage module after the
-    first (``["layers.6"]``; by default a balanced split).
+    ``model`` is a module with ``example_inputs`` describing the GLOBAL batch, or a graph from
+    :func:`capture`. What the search may not choose is :class:`PlanOptions` — ``options``, or
+    its fields as keywords: ``degrees`` (``{"dp": 2, "tp": 2}``, ``"pp"`` for pipeline stages),
+    ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
+    "S(1)"}``), ``hardware``, ``memory_limit``, ``zero`` (0-3), ``recompute`` ("none",
+    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule) and ``stage_cuts``.
 
-    >>> p = plan(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
-    >>> print(p)                                         # doctest: +SKIP
+    >>> p = plan(model, "2x2", model.example_inputs(8), zero=1)   # doctest: +SKIP
+    >>> print(p)                                                  # doctest: +SKIP
     """
-    return _plan_captured(
-        _capture(model, example_inputs), mesh, degrees, constraints, hardware, memory_limit,
-        dict(zero=zero, recompute=recompute, microbatches=microbatches, pipeline=pipeline, stage_cuts=stage_cuts),
-    )
+    if not isinstance(model, CapturedGraph):
+        if example_inputs is None:
+            raise ConfigError("plan needs example_inputs for a module (or a graph from autopar.capture)")
+        model = _capture(model, example_inputs)
+    return _search(model, Mesh.of(mesh), PlanOptions.of(options, **pins))
 
 
 def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> CapturedGraph:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
-    return (log or PassLog()).run("capture", capture, model, tuple(example_inputs), verify=lambda c: verify_graph(c.graph_module))
-
-
-def _plan_captured(captured, mesh, degrees, constraints, hardware, memory_limit, pins=None, log: PassLog | None = None) -> Plan:
     return (log or PassLog()).run(
-        "search",
-        search,
-        captured,
-        Mesh.of(mesh),
-        get_profile(hardware),
-        degrees=degrees,
-        memory_limit=memory_limit,
-        constraints=constraints,
-        **(pins or {}),
+        "capture", capture_graph, model, tuple(example_inputs), verify=lambda c: verify_graph(c.graph_module)
     )
+
+
+def _search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions, log: PassLog | None = None) -> Plan:
+    return (log or PassLog()).run("search", search, captured, mesh, options)
 
 
 def parallelize(
@@ -82,15 +74,8 @@ def parallelize(
     example_inputs: tuple,
     *,
     plan: Plan | str | None = None,
-    degrees: dict[str, int] | None = None,
-    constraints: dict[str, object] | None = None,
-    hardware: str | HardwareProfile | None = None,
-    memory_limit: float | None = None,
-    zero: int | None = None,
-    recompute: str | None = None,
-    microbatches: int | None = None,
-    pipeline: str | None = None,
-    stage_cuts: list[str] | None = None,
+    options: PlanOptions | None = None,
+    **pins,
 ):
     """Plan (or load ``plan``) and build this rank's trainable module. Call on every rank.
 
@@ -105,8 +90,8 @@ def parallelize(
     >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
     >>> loss = pmodel.train_step(*pmodel.shard_batch(*batch))         # doctest: +SKIP
     """
-    from autopar.runtime.module import ParallelModule
-    from autopar.runtime.pipeline import PIPELINE_AXIS, AccumulatingModule, PipelineModule
+    from autopar.runtime.module import AccumulatingModule, ParallelModule
+    from autopar.runtime.pipeline import PipelineModule
     from autopar.runtime.process_groups import build_device_mesh, group_name
 
     mesh = Mesh.of(mesh)
@@ -125,10 +110,8 @@ def parallelize(
     if isinstance(plan, str):
         plan = Plan.load(plan)
     if plan is None:
-        plan = _plan_on_rank_zero(lambda: _plan_captured(
-            captured, mesh, degrees, constraints, hardware, memory_limit,
-            dict(zero=zero, recompute=recompute, microbatches=microbatches, pipeline=pipeline, stage_cuts=stage_cuts), log,
-        ))
+        options = PlanOptions.of(options, **pins)
+        plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
@@ -137,21 +120,35 @@ def parallelize(
     _check_runnable(plan)
     schedule = plan.schedule
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    layout = {PIPELINE_AXIS: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
+    layout = {Axis.PP: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
     device_mesh = build_device_mesh(layout, device_type)
     groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
     running = _microbatch_capture(model, example_inputs, captured, plan, log)
     program = log.run(
-        "rewrite", rewrite, running, dataclasses.replace(plan, fingerprint=running.fingerprint),
-        groups=groups, device=device_type, verify=verify_graph,
+        "rewrite",
+        rewrite,
+        running,
+        dataclasses.replace(plan, fingerprint=running.fingerprint),
+        groups=groups,
+        device=device_type,
+        verify=verify_graph,
     )
     program = log.run("recompute", apply_recompute, program, schedule.recompute, verify=verify_graph)
-    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    state = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
     if schedule.stages > 1:
         stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
         return PipelineModule(
-            stages, plan, device_mesh, param_names=captured.params, buffer_names=captured.buffers,
-            input_names=captured.user_inputs, state=state, tied=captured.tied,
+            stages,
+            plan,
+            device_mesh,
+            param_names=captured.params,
+            buffer_names=captured.buffers,
+            input_names=captured.user_inputs,
+            state=state,
+            tied=captured.tied,
         )
     module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
     return module_class(
@@ -189,6 +186,7 @@ def _microbatch_capture(model, example_inputs, captured: CapturedGraph, plan: Pl
             f"{example_inputs[0].shape[0]}: run it without microbatches"
         )
     return micro
+
 
 def _plan_on_rank_zero(search):
     """One search, on rank 0, shared with every rank: ops timed while planning differ from

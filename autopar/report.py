@@ -6,15 +6,14 @@ Rows are plain dicts (the ``--json`` output); the ``*_text`` functions render th
 from __future__ import annotations
 
 import dataclasses
-
 from collections import Counter
 
 import torch
 from tabulate import tabulate
 
 from autopar.ir import KERNEL_DIMS, Plan, Shard
-from autopar.passes.capture import module_path
-from autopar.passes.export import collective_calls, placeholders
+from autopar.passes.capture.graph import module_path
+from autopar.passes.rewrite.export import collective_calls, placeholders
 
 
 def module_rows(captured, plan: Plan, program) -> list[dict]:
@@ -26,8 +25,15 @@ def module_rows(captured, plan: Plan, program) -> list[dict]:
     def row(path: str) -> dict:
         return rows.setdefault(
             path,
-            {"module": path, "params": {}, "output": None, "collectives": Counter(), "collective_bytes": 0,
-             "param_bytes": 0, "grad_sum": set()},
+            {
+                "module": path,
+                "params": {},
+                "output": None,
+                "collectives": Counter(),
+                "collective_bytes": 0,
+                "param_bytes": 0,
+                "grad_sum": set(),
+            },
         )
 
     local = {p.label: p for p in placeholders(program, plan) if p.kind == "param"}
@@ -67,7 +73,11 @@ def module_rows(captured, plan: Plan, program) -> list[dict]:
         return tuple(first_seen.get(".".join(parts[: depth + 1]), len(user_index)) for depth in range(len(parts)))
 
     return [
-        {**entry, "collectives": dict(entry["collectives"]), "grad_sum": sorted(entry["grad_sum"], key=list(plan.degrees).index)}
+        {
+            **entry,
+            "collectives": dict(entry["collectives"]),
+            "grad_sum": sorted(entry["grad_sum"], key=list(plan.degrees).index),
+        }
         for entry in sorted(rows.values(), key=lambda entry: order(entry["module"]))
     ]
 
@@ -122,13 +132,16 @@ def summary_text(plan: Plan) -> str:
     zero = f", ZeRO-{plan.zero}" if plan.zero else ""
     return "\n".join(
         [
-            f"degrees: {degrees_text(plan.degrees)}{zero} on mesh {plan.mesh} ({plan.hardware}), global batch {plan.batch_size}",
+            f"degrees: {degrees_text(plan.degrees)}{zero} on mesh {plan.mesh} ({plan.hardware}), global batch "
+            f"{plan.batch_size}",
             f"predicted step time: {cost.step_s * 1e3:.2f} ms = compute {cost.compute_s * 1e3:.2f} ms"
-            f" + exposed communication {cost.comm_s * 1e3:.2f} ms + exposed gradient sync {cost.grad_sync_s * 1e3:.2f} ms"
+            f" + exposed communication {cost.comm_s * 1e3:.2f} ms + exposed gradient sync {cost.grad_sync_s * 1e3:.2f} "
+            "ms"
             f" + optimizer {cost.optimizer_s * 1e3:.2f} ms + pipeline bubble {cost.pipeline_s * 1e3:.2f} ms"
             f"; model {cost.model_flops_per_s / 1e12:.2f} TFLOP/s per device",
             f"schedule: {plan.schedule.stages} pipeline stage(s), {plan.schedule.microbatches} microbatch(es), "
-            f"recompute {plan.schedule.recompute}" + (f", {plan.schedule.kind} x {plan.schedule.virtual} virtual" if plan.schedule.stages > 1 else ""),
+            f"recompute {plan.schedule.recompute}"
+            + (f", {plan.schedule.kind} x {plan.schedule.virtual} virtual" if plan.schedule.stages > 1 else ""),
             f"peak memory per device: {_size(cost.peak_memory)} (gradients replace activations during backward: "
             f"the larger of the two counts); by category: {memory}",
             search_text(plan),
@@ -150,7 +163,8 @@ def search_text(plan: Plan) -> str:
         for entry in plan.search
     ]
     table = tabulate(rows, headers=["degrees", "ZeRO", "predicted step", "peak memory", "fits", ""])
-    return f"search: {len(plan.search)} configuration{'s' if len(plan.search) != 1 else ''} in {plan.search_time_s:.2f} s\n{table}"
+    plural = "s" if len(plan.search) != 1 else ""
+    return f"search: {len(plan.search)} configuration{plural} in {plan.search_time_s:.2f} s\n{table}"
 
 
 def modules_text(rows: list[dict]) -> str:
@@ -188,7 +202,11 @@ def decisions_text(plan: Plan) -> str:
             inputs = ", ".join(_placement(p) if p is not None else "-" for p in decision.inputs)
             output = _placement(decision.output) if decision.output is not None else "-"
             comm = _size(decision.comm_bytes) if decision.comm_bytes else ""
-            op = f"{decision.op} [{decision.kernel} over {KERNEL_DIMS[decision.kernel]}]" if decision.kernel else decision.op
+            op = (
+                f"{decision.op} [{decision.kernel} over {KERNEL_DIMS[decision.kernel]}]"
+                if decision.kernel
+                else decision.op
+            )
             rows.append([(module or "<top>") if index == 0 else "", name, op, inputs, output, comm])
     axes = ", ".join(plan.degrees)
     return f"node decisions by module (placements over {axes}):\n" + tabulate(
@@ -199,19 +217,20 @@ def decisions_text(plan: Plan) -> str:
 def stage_rows(captured, plan: Plan) -> list[dict]:
     """Per pipeline stage module: its layers, the device (pipeline rank) and mesh ranks that run
     it, and its parameters' bytes per device (ops outside layers go with the first or last)."""
-    from autopar.passes.facts import layer_of
-    from autopar.passes.stage_split import layer_stages
-    from autopar.timeline import device_modules
+    from autopar.passes.capture.graph import node_layer
+    from autopar.passes.rewrite.stages import layer_stages
 
     schedule = plan.schedule
-    layers = list(dict.fromkeys(layer for n in captured.graph.nodes if n.op == "call_function" and (layer := layer_of(n))))
+    layers = list(
+        dict.fromkeys(layer for n in captured.graph.nodes if n.op == "call_function" and (layer := node_layer(n)))
+    )
     by_layer = layer_stages(layers, schedule)
     param_bytes = [0.0] * schedule.modules
     for placeholder, name in captured.params.items():
         node = next(n for n in captured.graph.nodes if n.name == placeholder)
-        users = [layer_of(u) for u in node.users]
+        users = [node_layer(u) for u in node.users]
         layer = next((u for u in users if u is not None), None)
-        first_layer_op = next(i for i, n in enumerate(captured.graph.nodes) if layer_of(n) is not None)
+        first_layer_op = next(i for i, n in enumerate(captured.graph.nodes) if node_layer(n) is not None)
         before = min((list(captured.graph.nodes).index(u) for u in node.users), default=0) < first_layer_op
         module = by_layer[layer] if layer else (0 if before else schedule.modules - 1)
         shards = 1
@@ -219,22 +238,28 @@ def stage_rows(captured, plan: Plan) -> list[dict]:
             shards *= size if isinstance(placement, Shard) else 1
         param_bytes[module] += _numel(node.meta["val"].shape) * node.meta["val"].element_size() / shards
     per_stage = plan.mesh.size // schedule.stages
-    device_of = {k: d for d, ks in enumerate(device_modules(schedule)) for k in ks}
     rows = []
     for module in range(schedule.modules):
         own = [layer for layer, k in by_layer.items() if k == module]
-        device = device_of[module]
-        rows.append({
-            "module": module, "layers": f"{own[0]}..{own[-1]}" if len(own) > 1 else own[0], "layer_count": len(own),
-            "device": device, "ranks": f"{device * per_stage}-{(device + 1) * per_stage - 1}", "param_bytes": param_bytes[module],
-        })
+        device = schedule.device_of(module)
+        rows.append(
+            {
+                "module": module,
+                "layers": f"{own[0]}..{own[-1]}" if len(own) > 1 else own[0],
+                "layer_count": len(own),
+                "device": device,
+                "ranks": f"{device * per_stage}-{(device + 1) * per_stage - 1}",
+                "param_bytes": param_bytes[module],
+            }
+        )
     return rows
 
 
 def stages_text(rows: list[dict], plan: Plan) -> str:
-    table = [[r["module"], r["layers"], r["layer_count"], r["device"], r["ranks"], _size(r["param_bytes"])] for r in rows]
+    table = [
+        [r["module"], r["layers"], r["layer_count"], r["device"], r["ranks"], _size(r["param_bytes"])] for r in rows
+    ]
     headers = ["stage module", "layers", "#", "pipeline device", "mesh ranks", "params/device"]
-    return (
-        f"pipeline: {plan.schedule}; peak memory of the busiest device {_size(plan.cost.peak_memory)}\n"
-        + tabulate(table, headers=headers)
+    return f"pipeline: {plan.schedule}; peak memory of the busiest device {_size(plan.cost.peak_memory)}\n" + tabulate(
+        table, headers=headers
     )

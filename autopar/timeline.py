@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from html import escape
 
-from autopar.ir import Schedule
+from autopar.ir import ZERO_BUBBLE_PIPELINES, PipelineKind, Schedule
 
 DURATION = {"F": 1, "B": 2, "I": 1, "W": 1}
 COLOR = {"F": "#8ecae6", "B": "#fb8500", "I": "#ffb703", "W": "#90be6d"}
@@ -31,20 +31,12 @@ class Action:
         return self.start + DURATION[self.kind]
 
 
-def device_modules(schedule: Schedule) -> list[list[int]]:
-    """Stage modules per device: a loop (device d: d, d + p, ...) or a V for zbv."""
-    p = schedule.stages
-    if schedule.kind == "zbv":
-        return [[d, 2 * p - 1 - d] for d in range(p)]
-    return [[d + i * p for i in range(schedule.virtual)] for d in range(p)]
-
-
 def simulate(schedule: Schedule) -> list[list[Action]]:
     """The actions each device runs, in time order (see the module docstring)."""
     p, m, modules = schedule.stages, schedule.microbatches, schedule.modules
-    split = schedule.kind in ("interleaved-zb", "zbv")
+    split = schedule.kind in ZERO_BUBBLE_PIPELINES
     backward = ("I", "W") if split else ("B",)
-    owner = {k: d for d, ks in enumerate(device_modules(schedule)) for k in ks}
+    owner = {k: schedule.device_of(k) for k in range(modules)}
     pending = {(kind, k, i) for k in range(modules) for i in range(m) for kind in ("F", *backward)}
     done: dict[tuple, int] = {}
     busy_until = [0] * p
@@ -85,7 +77,7 @@ def _urgency(action, schedule: Schedule, history: list[Action], device: int) -> 
     group = i // p  # interleaved schedules run microbatches in groups of p through each module
     if kind == "W":
         return (3, i, k)
-    if schedule.kind == "gpipe":
+    if schedule.kind == PipelineKind.GPIPE:
         return (0 if kind == "F" else 1, i, k if kind == "F" else -k)
     in_flight = sum(1 for a in history if a.kind == "F") - sum(1 for a in history if a.kind in ("B", "I"))
     warmup = p - device if v == 1 else (p - device - 1) * 2 + (v - 1) * p + 1
@@ -102,7 +94,7 @@ def timeline_text(schedule: Schedule) -> str:
     lines = []
     for device, row in enumerate(rows):
         cells = [" . "] * length
-        first_module = device_modules(schedule)[device][0]
+        first_module = schedule.device_modules()[device][0]
         for action in row:
             label = action.kind if action.module == first_module else action.kind.lower()
             for t in range(action.start, action.end):
@@ -120,7 +112,8 @@ def timeline_svg(schedule: Schedule, unit: int = 24, row_height: int = 28) -> st
     left = 70
     width, height = left + length * unit + 10, len(rows) * row_height + 40
     parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" font-size="11">',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="monospace" '
+        'font-size="11">',
         f'<text x="4" y="{height - 8}">{escape(str(schedule))}: forward 1 unit, backward 2</text>',
     ]
     for device, row in enumerate(rows):
@@ -130,8 +123,9 @@ def timeline_svg(schedule: Schedule, unit: int = 24, row_height: int = 28) -> st
             x, w = left + action.start * unit, DURATION[action.kind] * unit
             parts.append(
                 f'<rect x="{x}" y="{y}" width="{w - 1}" height="{row_height - 4}" fill="{COLOR[action.kind]}" '
-                f'opacity="{1.0 if action.module < schedule.stages else 0.65}"><title>{action.kind} module {action.module} '
-                f'microbatch {action.microbatch}</title></rect>'
+                f'opacity="{1.0 if action.module < schedule.stages else 0.65}"><title>{action.kind} module '
+                f"{action.module} "
+                f"microbatch {action.microbatch}</title></rect>"
             )
             parts.append(f'<text x="{x + 3}" y="{y + row_height * 0.6:.0f}">{action.kind}{action.microbatch}</text>')
     parts.append("</svg>")

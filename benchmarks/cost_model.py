@@ -51,7 +51,7 @@ from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import measure_memory, no_communication  # noqa: E402
-from report import publish  # noqa: E402
+from publish import publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "cost_model"
@@ -114,7 +114,9 @@ def _cases(world: int, specs: str) -> list[Case]:
 
 FULL_CASES = {
     2: _cases(2, "M:8:DP M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:TP L:8:DP L:8:TP M:16:DP M:16:TP"),
-    4: _cases(4, "M:8:DP M:8:DPxTP M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:DPxTP L:8:DP L:8:DPxTP L:8:auto M:16:DP M:16:DPxTP"),
+    4: _cases(
+        4, "M:8:DP M:8:DPxTP M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:DPxTP L:8:DP L:8:DPxTP L:8:auto M:16:DP M:16:DPxTP"
+    ),
 }
 QUICK_CASES = {2: _cases(2, "S:8:DP S:8:TP"), 4: _cases(4, "S:8:DP S:8:DPxTP")}
 
@@ -192,7 +194,9 @@ def bench_rank(rank: int, world: int, planned: list[tuple[Case, object]], settin
         memory = [None] * world
         dist.all_gather_object(memory, measure_memory(pmodel, optimizer, batch))
         optimizer.zero_grad()
-        runs.append({"case": case, "plan": plan, "pmodel": pmodel, "optimizer": optimizer, "batch": batch, "memory": memory})
+        runs.append(
+            {"case": case, "plan": plan, "pmodel": pmodel, "optimizer": optimizer, "batch": batch, "memory": memory}
+        )
 
     times = {key: [[] for _ in runs] for key in ("step_s", "twin_s")}
     for round_index in range(settings.rounds):
@@ -200,12 +204,21 @@ def bench_rank(rank: int, world: int, planned: list[tuple[Case, object]], settin
         for index in order:
             pmodel, optimizer, batch = runs[index]["pmodel"], runs[index]["optimizer"], runs[index]["batch"]
             for _ in range(settings.steps_per_round):
-                times["step_s"][index].append(_timed(lambda: (pmodel.train_step(*batch), optimizer.step(), optimizer.zero_grad())))
+                times["step_s"][index].append(
+                    _timed(lambda: (pmodel.train_step(*batch), optimizer.step(), optimizer.zero_grad()))
+                )
             with no_communication():
                 for _ in range(settings.steps_per_round):
-                    times["twin_s"][index].append(_timed(lambda: (pmodel.train_step(*batch), optimizer.step(), optimizer.zero_grad())))
+                    times["twin_s"][index].append(
+                        _timed(lambda: (pmodel.train_step(*batch), optimizer.step(), optimizer.zero_grad()))
+                    )
     return [
-        {"case": run["case"], "plan": run["plan"], "memory": run["memory"], **{key: _slowest_rank(times[key][index]) for key in times}}
+        {
+            "case": run["case"],
+            "plan": run["plan"],
+            "memory": run["memory"],
+            **{key: _slowest_rank(times[key][index]) for key in times},
+        }
         for index, run in enumerate(runs)
     ]
 
@@ -217,7 +230,14 @@ def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, object]]:
     planned = []
     for case in cases:
         model, inputs = _build(gpt, case)  # on the CPU, as the ranks build it: meta SDPA strides capture another graph
-        planned.append((case, autopar.plan(model, case.world, inputs, degrees=case.degrees(), constraints=case.constraints(), hardware=hardware)))
+        planned.append(
+            (
+                case,
+                autopar.plan(
+                    model, case.world, inputs, degrees=case.degrees(), constraints=case.constraints(), hardware=hardware
+                ),
+            )
+        )
     return planned
 
 
@@ -255,9 +275,14 @@ def _error(predicted: float, measured: float) -> float:
 
 def _plan_key(row) -> tuple:
     plan = row["plan"]
-    return (row["case"].model, row["case"].batch, plan.mesh.size, tuple(plan.degrees.items()),
-            tuple(sorted((k, str(v)) for k, v in plan.params.items())),
-            tuple(sorted((k, str(v.output), str(v.inputs)) for k, v in plan.nodes.items())))
+    return (
+        row["case"].model,
+        row["case"].batch,
+        plan.mesh.size,
+        tuple(plan.degrees.items()),
+        tuple(sorted((k, str(v)) for k, v in plan.params.items())),
+        tuple(sorted((k, str(v.output), str(v.inputs)) for k, v in plan.nodes.items())),
+    )
 
 
 def analyse(results: dict[int, list[dict]]) -> list[dict]:
@@ -266,8 +291,11 @@ def analyse(results: dict[int, list[dict]]) -> list[dict]:
     for world, runs in results.items():
         for run in runs:
             row = {
-                "case": run["case"], "world": world, "plan": run["plan"],
-                "step_s": statistics.median(run["step_s"]), "twin_s": statistics.median(run["twin_s"]),
+                "case": run["case"],
+                "world": world,
+                "plan": run["plan"],
+                "step_s": statistics.median(run["step_s"]),
+                "twin_s": statistics.median(run["twin_s"]),
                 "memory": max(run["memory"], key=lambda m: m["peak_step"]),
             }
             row["duplicate_of"] = seen.get(_plan_key(row))
@@ -292,15 +320,20 @@ def render_section(rows, settings: Settings, command: str, elapsed_s: float, loa
     mape = statistics.median(abs(_error(p, m)) for p, m in zip(predicted, measured))
     memory_errors = [abs(_error(r["plan"].cost.peak_memory, r["memory"]["peak_step"])) for r in distinct]
     within = sum(e <= TARGET_MEMORY_ERROR for e in memory_errors)
-    verdict = lambda ok: "**met**" if ok else "**missed**"
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**missed**"
+
     link = hardware.links[0]
     lines = [
         "## Cost model: predicted vs measured step time and peak memory",
         "",
         f"- command: `{command}` ({elapsed_s:.0f} s in all; one `run_local` per world size); "
         f"date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- machine: {os.cpu_count()} cores, shared and noisy (load average {loads}); CPU, gloo, one torch thread per rank "
-        f"(4 ranks on {os.cpu_count()} cores is oversubscribed); torch {torch.__version__}, Python {platform.python_version()}.",
+        f"- machine: {os.cpu_count()} cores, shared and noisy (load average {loads}); CPU, gloo, one torch thread per "
+        "rank "
+        f"(4 ranks on {os.cpu_count()} cores is oversubscribed); torch {torch.__version__}, Python "
+        f"{platform.python_version()}.",
         f"- hardware profile: `{PROFILE}`, from `autopar calibrate` ({hardware.description.split(':')[0]}): "
         "measured compute contention (the same op mix on every rank at once vs one rank alone) "
         + ", ".join(f"{n} ranks x{f:.2f}" for n, f in sorted(hardware.contention_by_ranks.items()))
@@ -309,21 +342,29 @@ def render_section(rows, settings: Settings, command: str, elapsed_s: float, loa
         + f"; {hardware.cores_per_host} cores.",
         "- models: examples/gpt.py, fp32, AdamW; "
         + "; ".join(f"{k} = `build({', '.join(f'{a}={b}' for a, b in v.items())})`" for k, v in MODELS.items())
-        + ". Strategies: DP `{dp: N, tp: 1}`; TP `{dp: 1, tp: N}` + Megatron constraints; TP+SP adds `attn_norm`, `mlp_norm`: S(1); "
+        + ". Strategies: DP `{dp: N, tp: 1}`; TP `{dp: 1, tp: N}` + Megatron constraints; TP+SP adds `attn_norm`, "
+        "`mlp_norm`: S(1); "
         "DPxTP `{dp: 2, tp: 2}` + Megatron constraints; auto = no degrees, no constraints. Plans are made once, in the "
         "parent process, before the ranks start.",
-        "- predicted: `plan.cost.step_s` = compute (each op's forward + backward timed on this machine at its unsharded "
-        "shape, one thread, scaled by the share of its work a rank does, x the contention `autopar calibrate` measured for "
+        "- predicted: `plan.cost.step_s` = compute (each op's forward + backward timed on this machine at its "
+        "unsharded "
+        "shape, one thread, scaled by the share of its work a rank does, x the contention `autopar calibrate` measured "
+        "for "
         "that many ranks) + exposed "
-        "communication (alpha-beta per collective the plan implies, + the rendezvous per blocking collective) + gradient "
+        "communication (alpha-beta per collective the plan implies, + the rendezvous per blocking collective) + "
+        "gradient "
         "sync not hidden behind backward + the AdamW step (80 B per local parameter / memory bandwidth x contention). "
-        f"Measured: `train_step` + `optimizer.step()` + `zero_grad()`, a barrier before each step, the slowest rank, median "
-        f"of {settings.rounds * settings.steps_per_round} timed steps after {settings.warmup_steps} warm-up steps, plans "
+        "Measured: `train_step` + `optimizer.step()` + `zero_grad()`, a barrier before each step, the slowest rank, "
+        "median "
+        f"of {settings.rounds * settings.steps_per_round} timed steps after {settings.warmup_steps} warm-up steps, "
+        "plans "
         f"interleaved in {settings.rounds} rounds.",
         "- memory: predicted `plan.cost.peak_memory` = params + AdamW state + gradient-sync buckets + the larger of "
         "(saved activations + 2 x the largest activation) and gradients. Measured: the "
-        "largest rank's peak during `train_step` with the AdamW state present and gradients None at the start (as after "
-        "`zero_grad()`): the bytes of the live tensors named before the step (parameter shards, AdamW state, gradient-sync "
+        "largest rank's peak during `train_step` with the AdamW state present and gradients None at the start (as "
+        "after "
+        "`zero_grad()`): the bytes of the live tensors named before the step (parameter shards, AdamW state, "
+        "gradient-sync "
         "buckets) + the highest running sum of the CPU allocator's allocations and frees recorded by "
         "`torch.profiler.profile(profile_memory=True)` during the step.",
         "",
@@ -335,30 +376,36 @@ def render_section(rows, settings: Settings, command: str, elapsed_s: float, loa
         name = r["case"].name + (f" (= {r['duplicate_of']})" if r["duplicate_of"] else "")
         lines.append(
             f"| {name} | {r['world']} | {_degrees(r['plan'])} | {cost.step_s * 1e3:.1f} | {r['step_s'] * 1e3:.1f} | "
-            f"{_pct(_error(cost.step_s, r['step_s']))} | {cost.peak_memory / MiB:.1f} | {r['memory']['peak_step'] / MiB:.1f} | "
+            f"{_pct(_error(cost.step_s, r['step_s']))} | {cost.peak_memory / MiB:.1f} | "
+            f"{r['memory']['peak_step'] / MiB:.1f} | "
             f"{_pct(_error(cost.peak_memory, r['memory']['peak_step']))} |"
         )
     lines += [
         "",
         f"Over the {len(distinct)} distinct plans (an automatic plan identical to another row counts once):",
         "",
-        f"- step time, Spearman rank correlation predicted vs measured: **{rho:.2f}** (target ≥ {TARGET_SPEARMAN}): {verdict(rho >= TARGET_SPEARMAN)}",
-        f"- step time, median absolute error: **{mape * 100:.0f}%** (target ≤ {TARGET_MEDIAN_ERROR * 100:.0f}%): {verdict(mape <= TARGET_MEDIAN_ERROR)}",
+        f"- step time, Spearman rank correlation predicted vs measured: **{rho:.2f}** (target ≥ {TARGET_SPEARMAN}): "
+        f"{verdict(rho >= TARGET_SPEARMAN)}",
+        f"- step time, median absolute error: **{mape * 100:.0f}%** (target ≤ {TARGET_MEDIAN_ERROR * 100:.0f}%): "
+        f"{verdict(mape <= TARGET_MEDIAN_ERROR)}",
         f"- peak memory within 20%: **{within} of {len(distinct)}** plans, median absolute error "
-        f"{statistics.median(memory_errors) * 100:.0f}%, worst {max(memory_errors) * 100:.0f}%: {verdict(within == len(distinct))}",
+        f"{statistics.median(memory_errors) * 100:.0f}%, worst {max(memory_errors) * 100:.0f}%: "
+        f"{verdict(within == len(distinct))}",
         "",
         "### Where the time goes (ms)",
         "",
         "The twin is the same step with every collective replaced by a local stand-in of the same shapes (no "
         "communication; timed in the same rounds), so measured − twin is what communication costs inside the step.",
         "",
-        "| plan | ranks | predicted compute + optimizer | twin (measured) | predicted communication + sync | measured − twin |",
+        "| plan | ranks | predicted compute + optimizer | twin (measured) | predicted communication + sync | measured "
+        "− twin |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in distinct:
         cost = r["plan"].cost
         lines.append(
-            f"| {r['case'].name} | {r['world']} | {(cost.compute_s + cost.optimizer_s) * 1e3:.1f} | {r['twin_s'] * 1e3:.1f} | "
+            f"| {r['case'].name} | {r['world']} | {(cost.compute_s + cost.optimizer_s) * 1e3:.1f} | "
+            f"{r['twin_s'] * 1e3:.1f} | "
             f"{(cost.comm_s + cost.grad_sync_s) * 1e3:.1f} | {(r['step_s'] - r['twin_s']) * 1e3:.1f} |"
         )
     lines += [
@@ -369,7 +416,8 @@ def render_section(rows, settings: Settings, command: str, elapsed_s: float, loa
         "backward in one step (hooked in a separate step; parameters left out); residual = what the allocator walk "
         "says is live after the step minus what the named tensors hold (0 = nothing missed).",
         "",
-        "| plan | ranks | predicted params+optim+buckets | measured baseline | predicted activations + temporary | measured saved | measured peak − baseline | residual |",
+        "| plan | ranks | predicted params+optim+buckets | measured baseline | predicted activations + temporary | "
+        "measured saved | measured peak − baseline | residual |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in distinct:
@@ -410,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
         results[world] = run_local(bench_rank, world, planned, settings, timeout_s=settings.timeout_s)[0]
         loads[world] = f"{before} → {_loadavg()}"
     rows = analyse(results)
-    load_text = ", ".join(f"{w} ranks: {l}" for w, l in loads.items())
+    load_text = ", ".join(f"{w} ranks: {load}" for w, load in loads.items())
     section = render_section(rows, settings, command, time.monotonic() - start, load_text, hardware)
     publish(SECTION, section, args.quick)
     return 0

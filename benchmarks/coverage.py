@@ -20,12 +20,12 @@ import torch
 from tabulate import tabulate
 
 import autopar
-from autopar.passes.capture import capture
-from autopar.passes.rules import rule_for
-from autopar.passes.strategies import output_tensors
+from autopar.passes.capture.graph import capture
+from autopar.passes.sharding.rules import rule_for
+from autopar.passes.sharding.strategies import output_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import write_section  # noqa: E402
+from publish import write_section  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 MODELS = [
@@ -34,6 +34,9 @@ MODELS = [
     ("hf.py", "build_llama", {}),
     ("hf.py", "build_mixtral", {}),
 ]
+
+
+HEADERS = ["model", "tensor ops", "replicated", "ops without a rule", "plan s", "chosen degrees"]
 
 
 def load(file: str):
@@ -71,7 +74,7 @@ def main() -> None:
 config on the meta device, global batch 8, planned for a 2x2 mesh. "Replicated" counts the
 graph nodes whose op has no sharding rule: they run replicated, their inputs all-gathered.
 
-{tabulate(rows, headers=["model", "tensor ops", "replicated", "ops without a rule", "plan s", "chosen degrees"], tablefmt="github")}
+{tabulate(rows, headers=HEADERS, tablefmt="github")}
 
 Llama with 70B-sized layers (hidden 8192, 64 heads, 8 KV heads, FFN 28672, vocab 128256;
 2 layers, sequence 4096, global batch 64) on the meta device, planned for 64 simulated

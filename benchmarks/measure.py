@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-
 # --------------------------------------------------------------------------- memory
 
 
@@ -74,7 +73,9 @@ def forward_allocations(forward) -> tuple[object, int, int]:
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         result = forward()
     net = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"):
+    for _, nbytes in sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    ):
         net += nbytes
         peak = max(peak, net)
     return result, net, peak
@@ -201,8 +202,12 @@ def _stand_ins() -> dict:
         output.copy_(input)
         return _Done() if async_op else None
 
-    return {"all_reduce": all_reduce, "all_gather_single": all_gather_single,
-            "reduce_scatter_single": reduce_scatter_single, "all_to_all_single": all_to_all_single}
+    return {
+        "all_reduce": all_reduce,
+        "all_gather_single": all_gather_single,
+        "reduce_scatter_single": reduce_scatter_single,
+        "all_to_all_single": all_to_all_single,
+    }
 
 
 class _Patched:

@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cost_model import _loadavg  # noqa: E402
 from measure import _storages, activation_memory  # noqa: E402
 from pipeline import _state_bytes  # noqa: E402
-from report import publish  # noqa: E402
+from publish import publish  # noqa: E402
 from step_time import LR, SEED, Competitor, _as_is, check_equivalence, time_rounds  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,18 +77,30 @@ class Settings:
 
 
 FULL = Settings(
-    long_model=dict(hidden=128, layers=2, heads=8, vocab=256), seqs=(2048, 8192),
-    moe_model=dict(hidden=256, layers=2, heads=8, vocab=1024, seq=64, ffn=1024, experts=8, top_k=2), moe_batch=8,
-    warmup_steps=3, rounds=8, steps_per_round=2, timeout_s=480,
+    long_model=dict(hidden=128, layers=2, heads=8, vocab=256),
+    seqs=(2048, 8192),
+    moe_model=dict(hidden=256, layers=2, heads=8, vocab=1024, seq=64, ffn=1024, experts=8, top_k=2),
+    moe_batch=8,
+    warmup_steps=3,
+    rounds=8,
+    steps_per_round=2,
+    timeout_s=480,
 )
 QUICK = Settings(
-    long_model=dict(hidden=64, layers=1, heads=8, vocab=128), seqs=(256, 512),
-    moe_model=dict(hidden=64, layers=1, heads=4, vocab=128, seq=16, ffn=128, experts=8, top_k=2), moe_batch=8,
-    warmup_steps=2, rounds=2, steps_per_round=2, timeout_s=240,
+    long_model=dict(hidden=64, layers=1, heads=8, vocab=128),
+    seqs=(256, 512),
+    moe_model=dict(hidden=64, layers=1, heads=4, vocab=128, seq=16, ffn=128, experts=8, top_k=2),
+    moe_batch=8,
+    warmup_steps=2,
+    rounds=2,
+    steps_per_round=2,
+    timeout_s=240,
 )
 MOE_PAIRS = (("experts", "EP4 experts", "DP4 replicated"),)
-MOE_OPTIONS = {"EP4 experts": dict(degrees={"ep": WORLD}, constraints={"layers.*.moe": "experts"}),
-               "DP4 replicated": dict(degrees={"dp": WORLD})}
+MOE_OPTIONS = {
+    "EP4 experts": dict(degrees={"ep": WORLD}, constraints={"layers.*.moe": "experts"}),
+    "DP4 replicated": dict(degrees={"dp": WORLD}),
+}
 MOE_KERNELS = {"EP4 experts": "experts", "DP4 replicated": "moe"}  # what each program must run
 
 
@@ -190,14 +202,18 @@ def context_rank(rank: int, world: int, settings: Settings, plans: dict) -> dict
 def _parameter_bytes(pmodel) -> dict:
     """Bytes of this rank's parameters, all and the experts' alone, each storage once."""
     named = dict(pmodel.named_parameters())
-    return {"all": sum(_storages(named.values()).values()),
-            "experts": sum(_storages(p for n, p in named.items() if ".experts." in n).values())}
+    return {
+        "all": sum(_storages(named.values()).values()),
+        "experts": sum(_storages(p for n, p in named.items() if ".experts." in n).values()),
+    }
 
 
 def experts_rank(rank: int, world: int, settings: Settings, plans: dict) -> dict:
     """Experts split (EP) against replicated (DP): equivalence, parameter bytes, timing."""
     model, inputs = _moe(settings)
-    competitors = {name: _competitor(name, model, inputs, plans[name], kernel)[0] for name, kernel in MOE_KERNELS.items()}
+    competitors = {
+        name: _competitor(name, model, inputs, plans[name], kernel)[0] for name, kernel in MOE_KERNELS.items()
+    }
     losses = check_equivalence(competitors, pairs=MOE_PAIRS)
     params = {name: _gathered(_parameter_bytes(c.module)) for name, c in competitors.items()}
     rounds = time_rounds(competitors, settings, MOE_PAIRS)
@@ -246,8 +262,10 @@ def _check_first_losses(losses: dict[str, list[float]], pairs, reference: float)
     for comparison, *names in pairs:
         for name in names:
             if abs(losses[name][0] - reference) > FIRST_LOSS_RTOL * abs(reference):
-                raise AssertionError(f"{comparison}: {name}'s first loss {losses[name][0]:.8f} differs from one "
-                                     f"process's {reference:.8f} by more than {FIRST_LOSS_RTOL} relative")
+                raise AssertionError(
+                    f"{comparison}: {name}'s first loss {losses[name][0]:.8f} differs from one "
+                    f"process's {reference:.8f} by more than {FIRST_LOSS_RTOL} relative"
+                )
 
 
 def _mib(nbytes: float) -> str:
@@ -264,16 +282,21 @@ def _build_text(keywords: dict) -> str:
 
 def _memory_rows(settings: Settings, single: dict, context: dict, plans: dict) -> list[str]:
     base, rows = single["memory"], []
-    rows.append(f"| one process | {_mib(base['saved'])} | 100% | | | {_mib(base['held_after_forward'])} | "
-                f"{_mib(base['forward_peak'])} | {_mib(single['predicted_activations'])} | "
-                f"{(single['predicted_activations'] / base['saved'] - 1) * 100:+.0f}% |")
+    rows.append(
+        f"| one process | {_mib(base['saved'])} | 100% | | | {_mib(base['held_after_forward'])} | "
+        f"{_mib(base['forward_peak'])} | {_mib(single['predicted_activations'])} | "
+        f"{(single['predicted_activations'] / base['saved'] - 1) * 100:+.0f}% |"
+    )
     for method in METHODS:
         name = f"{method} {settings.seqs[-1]}"
         worst = {key: max(r[key] for r in context["memory"][name]) for key in base}
         share, predicted = worst["saved"] / base["saved"], plans[name].cost.memory["activations"]
-        rows.append(f"| CP{WORLD} {method} | {_mib(worst['saved'])} | {share * 100:.0f}% | ≤ {TARGET_ACTIVATION_SHARE * 100:.0f}% | "
-                    f"{'yes' if share <= TARGET_ACTIVATION_SHARE else '**no**'} | {_mib(worst['held_after_forward'])} | "
-                    f"{_mib(worst['forward_peak'])} | {_mib(predicted)} | {(predicted / worst['saved'] - 1) * 100:+.0f}% |")
+        rows.append(
+            f"| CP{WORLD} {method} | {_mib(worst['saved'])} | {share * 100:.0f}% | ≤ "
+            f"{TARGET_ACTIVATION_SHARE * 100:.0f}% | "
+            f"{'yes' if share <= TARGET_ACTIVATION_SHARE else '**no**'} | {_mib(worst['held_after_forward'])} | "
+            f"{_mib(worst['forward_peak'])} | {_mib(predicted)} | {(predicted / worst['saved'] - 1) * 100:+.0f}% |"
+        )
     return rows
 
 
@@ -283,18 +306,24 @@ def _ring_note(settings: Settings, single: dict, context: dict, plans: dict) -> 
     chunk = seq // (2 * WORLD)
     peaks = {m: max(r["forward_peak"] for r in context["memory"][f"{m} {seq}"]) for m in METHODS}
     share = {m: peaks[m] / single["memory"]["forward_peak"] * 100 for m in METHODS}
-    note = (f"The forward's transient peak on a rank is {_mib(peaks['ring'])} MiB with ring, {share['ring']:.0f}% of one "
-            f"process's forward peak (Ulysses: {_mib(peaks['ulysses'])} MiB, {share['ulysses']:.0f}%).")
+    note = (
+        f"The forward's transient peak on a rank is {_mib(peaks['ring'])} MiB with ring, {share['ring']:.0f}% of one "
+        f"process's forward peak (Ulysses: {_mib(peaks['ulysses'])} MiB, {share['ulysses']:.0f}%)."
+    )
     if peaks["ring"] > 1.5 * peaks["ulysses"]:
-        note += (f" Each ring block pair materializes its fp32 scores, {heads} heads x c x c with c = seq / 2p = {chunk} "
-                 f"({_mib(heads * chunk * chunk * 4)} MiB a tensor, and the softmax makes more of that size; "
-                 "`runtime/context_parallel.py` `_block_forward`), where Ulysses calls torch's fused CPU attention.")
+        note += (
+            f" Each ring block pair materializes its fp32 scores, {heads} heads x c x c with c = seq / 2p = {chunk} "
+            f"({_mib(heads * chunk * chunk * 4)} MiB a tensor, and the softmax makes more of that size; "
+            "`runtime/kernels/context_parallel.py` `_block_forward`), where Ulysses calls torch's fused CPU attention."
+        )
     ring, ulysses = (_median_s(context, f"{m} {seq}") for m in METHODS)
     if ulysses / ring < 2 / 3:
         predicted = plans[f"ulysses {seq}"].cost.step_s / plans[f"ring {seq}"].cost.step_s
-        note += (f" Unfused block math makes ring slower than Ulysses (below: {ulysses / ring:.2f}); the cost model "
-                 "charges a ring block's compute as its share of fused attention (`passes/kernel_cost.py`: compute as "
-                 f"for any split op) and predicts {predicted:.2f}.")
+        note += (
+            f" Unfused block math makes ring slower than Ulysses (below: {ulysses / ring:.2f}); the cost model "
+            "charges a ring block's compute as its share of fused attention (`passes/cost/kernels.py`: compute as "
+            f"for any split op) and predicts {predicted:.2f}."
+        )
     return note
 
 
@@ -304,9 +333,12 @@ def _attention_rows(settings: Settings, context: dict, plans: dict, references: 
         ring, ulysses = (_median_s(context, f"{m} {seq}") for m in METHODS)
         predicted = [plans[f"{m} {seq}"].cost.step_s for m in METHODS]
         first = [context["losses"][f"{m} {seq}"][0] for m in METHODS] + [references[f"seq {seq}"]]
-        rows.append(f"| {seq} | {_ms(ring)} | {_ms(ulysses)} | {ulysses / ring:.2f} | "
-                    f"{_round_ratio(context, f'ulysses {seq}', f'ring {seq}'):.2f} | {_ms(predicted[0])} | {_ms(predicted[1])} | "
-                    f"{predicted[1] / predicted[0]:.2f} | {' / '.join(f'{x:.6f}' for x in first)} |")
+        rows.append(
+            f"| {seq} | {_ms(ring)} | {_ms(ulysses)} | {ulysses / ring:.2f} | "
+            f"{_round_ratio(context, f'ulysses {seq}', f'ring {seq}'):.2f} | {_ms(predicted[0])} | {_ms(predicted[1])} "
+            "| "
+            f"{predicted[1] / predicted[0]:.2f} | {' / '.join(f'{x:.6f}' for x in first)} |"
+        )
     return rows
 
 
@@ -326,67 +358,86 @@ def _experts_rows(experts: dict, plans: dict) -> list[str]:
 
 def render_section(settings, single, context, experts, plans, references, command, elapsed_s, loads) -> str:
     long_seq, profile = settings.seqs[-1], _profile()
-    return "\n".join([
-        "## Context and expert parallelism",
-        "",
-        f"- command: `{command}` ({elapsed_s:.0f} s in all); date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- machine: {os.cpu_count()} cores, shared (load average {loads}); CPU, gloo, one torch thread per rank; "
-        f"{WORLD} ranks on {os.cpu_count()} cores are oversubscribed, so times measure contention as much as "
-        f"parallelism. torch {torch.__version__}, Python {platform.python_version()}.",
-        f"- predictions: `autopar.plan(...).cost` with the hardware profile `{profile}`"
-        + (" (calibrated by `autopar calibrate`)" if profile.endswith(".json") else
-           f" (the default: no calibrated profile at `{default_profile_path()}`; ops are timed on this machine while planning)")
-        + "; plans made once in the parent process, before the ranks start.",
-        f"- step: `train_step` + AdamW step (`pmodel.optimizer`, lr {LR}) + zero_grad; {settings.warmup_steps} warm-up "
-        f"steps, then {settings.rounds} rounds of {settings.steps_per_round} steps per competitor, the two of a pair in "
-        "alternating order, a barrier before each step, the slowest rank's time, median ('per round': the median over "
-        "rounds of the ratio of the two round medians, less sensitive to drift). Before timing, each pair agrees "
-        "on the losses of its first two steps and every full gradient of the first (as in the step-time section), and "
-        f"every first loss equals one process's within {FIRST_LOSS_RTOL} relative. Each program is checked to run its "
-        "pinned kernel (`autopar::ring_attention`, `autopar::ulysses_attention`, `autopar::moe` with or without a group).",
-        "",
-        f"### Activation memory at sequence {long_seq}: context parallelism over {WORLD} ranks vs one process",
-        "",
-        f"examples/long_context_gpt.py `build({_build_text(settings.long_model)}, seq={long_seq})`, batch 1, fp32; "
-        f"CP{WORLD}: `degrees={{'cp': {WORLD}}}, constraints={{'layers.*.attn': METHOD}}`; one process: the plain "
-        "model in torch, one thread. **Saved** = the bytes of the distinct storages autograd saves for backward in one "
-        "step (`torch.autograd.graph.saved_tensors_hooks`, each storage once, parameters left out): the activation "
-        "memory. Cross-checks from the CPU allocator's events (`torch.profiler`, `profile_memory=True`) over a forward "
-        "alone, gradients freed: **held** = bytes allocated in the forward and still live when it returns (saved "
-        "tensors + the loss), **peak** = the forward's highest net allocation (held + transients). Predicted = "
-        "`plan.cost.memory['activations']`. Largest rank shown.",
-        "",
-        "| program | saved MiB | share of one process | target | met? | held MiB | forward peak MiB | predicted MiB | prediction error |",
-        "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
-        *_memory_rows(settings, single, context, plans),
-        "",
-        _ring_note(settings, single, context, plans),
-        "",
-        f"### Ulysses vs ring attention, CP{WORLD}",
-        "",
-        "The same model at each sequence length (`seq=S`), batch 1. Predicted = `plan.cost.step_s`.",
-        "",
-        "| seq | ring ms | Ulysses ms | ratio Ulysses/ring | per round | predicted ring ms | predicted Ulysses ms "
-        "| predicted ratio | first loss (ring / Ulysses / one process) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-        *_attention_rows(settings, context, plans, references),
-        "",
-        f"### Experts split over {WORLD} ranks vs replicated",
-        "",
-        f"examples/moe_gpt.py `build({_build_text(settings.moe_model)})`, global batch {settings.moe_batch}, fp32. "
-        f"EP{WORLD}: `degrees={{'ep': {WORLD}}}, constraints={{'layers.*.moe': 'experts'}}` (each rank holds "
-        f"1/{WORLD} of the experts and its 1/{WORLD} of the batch; tokens travel to their experts by all-to-all). "
-        f"Replicated: `degrees={{'dp': {WORLD}}}` (every rank holds all experts, the batch split, gradients all-reduced). "
-        "Both run the routed `autopar::moe` op. Parameters / state = the bytes a rank holds (each storage once; state = "
-        "parameters + gradients + AdamW state after a step); largest rank.",
-        "",
-        "| program | median ms | ratio to replicated | per round | predicted ms | predicted ratio | parameters MiB (experts) "
-        "| predicted parameters MiB | state MiB | first loss |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
-        *_experts_rows(experts, plans),
-        "",
-        f"One process's first loss on the same batch: {references['moe']:.6f}.",
-    ])
+    return "\n".join(
+        [
+            "## Context and expert parallelism",
+            "",
+            f"- command: `{command}` ({elapsed_s:.0f} s in all); date "
+            f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+            f"- machine: {os.cpu_count()} cores, shared (load average {loads}); CPU, gloo, one torch thread per rank; "
+            f"{WORLD} ranks on {os.cpu_count()} cores are oversubscribed, so times measure contention as much as "
+            f"parallelism. torch {torch.__version__}, Python {platform.python_version()}.",
+            f"- predictions: `autopar.plan(...).cost` with the hardware profile `{profile}`"
+            + (
+                " (calibrated by `autopar calibrate`)"
+                if profile.endswith(".json")
+                else f" (the default: no calibrated profile at `{default_profile_path()}`; "
+                "ops are timed on this machine while planning)"
+            )
+            + "; plans made once in the parent process, before the ranks start.",
+            f"- step: `train_step` + AdamW step (`pmodel.optimizer`, lr {LR}) + zero_grad; {settings.warmup_steps} "
+            "warm-up "
+            f"steps, then {settings.rounds} rounds of {settings.steps_per_round} steps per competitor, the two of a "
+            "pair in "
+            "alternating order, a barrier before each step, the slowest rank's time, median ('per round': the median "
+            "over "
+            "rounds of the ratio of the two round medians, less sensitive to drift). Before timing, each pair agrees "
+            "on the losses of its first two steps and every full gradient of the first (as in the step-time section), "
+            "and "
+            f"every first loss equals one process's within {FIRST_LOSS_RTOL} relative. Each program is checked to run "
+            "its "
+            "pinned kernel (`autopar::ring_attention`, `autopar::ulysses_attention`, `autopar::moe` with or without a "
+            "group).",
+            "",
+            f"### Activation memory at sequence {long_seq}: context parallelism over {WORLD} ranks vs one process",
+            "",
+            f"examples/long_context_gpt.py `build({_build_text(settings.long_model)}, seq={long_seq})`, batch 1, fp32; "
+            f"CP{WORLD}: `degrees={{'cp': {WORLD}}}, constraints={{'layers.*.attn': METHOD}}`; one process: the plain "
+            "model in torch, one thread. **Saved** = the bytes of the distinct storages autograd saves for backward in "
+            "one "
+            "step (`torch.autograd.graph.saved_tensors_hooks`, each storage once, parameters left out): the activation "
+            "memory. Cross-checks from the CPU allocator's events (`torch.profiler`, `profile_memory=True`) over a "
+            "forward "
+            "alone, gradients freed: **held** = bytes allocated in the forward and still live when it returns (saved "
+            "tensors + the loss), **peak** = the forward's highest net allocation (held + transients). Predicted = "
+            "`plan.cost.memory['activations']`. Largest rank shown.",
+            "",
+            "| program | saved MiB | share of one process | target | met? | held MiB | forward peak MiB | predicted "
+            "MiB | prediction error |",
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+            *_memory_rows(settings, single, context, plans),
+            "",
+            _ring_note(settings, single, context, plans),
+            "",
+            f"### Ulysses vs ring attention, CP{WORLD}",
+            "",
+            "The same model at each sequence length (`seq=S`), batch 1. Predicted = `plan.cost.step_s`.",
+            "",
+            "| seq | ring ms | Ulysses ms | ratio Ulysses/ring | per round | predicted ring ms | predicted Ulysses ms "
+            "| predicted ratio | first loss (ring / Ulysses / one process) |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            *_attention_rows(settings, context, plans, references),
+            "",
+            f"### Experts split over {WORLD} ranks vs replicated",
+            "",
+            f"examples/moe_gpt.py `build({_build_text(settings.moe_model)})`, global batch {settings.moe_batch}, fp32. "
+            f"EP{WORLD}: `degrees={{'ep': {WORLD}}}, constraints={{'layers.*.moe': 'experts'}}` (each rank holds "
+            f"1/{WORLD} of the experts and its 1/{WORLD} of the batch; tokens travel to their experts by all-to-all). "
+            f"Replicated: `degrees={{'dp': {WORLD}}}` (every rank holds all experts, the batch split, gradients "
+            "all-reduced). "
+            "Both run the routed `autopar::moe` op. Parameters / state = the bytes a rank holds (each storage once; "
+            "state = "
+            "parameters + gradients + AdamW state after a step); largest rank.",
+            "",
+            "| program | median ms | ratio to replicated | per round | predicted ms | predicted ratio | parameters MiB "
+            "(experts) "
+            "| predicted parameters MiB | state MiB | first loss |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+            *_experts_rows(experts, plans),
+            "",
+            f"One process's first loss on the same batch: {references['moe']:.6f}.",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -408,7 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     experts = run_local(experts_rank, WORLD, settings, plans, timeout_s=settings.timeout_s)[0]
     _check_first_losses(experts["losses"], MOE_PAIRS, references["moe"])
     loads = f"{load_start} → {_loadavg()}"
-    section = render_section(settings, single, context, experts, plans, references, command, time.monotonic() - start, loads)
+    section = render_section(
+        settings, single, context, experts, plans, references, command, time.monotonic() - start, loads
+    )
     publish(SECTION, section, args.quick)
     return 0
 

@@ -36,15 +36,29 @@ from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import model_state_bytes  # noqa: E402
-from report import publish  # noqa: E402
+from publish import publish  # noqa: E402
 from step_time import LR, SEED, TARGET_RATIO, Competitor, Settings, _as_is, _load_gpt, check_equivalence, time_rounds  # noqa: E402
 
 SECTION = "pipeline"
 WORLD_SIZES = (2, 4)
 MICROBATCHES = 4
 PAIRS = (("pipeline 1F1B", "autopar PP", "torch PP"),)
-FULL = Settings(model=dict(hidden=256, layers=8, heads=8, vocab=1024, seq=128), batch=8, warmup_steps=3, rounds=10, steps_per_round=2, timeout_s=900)
-QUICK = Settings(model=dict(hidden=64, layers=4, heads=4, vocab=256, seq=32), batch=4, warmup_steps=2, rounds=2, steps_per_round=2, timeout_s=300)
+FULL = Settings(
+    model=dict(hidden=256, layers=8, heads=8, vocab=1024, seq=128),
+    batch=8,
+    warmup_steps=3,
+    rounds=10,
+    steps_per_round=2,
+    timeout_s=900,
+)
+QUICK = Settings(
+    model=dict(hidden=64, layers=4, heads=4, vocab=256, seq=32),
+    batch=4,
+    warmup_steps=2,
+    rounds=2,
+    steps_per_round=2,
+    timeout_s=300,
+)
 
 
 class HandStage(nn.Module):
@@ -75,7 +89,9 @@ def _cross_entropy(logits, labels):
 
 def _hand_split(model, global_inputs, rank: int, world_size: int) -> Competitor:
     stage = HandStage(copy.deepcopy(model), rank, world_size)
-    schedule = Schedule1F1B(PipelineStage(stage, rank, world_size, torch.device("cpu")), MICROBATCHES, loss_fn=_cross_entropy)
+    schedule = Schedule1F1B(
+        PipelineStage(stage, rank, world_size, torch.device("cpu")), MICROBATCHES, loss_fn=_cross_entropy
+    )
     tokens, labels = global_inputs
 
     def forward_backward():
@@ -96,11 +112,18 @@ def _hand_split(model, global_inputs, rank: int, world_size: int) -> Competitor:
 def _autopar(model, global_inputs, world_size: int) -> Competitor:
     per = len(model.layers) // world_size
     pmodel = autopar.parallelize(
-        copy.deepcopy(model), world_size, global_inputs, degrees={"pp": world_size, "dp": 1, "tp": 1},
-        pipeline="1f1b", microbatches=MICROBATCHES, stage_cuts=[f"layers.{per * k}" for k in range(1, world_size)],
+        copy.deepcopy(model),
+        world_size,
+        global_inputs,
+        degrees={"pp": world_size, "dp": 1, "tp": 1},
+        pipeline="1f1b",
+        microbatches=MICROBATCHES,
+        stage_cuts=[f"layers.{per * k}" for k in range(1, world_size)],
     )
     batch = pmodel.shard_batch(*global_inputs)
-    return Competitor("autopar PP", pmodel, lambda: pmodel.train_step(*batch), pmodel.optimizer(torch.optim.AdamW, lr=LR), _as_is)
+    return Competitor(
+        "autopar PP", pmodel, lambda: pmodel.train_step(*batch), pmodel.optimizer(torch.optim.AdamW, lr=LR), _as_is
+    )
 
 
 def _state_bytes(competitor: Competitor) -> int:
@@ -116,7 +139,10 @@ def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:
     torch.manual_seed(SEED)
     model = _load_gpt().build(**settings.model)
     global_inputs = model.example_inputs(settings.batch)
-    competitors = {"autopar PP": _autopar(model, global_inputs, world_size), "torch PP": _hand_split(model, global_inputs, rank, world_size)}
+    competitors = {
+        "autopar PP": _autopar(model, global_inputs, world_size),
+        "torch PP": _hand_split(model, global_inputs, rank, world_size),
+    }
     losses = check_equivalence(competitors, pairs=PAIRS)
     rounds = time_rounds(competitors, settings, PAIRS)
     peaks = {name: _state_bytes(competitor) for name, competitor in competitors.items()}
@@ -130,22 +156,29 @@ def render_section(results, settings: Settings, command: str, elapsed_s: float) 
     lines = [
         "## Pipeline parallelism: autopar vs a hand split with torch.distributed.pipelining",
         "",
-        f"- command: `{command}` ({elapsed_s:.0f} s in all); date {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- machine: {os.cpu_count()} cores, CPU, gloo, one torch thread per rank; 4 ranks on 2 cores are oversubscribed. "
+        f"- command: `{command}` ({elapsed_s:.0f} s in all); date "
+        f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
+        f"- machine: {os.cpu_count()} cores, CPU, gloo, one torch thread per rank; 4 ranks on 2 cores are "
+        "oversubscribed. "
         f"torch {torch.__version__}, Python {platform.python_version()}.",
         f"- model: examples/gpt.py `build({', '.join(f'{k}={v}' for k, v in model.items())})`, fp32, global batch "
         f"{settings.batch}, AdamW lr {LR}; one stage per rank, 1F1B, {MICROBATCHES} microbatches; autopar with "
         "`degrees={'pp': N, 'dp': 1, 'tp': 1}, pipeline='1f1b'` and the cuts pinned to the hand split's (even).",
-        f"- step: forward + backward + AdamW step + zero_grad; {settings.rounds} rounds of {settings.steps_per_round} steps "
+        f"- step: forward + backward + AdamW step + zero_grad; {settings.rounds} rounds of {settings.steps_per_round} "
+        "steps "
         "per competitor after warm-up, alternating order, a barrier before each step, slowest rank, median. Losses of "
         "the first two steps and every gradient of the first checked equal before timing.",
-        "- memory: parameters + gradients + AdamW state a rank holds after a step (each storage once); the largest rank.",
+        "- memory: parameters + gradients + AdamW state a rank holds after a step (each storage once); the largest "
+        "rank.",
         "",
-        "| ranks | autopar ms | torch ms | ratio | target | met? | autopar state MiB | torch state MiB | loss step 1 (autopar / torch) |",
+        "| ranks | autopar ms | torch ms | ratio | target | met? | autopar state MiB | torch state MiB | loss step 1 "
+        "(autopar / torch) |",
         "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |",
     ]
     for world_size, result in results.items():
-        ours, theirs = (statistics.median(t for r in result["rounds"][n] for t in r) for n in ("autopar PP", "torch PP"))
+        ours, theirs = (
+            statistics.median(t for r in result["rounds"][n] for t in r) for n in ("autopar PP", "torch PP")
+        )
         peak = {n: max(p[n] for p in result["peaks"]) / 2**20 for n in ("autopar PP", "torch PP")}
         ratio = ours / theirs
         losses = result["losses"]

@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 
 import autopar
-from autopar.passes.cost import model_state_bytes
+from autopar.ir import model_state_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import write_section  # noqa: E402
+from publish import write_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT.parent / "shared" / "reference" / "published-megatron-a100.json"
@@ -48,14 +48,16 @@ def load_gpt():
 
 def megatron_flops(row: dict) -> float:
     """The paper's FLOPs per iteration (counts the recomputed forward)."""
-    b, l, h = row["global_batch"], row["layers"], row["hidden"]
-    return 96 * b * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
+    b, layers, h = row["global_batch"], row["layers"], row["hidden"]
+    return 96 * b * SEQ * layers * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * layers * h))
 
 
 def predict(gpt, row: dict) -> dict:
     started = time.perf_counter()
     with torch.device("meta"):
-        model = gpt.build(hidden=row["hidden"], layers=row["layers"], heads=row["heads"], vocab=VOCAB, seq=SEQ).to(torch.bfloat16)
+        model = gpt.build(hidden=row["hidden"], layers=row["layers"], heads=row["heads"], vocab=VOCAB, seq=SEQ).to(
+            torch.bfloat16
+        )
     local_batch = row["global_batch"] // row["dp"]
     # pipelined: the search picks the microbatches; else the fewest that fit (gradient
     # accumulation, which Megatron's runs without pipelines use for these batches too)
@@ -77,8 +79,13 @@ def predict(gpt, row: dict) -> dict:
             if microbatches == counts[-1]:
                 raise
     tflops = megatron_flops(row) / row["gpus"] / plan.cost.step_s / 1e12
-    return {"row": row, "plan": plan, "tflops": tflops, "error": tflops / row["tflops_per_gpu"] - 1,
-            "seconds": time.perf_counter() - started}
+    return {
+        "row": row,
+        "plan": plan,
+        "tflops": tflops,
+        "error": tflops / row["tflops_per_gpu"] - 1,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def render(results: list[dict], zero: list[tuple[int, float, float]], peak_rss_gib: float, elapsed: float) -> str:
@@ -90,19 +97,24 @@ def render(results: list[dict], zero: list[tuple[int, float, float]], peak_rss_g
         "- Megatron-LM GPT weak scaling (Narayanan et al., SC'21, Table 1; Selene, DGX A100 80GB). Each row: "
         "`examples/gpt.py` built on the meta device in bfloat16 with the row's shapes (vocabulary 51200, "
         "sequence 2048), planned on mesh (gpus/8)x8 with `degrees` {pp, dp, tp} as published, `zero=0`, "
-        "`recompute=\"full\"`, `hardware=\"a100-80gb\"` (one compute efficiency, 0.5, for every row); microbatches: "
-        "the search's when pipelined, else the fewest that fit in 80 GB (gradient accumulation). TFLOP/s per GPU = the paper's FLOPs per iteration "
+        '`recompute="full"`, `hardware="a100-80gb"` (one compute efficiency, 0.5, for every row); microbatches: '
+        "the search's when pipelined, else the fewest that fit in 80 GB (gradient accumulation). TFLOP/s per GPU = the "
+        "paper's FLOPs per iteration "
         "96·B·s·l·h²·(1 + s/6h + V/16lh) / GPUs / predicted step time.",
         "",
-        "| params | layers | hidden | GPUs | tp | pp | dp | batch | microbatches | predicted step s | compute / comm / sync / bubble s | predicted TFLOP/s | published | error % | plan s |",
+        "| params | layers | hidden | GPUs | tp | pp | dp | batch | microbatches | predicted step s | compute / comm / "
+        "sync / bubble s | predicted TFLOP/s | published | error % | plan s |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in results:
         row, cost = r["row"], r["plan"].cost
         lines.append(
-            f"| {row['params_b']}B | {row['layers']} | {row['hidden']} | {row['gpus']} | {row['tp']} | {row['pp']} | {row['dp']} | "
-            f"{row['global_batch']} | {r['plan'].schedule.microbatches} | {cost.step_s:.2f} | {cost.compute_s:.2f} / {cost.comm_s:.2f} / {cost.grad_sync_s:.2f} / "
-            f"{cost.pipeline_s:.2f} | {r['tflops']:.0f} | {row['tflops_per_gpu']} | {r['error'] * 100:+.1f} | {r['seconds']:.0f} |"
+            f"| {row['params_b']}B | {row['layers']} | {row['hidden']} | {row['gpus']} | {row['tp']} | {row['pp']} | "
+            f"{row['dp']} | "
+            f"{row['global_batch']} | {r['plan'].schedule.microbatches} | {cost.step_s:.2f} | {cost.compute_s:.2f} / "
+            f"{cost.comm_s:.2f} / {cost.grad_sync_s:.2f} / "
+            f"{cost.pipeline_s:.2f} | {r['tflops']:.0f} | {row['tflops_per_gpu']} | {r['error'] * 100:+.1f} | "
+            f"{r['seconds']:.0f} |"
         )
     worst = max(abs(r["error"]) for r in results)
     lines += [
@@ -111,7 +123,7 @@ def render(results: list[dict], zero: list[tuple[int, float, float]], peak_rss_g
         + ("**met**" if worst <= TARGET_ERROR else "**missed**"),
         "",
         "ZeRO paper worked example (7.5B parameters, mixed-precision Adam: 2 + 2 + 12 bytes per parameter, "
-        "64 data-parallel ranks), model state per device from `passes.cost.model_state_bytes`:",
+        "64 data-parallel ranks), model state per device from `autopar.ir.model_state_bytes`:",
         "",
         "| ZeRO stage | predicted GB | paper GB | error % |",
         "| ---: | ---: | ---: | ---: |",
@@ -135,9 +147,19 @@ def main() -> int:
     results = []
     for row in json.loads(REFERENCE.read_text())["rows"]:
         results.append(predict(gpt, row))
-        print(f"[published] {row['params_b']}B: {results[-1]['tflops']:.0f} TFLOP/s predicted, {row['tflops_per_gpu']} published", flush=True)
-    zero = [(stage, sum(model_state_bytes(7.5e9, data_parallel=64, zero_stage=stage, precision="mixed").values()) / 1e9, paper)
-            for stage, paper in enumerate(ZERO_PAPER_GB)]
+        print(
+            f"[published] {row['params_b']}B: {results[-1]['tflops']:.0f} TFLOP/s predicted, {row['tflops_per_gpu']} "
+            "published",
+            flush=True,
+        )
+    zero = [
+        (
+            stage,
+            sum(model_state_bytes(7.5e9, data_parallel=64, zero_stage=stage, precision="bf16-mixed").values()) / 1e9,
+            paper,
+        )
+        for stage, paper in enumerate(ZERO_PAPER_GB)
+    ]
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     section = render(results, zero, peak_rss_gib, time.perf_counter() - started)
     print(section)

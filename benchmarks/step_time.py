@@ -33,9 +33,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ import autopar
 from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import publish  # noqa: E402
+from publish import publish  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "step_time"  # its part of BENCHMARKS.md, between <!-- step_time:begin/end --> markers
@@ -84,11 +84,19 @@ class Settings:
 
 FULL = Settings(
     model=dict(hidden=256, layers=2, heads=8, vocab=1024, seq=128),
-    batch=8, warmup_steps=3, rounds=20, steps_per_round=2, timeout_s=900,
+    batch=8,
+    warmup_steps=3,
+    rounds=20,
+    steps_per_round=2,
+    timeout_s=900,
 )
 QUICK = Settings(
     model=dict(hidden=64, layers=1, heads=4, vocab=256, seq=32),
-    batch=4, warmup_steps=2, rounds=2, steps_per_round=2, timeout_s=300,
+    batch=4,
+    warmup_steps=2,
+    rounds=2,
+    steps_per_round=2,
+    timeout_s=300,
 )
 
 # (comparison, autopar competitor, torch competitor)
@@ -217,7 +225,9 @@ def _slowest_rank(seconds: list[float]) -> list[float]:
     return times.tolist()
 
 
-def check_equivalence(competitors: dict[str, Competitor], steps: int = EQUIVALENCE_STEPS, pairs=PAIRS) -> dict[str, list[float]]:
+def check_equivalence(
+    competitors: dict[str, Competitor], steps: int = EQUIVALENCE_STEPS, pairs=PAIRS
+) -> dict[str, list[float]]:
     """Run the first ``steps`` steps of every competitor; each pair must agree on every loss and,
     after the first backward, on every full gradient (a gradient off by a constant factor barely
     moves AdamW's next loss, so the losses alone would not catch it). Returns the losses."""
@@ -235,7 +245,9 @@ def check_equivalence(competitors: dict[str, Competitor], steps: int = EQUIVALEN
             if abs(a - b) > LOSS_RTOL * abs(b):
                 _not_equivalent(comparison, f"step {step} loss: {ours} {a:.8f} vs {theirs} {b:.8f}")
         if first_grads[ours].keys() != first_grads[theirs].keys():
-            _not_equivalent(comparison, f"parameters differ: {sorted(first_grads[ours].keys() ^ first_grads[theirs].keys())}")
+            _not_equivalent(
+                comparison, f"parameters differ: {sorted(first_grads[ours].keys() ^ first_grads[theirs].keys())}"
+            )
         for name, expected in first_grads[theirs].items():
             actual = first_grads[ours][name]
             if (actual is None) != (expected is None):
@@ -245,15 +257,14 @@ def check_equivalence(competitors: dict[str, Competitor], steps: int = EQUIVALEN
             error, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
             if error > GRAD_RTOL * scale + GRAD_ATOL:
                 _not_equivalent(
-                    comparison, f"step 1 gradient of {name}: max |{ours} - {theirs}| = {error:.3e}, max |{theirs}| = {scale:.3e}"
+                    comparison,
+                    f"step 1 gradient of {name}: max |{ours} - {theirs}| = {error:.3e}, max |{theirs}| = {scale:.3e}",
                 )
     return losses
 
 
 def _not_equivalent(comparison: str, what: str) -> None:
-    raise AssertionError(
-        f"{comparison}: {what}; the programs are not equivalent, so their timings cannot be compared"
-    )
+    raise AssertionError(f"{comparison}: {what}; the programs are not equivalent, so their timings cannot be compared")
 
 
 def bench_rank(rank: int, world_size: int, settings: Settings) -> dict:

@@ -43,16 +43,27 @@ from torch.nn.parallel import DistributedDataParallel
 
 import autopar
 from autopar.ir import get_profile
-from autopar.passes.capture import capture
-from autopar.passes.evaluate import evaluate_plan
+from autopar.passes.capture.graph import capture
+from autopar.passes.cost.evaluate import evaluate_plan
 from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import model_state_bytes  # noqa: E402
-from report import publish  # noqa: E402
+from publish import publish  # noqa: E402
 from step_time import (  # noqa: E402
-    FULL, LR, QUICK, SEED, TARGET_RATIO, Competitor, _as_is, _backward, _ddp_local_batch, _load_gpt,
-    _mean_over_ranks, check_equivalence, time_rounds,
+    FULL,
+    LR,
+    QUICK,
+    SEED,
+    TARGET_RATIO,
+    Competitor,
+    _as_is,
+    _backward,
+    _ddp_local_batch,
+    _load_gpt,
+    _mean_over_ranks,
+    check_equivalence,
+    time_rounds,
 )
 
 SECTION = "zero"
@@ -116,7 +127,11 @@ def memory_rank(rank: int, world_size: int, settings, name: str) -> dict:
     peak = (_resident_kib("VmHWM") - start_kib) * 1024
     state = model_state_bytes(competitor)
     competitor.optimizer.zero_grad()
-    return {"peak_bytes": max(peak, 0), "state_bytes": state, "predicted_state_bytes": _predicted_state(competitor, model, global_inputs)}
+    return {
+        "peak_bytes": max(peak, 0),
+        "state_bytes": state,
+        "predicted_state_bytes": _predicted_state(competitor, model, global_inputs),
+    }
 
 
 def _predicted_state(competitor: Competitor, model, global_inputs) -> float | None:
@@ -154,19 +169,22 @@ def render_section(results, memory, settings, command: str, elapsed_s: float) ->
         "oversubscribed (2 processes per core), so the 4-rank rows measure contention as much as parallelism. "
         f"torch {torch.__version__}, Python {platform.python_version()}.",
         f"- model: examples/gpt.py `build({', '.join(f'{k}={v}' for k, v in model.items())})` "
-        f"({parameters / 1e6:.2f} M parameters), fp32, global batch {settings.batch} x seq {model['seq']}, AdamW lr {LR}.",
+        f"({parameters / 1e6:.2f} M parameters), fp32, global batch {settings.batch} x seq {model['seq']}, AdamW lr "
+        f"{LR}.",
         "- ZeRO-3: autopar data-parallel plan with `zero=3` (one all-gather per layer, next layer prefetched, "
         "regathered per layer for backward, gradients reduce-scattered per layer asynchronously) vs FSDP2 "
         "`fully_shard` per block and root. "
         "ZeRO-1: autopar `zero=1` (`pmodel.optimizer`) vs DDP + `ZeroRedundancyOptimizer(AdamW)`.",
         f"- step: forward + backward + AdamW step + zero_grad; {settings.rounds} rounds of {settings.steps_per_round} "
-        "steps per competitor after warm-up, pairs in alternating order, a barrier before each step, slowest rank, median.",
+        "steps per competitor after warm-up, pairs in alternating order, a barrier before each step, slowest rank, "
+        "median.",
         f"- memory: one spawn per competitor; step peak = VmHWM over {MEMORY_STEPS} steps minus the resident memory "
         "after the build (what the steps add: gradients, optimizer state, activations, gathered weights; glibc may "
         "reuse freed memory, so it is a floor); state = parameters + gradients + optimizer state held after a step, "
         "counted from the tensors. Largest rank shown.",
         "",
-        "| ranks | comparison | autopar ms | torch ms | ratio | target | met? | autopar step peak MiB | torch step peak MiB "
+        "| ranks | comparison | autopar ms | torch ms | ratio | target | met? | autopar step peak MiB | torch step "
+        "peak MiB "
         "| autopar state MiB (predicted) | torch state MiB |",
         "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
@@ -180,22 +198,32 @@ def render_section(results, memory, settings, command: str, elapsed_s: float) ->
             state = {n: max(m["state_bytes"] for m in mem[n]) for n in mem}
             predicted = max(m["predicted_state_bytes"] for m in mem[ours])
             lines.append(
-                f"| {world_size} | {comparison} | {ours_s * 1e3:.1f} | {theirs_s * 1e3:.1f} | {ratio:.2f} | ≤ {TARGET_RATIO:.2f} "
+                f"| {world_size} | {comparison} | {ours_s * 1e3:.1f} | {theirs_s * 1e3:.1f} | {ratio:.2f} | ≤ "
+                f"{TARGET_RATIO:.2f} "
                 f"| {'yes' if ratio <= TARGET_RATIO else '**no**'} | {_mib(peak[ours])} | {_mib(peak[theirs])} "
-                f"| {_mib(state[ours])} ({_mib(predicted)}, {(predicted / state[ours] - 1) * 100:+.0f}%) | {_mib(state[theirs])} |"
+                f"| {_mib(state[ours])} ({_mib(predicted)}, {(predicted / state[ours] - 1) * 100:+.0f}%) | "
+                f"{_mib(state[theirs])} |"
             )
             if comparison == "ZeRO-3":
                 plain = max(m["state_bytes"] for m in memory[world_size][PLAIN_DP])
-                shares.append(f"{world_size} ranks: {_mib(state[ours])} / {_mib(plain)} MiB = **{state[ours] / plain * 100:.0f}%**")
+                shares.append(
+                    f"{world_size} ranks: {_mib(state[ours])} / {_mib(plain)} MiB = "
+                    f"**{state[ours] / plain * 100:.0f}%**"
+                )
     lines += [
         "",
         "ZeRO-3's parameters + gradients + optimizer state per rank, against plain data parallelism's (autopar, "
         "`zero=0`, measured the same way): " + "; ".join(shares) + " (target ≤ 35% on 4 ranks); the prediction is "
         "`plan.cost.memory` params + grads + optimizer for the same plan (target within 20%).",
     ]
-    lines += ["", "Equivalence check (passed): per pair, global-batch losses of steps 1 and 2, and every full gradient "
-              "of step 1 (as in the step-time section).", "", "| ranks | competitor | loss step 1 | loss step 2 |",
-              "| ---: | --- | ---: | ---: |"]
+    lines += [
+        "",
+        "Equivalence check (passed): per pair, global-batch losses of steps 1 and 2, and every full gradient "
+        "of step 1 (as in the step-time section).",
+        "",
+        "| ranks | competitor | loss step 1 | loss step 2 |",
+        "| ---: | --- | ---: | ---: |",
+    ]
     for world_size, result in results.items():
         for name, losses in result["losses"].items():
             lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")

@@ -64,7 +64,9 @@ class TransformerBlock(nn.Module):
 class GPT(nn.Module):
     """``forward(tokens [B, S] int64, labels [B, S] int64) -> mean cross-entropy``."""
 
-    def __init__(self, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int, causal: bool = True) -> None:
+    def __init__(
+        self, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int, causal: bool = True
+    ) -> None:
         super().__init__()
         self.vocab = vocab
         self.seq = seq

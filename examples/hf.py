@@ -62,7 +62,9 @@ class CausalLM(nn.Module):
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
         if getattr(self.config, "output_router_logits", False):  # a mixture of experts' load-balancing loss
             experts, top_k = self.config.num_local_experts, self.config.num_experts_per_tok
-            loss = loss + self.config.router_aux_loss_coef * load_balancing_loss_func(outputs.router_logits, experts, top_k)
+            loss = loss + self.config.router_aux_loss_coef * load_balancing_loss_func(
+                outputs.router_logits, experts, top_k
+            )
         return loss
 
     def example_inputs(self, batch_size: int, device=None) -> tuple[torch.Tensor, ...]:

@@ -7,7 +7,7 @@ compute the loss on each rank's tokens without ever gathering the logits.
 
 ``build(attention="eager")`` writes attention out, as models from before
 ``scaled_dot_product_attention`` do: ``softmax(q @ kᵀ * scale + causal_mask) @ v``. autopar's
-capture turns that back into one attention node (passes/attention_pattern.py), so both variants
+capture turns that back into one attention node (passes/capture/attention_pattern.py), so both variants
 get the same plans; given the same weights they compute the same loss.
 
 Example::
@@ -52,8 +52,15 @@ class EagerAttention(Attention):
 
 
 def build(
-    *, hidden: int = 128, layers: int = 2, heads: int = 8, vocab: int = 256, seq: int = 8192, ffn: int | None = None,
-    causal: bool = True, attention: str = "sdpa",
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 8,
+    vocab: int = 256,
+    seq: int = 8192,
+    ffn: int | None = None,
+    causal: bool = True,
+    attention: str = "sdpa",
 ) -> LongContextGPT:
     """Build the model; module names as in examples/gpt.py's ``build``. ``causal=False`` makes
     every token attend to every other (an encoder's attention). ``attention="eager"`` uses
@@ -62,7 +69,9 @@ def build(
         raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
     if attention not in ("sdpa", "eager"):
         raise ValueError(f"attention={attention!r} is not known: pass 'sdpa' or 'eager'")
-    model = LongContextGPT(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn or 4 * hidden, causal=causal)
+    model = LongContextGPT(
+        hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn or 4 * hidden, causal=causal
+    )
     if attention == "eager":
         for layer in model.layers:
             eager = EagerAttention(hidden, heads, causal)

@@ -4,7 +4,7 @@ Attention, embeddings and the loss head are ``examples/gpt.py``'s. Each block's 
 :class:`MoEFeedForward`: a bias-free router ``gate`` [E, H], softmax over its logits, the top-k
 experts per token with their probabilities renormalized, and SwiGLU experts stacked as
 ``experts.gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and ``experts.down_proj``
-[E, H, F], Mixtral's layout, so ``passes/moe.py`` turns each block into one ``autopar::moe``
+[E, H, F], Mixtral's layout, so ``passes/capture/moe.py`` turns each block into one ``autopar::moe``
 node. The loss adds the Switch/Mixtral load-balancing loss of all layers' router logits,
 times ``aux_loss_coef``.
 
@@ -55,7 +55,7 @@ class Experts(nn.Module):
 class MoEFeedForward(nn.Module):
     """``forward(x [B, S, H]) -> (out [B, S, H], router_logits [B·S, E])``."""
 
-    returns_router_logits = True  # passes/moe.py: the composite forward returns the logits too
+    returns_router_logits = True  # passes/capture/moe.py: the composite forward returns the logits too
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int) -> None:
         super().__init__()
@@ -105,7 +105,16 @@ class MoEGPT(nn.Module):
     """``forward(tokens [B, S] int64, labels [B, S] int64) -> cross-entropy + coef · load-balancing loss``."""
 
     def __init__(
-        self, *, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int, experts: int, top_k: int,
+        self,
+        *,
+        hidden: int,
+        layers: int,
+        heads: int,
+        vocab: int,
+        seq: int,
+        ffn: int,
+        experts: int,
+        top_k: int,
         aux_loss_coef: float,
     ) -> None:
         super().__init__()
@@ -144,8 +153,16 @@ class MoEGPT(nn.Module):
 
 
 def build(
-    *, hidden: int = 128, layers: int = 2, heads: int = 4, vocab: int = 512, seq: int = 64, ffn: int | None = None,
-    experts: int = 8, top_k: int = 2, aux_loss_coef: float = 0.01,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    vocab: int = 512,
+    seq: int = 64,
+    ffn: int | None = None,
+    experts: int = 8,
+    top_k: int = 2,
+    aux_loss_coef: float = 0.01,
 ) -> MoEGPT:
     """Build the MoE GPT; ``ffn`` (each expert's width) defaults to ``2 * hidden``.
 
@@ -162,6 +179,13 @@ def build(
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be between 1 and experts={experts}")
     return MoEGPT(
-        hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn or 2 * hidden, experts=experts,
-        top_k=top_k, aux_loss_coef=aux_loss_coef,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        vocab=vocab,
+        seq=seq,
+        ffn=ffn or 2 * hidden,
+        experts=experts,
+        top_k=top_k,
+        aux_loss_coef=aux_loss_coef,
     )

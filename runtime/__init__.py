@@ -1,10 +1,21 @@
-"""What a parallelized program runs on: launch, process groups, collectives, gradient sync,
-and the module that ties them together (``module.ParallelModule``).
+"""What a parallelized program runs on, installed as ``autopar.runtime``.
 
-Importing this package registers the ``autopar::`` collective ops that rewritten graphs call.
+- ``launch``, ``spawn``, ``process_groups``: start ranks (torchrun-compatible), build the
+  DeviceMesh and the c10d groups of its axes;
+- ``collectives``: the ``autopar::`` ops rewritten graphs call, each an autograd function with
+  its dual as backward; ``kernels/``: context-parallel attention (ring, Ulysses, the zigzag
+  sequence layout) and the expert-parallel mixture of experts;
+- ``grad_sync``: bucketed gradient all-reduce overlapped with backward; ``zero/``: ZeRO 1-3
+  (sharded layout and optimizer, parameter gathers, gradient reduce-scatters);
+- ``module`` (``ParallelModule``, ``AccumulatingModule``) and ``pipeline`` (``PipelineModule``):
+  the trainable module ``autopar.parallelize`` returns; ``checkpoint``: the logical state on disk;
+- ``measure``: what ``autopar calibrate`` times on this machine.
+
+Importing this package registers the ``autopar::`` ops that rewritten graphs call.
 """
 
-from .collectives import (
+from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autopar.runtime.collectives import (
     all_gather,
     all_reduce,
     all_to_all,
@@ -13,12 +24,35 @@ from .collectives import (
     keep_on_first,
     reduce_scatter,
 )
-from .checkpoint import load_checkpoint, save_checkpoint
-from .grad_sync import GradSync
-from .zero3 import zero_gather
-from .zigzag import zigzag
-from .context_parallel import ring_attention, ulysses_attention
-from .expert_parallel import moe
-from .launch import free_port, init_from_env, launch_local
-from .process_groups import build_device_mesh, group_name
-from .spawn import run_local
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.kernels.context_parallel import ring_attention, ulysses_attention
+from autopar.runtime.kernels.expert_parallel import moe
+from autopar.runtime.kernels.zigzag import zigzag
+from autopar.runtime.launch import free_port, init_from_env, launch_local
+from autopar.runtime.process_groups import build_device_mesh, group_name
+from autopar.runtime.spawn import run_local
+from autopar.runtime.zero.gather import zero_gather
+
+__all__ = [
+    "GradSync",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "build_device_mesh",
+    "chunk",
+    "free_port",
+    "grad_all_reduce",
+    "group_name",
+    "init_from_env",
+    "keep_on_first",
+    "launch_local",
+    "load_checkpoint",
+    "moe",
+    "reduce_scatter",
+    "ring_attention",
+    "run_local",
+    "save_checkpoint",
+    "ulysses_attention",
+    "zero_gather",
+    "zigzag",
+]

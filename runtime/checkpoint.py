@@ -31,7 +31,9 @@ def logical_state(pmodel, optimizer: torch.optim.Optimizer) -> dict:
         stepped, placements = _stepped(pmodel, name)
         entries = state.get(stepped, {})
         moments[name] = {
-            key: _as_logical(value, param, placements) if torch.is_tensor(value) and value.shape == stepped.shape and value.dim() else value
+            key: _as_logical(value, param, placements)
+            if torch.is_tensor(value) and value.shape == stepped.shape and value.dim()
+            else value
             for key, value in entries.items()
         }
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
@@ -70,7 +72,9 @@ def _stepped(pmodel, name: str):
 
 
 def _as_logical(local: torch.Tensor, param: DTensor, placements) -> DTensor:
-    return DTensor.from_local(local, param.device_mesh, placements, run_check=False, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local, param.device_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def _create_state(pmodel, optimizer: torch.optim.Optimizer) -> None:

@@ -29,7 +29,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
-from .collectives import _chunks_to_front
+from autopar.runtime.collectives import _chunks_to_front
 
 DEFAULT_BUCKET_SIZE_BYTES = 25 * 2**20
 # Like DDP: a small first bucket starts communication early in backward.
@@ -113,8 +113,12 @@ class _Bucket:
         if not isinstance(param, DTensor):
             return local
         return DTensor.from_local(
-            local, param.device_mesh, param.placements,
-            run_check=False, shape=param.shape, stride=param.stride(),
+            local,
+            param.device_mesh,
+            param.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
         )
 
 
@@ -136,7 +140,16 @@ class _ScatterBucket(_Bucket):
     """A bucket laid out (ranks, columns): row k holds chunk k of every gradient, then one
     "used" flag per parameter, so one reduce-scatter leaves each rank its chunks and flags."""
 
-    def __init__(self, group_name: str, params: list[Tensor], scatters: list[Scatter], parts: int, offsets: list[int], dtype, device):
+    def __init__(
+        self,
+        group_name: str,
+        params: list[Tensor],
+        scatters: list[Scatter],
+        parts: int,
+        offsets: list[int],
+        dtype,
+        device,
+    ):
         super().__init__(group_name, params, None, offsets)
         self.scatters, self.parts, self.dtype, self.device = scatters, parts, dtype, device
         self.received: Tensor | None = None
@@ -152,7 +165,9 @@ class _ScatterBucket(_Bucket):
 
     def copy_in(self, index: int) -> None:
         if self.buffer is None:
-            self.buffer = torch.empty(self.parts, self.offsets[-1] + len(self.params), dtype=self.dtype, device=self.device)
+            self.buffer = torch.empty(
+                self.parts, self.offsets[-1] + len(self.params), dtype=self.dtype, device=self.device
+            )
         param = self.params[index]
         self._slot(index).copy_(_chunks_to_front(param.grad, self.scatters[index].dim, self.parts).view(self.parts, -1))
         param.grad = None  # ZeRO-2: only the chunk of the sum is kept
@@ -161,7 +176,9 @@ class _ScatterBucket(_Bucket):
 
     def launch(self) -> None:
         if self.buffer is None:
-            self.buffer = torch.zeros(self.parts, self.offsets[-1] + len(self.params), dtype=self.dtype, device=self.device)
+            self.buffer = torch.zeros(
+                self.parts, self.offsets[-1] + len(self.params), dtype=self.dtype, device=self.device
+            )
         super().launch()
 
     def _reduce(self) -> dist.Work:

@@ -65,9 +65,7 @@ def launch_local(script: str, args: list[str], nproc: int, timeout_s: float | No
     ranks = _start_ranks(script, args, nproc)
     print_lock = threading.Lock()  # whole lines, never two ranks' output interleaved in one
     printers = [
-        threading.Thread(
-            target=_print_prefixed, args=(rank, process.stdout, print_lock), daemon=True
-        )
+        threading.Thread(target=_print_prefixed, args=(rank, process.stdout, print_lock), daemon=True)
         for rank, process in enumerate(ranks)
     ]
     for printer in printers:
@@ -117,15 +115,17 @@ def _wait_for_ranks(ranks: list[subprocess.Popen], timeout_s: float | None) -> i
         for rank, code in enumerate(codes):
             if code:
                 running = [r for r, c in enumerate(codes) if c is None]
-                print(f"[launch] rank {rank} exited with code {code}; terminating ranks {running}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[launch] rank {rank} exited with code {code}; terminating ranks {running}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return code if code > 0 else 128 - code  # killed by signal N -> 128 + N
         if all(code == 0 for code in codes):
             return 0
         if deadline is not None and time.monotonic() > deadline:
             running = [r for r, c in enumerate(codes) if c is None]
-            print(f"[launch] timed out after {timeout_s} s; terminating ranks {running}",
-                  file=sys.stderr, flush=True)
+            print(f"[launch] timed out after {timeout_s} s; terminating ranks {running}", file=sys.stderr, flush=True)
             return TIMEOUT_EXIT_CODE
         time.sleep(0.05)
 

@@ -8,31 +8,31 @@ leaves; partial sums over an axis are summed by a bucketed :class:`GradSync` whi
 runs; at the end of backward every local gradient is published as the DTensor's ``.grad``
 (again the same storage, no copy).
 
-With ZeRO (``plan.zero``, see :mod:`zero`) the optimizer state (1), gradients (2) and
+With ZeRO (``plan.zero``, see :mod:`autopar.runtime.zero.layout`) the optimizer state (1), gradients (2) and
 parameters (3) of data-parallel replicated parameters are split over dp: ZeRO-2 gradients
 and ZeRO-3 parameters are DTensors sharded over dp, so ``full_tensor()`` still gives the whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
-
-from autopar.ir import CONTEXT_PARALLEL, Plan, Replicate, Shard
-
-from .grad_sync import GradSync
-from .zero import ZeroLayout, ZeroOptimizer, add_grad
-from .zero3 import Zero3Runtime
-from .zigzag import zigzag_order
+from autopar.ir import Axis, Plan, Replicate, Shard
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.kernels.zigzag import zigzag_order
+from autopar.runtime.zero.gather import Zero3Runtime
+from autopar.runtime.zero.layout import ZeroLayout, ZeroOptimizer, add_grad, synced_alone
 
 
 def to_dtensor_placement(placement):
@@ -45,14 +45,16 @@ def to_dtensor_placement(placement):
 
 def local_chunk(full: torch.Tensor, placements, mesh: DeviceMesh) -> torch.Tensor:
     """This rank's shard of a full tensor (outer mesh dims split first, as DTensor does; on
-    the context-parallel dim a head and a tail chunk, see :mod:`zigzag`)."""
+    the context-parallel dim a head and a tail chunk, see :mod:`autopar.runtime.kernels.zigzag`)."""
     local = full
     names = mesh.mesh_dim_names or ()
     for mesh_dim, placement in enumerate(placements):
         if isinstance(placement, Shard):
             size = mesh.size(mesh_dim)
-            if mesh_dim < len(names) and names[mesh_dim] == CONTEXT_PARALLEL:
-                local = local.index_select(placement.dim, zigzag_order(local.shape[placement.dim], size).to(local.device))
+            if mesh_dim < len(names) and names[mesh_dim] == Axis.CP:
+                local = local.index_select(
+                    placement.dim, zigzag_order(local.shape[placement.dim], size).to(local.device)
+                )
             local = local.chunk(size, dim=placement.dim)[mesh.get_local_rank(mesh_dim)]
     return local.contiguous()
 
@@ -91,7 +93,9 @@ class ParallelModule(nn.Module):
             if name in self.zero.dims and not self.zero.stores_chunk(name) and local.requires_grad:
                 self._zero_chunks[name] = self.zero.chunk(name, local.detach()).requires_grad_()
             param = nn.Parameter(
-                DTensor.from_local(local.detach(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+                DTensor.from_local(
+                    local.detach(), mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+                )
             )
             assert param._local_tensor.data_ptr() == local.data_ptr(), "the DTensor must share the leaf's storage"
             self._params[name], self._locals[name] = param, local
@@ -101,13 +105,22 @@ class ParallelModule(nn.Module):
         for name in buffer_order:
             _register(self, name, state[name].detach().clone(), buffer=True)
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
-        entries = [self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk) for name, axes in plan.grad_sync.items()]
+        entries = [
+            self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk)
+            for name, axes in plan.grad_sync.items()
+        ]
         self._grad_sync = GradSync([entry for entry in entries if entry is not None], auto_finish=False)
-        self._zero3 = None  # ZeRO-3: per-layer gathers and gradient reduce-scatters (zero3.py)
+        self._zero3 = None  # ZeRO-3: per-layer gathers and gradient reduce-scatters (zero/gather.py)
         if self.zero.stage == 3 and self.zero.dims:
             sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in plan.grad_sync.items()}
-            self._zero3 = Zero3Runtime(program, param_order, self._locals, sum_over,
-                                       syncing=lambda: self._grad_sync.syncing, on_first_grad=lambda: self._on_grad_accumulated(None))
+            self._zero3 = Zero3Runtime(
+                program,
+                param_order,
+                self._locals,
+                sum_over,
+                syncing=lambda: self._grad_sync.syncing,
+                on_first_grad=lambda: self._on_grad_accumulated(None),
+            )
         self._local_loss = _peel_loss_reduction(program)
         self._callback_queued = False
         for local in self._locals.values():
@@ -133,7 +146,12 @@ class ParallelModule(nn.Module):
         program, group, reduce_op = self._local_loss
         (partial,) = self._run(program, local_inputs)
         loss = partial.detach().clone()
-        work = dist.all_reduce(loss, op=dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM, group=_resolve_process_group(group), async_op=True)
+        work = dist.all_reduce(
+            loss,
+            op=dist.ReduceOp.AVG if reduce_op == "avg" else dist.ReduceOp.SUM,
+            group=_resolve_process_group(group),
+            async_op=True,
+        )
         share = partial / _resolve_process_group(group).size() if reduce_op == "avg" else partial
         share.backward()
         work.wait()
@@ -171,7 +189,8 @@ class ParallelModule(nn.Module):
     def shard_batch(self, *global_inputs):
         """This rank's slice of a global batch, as ``forward`` expects it."""
         return tuple(
-            local_chunk(value, self.plan.inputs[name], self.device_mesh) for name, value in zip(self.plan.inputs, global_inputs)
+            local_chunk(value, self.plan.inputs[name], self.device_mesh)
+            for name, value in zip(self.plan.inputs, global_inputs)
         )
 
     def _on_grad_accumulated(self, _local: torch.Tensor) -> None:
@@ -253,3 +272,37 @@ def _register(root: nn.Module, name: str, value, buffer: bool = False) -> None:
         module.register_buffer(leaf, value)
     else:
         module.register_parameter(leaf, value)
+
+
+class AccumulatingModule(ParallelModule):
+    """Gradient accumulation without stages: the local batch in ``microbatches`` pieces, one
+    after another; the gradient sync runs with the last backward."""
+
+    def _pieces(self, local_inputs) -> list[tuple]:
+        count = self.plan.schedule.microbatches
+        return list(zip(*(value.tensor_split(count) for value in local_inputs)))
+
+    def train_step(self, *local_inputs) -> torch.Tensor:
+        pieces = self._pieces(local_inputs)
+        losses = []
+        for index, piece in enumerate(pieces):
+            (loss,) = self._run(self.program, piece)
+            with self._accumulating(last=index == len(pieces) - 1):
+                (loss / len(pieces)).backward()
+            losses.append(loss.detach())
+        return torch.stack(losses).mean()
+
+    def _accumulating(self, last: bool):
+        """ZeRO-2/3: each backward synced on its own (``ZeroLayout.syncs_each_microbatch``);
+        otherwise accumulated locally and synced with the last."""
+        if self.zero.syncs_each_microbatch:
+            return synced_alone(whole_leaves(self))
+        return contextlib.nullcontext() if last else self.no_sync()
+
+    def forward(self, *local_inputs):
+        return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
+
+
+def whole_leaves(module: ParallelModule) -> list[torch.Tensor]:
+    """The trainable leaves ZeRO leaves whole (their gradients are all-reduced, not scattered)."""
+    return [leaf for name, leaf in module._locals.items() if name not in module.zero.dims and leaf.requires_grad]

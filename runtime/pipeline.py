@@ -1,7 +1,7 @@
 """Pipeline stages and microbatches at run time, on ``torch.distributed.pipelining``.
 
 :class:`PipelineModule` holds this rank's stage modules (the per-stage programs of
-``passes.stage_split``) and drives a torch pipelining schedule with them: GPipe, 1F1B,
+``passes.rewrite.stages``) and drives a torch pipelining schedule with them: GPipe, 1F1B,
 Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble (``Schedule.kind``). Stages split the
 outermost mesh dimension "pp"; inside a stage the plan's data and tensor parallelism run as
 without a pipeline, on the stage's sub-mesh, whose DTensors hold this stage's parameters only.
@@ -17,10 +17,7 @@ each microbatch's gradients as soon as a backward made them (as DeepSpeed does, 
 ``ZeroLayout.syncs_each_microbatch``): :class:`_Stage` syncs after every backward that makes
 weight gradients, a full one or a zero-bubble weight pass. Under ZeRO-3 each stage module
 gathers its weights per layer for each microbatch's forward and again for its backward
-(``zero3.Zero3Runtime``).
-
-:class:`AccumulatingModule` is the same without stages: microbatches one after another,
-the gradient sync riding on the last backward (ZeRO-2/3: on every backward).
+(``zero.gather.Zero3Runtime``).
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.schedules import _ComputationType
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -41,29 +37,20 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import _ComputationType
 
-from autopar.ir import ConfigError, Plan
+from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
+from autopar.runtime.module import ParallelModule, whole_leaves
+from autopar.runtime.zero.gather import Zero3Runtime
+from autopar.runtime.zero.layout import synced_alone
 
-from .module import ParallelModule
-from .zero import synced_alone
-from .zero3 import Zero3Runtime
-
-PIPELINE_AXIS = "pp"
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "interleaved-zb": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    PipelineKind.GPIPE: ScheduleGPipe,
+    PipelineKind.ONE_F_ONE_B: Schedule1F1B,
+    PipelineKind.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+    PipelineKind.INTERLEAVED_ZB: ScheduleInterleavedZeroBubble,
+    PipelineKind.ZBV: ScheduleZBVZeroBubble,
 }
-ZERO_BUBBLE = ("interleaved-zb", "zbv")  # weight gradients in a pass of their own, from torch.autograd.grad
-
-
-def stage_indices(kind: str, pp_rank: int, stages: int, virtual: int) -> list[int]:
-    """The stage modules a pipeline rank runs: a loop (rank r: r, r + p, ...) or, for zbv, a V."""
-    if kind == "zbv":
-        return [pp_rank, 2 * stages - 1 - pp_rank]
-    return [pp_rank + i * stages for i in range(virtual)]
 
 
 class _StageModule(nn.Module):
@@ -74,8 +61,16 @@ class _StageModule(nn.Module):
     zero-bubble weight pass walk ``parameters()``, and a ``nn.Parameter`` would be a new leaf.
     """
 
-    def __init__(self, stage, leaves: list[torch.Tensor], buffers: list[torch.Tensor], first: bool, last: bool,
-                 zero3: Zero3Runtime | None = None, shards: dict[str, torch.Tensor] | None = None):
+    def __init__(
+        self,
+        stage,
+        leaves: list[torch.Tensor],
+        buffers: list[torch.Tensor],
+        first: bool,
+        last: bool,
+        zero3: Zero3Runtime | None = None,
+        shards: dict[str, torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.program = stage.graph_module
         for index, leaf in enumerate(leaves):
@@ -124,50 +119,79 @@ def _loss_of(output: torch.Tensor, _target) -> torch.Tensor:
 class PipelineModule(ParallelModule):
     """This rank's pipeline stages as a trainable module. Built by ``autopar.parallelize``."""
 
-    def __init__(self, stage_programs: list, plan: Plan, mesh: DeviceMesh, *, param_names: dict[str, str],
-                 buffer_names: dict[str, str], input_names: tuple[str, ...], state: dict[str, torch.Tensor],
-                 tied: dict[str, str] | None = None):
+    def __init__(
+        self,
+        stage_programs: list,
+        plan: Plan,
+        mesh: DeviceMesh,
+        *,
+        param_names: dict[str, str],
+        buffer_names: dict[str, str],
+        input_names: tuple[str, ...],
+        state: dict[str, torch.Tensor],
+        tied: dict[str, str] | None = None,
+    ):
         schedule = plan.schedule
-        pp_rank = mesh.get_local_rank(PIPELINE_AXIS)
-        mine = [stage_programs[i] for i in stage_indices(schedule.kind, pp_rank, schedule.stages, schedule.virtual)]
+        pp_rank = mesh.get_local_rank(Axis.PP)
+        mine = [stage_programs[i] for i in schedule.device_modules()[pp_rank]]
         _check_parameters_stay_in_one_stage(stage_programs, param_names)
         names = [param_names[p] for stage in mine for p in stage.params]
         buffers = list(dict.fromkeys(buffer_names[b] for stage in mine for b in stage.buffers))
         local_plan = dataclasses.replace(plan, grad_sync={n: a for n, a in plan.grad_sync.items() if n in names})
         super().__init__(
-            mine[0].graph_module, local_plan, mesh[tuple(plan.degrees)], param_order=names, buffer_order=buffers, state=state,
+            mine[0].graph_module,
+            local_plan,
+            mesh[tuple(plan.degrees)],
+            param_order=names,
+            buffer_order=buffers,
+            state=state,
             tied={alias: name for alias, name in (tied or {}).items() if name in names},
         )
         self.plan = plan
         self.pipeline_mesh = mesh
         self._input_names = input_names
-        device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-        group = mesh.get_group(PIPELINE_AXIS)
-        self._whole_leaves = _whole_leaves(self)
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+        )
+        group = mesh.get_group(Axis.PP)
+        self._whole_leaves = whole_leaves(self)
         zero3 = {}
         if self._zero3 is not None:  # one runtime per stage module, in place of the one for mine[0]
             self._zero3 = None
-            zero3 = {stage.index: self._stage_zero3(stage, param_names, schedule.kind in ZERO_BUBBLE) for stage in mine}
+            zero3 = {
+                stage.index: self._stage_zero3(stage, param_names, schedule.kind in ZERO_BUBBLE_PIPELINES)
+                for stage in mine
+            }
         self._stages = [
             _Stage(
                 _StageModule(
-                    stage, [self._locals[param_names[p]] for p in stage.params], [self.get_buffer(buffer_names[b]) for b in stage.buffers],
-                    first=stage.index == 0, last=stage.index == schedule.modules - 1, zero3=zero3.get(stage.index), shards=self._locals,
+                    stage,
+                    [self._locals[param_names[p]] for p in stage.params],
+                    [self.get_buffer(buffer_names[b]) for b in stage.buffers],
+                    first=stage.index == 0,
+                    last=stage.index == schedule.modules - 1,
+                    zero3=zero3.get(stage.index),
+                    shards=self._locals,
                 ),
-                stage.index, schedule.modules, device, group=group,
+                stage.index,
+                schedule.modules,
+                device,
+                group=group,
                 sync_now=self._synced_microbatch if self.zero.syncs_each_microbatch else None,
             )
             for stage in mine
         ]
         kind = SCHEDULES[schedule.kind]
-        single = schedule.kind in ("gpipe", "1f1b")
-        self._schedule = kind(self._stages[0] if single else self._stages, schedule.microbatches, loss_fn=_loss_of, scale_grads=True)
-        self._no_target = torch.zeros(schedule.microbatches)  # the loss is the model's own: the schedule's target is unused
+        single = schedule.kind in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)
+        self._schedule = kind(
+            self._stages[0] if single else self._stages, schedule.microbatches, loss_fn=_loss_of, scale_grads=True
+        )
+        self._no_target = torch.zeros(
+            schedule.microbatches
+        )  # the loss is the model's own: the schedule's target is unused
         self._holds_first = any(stage.is_first for stage in self._stages)
         self._holds_last = any(stage.is_last for stage in self._stages)
-        last_pp_rank = next(
-            r for r in range(schedule.stages) if schedule.modules - 1 in stage_indices(schedule.kind, r, schedule.stages, schedule.virtual)
-        )
+        last_pp_rank = schedule.device_of(schedule.modules - 1)
         self._last_rank = dist.get_global_rank(group, last_pp_rank)  # the loss is known there
 
     def train_step(self, *local_inputs) -> torch.Tensor:
@@ -217,7 +241,11 @@ class PipelineModule(ParallelModule):
         reduce-scattered in its backward (per parameter under zero-bubble schedules)."""
         sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in self.plan.grad_sync.items()}
         runtime = Zero3Runtime(
-            stage.graph_module, [param_names[p] for p in stage.params], self._locals, sum_over, syncing=lambda: True,
+            stage.graph_module,
+            [param_names[p] for p in stage.params],
+            self._locals,
+            sum_over,
+            syncing=lambda: True,
             on_first_grad=lambda: torch.autograd.Variable._execution_engine.queue_callback(runtime.finish_backward),
             per_parameter=per_parameter,
         )
@@ -228,7 +256,7 @@ class PipelineModule(ParallelModule):
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
         loss = loss.contiguous()
-        dist.broadcast(loss, src=self._last_rank, group=self.pipeline_mesh.get_group(PIPELINE_AXIS))
+        dist.broadcast(loss, src=self._last_rank, group=self.pipeline_mesh.get_group(Axis.PP))
         return loss
 
 
@@ -238,44 +266,12 @@ def _check_parameters_stay_in_one_stage(stage_programs, param_names: dict[str, s
         for placeholder in stage.params:
             if where.setdefault(placeholder, stage.index) != stage.index:
                 raise ConfigError(
-                    f"parameter {param_names[placeholder]!r} is used by stage modules {where[placeholder]} and {stage.index}: "
-                    "a weight shared across pipeline stages (e.g. tied embeddings) is not supported; pin cut points that keep "
+                    f"parameter {param_names[placeholder]!r} is used by stage modules {where[placeholder]} and "
+                    f"{stage.index}: "
+                    "a weight shared across pipeline stages (e.g. tied embeddings) is not supported; pin cut points "
+                    "that keep "
                     "its uses in one stage, or untie it"
                 )
-
-
-class AccumulatingModule(ParallelModule):
-    """Gradient accumulation without stages: the local batch in ``microbatches`` pieces, one
-    after another; the gradient sync runs with the last backward."""
-
-    def _pieces(self, local_inputs) -> list[tuple]:
-        count = self.plan.schedule.microbatches
-        return list(zip(*(value.tensor_split(count) for value in local_inputs)))
-
-    def train_step(self, *local_inputs) -> torch.Tensor:
-        pieces = self._pieces(local_inputs)
-        losses = []
-        for index, piece in enumerate(pieces):
-            (loss,) = self._run(self.program, piece)
-            with self._accumulating(last=index == len(pieces) - 1):
-                (loss / len(pieces)).backward()
-            losses.append(loss.detach())
-        return torch.stack(losses).mean()
-
-    def _accumulating(self, last: bool):
-        """ZeRO-2/3: each backward synced on its own (``ZeroLayout.syncs_each_microbatch``);
-        otherwise accumulated locally and synced with the last."""
-        if self.zero.syncs_each_microbatch:
-            return synced_alone(_whole_leaves(self))
-        return contextlib.nullcontext() if last else self.no_sync()
-
-    def forward(self, *local_inputs):
-        return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
-
-
-def _whole_leaves(module: ParallelModule) -> list[torch.Tensor]:
-    """The trainable leaves ZeRO leaves whole (their gradients are all-reduced, not scattered)."""
-    return [leaf for name, leaf in module._locals.items() if name not in module.zero.dims and leaf.requires_grad]
 
 
 @contextlib.contextmanager
@@ -284,12 +280,20 @@ def _forward_actions_only(schedule):
     off, which zero-bubble V schedules cannot do ("can't steal_bwd_input"): keep only the
     forward computations and their sends and receives (the per-time-step order of the
     looped schedules keeps a hole where an action goes: ranks pair their messages by step)."""
-    kept = (_ComputationType.FORWARD, _ComputationType.SEND_F, _ComputationType.RECV_F,
-            _ComputationType.UNSHARD, _ComputationType.RESHARD)
+    kept = (
+        _ComputationType.FORWARD,
+        _ComputationType.SEND_F,
+        _ComputationType.RECV_F,
+        _ComputationType.UNSHARD,
+        _ComputationType.RESHARD,
+    )
     saved = {name: getattr(schedule, name, None) for name in ("pipeline_order", "pipeline_order_with_comms")}
+
+    def keep(action) -> bool:
+        return action is not None and action.computation_type in kept
+
     for name, order in saved.items():
         if order is not None:
-            keep = (lambda a: a is not None and a.computation_type in kept)
             filtered = {rank: [a if keep(a) else None for a in actions] for rank, actions in order.items()}
             if name == "pipeline_order_with_comms":  # executed in sequence: drop the holes
                 filtered = {rank: [a for a in actions if a is not None] for rank, actions in filtered.items()}

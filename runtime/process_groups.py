@@ -29,7 +29,7 @@ def build_device_mesh(layout: dict[str, int], device_type: str) -> DeviceMesh:
             f"mesh layout {layout} spans {mesh_size} ranks but the world has {world_size}; "
             f"launch {mesh_size} processes or choose degrees whose product is {world_size}"
         )
-    return init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=tuple(layout))
+    return init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=tuple(str(axis) for axis in layout))
 
 
 def group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
@@ -45,6 +45,7 @@ def group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
         raise MeshError(f"axes {axes} must be a non-empty subset of the mesh axes {names}")
     if list(axes) != sorted(axes, key=names.index) or len(set(axes)) != len(axes):
         raise MeshError(f"axes {axes} must be distinct and in mesh order {names}")
+    axes = tuple(str(axis) for axis in axes)
     if len(axes) == 1:
         return mesh.get_group(axes[0]).group_name
     return mesh[axes]._flatten().get_group().group_name

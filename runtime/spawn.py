@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .launch import free_port
+from autopar.runtime.launch import free_port
 
 _EXIT_GRACE_S = 5.0  # a rank that reported gets this long to exit before it is killed
 
@@ -34,7 +34,9 @@ def run_local(fn, world_size: int, *args, timeout_s: float = 120, backend: str =
     results = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_run_rank, args=(fn, rank, world_size, args, backend, port, timeout_s, results), daemon=True)
+        context.Process(
+            target=_run_rank, args=(fn, rank, world_size, args, backend, port, timeout_s, results), daemon=True
+        )
         for rank in range(world_size)
     ]
     for process in processes:
@@ -62,8 +64,11 @@ def _run_rank(fn, rank, world_size, args, backend, port, timeout_s, results) -> 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
     try:
         dist.init_process_group(
-            backend, rank=rank, world_size=world_size,
-            init_method=f"tcp://127.0.0.1:{port}", timeout=timedelta(seconds=timeout_s),
+            backend,
+            rank=rank,
+            world_size=world_size,
+            init_method=f"tcp://127.0.0.1:{port}",
+            timeout=timedelta(seconds=timeout_s),
         )
         try:
             # pickled here so that an unpicklable result is reported, not lost in a queue thread
@@ -89,7 +94,7 @@ def _collect(processes, results, timeout_s: float) -> list:
             # a rank that reports exits with code 0; any other exit died before reporting
             for rank, process in enumerate(processes):
                 if rank not in outcomes and process.exitcode not in (None, 0):
-                    raise RuntimeError(f"rank {rank} died with exit code {process.exitcode}")
+                    raise RuntimeError(f"rank {rank} died with exit code {process.exitcode}") from None
             continue
         if not ok:
             raise RuntimeError(f"rank {rank} of {len(processes)} failed:\n{payload}")

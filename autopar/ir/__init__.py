@@ -3,7 +3,7 @@
 This package imports nothing else of autopar; everything else imports it.
 """
 
-from .errors import (
+from autopar.ir.errors import (
     AutoparError,
     ConfigError,
     MemoryLimitError,
@@ -12,7 +12,65 @@ from .errors import (
     StalePlanError,
     TraceError,
 )
-from .hardware import PROFILES, HardwareProfile, LinkTier, get_profile
-from .mesh import BATCH_DIMS, CONTEXT_PARALLEL, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
-from .placement import Partial, Placement, Replicate, Shard, format_placements, parse_placement
-from .plan import KERNEL_DIMS, PIPELINES, RECOMPUTE, VIRTUAL_PIPELINES, Cost, NodeDecision, Plan, Schedule
+from autopar.ir.hardware import PROFILES, HardwareProfile, LinkTier, get_profile
+from autopar.ir.mesh import BATCH_DIMS, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
+from autopar.ir.names import OP_NAMESPACE, Axis, Kernel, PipelineKind, Precision, Recompute, layer_of
+from autopar.ir.options import PlanOptions
+from autopar.ir.placement import Partial, Placement, Replicate, Shard, format_placements, parse_placement
+from autopar.ir.plan import (
+    KERNEL_DIMS,
+    PIPELINES,
+    RECOMPUTE,
+    VIRTUAL_PIPELINES,
+    ZERO_BUBBLE_PIPELINES,
+    Cost,
+    NodeDecision,
+    Plan,
+    Schedule,
+)
+from autopar.ir.precision import PrecisionPolicy, model_state_bytes
+
+__all__ = [
+    "BATCH_DIMS",
+    "KERNEL_DIMS",
+    "OP_NAMESPACE",
+    "PARALLEL_DIMS",
+    "PIPELINES",
+    "PROFILES",
+    "RECOMPUTE",
+    "VIRTUAL_PIPELINES",
+    "ZERO_BUBBLE_PIPELINES",
+    "AutoparError",
+    "Axis",
+    "ConfigError",
+    "Cost",
+    "HardwareProfile",
+    "Kernel",
+    "LinkTier",
+    "MemoryLimitError",
+    "Mesh",
+    "MeshError",
+    "NodeDecision",
+    "Partial",
+    "PipelineKind",
+    "Placement",
+    "Plan",
+    "PlanOptions",
+    "Precision",
+    "PrecisionPolicy",
+    "Recompute",
+    "Replicate",
+    "Schedule",
+    "Shard",
+    "ShardingRuleError",
+    "StalePlanError",
+    "TraceError",
+    "batch_split",
+    "check_degrees",
+    "degree_choices",
+    "format_placements",
+    "get_profile",
+    "layer_of",
+    "model_state_bytes",
+    "parse_placement",
+]

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .errors import ConfigError
+from autopar.ir.errors import ConfigError
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -32,7 +32,7 @@ class LinkTier:
     fitted: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
     sync_s: float = 0.0  # fixed cost of each blocking collective in a step: waiting for the slowest rank
     sync_by_ranks: dict[int, float] = field(default_factory=dict)  # sync_s measured per number of ranks on the host
-    inner: "LinkTier | None" = None  # the tier inside a node, when a group spans nodes with several members in each
+    inner: LinkTier | None = None  # the tier inside a node, when a group spans nodes with several members in each
     local_ranks: int = 1  # members of the group inside one node
 
     def alpha_beta(self, kind: str, ranks: int) -> tuple[float, float]:
@@ -57,8 +57,11 @@ class HardwareProfile:
     op_overhead_s: float = 0.0  # fixed cost of launching one op
     cores_per_host: int = 0  # CPU processes share this many cores; 0: every device computes on its own
     measure_ops: bool = False  # this profile is the planning machine: time ops on it instead of the roofline
-    contention_by_ranks: dict[int, float] = field(default_factory=dict)  # measured compute slowdown per ranks on the host
+    contention_by_ranks: dict[int, float] = field(
+        default_factory=dict
+    )  # measured compute slowdown per ranks on the host
     extra: dict = field(default_factory=dict)
+    precision: str = "fp32"  # what training on this device naturally runs in (an autopar.ir.Precision)
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency
@@ -99,7 +102,9 @@ class HardwareProfile:
             stride = max(1, axis_span // max(1, group_size))
             link = dataclasses.replace(link, inner=self.links[0], local_ranks=max(1, node // stride))
         measured = link.sync_by_ranks.get(self.ranks_per_host(mesh_shape))
-        return dataclasses.replace(link, sync_s=measured if measured is not None else link.sync_s * self.contention(mesh_shape))
+        return dataclasses.replace(
+            link, sync_s=measured if measured is not None else link.sync_s * self.contention(mesh_shape)
+        )
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -115,19 +120,24 @@ class HardwareProfile:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "HardwareProfile":
+    def from_json(cls, data: dict) -> HardwareProfile:
         links = tuple(
             LinkTier(
                 name=link["name"],
                 alpha_s=link["alpha_s"],
                 bandwidth=link["bandwidth"],
-                fitted={kind: {int(n): tuple(ab) for n, ab in sizes.items()} for kind, sizes in link.get("fitted", {}).items()},
+                fitted={
+                    kind: {int(n): tuple(ab) for n, ab in sizes.items()}
+                    for kind, sizes in link.get("fitted", {}).items()
+                },
                 sync_s=link.get("sync_s", 0.0),
                 sync_by_ranks={int(n): seconds for n, seconds in link.get("sync_by_ranks", {}).items()},
             )
             for link in data["links"]
         )
-        contention = {int(n): factor for n, factor in data.get("contention_by_ranks", {}).items()}  # JSON keys are strings
+        contention = {
+            int(n): factor for n, factor in data.get("contention_by_ranks", {}).items()
+        }  # JSON keys are strings
         return cls(**{**data, "links": links, "contention_by_ranks": contention})
 
     def save(self, path: str | Path) -> Path:
@@ -137,7 +147,7 @@ class HardwareProfile:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "HardwareProfile":
+    def load(cls, path: str | Path) -> HardwareProfile:
         try:
             return cls.from_json(json.loads(Path(path).read_text()))
         except (OSError, ValueError, KeyError, TypeError) as error:
@@ -169,7 +179,9 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
         HardwareProfile(
             name="v100-16gb",
-            description="AWS p3.16xlarge: 8x V100 16GB SXM2 on NVLink (hybrid cube mesh), 25 Gb/s Ethernet between nodes",
+            precision="fp16-mixed",
+            description="AWS p3.16xlarge: 8x V100 16GB SXM2 on NVLink (hybrid cube mesh), "
+            "25 Gb/s Ethernet between nodes",
             peak_flops={"float32": 15.7e12, "float16": 125e12, "bfloat16": 15.7e12},
             compute_efficiency=0.5,
             memory_bytes=16 * GIB,
@@ -180,6 +192,7 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
         HardwareProfile(
             name="a100-80gb",
+            precision="bf16-mixed",
             description=(
                 "DGX A100 80GB SXM: NVSwitch inside a node, 8x200 Gb/s HDR InfiniBand between nodes; compute "
                 "efficiency 0.5, one factor for every op, set once against Megatron-LM's published GPT runs "
@@ -195,6 +208,7 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
         HardwareProfile(
             name="h100-80gb",
+            precision="bf16-mixed",
             description="DGX H100 SXM: NVLink4 inside a node, 8x400 Gb/s NDR InfiniBand between nodes",
             peak_flops={"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
             compute_efficiency=0.55,
@@ -206,6 +220,7 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
         HardwareProfile(
             name="h200-141gb",
+            precision="bf16-mixed",
             description="8x H200 SXM: NVLink4 inside a node, 8x400 Gb/s NDR InfiniBand between nodes",
             peak_flops={"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
             compute_efficiency=0.55,
@@ -221,7 +236,7 @@ PROFILES: dict[str, HardwareProfile] = {
 DEFAULT_PROFILE = "cpu-local"
 
 
-def get_profile(name: "str | HardwareProfile | None") -> HardwareProfile:
+def get_profile(name: str | HardwareProfile | None) -> HardwareProfile:
     """Look a profile up by name or JSON file path (``None`` → this machine's preset)."""
     if isinstance(name, HardwareProfile):
         return name

@@ -5,15 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import ConfigError, MeshError
+from autopar.ir.errors import ConfigError, MeshError
+from autopar.ir.names import Axis
 
-# Parallel dimensions, outermost first. The innermost (tensor parallel) lands on
-# neighbouring ranks, which share a node on real clusters. dp and tp are always present;
+# Parallel dimensions inside a pipeline stage, outermost first. The innermost (tensor parallel)
+# lands on neighbouring ranks, which share a node on real clusters. dp and tp are always present;
 # ep (experts, which also splits the batch) and cp (the sequence) only where a plan uses them.
-PARALLEL_DIMS = ("dp", "ep", "cp", "tp")
-ALWAYS_PRESENT = ("dp", "tp")
-BATCH_DIMS = ("dp", "ep")  # the dimensions that split the batch
-CONTEXT_PARALLEL = "cp"  # splits the sequence, in head-and-tail chunks (autopar.runtime.zigzag)
+PARALLEL_DIMS = (Axis.DP, Axis.EP, Axis.CP, Axis.TP)
+ALWAYS_PRESENT = (Axis.DP, Axis.TP)
+BATCH_DIMS = (Axis.DP, Axis.EP)  # the dimensions that split the batch
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Mesh:
         return "x".join(map(str, self.shape))
 
     @classmethod
-    def parse(cls, text: str, device_type: str = "cpu") -> "Mesh":
+    def parse(cls, text: str, device_type: str = "cpu") -> Mesh:
         try:
             shape = tuple(int(part) for part in str(text).lower().split("x"))
         except ValueError:
@@ -52,7 +52,7 @@ class Mesh:
         return cls(shape, device_type)
 
     @classmethod
-    def of(cls, mesh: "Mesh | str | int | tuple[int, ...]") -> "Mesh":
+    def of(cls, mesh: Mesh | str | int | tuple[int, ...]) -> Mesh:
         """Accept a Mesh, ``"2x2"``, ``4``, ``(2, 2)`` or a torch DeviceMesh."""
         if isinstance(mesh, Mesh):
             return mesh
@@ -72,8 +72,7 @@ def check_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
     unknown = set(degrees) - set(PARALLEL_DIMS)
     if unknown:
         raise ConfigError(
-            f"unknown parallel dimension(s) {sorted(unknown)} in degrees; "
-            f"this version supports {list(PARALLEL_DIMS)}"
+            f"unknown parallel dimension(s) {sorted(unknown)} in degrees; this version supports {list(PARALLEL_DIMS)}"
         )
     fixed = math.prod(degrees.values())
     missing = [dim for dim in ALWAYS_PRESENT if dim not in degrees]
@@ -84,10 +83,10 @@ def check_degrees(degrees: dict[str, int], world: int) -> dict[str, int]:
         full[missing[0]] = world // fixed
     elif missing:
         full.update({dim: 1 for dim in missing})
-        full["dp"] = full["dp"] * (world // math.prod(full.values()))
+        full[Axis.DP] = full[Axis.DP] * (world // math.prod(full.values()))
     if math.prod(full.values()) != world:
         raise ConfigError(f"degrees {full} multiply to {math.prod(full.values())}, but the mesh has {world} devices")
-    return {dim: full[dim] for dim in PARALLEL_DIMS if dim in ALWAYS_PRESENT or full.get(dim, 1) > 1}
+    return {str(dim): full[dim] for dim in PARALLEL_DIMS if dim in ALWAYS_PRESENT or full.get(dim, 1) > 1}
 
 
 def degree_choices(world: int, optional: tuple[str, ...] = ()) -> list[dict[str, int]]:
@@ -98,7 +97,7 @@ def degree_choices(world: int, optional: tuple[str, ...] = ()) -> list[dict[str,
     for dim in dims:
         choices = [{**c, dim: d} for c in choices for d in _divisors(world // math.prod(c.values()))]
     full = [c for c in choices if math.prod(c.values()) == world]
-    return [{dim: n for dim, n in c.items() if dim in ALWAYS_PRESENT or n > 1} for c in full]
+    return [{str(dim): n for dim, n in c.items() if dim in ALWAYS_PRESENT or n > 1} for c in full]
 
 
 def _divisors(n: int) -> list[int]:

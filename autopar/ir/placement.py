@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from autopar.ir.errors import ConfigError
 
 
 @dataclass(frozen=True)

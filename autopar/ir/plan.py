@@ -14,17 +14,15 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from .errors import ConfigError, StalePlanError
-from .mesh import Mesh
-from .placement import Placement, format_placements, parse_placement
+from autopar.ir.errors import ConfigError, StalePlanError
+from autopar.ir.mesh import Mesh
+from autopar.ir.names import Axis, Kernel, PipelineKind, Recompute
+from autopar.ir.placement import Placement, format_placements, parse_placement
 
-PLAN_FORMAT = 4  # 3: the schedule's pipeline kind, virtual stages and cut points; 4: kernels (cp, ep)
+PLAN_FORMAT = 5  # 3: the schedule's pipeline kind, virtual stages and cut points; 4: kernels (cp, ep); 5: precision
 
-# Nodes whose sharding needs their own parallel kernel, by kernel name: the mesh dimension the
-# kernel runs over. Context-parallel attention splits the sequence (ring: K/V blocks pass around
-# the ring; ulysses: all-to-all between sequence and heads); "experts" splits a mixture-of-experts
-# layer's experts, tokens going to their experts by all-to-all.
-KERNEL_DIMS = {"ring": "cp", "ulysses": "cp", "experts": "ep"}
+# The mesh dimension each parallel kernel runs over (see :class:`Kernel`).
+KERNEL_DIMS = {Kernel.RING: Axis.CP, Kernel.ULYSSES: Axis.CP, Kernel.EXPERTS: Axis.EP}
 
 AxisPlacements = tuple[Placement, ...]  # one placement per parallel dimension of the plan
 
@@ -38,7 +36,7 @@ class NodeDecision:
     inputs: tuple[AxisPlacements | None, ...]  # one per argument; None for non-tensors
     output: AxisPlacements | None  # None for nodes without a tensor output
     comm_bytes: float = 0.0  # bytes moved to bring inputs into place, per step (fwd + bwd)
-    kernel: str = ""  # a KERNEL_DIMS name when the node runs as a parallel kernel, else ""
+    kernel: Kernel | str = ""  # the parallel kernel the node runs as, else ""
 
 
 @dataclass(frozen=True)
@@ -72,10 +70,12 @@ class Cost:
         return steady + max(transient, m.get("grads", 0.0))
 
 
-RECOMPUTE = ("none", "selective", "full")
-# torch.distributed.pipelining schedules: GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble
-PIPELINES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
-VIRTUAL_PIPELINES = ("interleaved-1f1b", "interleaved-zb", "zbv")  # several stage modules per device
+RECOMPUTE = tuple(Recompute)
+PIPELINES = tuple(PipelineKind)
+# several stage modules per device
+VIRTUAL_PIPELINES = (PipelineKind.INTERLEAVED_1F1B, PipelineKind.INTERLEAVED_ZB, PipelineKind.ZBV)
+# a backward split in two: input gradients, then weight gradients in a pass of their own
+ZERO_BUBBLE_PIPELINES = (PipelineKind.INTERLEAVED_ZB, PipelineKind.ZBV)
 
 
 @dataclass(frozen=True)
@@ -93,16 +93,26 @@ class Schedule:
 
     stages: int = 1
     microbatches: int = 1
-    recompute: str = "none"
-    kind: str = "1f1b"
+    recompute: Recompute = Recompute.NONE
+    kind: PipelineKind = PipelineKind.ONE_F_ONE_B
     virtual: int = 1
     cuts: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute={self.recompute!r}: choose one of {[str(r) for r in RECOMPUTE]}")
         if self.kind not in PIPELINES:
-            raise ConfigError(f"pipeline schedule {self.kind!r}: choose one of {list(PIPELINES)}")
-        if self.kind == "zbv" and self.virtual != 2 or self.kind not in VIRTUAL_PIPELINES and self.virtual != 1:
-            raise ConfigError(f"schedule {self.kind!r} cannot run {self.virtual} stage modules per device (zbv runs 2, gpipe and 1f1b 1)")
+            raise ConfigError(f"pipeline schedule {self.kind!r}: choose one of {[str(p) for p in PIPELINES]}")
+        if (
+            self.kind == PipelineKind.ZBV
+            and self.virtual != 2
+            or self.kind not in VIRTUAL_PIPELINES
+            and self.virtual != 1
+        ):
+            raise ConfigError(
+                f"schedule {self.kind!r} cannot run {self.virtual} stage modules per device (zbv runs 2, gpipe and "
+                "1f1b 1)"
+            )
         if self.cuts and len(self.cuts) != self.modules - 1:
             raise ConfigError(f"{self.modules} stage modules need {self.modules - 1} cut points, got {list(self.cuts)}")
 
@@ -110,6 +120,19 @@ class Schedule:
     def modules(self) -> int:
         """Stage modules in the whole pipeline."""
         return self.stages * self.virtual
+
+    def device_modules(self) -> list[list[int]]:
+        """The stage modules each pipeline device runs, in order: a loop (device d: d, d + p,
+        ...) or, for zbv, a V (d and 2p − 1 − d). The one mapping the cost model, the stage
+        split, the timeline and the runtime use."""
+        p = self.stages
+        if self.kind == PipelineKind.ZBV:
+            return [[d, 2 * p - 1 - d] for d in range(p)]
+        return [[d + i * p for i in range(self.virtual)] for d in range(p)]
+
+    def device_of(self, module: int) -> int:
+        """The pipeline device that runs stage module ``module``."""
+        return next(d for d, modules in enumerate(self.device_modules()) if module in modules)
 
     def __str__(self) -> str:
         parts = [f"{self.microbatches} microbatch(es)", f"recompute {self.recompute}"]
@@ -136,6 +159,7 @@ class Plan:
     replicated_ops: tuple[str, ...] = ()  # ops without a sharding rule, run replicated
     zero: int = 0  # ZeRO stage over the data-parallel axis: 1 optimizer state, 2 + gradients, 3 + weights
     schedule: Schedule = Schedule()
+    precision: str = "fp32"  # what it trains in: an autopar.ir.Precision (autopar.ir.precision)
     format: int = PLAN_FORMAT
 
     @property
@@ -155,10 +179,11 @@ class Plan:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "Plan":
+    def from_json(cls, data: dict) -> Plan:
         if data.get("format") != PLAN_FORMAT:
             raise StalePlanError(
-                f"plan file has format {data.get('format')!r}, this autopar reads format {PLAN_FORMAT}: re-run autopar.plan"
+                f"plan file has format {data.get('format')!r}, this autopar reads format {PLAN_FORMAT}: re-run "
+                "autopar.plan"
             )
         nodes = {
             name: NodeDecision(
@@ -187,6 +212,7 @@ class Plan:
             replicated_ops=tuple(data["replicated_ops"]),
             zero=data["zero"],
             schedule=Schedule(**{**data["schedule"], "cuts": tuple(data["schedule"]["cuts"])}),
+            precision=data["precision"],
         )
 
     def save(self, path: str | Path) -> Path:
@@ -195,7 +221,7 @@ class Plan:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Plan":
+    def load(cls, path: str | Path) -> Plan:
         return cls.from_json(json.loads(Path(path).read_text()))
 
     # -- display -----------------------------------------------------------------------

@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-from .placement import Replicate, Shard
-from .plan import Plan
-
-DATA_PARALLEL = "dp"
+from autopar.ir.names import Axis
+from autopar.ir.placement import Replicate, Shard
+from autopar.ir.plan import Plan
 
 
 def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
@@ -21,11 +20,11 @@ def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
     >>> zero_shard_dim(plan, "layers.0.attn.wq.weight", (64, 64))   # doctest: +SKIP
     1
     """
-    dp = plan.degrees.get(DATA_PARALLEL, 1)
+    dp = plan.degrees.get(Axis.DP, 1)
     if not plan.zero or dp == 1:
         return None
     placements = plan.params[param]
-    if not isinstance(placements[plan.axes.index(DATA_PARALLEL)], Replicate):
+    if not isinstance(placements[plan.axes.index(Axis.DP)], Replicate):
         return None
     local, split = list(shape), set()
     for axis, placement in zip(plan.axes, placements):

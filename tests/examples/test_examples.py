@@ -155,9 +155,7 @@ def test_mixtral_exports_to_aten_ops_only():
     # The default experts implementation ("grouped_mm") would export an opaque transformers:: op.
     model = build_on("mixtral", "meta")
     graph = torch.export.export(model, model.example_inputs(2), strict=False).graph
-    namespaces = {
-        node.target.namespace for node in graph.nodes if isinstance(node.target, torch._ops.OpOverload)
-    }
+    namespaces = {node.target.namespace for node in graph.nodes if isinstance(node.target, torch._ops.OpOverload)}
     assert namespaces == {"aten"}
 
 

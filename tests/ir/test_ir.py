@@ -1,10 +1,19 @@
 import pytest
+from planning import plan_example
 
 from autopar.ir import (
-    ConfigError, Mesh, MeshError, Partial, Plan, Replicate, Shard, StalePlanError,
-    check_degrees, get_profile, parse_placement,
+    ConfigError,
+    Mesh,
+    MeshError,
+    Partial,
+    Plan,
+    Replicate,
+    Shard,
+    StalePlanError,
+    check_degrees,
+    get_profile,
+    parse_placement,
 )
-from planning import plan_example
 
 
 @pytest.mark.parametrize("placement", [Shard(0), Shard(-1), Replicate(), Partial(), Partial("avg")])

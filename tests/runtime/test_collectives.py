@@ -8,13 +8,13 @@ One spawn per world size covers every op, dim and group.
 import pytest
 import torch
 import torch.distributed as dist
-from autopar.runtime.spawn import run_local
 from op_checks import opcheck_failures
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.runtime import build_device_mesh, group_name
+from autopar.runtime.spawn import run_local
 
 ops = torch.ops.autopar
 TOLERANCE = 1e-5
@@ -26,8 +26,15 @@ def _max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual - expected).abs().max().item()
 
 
-def _check(errors: dict, name: str, op, x: torch.Tensor, upstream: torch.Tensor,
-           expected_out: torch.Tensor, expected_grad: torch.Tensor) -> None:
+def _check(
+    errors: dict,
+    name: str,
+    op,
+    x: torch.Tensor,
+    upstream: torch.Tensor,
+    expected_out: torch.Tensor,
+    expected_grad: torch.Tensor,
+) -> None:
     """Run ``op(x)``, backprop ``upstream``, record the worst error of output and input grad."""
     x = x.clone().requires_grad_()
     out = op(x)
@@ -54,38 +61,80 @@ def _check_all_ops(errors: dict, label: str, group: str) -> None:
         return t.chunk(p, dim)[r]
 
     for reduce_op, scale in [("sum", 1.0), ("avg", 1.0 / p)]:
-        _check(errors, f"{label} all_reduce {reduce_op}",
-               lambda x: ops.all_reduce(x, group, reduce_op),
-               X[r], Gr, X.sum(0) * scale, Gr * scale)
-    _check(errors, f"{label} grad_all_reduce", lambda x: ops.grad_all_reduce(x, group),
-           Xr, G[r], Xr, G.sum(0))
+        _check(
+            errors,
+            f"{label} all_reduce {reduce_op}",
+            lambda x: ops.all_reduce(x, group, reduce_op),
+            X[r],
+            Gr,
+            X.sum(0) * scale,
+            Gr * scale,
+        )
+    _check(errors, f"{label} grad_all_reduce", lambda x: ops.grad_all_reduce(x, group), Xr, G[r], Xr, G.sum(0))
 
     for dim in [0, 1, -2, -3]:
-        _check(errors, f"{label} all_gather dim={dim}",
-               lambda x: ops.all_gather(x, group, dim, False),
-               part(Xr, dim), Gr, Xr, part(Gr, dim))
-        _check(errors, f"{label} all_gather dim={dim} reduce_grad",
-               lambda x: ops.all_gather(x, group, dim, True),
-               part(Xr, dim), G[r], Xr, part(G.sum(0), dim))
-        _check(errors, f"{label} chunk dim={dim}", lambda x: ops.chunk(x, group, dim),
-               Xr, part(Gr, dim), part(Xr, dim), Gr)
+        _check(
+            errors,
+            f"{label} all_gather dim={dim}",
+            lambda x: ops.all_gather(x, group, dim, False),
+            part(Xr, dim),
+            Gr,
+            Xr,
+            part(Gr, dim),
+        )
+        _check(
+            errors,
+            f"{label} all_gather dim={dim} reduce_grad",
+            lambda x: ops.all_gather(x, group, dim, True),
+            part(Xr, dim),
+            G[r],
+            Xr,
+            part(G.sum(0), dim),
+        )
+        _check(
+            errors, f"{label} chunk dim={dim}", lambda x: ops.chunk(x, group, dim), Xr, part(Gr, dim), part(Xr, dim), Gr
+        )
         for reduce_op, scale in [("sum", 1.0), ("avg", 1.0 / p)]:
-            _check(errors, f"{label} reduce_scatter dim={dim} {reduce_op}",
-                   lambda x: ops.reduce_scatter(x, group, dim, reduce_op),
-                   X[r], part(Gr, dim), part(X.sum(0) * scale, dim), Gr * scale)
+            _check(
+                errors,
+                f"{label} reduce_scatter dim={dim} {reduce_op}",
+                lambda x: ops.reduce_scatter(x, group, dim, reduce_op),
+                X[r],
+                part(Gr, dim),
+                part(X.sum(0) * scale, dim),
+                Gr * scale,
+            )
 
     for split_dim, concat_dim in [(1, 0), (0, 1), (-3, -2)]:
-        _check(errors, f"{label} all_to_all split={split_dim} concat={concat_dim}",
-               lambda x: ops.all_to_all(x, group, split_dim, concat_dim),
-               part(Xr, concat_dim), part(Gr, split_dim),
-               part(Xr, split_dim), part(Gr, concat_dim))
+        _check(
+            errors,
+            f"{label} all_to_all split={split_dim} concat={concat_dim}",
+            lambda x: ops.all_to_all(x, group, split_dim, concat_dim),
+            part(Xr, concat_dim),
+            part(Gr, split_dim),
+            part(Xr, split_dim),
+            part(Gr, concat_dim),
+        )
 
-    _check(errors, f"{label} keep_on_first", lambda x: ops.keep_on_first(x, group),
-           Xr, Gr, Xr if r == 0 else torch.zeros_like(Xr), Gr)
+    _check(
+        errors,
+        f"{label} keep_on_first",
+        lambda x: ops.keep_on_first(x, group),
+        Xr,
+        Gr,
+        Xr if r == 0 else torch.zeros_like(Xr),
+        Gr,
+    )
     # a non-contiguous input (a transposed view) gathers like its contiguous copy
-    _check(errors, f"{label} all_gather non-contiguous",
-           lambda x: ops.all_gather(x.transpose(0, 1), group, 1, False),
-           part(Xr, 0), Gr.transpose(0, 1), Xr.transpose(0, 1), part(Gr, 0))
+    _check(
+        errors,
+        f"{label} all_gather non-contiguous",
+        lambda x: ops.all_gather(x.transpose(0, 1), group, 1, False),
+        part(Xr, 0),
+        Gr.transpose(0, 1),
+        Xr.transpose(0, 1),
+        part(Gr, 0),
+    )
 
 
 def _fake_shapes(group: str) -> dict:
@@ -120,15 +169,18 @@ def _opcheck_failures(group: str) -> dict:
 
 def _traced_backward_ops(group: str) -> list[str]:
     """The autopar ops in a fake-traced forward+backward: each collective meets its dual."""
+
     def loss_grad(x):
         y = ops.reduce_scatter(ops.all_gather(x, group, 0, True), group, 0, "sum")
         z = ops.all_to_all(ops.grad_all_reduce(y, group), group, 1, 0)
         return torch.autograd.grad(ops.all_reduce(z, group, "sum").sum(), x)
 
     graph = make_fx(loss_grad, tracing_mode="fake")(torch.randn(4, 6, requires_grad=True)).graph
-    return [node.target.name() for node in graph.nodes
-            if isinstance(node.target, torch._ops.OpOverload)
-            and node.target.namespace == "autopar"]
+    return [
+        node.target.name()
+        for node in graph.nodes
+        if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "autopar"
+    ]
 
 
 def _errors_of(fn) -> str:
@@ -168,8 +220,9 @@ def _four_ranks(rank, world_size):
         _check_all_ops(errors, label, group)
     return {
         "errors": errors,
-        "group ranks": {label: dist.get_process_group_ranks(_resolve_process_group(group))
-                        for label, group in groups.items()},
+        "group ranks": {
+            label: dist.get_process_group_ranks(_resolve_process_group(group)) for label, group in groups.items()
+        },
         "same name again": group_name(mesh, ("dp", "tp")) == groups["dp+tp"],
         "axes out of order": _errors_of(lambda: group_name(mesh, ("tp", "dp"))),
     }
@@ -186,8 +239,10 @@ def four_ranks():
 
 
 def _failures(results):
-    return {rank: {name: error for name, error in result["errors"].items() if error > TOLERANCE}
-            for rank, result in enumerate(results)}
+    return {
+        rank: {name: error for name, error in result["errors"].items() if error > TOLERANCE}
+        for rank, result in enumerate(results)
+    }
 
 
 def test_ops_match_single_process_math_on_2_ranks(two_ranks):

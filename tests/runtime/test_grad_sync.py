@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
-from autopar.runtime.spawn import run_local
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from autopar.runtime import GradSync, build_device_mesh, group_name
+from autopar.runtime.spawn import run_local
 
 TOLERANCE = 1e-5
 BUCKET_SIZE_BYTES = 256  # the model holds ~2.4 KB of fp32 gradients
@@ -22,12 +22,10 @@ BUCKET_SIZE_BYTES = 256  # the model holds ~2.4 KB of fp32 gradients
 class _Model(nn.Module):
     def __init__(self, mesh):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                                    nn.Linear(16, 4))
+        self.layers = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
         self.sometimes = nn.Linear(8, 4)  # used on some ranks in some steps only
         self.never = nn.Linear(4, 4)
-        self.dtensor_weight = nn.Parameter(
-            distribute_tensor(torch.randn(8, 4), mesh, [Replicate()]))
+        self.dtensor_weight = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Replicate()]))
 
     def forward(self, x, use_sometimes: bool):
         y = self.layers(x)
@@ -46,8 +44,7 @@ def _grads(model) -> dict:
     def local(grad):
         return grad._local_tensor if isinstance(grad, DTensor) else grad
 
-    return {name: None if param.grad is None else local(param.grad).clone()
-            for name, param in model.named_parameters()}
+    return {name: None if param.grad is None else local(param.grad).clone() for name, param in model.named_parameters()}
 
 
 def _expected(reference, world_size, micro_batches, synced, set_to_none=True) -> dict:
@@ -86,9 +83,10 @@ def _grad_sync_scenarios(rank, world_size):
     reference = copy.deepcopy(model)
     local_only = {"layers.4.bias"}  # synced over tp, a group of one rank
     synced = {name for name, _ in model.named_parameters()} - local_only
-    sync = GradSync([(param, tp if name in local_only else dp)
-                     for name, param in model.named_parameters()],
-                    bucket_size_bytes=BUCKET_SIZE_BYTES)
+    sync = GradSync(
+        [(param, tp if name in local_only else dp) for name, param in model.named_parameters()],
+        bucket_size_bytes=BUCKET_SIZE_BYTES,
+    )
     results = {"buckets": sync.num_buckets}
 
     def step(label, micro_batches, set_to_none=True):
@@ -111,8 +109,7 @@ def _grad_sync_scenarios(rank, world_size):
     model.zero_grad(set_to_none=True)
     with sync.no_sync():
         model(_batch(rank, 7), True).backward()
-    results["inside no_sync"] = _errors(_grads(model), _expected(reference, world_size,
-                                                                  lambda r: [(7, True)], set()))
+    results["inside no_sync"] = _errors(_grads(model), _expected(reference, world_size, lambda r: [(7, True)], set()))
     sync.remove()
     return results
 
@@ -126,10 +123,19 @@ def test_several_buckets_are_used(results):
     assert results[0]["buckets"] >= 4
 
 
-@pytest.mark.parametrize("scenario", [
-    "first step", "second step", "grads zeroed, not freed", "accumulated", "inside no_sync",
-])
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        "first step",
+        "second step",
+        "grads zeroed, not freed",
+        "accumulated",
+        "inside no_sync",
+    ],
+)
 def test_grads_are_the_sum_over_ranks(results, scenario):
-    failures = {rank: {name: error for name, error in result[scenario].items() if error > TOLERANCE}
-                for rank, result in enumerate(results)}
+    failures = {
+        rank: {name: error for name, error in result[scenario].items() if error > TOLERANCE}
+        for rank, result in enumerate(results)
+    }
     assert failures == {0: {}, 1: {}}

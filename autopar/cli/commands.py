@@ -1,0 +1,157 @@
+"""What each ``autopar`` command does, given its parsed arguments."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from autopar.api import capture
+from autopar.api import plan as make_plan
+from autopar.cli.arguments import BATCH_PER_DEVICE, UsageError, default_profile_path
+from autopar.cli.models import load_model
+from autopar.ir import Plan, PlanOptions, get_profile
+from autopar.passes.cost.symbolic import symbolic_cost
+from autopar.passes.rewrite.export import write_export
+from autopar.passes.rewrite.rewrite import rewrite
+from autopar.report import (
+    decisions_text,
+    degrees_text,
+    module_rows,
+    modules_text,
+    search_text,
+    stage_rows,
+    stages_text,
+    summary,
+    summary_text,
+)
+from autopar.timeline import timeline_svg, timeline_text
+
+
+def _make_plan(args):
+    """MODEL on meta → (captured graph, plan, this rank's program with axis-named groups, and with
+    --at its cost symbolic in batch and seq)."""
+    hardware_name = args.hardware
+    if hardware_name is None and default_profile_path().is_file():
+        hardware_name = str(default_profile_path())
+        print(
+            f"hardware: {hardware_name} (calibrated)", file=sys.stderr if getattr(args, "json", False) else sys.stdout
+        )
+    hardware = get_profile(hardware_name)  # fail on a typo before the model is built
+    model = load_model(args.model)
+    batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
+    inputs = model.example_inputs(batch, device="meta")
+    captured = capture(model, inputs)
+    options = PlanOptions(
+        degrees=args.degrees,
+        constraints=dict(args.constraint) or None,
+        hardware=hardware,
+        memory_limit=args.memory_limit,
+        zero=args.zero,
+        recompute=args.recompute,
+        microbatches=args.microbatches,
+        pipeline=args.pipeline,
+        stage_cuts=tuple(args.stage_cuts or ()),
+    )
+    plan = make_plan(captured, args.mesh, options=options)
+    program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
+    at = getattr(args, "at", None)  # only `plan` has it
+    symbolic = at and symbolic_cost(
+        captured, plan, hardware, model=model, example_inputs=inputs, seq_dim=1 if "seq" in at else None
+    )
+    return captured, plan, program, symbolic
+
+
+def _cmd_plan(args) -> int:
+    captured, plan, program, symbolic = _make_plan(args)
+    rows = module_rows(captured, plan, program)
+    if args.save:
+        plan.save(args.save)
+    if args.json:
+        report = {
+            "degrees": plan.degrees,
+            "modules": rows,
+            "summary": summary(plan),
+            "search": list(plan.search),
+            "replicated_ops": list(plan.replicated_ops),
+            "plan": plan.to_json(),
+        }
+        if symbolic:
+            cost = symbolic.at(**args.at)
+            report["at"] = {
+                **args.at,
+                "step_s": cost.step_s,
+                "peak_memory": cost.peak_memory,
+                **dataclasses.asdict(cost),
+            }
+        print(json.dumps(report, indent=1))
+    else:
+        print(modules_text(rows))
+        print()
+        print(summary_text(plan))
+        if symbolic:
+            print(symbolic.compare(**args.at))
+        if plan.schedule.stages > 1:
+            print()
+            print(stages_text(stage_rows(captured, plan), plan))
+            print(timeline_text(plan.schedule))
+    if getattr(args, "timeline", None):
+        Path(args.timeline).write_text(timeline_svg(plan.schedule))
+        print(f"wrote the schedule's timeline to {args.timeline}", file=sys.stderr if args.json else sys.stdout)
+    if args.save:
+        print(f"saved plan to {args.save}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _cmd_explain(args) -> int:
+    path = Path(args.plan_file)
+    if not path.is_file():
+        raise UsageError(f"PLAN.json: no file {path}")
+    try:
+        plan = Plan.load(path)
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise UsageError(f"PLAN.json: {path} is not an autopar plan ({type(error).__name__}: {error})") from None
+    print(plan)
+    print()
+    print(search_text(plan))
+    print("ops run replicated (no sharding rule): " + (", ".join(plan.replicated_ops) or "none"))
+    print()
+    print(decisions_text(plan))
+    return 0
+
+
+def _cmd_export(args) -> int:
+    _, plan, program, _ = _make_plan(args)
+    world = args.mesh.size
+    paths = write_export(args.out, {rank: program for rank in range(world)}, plan)
+    print(f"plan: {degrees_text(plan.degrees)}, predicted step {plan.cost.step_s * 1e3:.2f} ms")
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _cmd_run(args) -> int:
+    from autopar.runtime.launch import launch_local
+
+    if not Path(args.script).is_file():
+        raise UsageError(f"SCRIPT: no file {args.script}")
+    return launch_local(args.script, args.script_args, nproc=args.nproc, timeout_s=args.timeout)
+
+
+def _cmd_calibrate(args) -> int:
+    from autopar.calibrate import run_calibrate
+
+    run_calibrate(
+        ranks=args.ranks, quick=args.quick, out=args.out or default_profile_path(args.backend), backend=args.backend
+    )
+    return 0
+
+
+COMMANDS = {
+    "plan": _cmd_plan,
+    "explain": _cmd_explain,
+    "export": _cmd_export,
+    "run": _cmd_run,
+    "calibrate": _cmd_calibrate,
+}

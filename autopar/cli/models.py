@@ -1,0 +1,86 @@
+"""MODEL arguments: an example name or ``path/to/file.py:factory(k=v, ...)``, built on meta."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from autopar.cli.arguments import DEFAULT_FACTORY, UsageError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # where examples/ lives in a source checkout
+
+
+def load_model(spec: str) -> torch.nn.Module:
+    """Build MODEL on the meta device: ``FILE.py[:FACTORY(k=v, ...)]`` or an example name.
+
+    >>> load_model("examples/gpt.py:build(hidden=64, layers=1)")   # doctest: +SKIP
+    GPT(...)
+    """
+    location, factory_name, args, kwargs = _parse_model(spec)
+    path = _resolve_model_file(location, spec)
+    module_name = "autopar_model_" + re.sub(r"\W", "_", path.stem)
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as error:  # the user's file: any failure is a bad MODEL
+        raise UsageError(f"MODEL {spec!r}: importing {path} failed: {type(error).__name__}: {error}") from error
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        available = sorted(name for name, value in vars(module).items() if callable(value) and name.startswith("build"))
+        raise UsageError(f"MODEL {spec!r}: {path} has no function {factory_name!r}; it has {available or 'no build*'}")
+    try:
+        with torch.device("meta"):
+            model = factory(*args, **kwargs)
+    except Exception as error:  # the user's factory: any failure is a bad MODEL
+        raise UsageError(f"MODEL {spec!r}: {factory_name}(...) raised {type(error).__name__}: {error}") from error
+    if not callable(getattr(model, "example_inputs", None)):
+        raise UsageError(
+            f"MODEL {spec!r}: {factory_name}() returned a {type(model).__name__} without "
+            "example_inputs(batch_size, device=None), which autopar needs to trace it"
+        )
+    return model
+
+
+def _parse_model(spec: str) -> tuple[str, str, list, dict]:
+    paren = spec.find("(")
+    colon = spec.rfind(":", 0, paren if paren >= 0 else len(spec))
+    location, call = (spec[:colon], spec[colon + 1 :]) if colon >= 0 else (spec, DEFAULT_FACTORY)
+    if not location.strip() or "(" in location:
+        raise UsageError(f"MODEL {spec!r}: write FILE.py[:FACTORY(k=v, ...)] or an example name such as gpt")
+    try:
+        tree = ast.parse(call.strip(), mode="eval").body
+    except SyntaxError:
+        raise UsageError(
+            f"MODEL {spec!r}: cannot read the factory call {call!r}; write e.g. build(hidden=64, layers=2)"
+        ) from None
+    if isinstance(tree, ast.Name):
+        return location.strip(), tree.id, [], {}
+    if not isinstance(tree, ast.Call) or not isinstance(tree.func, ast.Name):
+        raise UsageError(f"MODEL {spec!r}: the factory must be a function name or a call such as build(layers=2)")
+    try:
+        args = [ast.literal_eval(arg) for arg in tree.args]
+        kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in tree.keywords if kw.arg is not None}
+    except ValueError:
+        raise UsageError(f"MODEL {spec!r}: factory arguments must be Python literals (numbers, strings, ...)") from None
+    if any(kw.arg is None for kw in tree.keywords):
+        raise UsageError(f"MODEL {spec!r}: **kwargs is not supported; name each argument")
+    return location.strip(), tree.func.id, args, kwargs
+
+
+def _resolve_model_file(location: str, spec: str) -> Path:
+    is_path = location.endswith(".py") or "/" in location or "\\" in location
+    relative = Path(location) if is_path else Path("examples") / f"{location}.py"
+    candidates = (
+        [Path.cwd() / relative] if Path(location).is_absolute() else [Path.cwd() / relative, REPO_ROOT / relative]
+    )
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise UsageError(f"MODEL {spec!r}: no file {relative} (looked in {', '.join(str(c.parent) for c in candidates)})")

@@ -1,0 +1,103 @@
+"""The planning options: what a user may pin, as one frozen object.
+
+``autopar.plan``, ``autopar.parallelize``, the CLI and the search all take this one object
+(the API also takes its fields as keywords), so an option is named, checked and documented
+once, here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from autopar.ir.errors import ConfigError
+from autopar.ir.hardware import HardwareProfile, get_profile
+from autopar.ir.mesh import PARALLEL_DIMS
+from autopar.ir.names import Axis, PipelineKind, Precision, Recompute
+from autopar.ir.placement import Placement
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What the search may not choose by itself; ``None`` (or empty) lets it choose.
+
+    - ``degrees``: parallel sizes, e.g. ``{"dp": 2, "tp": 2}``; ``"pp"`` pins pipeline stages
+      over the outermost mesh dimension.
+    - ``constraints``: placements on the tensor-parallel axis by parameter or module name
+      pattern (``{"layers.*.attn_norm": "S(1)"}``), or a parallel kernel by module
+      (``{"layers.*.attn": "ring"}``).
+    - ``hardware``: a profile name (``"a100-80gb"``), a profile JSON path or a
+      :class:`HardwareProfile`; ``None`` is this machine's preset.
+    - ``memory_limit``: bytes per device (default: the profile's memory).
+    - ``zero``: the ZeRO stage 0-3 over the data-parallel axis (default: the lowest that fits).
+    - ``recompute``: activation recomputation (default: the least that fits).
+    - ``microbatches``: pieces the local batch runs in (pipeline microbatches, gradient accumulation).
+    - ``pipeline``: the pipeline schedule (default: the fastest that fits).
+    - ``stage_cuts``: the layers that start each stage module after the first
+      (``("layers.6",)``; default: Alpa's balanced split).
+    - ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (default: the hardware profile's
+      natural choice, ``HardwareProfile.precision``); see :mod:`autopar.ir.precision`.
+
+    >>> PlanOptions(degrees={"dp": 2, "tp": 2}, zero=1).zero
+    1
+    """
+
+    degrees: Mapping[str, int] | None = None
+    constraints: Mapping[str, str | Placement] | None = None
+    hardware: str | HardwareProfile | None = None
+    memory_limit: float | None = None
+    zero: int | None = None
+    recompute: Recompute | None = None
+    microbatches: int | None = None
+    pipeline: PipelineKind | None = None
+    stage_cuts: tuple[str, ...] = ()
+    precision: Precision | None = None
+
+    def __post_init__(self):
+        known = {*PARALLEL_DIMS, Axis.PP}
+        unknown = sorted(set(self.degrees or {}) - known)
+        if unknown:
+            raise ConfigError(
+                f"degrees: unknown parallel dimension(s) {unknown}; choose from {[str(a) for a in known]}"
+            )
+        if any(not isinstance(size, int) or size < 1 for size in (self.degrees or {}).values()):
+            raise ConfigError(f"degrees={dict(self.degrees)}: each size must be a positive integer")
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero={self.zero!r}: the ZeRO stage is 0, 1, 2 or 3")
+        if self.recompute is not None and self.recompute not in tuple(Recompute):
+            raise ConfigError(f"recompute={self.recompute!r}: choose one of {[str(r) for r in Recompute]}")
+        if self.pipeline is not None and self.pipeline not in tuple(PipelineKind):
+            raise ConfigError(f"pipeline={self.pipeline!r}: choose one of {[str(p) for p in PipelineKind]}")
+        if self.precision is not None and self.precision not in tuple(Precision):
+            raise ConfigError(f"precision={self.precision!r}: choose one of {[str(p) for p in Precision]}")
+        if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
+            raise ConfigError(f"microbatches={self.microbatches!r}: pass a positive integer")
+        if self.memory_limit is not None and self.memory_limit <= 0:
+            raise ConfigError(f"memory_limit={self.memory_limit!r}: pass a positive number of bytes")
+        object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts or ()))
+
+    @classmethod
+    def of(cls, options: PlanOptions | None = None, **overrides) -> PlanOptions:
+        """``options`` with ``overrides`` (the API's keyword arguments) applied; an unknown
+        keyword is a :class:`ConfigError` naming the known ones."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - fields)
+        if unknown:
+            raise ConfigError(f"unknown planning option(s) {unknown}: the options are {sorted(fields)}")
+        return dataclasses.replace(options or cls(), **overrides)
+
+    @property
+    def profile(self) -> HardwareProfile:
+        """The hardware profile the options name."""
+        return get_profile(self.hardware)
+
+    @property
+    def stages(self) -> int | None:
+        """The pinned pipeline stages, or None."""
+        return (self.degrees or {}).get(Axis.PP)
+
+    @property
+    def intra_stage_degrees(self) -> dict[str, int]:
+        """The pinned degrees inside a pipeline stage (all but ``pp``)."""
+        return {axis: size for axis, size in (self.degrees or {}).items() if axis != Axis.PP}

@@ -1,0 +1,191 @@
+"""Mixture-of-experts blocks as one graph node: ``torch.ops.autopar.moe`` per layer.
+
+Pre: a model whose MoE blocks :func:`moe_modules` recognizes.
+Post: inside :func:`composite_moe`, each recognized block's forward is one call of
+``autopar::moe(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, "")``
+(``runtime/expert_parallel.py`` holds its math), so ``passes.capture.capture`` records one
+``autopar.moe`` node per layer and none of the routing's data-dependent ops; on exit the
+original forwards are back.
+
+What is recognized (duck-typing, so Hugging Face blocks of Mixtral's shape match too:
+Mixtral, Qwen3-MoE, OLMoE; blocks with a shared expert, biases or another activation do not):
+
+- a router at ``block.gate`` or ``block.router`` holding only a ``weight`` [E, H] (an
+  ``nn.Linear`` without bias, or a Hugging Face ``*TopKRouter``), with softmax → top-k routing;
+- ``block.experts`` holding only ``gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and
+  ``down_proj`` [E, H, F], whose ``act_fn`` computes SiLU;
+- ``top_k`` on the block or the router; ``norm_topk_prob`` on either says whether the top-k
+  weights are renormalized (without it they are, as in Mixtral);
+- nothing else in the block: no other submodules, parameters or buffers.
+
+The block's forward takes hidden states [..., H]. It returns the output alone (Hugging Face), or
+``(output, router_logits [T, E])`` if the block sets ``returns_router_logits = True``
+(``examples/moe_gpt.py``). A router that is not an ``nn.Linear`` is still called, with the op's
+logits, through a pass-through forward returning ``(router_logits, None, None)``, so forward
+hooks on it (Hugging Face's ``OutputRecorder`` for ``output_router_logits``) see the logits.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar.ir import OP_NAMESPACE, ConfigError
+from autopar.passes.cost.kernels import expert_load
+
+EXPERTS_OP = f"{OP_NAMESPACE}.moe"  # the composite op each mixture-of-experts block becomes
+_ROUTER_NAMES = ("gate", "router")
+_EXPERT_PARAMS = {"gate_up_proj", "down_proj"}
+
+
+@dataclass(frozen=True)
+class MoEParts:
+    """What the op needs from a recognized block."""
+
+    router: nn.Module  # holds ``weight`` [E, H]
+    experts: nn.Module  # holds ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]
+    top_k: int
+    normalize: bool
+    returns_router_logits: bool
+
+
+def moe_parts(block: nn.Module) -> MoEParts | None:
+    """The router, experts and options of ``block`` if it is an MoE block (see the module
+    docstring), else None. Example: ``moe_parts(model.layers[0].moe).top_k``."""
+    router_name = next((name for name in _ROUTER_NAMES if isinstance(getattr(block, name, None), nn.Module)), None)
+    experts = getattr(block, "experts", None)
+    if router_name is None or not isinstance(experts, nn.Module):
+        return None
+    router = getattr(block, router_name)
+    children = {name for name, _ in block.named_children()}
+    if children != {router_name, "experts"} or _own_tensors(block):
+        return None
+    if set(_own_tensors(router)) != {"weight"} or any(True for _ in router.children()):
+        return None
+    if set(_own_tensors(experts)) != _EXPERT_PARAMS or not _computes_silu(getattr(experts, "act_fn", None)):
+        return None
+    top_k = getattr(block, "top_k", getattr(router, "top_k", None))
+    if not isinstance(top_k, int) or not _shapes_agree(router.weight, experts.gate_up_proj, experts.down_proj):
+        return None
+    normalize = getattr(block, "norm_topk_prob", getattr(router, "norm_topk_prob", True))
+    return MoEParts(router, experts, top_k, bool(normalize), bool(getattr(block, "returns_router_logits", False)))
+
+
+def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name → MoE block, for every block :func:`moe_parts` recognizes.
+
+    >>> sorted(moe_modules(build_mixtral(layers=2)))  # examples/hf.py
+    ['model.layers.0.mlp', 'model.layers.1.mlp']
+    """
+    return {name: module for name, module in model.named_modules() if moe_parts(module) is not None}
+
+
+@contextmanager
+def composite_moe(model: nn.Module, *, capacity_factor: float = 0.0):
+    """While active, every MoE block of ``model`` runs as one ``autopar::moe`` call (group "").
+
+    ``capacity_factor`` > 0 drops slots over capacity, which the eager blocks (dropless) do not:
+    the loss then differs from the eager one (``import autopar`` registers the op). Example::
+
+        with composite_moe(model):
+            captured = capture(model, model.example_inputs(8, device="meta"))
+    """
+    overridden: list[tuple[nn.Module, object]] = []
+    try:
+        for name, block in moe_modules(model).items():
+            parts = moe_parts(block)
+            _override_forward(block, _composite_forward(name, block, parts, capacity_factor), overridden)
+            if not isinstance(parts.router, nn.Linear):
+                _override_forward(parts.router, _logits_pass_through, overridden)
+        yield model
+    finally:
+        for module, previous in reversed(overridden):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+
+
+def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_factor: float):
+    def forward(hidden_states: torch.Tensor):
+        if block.training and getattr(block, "jitter_noise", 0) > 0:
+            raise ConfigError(
+                f"MoE block {name!r} multiplies its input by random jitter in training, which the composite "
+                "moe op does not: build it with router_jitter_noise=0 or call model.eval()"
+            )
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out, router_logits = torch.ops.autopar.moe(
+            x,
+            parts.router.weight,
+            parts.experts.gate_up_proj,
+            parts.experts.down_proj,
+            parts.top_k,
+            parts.normalize,
+            float(capacity_factor),
+            "",
+        )
+        out = out.view(hidden_states.shape)
+        if parts.returns_router_logits:
+            return out, router_logits
+        if not isinstance(parts.router, nn.Linear):
+            parts.router(router_logits)  # for its forward hooks
+        return out
+
+    return forward
+
+
+def _logits_pass_through(router_logits: torch.Tensor):
+    return router_logits, None, None
+
+
+def _override_forward(module: nn.Module, forward, overridden: list) -> None:
+    overridden.append((module, module.__dict__.get("forward")))
+    module.forward = forward
+
+
+def _own_tensors(module: nn.Module) -> list[str]:
+    return [name for name, _ in module.named_parameters(recurse=False)] + [
+        name for name, _ in module.named_buffers(recurse=False)
+    ]
+
+
+def _computes_silu(act_fn) -> bool:
+    if not callable(act_fn):
+        return False
+    probe = torch.linspace(-3.0, 3.0, 7, device="cpu")
+    try:
+        return torch.equal(act_fn(probe), F.silu(probe))
+    except Exception:  # an activation that cannot take a plain CPU tensor is not the SiLU we know
+        return False
+
+
+def _shapes_agree(router_weight, gate_up, down) -> bool:
+    if router_weight.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
+        return False
+    experts, hidden = router_weight.shape
+    ffn = down.shape[2]
+    return tuple(gate_up.shape) == (experts, 2 * ffn, hidden) and tuple(down.shape) == (experts, hidden, ffn)
+
+
+def record_expert_load(graph_module: torch.fx.GraphModule, args: list) -> None:
+    """Run the captured graph once on real values (parameters, buffers, example inputs, in
+    placeholder order) and note on each ``autopar.moe`` node the share of routed tokens each
+    expert got (``node.meta["expert_load"]``): the cost model's load imbalance."""
+
+    class Recorder(torch.fx.Interpreter):
+        def call_function(self, target, call_args, kwargs):
+            result = super().call_function(target, call_args, kwargs)
+            if str(target) == f"{EXPERTS_OP}.default":
+                self.current_node.meta["expert_load"] = expert_load(result[1], call_args[4]).tolist()
+            return result
+
+        def run_node(self, node):
+            self.current_node = node
+            return super().run_node(node)
+
+    with torch.no_grad():
+        Recorder(graph_module).run(*args)

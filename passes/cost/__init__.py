@@ -1,0 +1,4 @@
+"""The cost model: per-node facts (``facts``), op, collective and memory costs (``ops``), the
+parallel kernels (``kernels``), whole-layer techniques (``schedule``: recomputation,
+microbatches, pipeline bubbles), a configuration's prediction (``evaluate``), costs symbolic in
+batch and sequence (``symbolic``) and the fit of measured profiles (``calibration``)."""

@@ -1,0 +1,210 @@
+"""What the search knows about each node of a captured graph, and its local shapes as axes are solved.
+
+Pre: a :class:`CapturedGraph` and the hardware it is planned for. Post: one
+:class:`NodeFacts` per node (kind, input slots and shapes, the op's profile and its
+unsharded forward + backward time, whether autograd keeps its output), computed once per
+graph; :class:`ShardedShapes` follows every node's local shapes through the solved axes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from autopar.ir import HardwareProfile, Precision
+from autopar.passes.capture.graph import CapturedGraph, node_layer
+from autopar.passes.cost.ops import OpProfile, compute_time, measured_time, op_profile
+from autopar.passes.sharding.strategies import (
+    Strategy,
+    local_shape,
+    numel,
+    output_tensors,
+    tensor_inputs,
+    work_fraction,
+)
+
+
+@dataclass
+class NodeFacts:
+    """What the search needs to know about one node, computed once per graph."""
+
+    node: fx.Node
+    kind: str  # "param", "buffer", "input", "op", "output"
+    slots: list[fx.Node]
+    slot_shapes: list[tuple[int, ...]]
+    out_shapes: list[tuple[int, ...]]
+    elem_bytes: int
+    full_time_s: float  # forward + backward on one device, unsharded
+    needs_grad: bool
+    name: str = ""  # parameter / buffer name
+    profile: OpProfile = OpProfile(0.0, 0.0, 0.0)
+    saved: bool = False  # autograd keeps this node's output for some backward
+    consumers: int = 0  # ops that take this node's output
+    layer: str | None = None  # the numbered module it belongs to (``layers.3``), None outside layers
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return self.out_shapes[0] if self.out_shapes else ()
+
+    @property
+    def precision(self) -> str:
+        """How a parameter's training state is kept: 16-bit weights train in mixed precision."""
+        return Precision.BF16_MIXED if self.elem_bytes == 2 else Precision.FP32
+
+
+@dataclass
+class ShardedShapes:
+    """Local shapes of every node's output and inputs, as axes are solved one after another."""
+
+    shapes: dict[str, list[tuple[int, ...]]]  # node → local output shapes
+    slot_shapes: dict[str, list[tuple[int, ...]]]  # node → local shape of each tensor input
+    work: dict[str, float]  # node → fraction of its work one rank still does
+    producers: dict[str, list[str]] = field(default_factory=dict)  # node → the node behind each tensor input
+    moved: frozenset[tuple[str, int]] = frozenset()  # (node, input slot) a collective brings: a new tensor
+
+    @classmethod
+    def unsharded(cls, facts: dict[str, NodeFacts]) -> ShardedShapes:
+        return cls(
+            {n: list(f.out_shapes) for n, f in facts.items()},
+            {n: list(f.slot_shapes) for n, f in facts.items()},
+            {n: 1.0 for n in facts},
+            {n: [slot.name for slot in f.slots] for n, f in facts.items()},
+        )
+
+    def after(self, chosen: dict[str, Strategy], size: int) -> ShardedShapes:
+        """The shapes once every node in ``chosen`` is placed on an axis of ``size``."""
+
+        def out(n, shapes):
+            return [local_shape(x, chosen[n].output, size) for x in shapes] if n in chosen else shapes
+
+        def ins(n, shapes):
+            return [local_shape(x, p, size) for x, p in zip(shapes, chosen[n].inputs)] if n in chosen else shapes
+
+        moved = {  # the rewrite redistributes an input whose placement differs from its producer's
+            (n, index)
+            for n, s in chosen.items()
+            for index, (producer, wanted) in enumerate(zip(self.producers.get(n, ()), s.inputs))
+            if size > 1 and wanted is not None and producer in chosen and wanted != chosen[producer].output
+        }
+        return ShardedShapes(
+            {n: out(n, shp) for n, shp in self.shapes.items()},
+            {n: ins(n, shp) for n, shp in self.slot_shapes.items()},
+            {n: w * (work_fraction(chosen[n], size) if n in chosen else 1.0) for n, w in self.work.items()},
+            self.producers,
+            self.moved | moved,
+        )
+
+
+def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: float = 1.0) -> dict[str, NodeFacts]:
+    """Per-node facts: slots, shapes, unsharded cost, whether a gradient flows through it.
+
+    An op's time is measured on this machine when ``hardware`` is this machine
+    (``measure_ops``), else its roofline; ``contention`` (ranks per core) slows both.
+    """
+    facts: dict[str, NodeFacts] = {}
+    params, buffers = captured.params, captured.buffers
+    for node in captured.graph.nodes:
+        outputs = output_tensors(node)
+        slots = tensor_inputs(node) if node.op in ("call_function", "output") else []
+        slot_shapes = [_slot_shape(node, slot) for slot in slots]
+        if node.op == "placeholder":
+            kind = "param" if node.name in params else "buffer" if node.name in buffers else "input"
+            needs_grad = kind == "param"
+        elif node.op == "output":
+            kind, needs_grad = "output", False
+        else:
+            kind = "op"
+            needs_grad = any(facts[s.name].needs_grad for s in slots if s.name in facts) and any(
+                t.dtype.is_floating_point for t in outputs
+            )
+        profile = op_profile(node, needs_grad) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
+        facts[node.name] = NodeFacts(
+            node=node,
+            kind=kind,
+            slots=slots,
+            slot_shapes=slot_shapes,
+            out_shapes=[tuple(t.shape) for t in outputs],
+            elem_bytes=outputs[0].element_size() if outputs else 4,
+            full_time_s=_op_time(node, profile, hardware, needs_grad) * contention if kind == "op" else 0.0,
+            needs_grad=needs_grad,
+            name=params.get(node.name) or buffers.get(node.name) or node.name,
+            profile=profile,
+            layer=node_layer(node) if kind == "op" else None,
+        )
+    for fact in facts.values():  # mark what autograd keeps (activation memory); count consumers
+        for slot in fact.slots:
+            if fact.kind == "op" and slot.name in facts:
+                facts[slot.name].consumers += 1
+        if fact.kind == "op" and fact.needs_grad:
+            fact.saved = fact.saved or fact.profile.saves_output
+            for slot in fact.profile.saved_inputs:
+                facts[fact.slots[slot].name].saved = True
+    return facts
+
+
+def move_scope(node: fx.Node) -> str:
+    """Consumers of one value in one scope share its move to a placement (the rewrite emits
+    one collective for q, k and v): its layer; outside layers every consumer is its own scope,
+    so no move crosses a stage cut or a recomputed layer."""
+    return node_layer(node) or node.name
+
+
+def _op_time(node: fx.Node, profile: OpProfile, hardware: HardwareProfile, needs_grad: bool) -> float:
+    measured = measured_time(node, needs_grad, profile) if hardware.measure_ops else None
+    if measured is not None:
+        return measured
+    outputs = output_tensors(node)
+    dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else "float32"
+    return compute_time(profile, hardware, needs_grad, dtype)
+
+
+def _slot_shape(node: fx.Node, slot: fx.Node) -> tuple[int, ...]:
+    val = slot.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        index = node.args[1] if node.target.__name__ == "getitem" else 0
+        val = val[index]
+    return tuple(val.shape)
+
+
+def activation_bytes(
+    fact: NodeFacts, local_shapes, work: float, output_fraction: float = 1.0, saved: bool | None = None
+) -> float:
+    """Bytes autograd keeps for this node: its output if saved (``saved`` overrides the
+    node's own flag), plus what the op saves itself."""
+    if fact.kind not in ("op", "input"):
+        return 0.0
+    saved = fact.saved if saved is None else saved
+    output = sum(numel(sh) for sh in local_shapes) * fact.elem_bytes * output_fraction if saved else 0.0
+    return output + fact.profile.saved_extra_bytes * work
+
+
+def saved_bytes(facts: dict[str, NodeFacts], local: ShardedShapes) -> dict[str, float]:
+    """Bytes autograd keeps for each node once every axis is solved (``local``).
+
+    An op that saves an input a collective brings (``local.moved``: an all-gathered
+    sequence-parallel norm output, a chunk) saves the collective's output, a new tensor at
+    its own input placement, once per value, destination and :func:`move_scope` however many
+    ops there save it (q, k and v save one gathered input); the producer's output is kept
+    only where the op saves it or a consumer saves it as it is. Without moved inputs this is
+    :func:`activation_bytes` of every node.
+    """
+    kept = {n for n, f in facts.items() if f.kind == "op" and f.needs_grad and f.profile.saves_output}
+    copies = dict.fromkeys(facts, 0.0)
+    counted = set()  # (value, its local shape there, scope): one shared move
+    for name, fact in facts.items():
+        if fact.kind != "op" or not fact.needs_grad:
+            continue
+        for slot in fact.profile.saved_inputs:
+            producer = fact.slots[slot].name
+            if (name, slot) not in local.moved:
+                kept.add(producer)
+                continue
+            move = (producer, tuple(local.slot_shapes[name][slot]), move_scope(fact.node))
+            if move not in counted:
+                counted.add(move)
+                copies[name] += numel(local.slot_shapes[name][slot]) * facts[producer].elem_bytes
+    return {
+        name: activation_bytes(fact, local.shapes[name], local.work[name], saved=name in kept) + copies[name]
+        for name, fact in facts.items()
+    }

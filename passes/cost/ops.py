@@ -1,0 +1,307 @@
+"""Cost model: roofline compute, alpha-beta collectives, memory by category.
+
+Every function returns seconds or bytes for ONE device. Each op is profiled once per
+signature (op, shapes, dtypes) by running it, and its backward, on fake tensors
+(:func:`op_profile`): forward and backward FLOPs are counted separately, and the tensors
+autograd saves for backward are identified, which is what activation memory is made of.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar.ir import OP_NAMESPACE, HardwareProfile, LinkTier, Partial, Placement, Replicate, Shard
+
+
+def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
+    """Ring/pairwise alpha-beta time of one collective over ``ranks`` (``nbytes`` = full tensor).
+
+    ``send_recv`` is one point-to-point message of ``nbytes`` (a pipeline boundary).
+    """
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    if link.inner is not None and 1 < link.local_ranks < ranks and kind != "send_recv":
+        return _hierarchical_time(kind, nbytes, ranks, link)
+    alpha, bandwidth = link.alpha_beta(kind, ranks)
+    steps = ranks - 1
+    share = steps / ranks * nbytes / bandwidth
+    if kind == "all_reduce":
+        transfer = 2 * steps * alpha + 2 * share
+    elif kind in ("all_gather", "reduce_scatter"):
+        transfer = steps * alpha + share
+    elif kind == "all_to_all":  # each rank holds nbytes/ranks and keeps 1/ranks of it
+        transfer = steps * alpha + share / ranks
+    elif kind == "send_recv":  # one message of nbytes between two ranks
+        transfer = alpha + nbytes / bandwidth
+    else:
+        raise ValueError(f"unknown collective {kind}")
+    return transfer + link.sync_s
+
+
+def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
+    """A collective over nodes with ``link.local_ranks`` members in each, NCCL-style: inside
+    the node first, then across nodes on the node's share, then inside again.
+
+    All-to-all has no such shortcut: (nodes − 1)/nodes of every rank's data crosses nodes,
+    and the members of a node share its bandwidth — the penalty of all-to-all across nodes.
+    """
+    local, nodes = link.local_ranks, ranks // link.local_ranks
+    inner, outer = link.inner, dataclasses.replace(link, inner=None, local_ranks=1)
+    if kind == "all_reduce":
+        return (
+            collective_time("reduce_scatter", nbytes, local, inner)
+            + collective_time("all_reduce", nbytes / local, nodes, outer)
+            + collective_time("all_gather", nbytes, local, inner)
+        )
+    if kind == "all_gather":
+        return collective_time("all_gather", nbytes / local, nodes, outer) + collective_time(
+            "all_gather", nbytes, local, inner
+        )
+    if kind == "reduce_scatter":
+        return collective_time("reduce_scatter", nbytes, local, inner) + collective_time(
+            "reduce_scatter", nbytes / local, nodes, outer
+        )
+    if kind == "all_to_all":
+        alpha, bandwidth = outer.alpha_beta(kind, ranks)
+        crossing = nbytes / ranks * (nodes - 1) / nodes * local  # leaves one node, through its links
+        return (
+            (ranks - 1) * alpha
+            + crossing / bandwidth
+            + collective_time("all_to_all", nbytes / nodes, local, inner)
+            + link.sync_s
+        )
+    raise ValueError(f"unknown collective {kind}")
+
+
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+def grad_sync_time(nbytes: float, ranks: int, link: LinkTier, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
+    """Share of a bucketed gradient all-reduce one tensor of ``nbytes`` costs: latency is paid per bucket."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    alpha, bandwidth = link.alpha_beta("all_reduce", ranks)
+    latency = 2 * (ranks - 1) * alpha * min(1.0, nbytes / bucket_bytes)
+    return latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def reshard_time(src: Placement, dst: Placement, nbytes: float, ranks: int, link: LinkTier, needs_grad: bool) -> float:
+    """Forward plus (when a gradient flows back) backward time of one redistribution.
+
+    ``nbytes`` is the size of the tensor on this axis before sharding by it.
+    """
+    if src == dst or ranks <= 1:
+        return 0.0
+    gather = collective_time("all_gather", nbytes, ranks, link)
+    if isinstance(src, Replicate):
+        if isinstance(dst, Shard):  # take a chunk; backward all-gathers
+            return gather if needs_grad else 0.0
+        if isinstance(dst, Partial) and dst.reduce_op == "sum":
+            return 0.0  # R → P keeps the value on one rank; backward is identity
+        return float("inf")
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return gather  # backward takes a chunk
+        if isinstance(dst, Shard):
+            return collective_time("all_to_all", nbytes, ranks, link) * (2 if needs_grad else 1)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return collective_time("all_reduce", nbytes, ranks, link)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return collective_time("reduce_scatter", nbytes, ranks, link) + (gather if needs_grad else 0.0)
+    return float("inf")  # S → P, P(sum) ↔ P(avg): never chosen
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """What one op costs on one device, unsharded."""
+
+    forward_flops: float
+    backward_flops: float
+    io_bytes: float  # read and written by the forward
+    saved_inputs: tuple[int, ...] = ()  # tensor-input slots autograd keeps for backward
+    saves_output: bool = False
+    saved_extra_bytes: float = 0.0  # tensors the op creates and autograd keeps (softmax stats, ...)
+
+
+_PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
+
+
+def _signature(node: fx.Node, needs_grad: bool):
+    """(cache key, argument values, their pytree spec) of an op node, or None for a node that
+    does no work of its own (not an aten op; takes a tuple (getitem) or a symbol)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return None
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    values = [arg.meta.get("val") if isinstance(arg, fx.Node) else arg for arg in flat]
+    if any(isinstance(arg, fx.Node) and not isinstance(v, torch.Tensor) for arg, v in zip(flat, values)):
+        return None
+    key = (str(node.target), needs_grad) + tuple(
+        (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in values
+    )
+    return key, values, spec
+
+
+def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
+    """Profile a call_function node on fake tensors (cached by op and argument signature)."""
+    signature = _signature(node, needs_grad)
+    if signature is None:
+        return OpProfile(0.0, 0.0, 0.0)
+    key, values, spec = signature
+    if key not in _PROFILES:
+        tensors = [v for v in values if isinstance(v, torch.Tensor)] + tree_leaves(node.meta.get("val"))
+        # factory ops have no tensor inputs: any fake mode will do
+        fake_mode = detect_fake_mode(tuple(t for t in tensors if isinstance(t, torch.Tensor))) or FakeTensorMode()
+        with fake_mode:
+            _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad)
+    return _PROFILES[key]
+
+
+def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
+    """Run the op and its backward on fresh fake leaves; note what autograd saves."""
+    inputs = []
+    # On meta tensors attention decomposes into its math form, which saves the seq x seq
+    # scores; every real device (CPU included) runs a fused kernel that saves only its output
+    # and log-sum-exp: profile what will run.
+    fused = getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention
+    for k, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            grad = needs_grad and v.dtype.is_floating_point
+            device = "cpu" if fused and v.device.type == "meta" else v.device
+            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device, requires_grad=grad)
+            inputs.append(values[k])
+    args, kwargs = tree_unflatten(values, spec)
+    saved = []
+    forward = FlopCounterMode(display=False)
+    with forward, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = target(*args, **kwargs)
+    outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
+    io_bytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
+    forward_flops = forward.get_total_flops() or _formula_flops(target, inputs, args)
+    differentiable = [o for o in outputs if o.requires_grad]
+    backward_flops = 0.0
+    if differentiable:
+        backward = FlopCounterMode(display=False)
+        with backward:
+            wrt = [i for i in inputs if i.requires_grad]
+            torch.autograd.grad(differentiable, wrt, [torch.ones_like(o) for o in differentiable], allow_unused=True)
+        backward_flops = backward.get_total_flops() or 2 * forward_flops
+    slots, saves_output, extra = set(), False, 0.0
+    for tensor in saved:
+        base = tensor._base if tensor._base is not None else tensor
+        if any(base is i for i in inputs):
+            slots.add(next(k for k, i in enumerate(inputs) if base is i))
+        elif any(base is o for o in outputs):
+            saves_output = True
+        else:
+            extra += tensor.numel() * tensor.element_size()
+    return OpProfile(
+        float(forward_flops), float(backward_flops), float(io_bytes), tuple(sorted(slots)), saves_output, extra
+    )
+
+
+def _formula_flops(target, inputs, args) -> float:
+    """FLOPs of ops the flop counter does not know on this device (CPU attention, autopar's
+    mixture of experts)."""
+    packet = getattr(target, "overloadpacket", None)
+    if packet is torch.ops.aten.scaled_dot_product_attention and len(inputs) >= 3:
+        q, k = inputs[0], inputs[1]
+        return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]  # QKᵀ and PV
+    if str(packet) == f"{OP_NAMESPACE}.moe":
+        x, router, gate_up, down = inputs[:4]
+        tokens, hidden = x.shape
+        top_k = args[4]  # each token through top_k experts: SwiGLU's up and gate, then down
+        return 2.0 * tokens * hidden * router.shape[0] + 2.0 * tokens * top_k * (gate_up[0].numel() + down[0].numel())
+    return 0.0
+
+
+def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, dtype: str = "float32") -> float:
+    """Roofline time of one op's forward and (when a gradient flows) backward, with launch overhead.
+
+    A memory-bound backward is taken to move as many bytes as its forward.
+    """
+    passes = 2 if needs_grad else 1
+    flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
+    return (
+        maximum(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.memory_bandwidth)
+        + passes * hardware.op_overhead_s
+    )
+
+
+def maximum(*values):
+    """``max``, kept open (``sympy.Max``) where a value is an expression in batch and
+    sequence length (:mod:`symbolic`); plain numbers take the plain ``max``."""
+    return max(values) if all(isinstance(v, (int, float)) for v in values) else sympy.Max(*values)
+
+
+def minimum(*values):
+    """``min``, kept open (``sympy.Min``) for expressions, as :func:`maximum`."""
+    return min(values) if all(isinstance(v, (int, float)) for v in values) else sympy.Min(*values)
+
+
+MEASURE_LIMIT_BYTES = 64 * 2**20  # larger ops are timed by the roofline: planning must stay light
+_TIMES: dict[tuple, float | None] = {}
+
+
+def measured_time(node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7) -> float | None:
+    """Seconds of one op's forward (and backward) on THIS machine, real tensors of its
+    unsharded shapes, one thread: the fastest of ``repeats`` (load from others only adds).
+
+    What Alpa does for the device it plans for: small ops and attention run far from the
+    matmul roofline on a CPU. None for ops without work or larger than ``MEASURE_LIMIT_BYTES``.
+    """
+    signature = _signature(node, needs_grad)
+    if signature is None or profile.io_bytes > MEASURE_LIMIT_BYTES:
+        return None
+    key, values, spec = signature
+    if key not in _TIMES:
+        args, kwargs = tree_unflatten([_real_like(v, needs_grad) for v in values], spec)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _TIMES[key] = min([_time_once(node.target, args, kwargs, needs_grad) for _ in range(repeats + 2)][2:])
+        except (RuntimeError, ValueError, IndexError):  # needs real data (indices in range, ...): roofline
+            _TIMES[key] = None
+        finally:
+            torch.set_num_threads(threads)
+    return _TIMES[key]
+
+
+def _real_like(value, needs_grad: bool):
+    if not isinstance(value, torch.Tensor):
+        return value
+    span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
+    storage = torch.zeros(span, dtype=value.dtype)  # zeros: valid indices and labels
+    if value.dtype.is_floating_point:
+        storage.normal_()
+    tensor = storage.as_strided(value.shape, value.stride())  # broadcast (stride-0) views stay views
+    return tensor.requires_grad_(needs_grad) if value.dtype.is_floating_point else tensor
+
+
+def _time_once(target, args, kwargs, needs_grad: bool) -> float:
+    start = time.perf_counter()
+    out = target(*args, **kwargs)
+    grads = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    if needs_grad and grads:
+        torch.autograd.backward(grads, [torch.ones_like(o) for o in grads])
+    return time.perf_counter() - start
+
+
+# Foreach AdamW moves about 80 bytes per fp32 parameter: its passes (lerp, mul, addcmul,
+# weight decay, sqrt, div, add, addcdiv) read and write parameter, gradient and two moments.
+OPTIMIZER_BYTES_PER_PARAM = 80
+
+
+def optimizer_time(elements: float, hardware: HardwareProfile, contention: float = 1.0) -> float:
+    """Seconds of one AdamW step over ``elements`` local parameters: memory-bound."""
+    return elements * OPTIMIZER_BYTES_PER_PARAM / hardware.memory_bandwidth * contention

@@ -1,0 +1,220 @@
+"""Recompute: run each transformer layer of a program under activation checkpointing.
+
+The plan's ``schedule.recompute`` says what autograd keeps between forward and backward
+(its cost is modeled in :mod:`autopar.passes.cost.schedule`); this pass makes the program do it. A layer is the
+ops under one numbered module (``layers.3``, :func:`autopar.ir.layer_of`), the unit Megatron and
+torchtitan checkpoint; the ops outside layers (embeddings, head, loss) run as they are.
+
+- "full": each layer runs under ``torch.utils.checkpoint`` (non-reentrant), keeping only its
+  inputs; backward reruns the layer's forward, its collectives included (every rank reruns
+  the same layers in the same order, so they pair up as in the first forward).
+- "selective": the same, but the outputs of the ops in :data:`SAVED_BY_SELECTIVE` (matmuls,
+  attention) and of the autopar collectives are kept (:func:`kept_by_selective`) and the rest
+  (norms, activations, views) is recomputed, so backward communicates no more.
+
+Pre: a program from :func:`rewrite` (op nodes keep ``meta["nn_module_stack"]``; the
+collectives it inserted have none and join the layer they sit in) and a recompute mode.
+Post: the same program in which each layer's span of ops, from its first op to its last, is
+one call of a :class:`CheckpointedLayer` whose outputs are unpacked by ``getitem`` nodes
+named and annotated like the values they stand for (so :func:`autopar.passes.rewrite.stages.split_stages`
+puts the call in its layer's stage). ZeRO-3's ``zero_gather`` ops stay outside the call:
+the runtime batches them per layer, and the checkpoint saves a gathered weight as an
+input, which ZeRO-3's pack hook turns into a regather in backward.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.checkpoint import checkpoint
+
+from autopar.ir import OP_NAMESPACE, RECOMPUTE, ConfigError, Recompute
+from autopar.passes.capture.graph import node_layer
+
+aten = torch.ops.aten
+# Ops whose outputs selective recomputation keeps: the FLOP-heavy ones. The runtime sees the
+# kernels ops dispatch to (mm, addmm, flash attention), the cost model the graph's ops (linear,
+# matmul, sdpa): both are listed, so the two keep the same tensors.
+SAVED_BY_SELECTIVE = frozenset(
+    {
+        aten.linear,
+        aten.matmul,
+        aten.mm,
+        aten.addmm,
+        aten.bmm,
+        aten.baddbmm,
+        aten._scaled_mm,
+        aten.convolution,
+        aten.scaled_dot_product_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_cudnn_attention,
+    }
+)
+
+
+@dataclass(frozen=True)
+class LayerSegment:
+    """The ops one checkpoint runs: ``members`` in program order, the values they read from
+    outside (``inputs``) and the values read after them (``outputs``)."""
+
+    layers: tuple[str, ...]
+    members: tuple[fx.Node, ...]
+    inputs: tuple[fx.Node, ...]
+    outputs: tuple[fx.Node, ...]
+
+
+def layer_segments(graph: fx.Graph) -> list[LayerSegment]:
+    """The layers of ``graph``, one segment per layer (layers whose ops interleave share one).
+
+    >>> [s.layers for s in layer_segments(captured.graph)]   # doctest: +SKIP
+    [('layers.0',), ('layers.1',)]
+    """
+    nodes = list(graph.nodes)
+    spans: dict[str, list[int]] = {}
+    for index, node in enumerate(nodes):
+        if node.op == "call_function" and (layer := node_layer(node)) is not None:
+            spans.setdefault(layer, [index, index])[1] = index
+    merged: list[list] = []  # [layers, first index, last index]
+    for layer, (first, last) in spans.items():  # in order of first op
+        if merged and first <= merged[-1][2]:
+            merged[-1][0].append(layer)
+            merged[-1][2] = max(last, merged[-1][2])
+        else:
+            merged.append([[layer], first, last])
+    gather = _zero_gather()
+    return [_segment(tuple(layers), nodes[first : last + 1], gather) for layers, first, last in merged]
+
+
+def _segment(layers: tuple[str, ...], span: list[fx.Node], gather) -> LayerSegment:
+    members = [n for n in span if n.op == "call_function" and (gather is None or n.target is not gather)]
+    inside = set(members)
+    for node in span:
+        assert node in inside or not any(arg in inside for arg in node.all_input_nodes), (
+            f"{node.format_node()} reads its layer"
+        )
+    inputs = dict.fromkeys(arg for n in members for arg in n.all_input_nodes if arg not in inside)
+    outputs = [n for n in members if any(user not in inside for user in n.users)]
+    return LayerSegment(layers, tuple(members), tuple(inputs), tuple(outputs))
+
+
+def _zero_gather():
+    """ZeRO-3's gather op, once the runtime registered it (passes name runtime ops, never import them)."""
+    namespace = getattr(torch.ops, OP_NAMESPACE)
+    return namespace.zero_gather.default if hasattr(namespace, "zero_gather") else None
+
+
+def kept_by_selective(op) -> bool:
+    """Whether selective recomputation keeps this op's output: matmuls, attention, and autopar's
+    collectives and kernels (recomputing those would communicate again). The one rule the cost
+    model and the runtime share."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return False
+    return op.overloadpacket in SAVED_BY_SELECTIVE or op.namespace == OP_NAMESPACE
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """Selective checkpointing of one layer call: in forward, remembers what the kept ops
+    return (by op and call number); in each recompute, serves those instead of rerunning them.
+
+    torch's ``create_selective_checkpoint_contexts`` does the same but serves each output to
+    one backward only, and the zero-bubble schedules recompute a layer twice (for the input
+    gradients, then for the weight gradients).
+    """
+
+    def __init__(self, kept: dict, recomputing: bool):
+        super().__init__()
+        self.kept, self.recomputing = kept, recomputing
+
+    def __enter__(self):
+        self.calls: dict = {}
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not kept_by_selective(func):
+            return func(*args, **(kwargs or {}))
+        index = self.calls.get(func, 0)
+        self.calls[func], key = index + 1, (func, index)
+        if self.recomputing:  # a fresh alias: autograd records the recompute's history on it
+            return tree_map_only(torch.Tensor, torch.Tensor.detach, self.kept[key])
+        out = func(*args, **(kwargs or {}))
+        self.kept[key] = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        return out
+
+
+def _selective_contexts() -> tuple[_KeptOutputs, _KeptOutputs]:
+    kept: dict = {}
+    return _KeptOutputs(kept, recomputing=False), _KeptOutputs(kept, recomputing=True)
+
+
+class CheckpointedLayer:
+    """A layer's ops as one call of the program: ``graph_module(*inputs)`` under
+    ``torch.utils.checkpoint`` (non-reentrant), selective or full. fx calls it like a function
+    and names it by ``__name__`` in the generated code."""
+
+    def __init__(self, layers: tuple[str, ...], graph_module: fx.GraphModule, mode: str):
+        self.layers, self.graph_module, self.mode = layers, graph_module, mode
+        self.__name__ = "checkpointed_" + "_".join(layer.replace(".", "_") for layer in layers)
+
+    def __call__(self, *inputs):
+        if self.mode == Recompute.SELECTIVE:
+            return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=_selective_contexts)
+        return checkpoint(self.graph_module, *inputs, use_reentrant=False)
+
+    def __repr__(self) -> str:
+        return f"CheckpointedLayer({', '.join(self.layers)}, {self.mode})"
+
+
+def apply_recompute(program: fx.GraphModule, mode: str) -> fx.GraphModule:
+    """``program`` with every layer checkpointed as ``mode`` says (see the module docstring);
+    ``mode="none"`` returns it as it is.
+
+    >>> program = apply_recompute(rewrite(captured, plan, groups=groups, device="cpu"), "selective")   # doctest: +SKIP
+    >>> [n.name for n in program.graph.nodes if isinstance(n.target, CheckpointedLayer)]   # doctest: +SKIP
+    ['checkpointed_layers_0', 'checkpointed_layers_1']
+    """
+    if mode not in RECOMPUTE:
+        raise ConfigError(f"recompute={mode!r}: choose one of {list(RECOMPUTE)}")
+    segments = layer_segments(program.graph) if mode != Recompute.NONE else []
+    if not segments:
+        return program
+    by_last = {segment.members[-1]: segment for segment in segments}
+    members = {node for segment in segments for node in segment.members}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in program.graph.nodes:
+        if node in by_last:
+            _emit_call(graph, env, by_last[node], mode)
+        elif node not in members:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.lint()
+    return fx.GraphModule(program, graph)
+
+
+def _emit_call(graph: fx.Graph, env: dict[fx.Node, fx.Node], segment: LayerSegment, mode: str) -> None:
+    """The segment's ops as a graph of their own, called once, its outputs unpacked."""
+    inner = fx.Graph()
+    inner_env: dict[fx.Node, fx.Node] = {}
+    for value in segment.inputs:
+        inner_env[value] = inner.placeholder(value.name)
+        inner_env[value].meta = dict(value.meta)
+    for node in segment.members:
+        inner_env[node] = inner.node_copy(node, inner_env.__getitem__)
+    inner.output(tuple(inner_env[node] for node in segment.outputs))
+    inner.lint()
+    target = CheckpointedLayer(segment.layers, fx.GraphModule(torch.nn.Module(), inner), mode)
+    call = graph.create_node(
+        "call_function", target, tuple(env[value] for value in segment.inputs), name=target.__name__
+    )
+    # the layer's module path: the stage split places the call, and its unpacking, by it
+    stack = next(n.meta["nn_module_stack"] for n in segment.members if node_layer(n) == segment.layers[0])
+    call.meta = {"nn_module_stack": stack, "val": tuple(node.meta.get("val") for node in segment.outputs)}
+    for index, node in enumerate(segment.outputs):
+        env[node] = graph.create_node("call_function", operator.getitem, (call, index), name=node.name)
+        env[node].meta = {**node.meta, "nn_module_stack": stack}

@@ -1,0 +1,277 @@
+"""Rewrite: a captured graph + a Plan → the program one rank runs, on local shards.
+
+Pre: ``captured`` is the graph the plan was made for (same fingerprint); the runtime's
+collective ops (``torch.ops.autopar.*``) are registered.
+Post: a GraphModule with the same placeholders, taking each parameter's, buffer's and
+input's LOCAL shard, in which
+- every edge whose producer's placement differs from what its consumer needs carries the
+  redistribution (per mesh axis: chunk, all-gather, all-reduce, reduce-scatter, all-to-all,
+  keep-on-first), each an autograd op whose backward is the dual, one per value, destination
+  and layer however many consumers take it;
+- partial gradients are completed where :mod:`gradients` says (Megatron's f, fused into the
+  all-gather when the input was just gathered: sequence parallelism's reduce-scatter), and
+  left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
+- shape arguments of views and factory device arguments are local;
+- under ZeRO-3 (``plan.zero == 3``) a parameter split over dp (``autopar.ir.zero``) arrives
+  as its dp chunk and is gathered (``torch.ops.autopar.zero_gather``) once, right before its
+  first use, so the whole weight lives from its first use to its last (the runtime batches
+  these gathers per layer and prefetches them); the gather's backward reduce-scatters the
+  gradient.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.ir import KERNEL_DIMS, Axis, Kernel, Partial, Placement, Plan, Replicate, Shard, StalePlanError
+from autopar.ir.zero import zero_shard_dim
+from autopar.passes.capture.graph import CapturedGraph
+from autopar.passes.cost.facts import move_scope
+from autopar.passes.rewrite.gradients import plan_gradients
+from autopar.passes.runner import at_node
+from autopar.passes.sharding.strategies import tensor_inputs
+
+R = Replicate()
+# Ops whose argument 1 is the output shape (or sizes derived from it).
+SHAPE_ARG_OPS = {torch.ops.aten.view, torch.ops.aten.reshape, torch.ops.aten._unsafe_view, torch.ops.aten.expand}
+
+
+def rewrite(
+    captured: CapturedGraph, plan: Plan, *, groups: dict[str, str], device: torch.device | str
+) -> fx.GraphModule:
+    """Produce the per-rank program (see the module docstring).
+
+    ``groups`` maps each parallel dimension to the c10d group name its collectives use; for an
+    export without process groups, pass the dimension names themselves.
+    """
+    if captured.fingerprint != plan.fingerprint:
+        raise StalePlanError(
+            f"the plan was made for graph {plan.fingerprint}, but the model now captures as {captured.fingerprint}: "
+            "the model, its inputs' shapes or autopar changed since. Re-run autopar.plan."
+        )
+    graph = fx.Graph()
+    value_map: dict[fx.Node, fx.Node] = {}
+    output = graph.graph_copy(captured.graph, value_map)
+    graph.output(output)
+    by_name = {node.name: node for node in graph.nodes}
+    placements = _producer_placements(captured, plan, by_name)
+    axes = tuple(plan.degrees)
+    builder = _Collectives(graph, groups, axes, plan.degrees)
+    gradients = plan_gradients(captured.graph, plan, captured.params, captured.user_inputs)
+    if {captured.params[n]: a for n, a in gradients.synced_params.items()} != plan.grad_sync:
+        raise StalePlanError("the plan's gradient sync does not match its placements: re-run autopar.plan")
+
+    for node in list(graph.nodes):
+        decision = plan.nodes.get(node.name)
+        if decision is None:
+            continue
+        with at_node(node):
+            _rewrite_node(node, decision, plan, placements, builder, gradients, device)
+    if plan.zero == 3:
+        _gather_zero3_params(graph, captured, plan, groups)
+    _views_to_reshapes(graph)
+    graph.eliminate_dead_code()
+    graph.lint()
+    return fx.GraphModule(captured.graph_module, graph)
+
+
+def _views_to_reshapes(graph: fx.Graph) -> None:
+    """Export writes ``view`` where the traced tensor's strides allowed one, e.g. after the
+    transpose of fused attention's output, which is laid out [b, s, h, d]. A collective or a
+    parallel kernel returns contiguous tensors, where the same view may be impossible; the graph
+    is functional, so ``reshape`` (a view when it can be, a copy when not) means the same."""
+    for node in graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+
+
+def _gather_zero3_params(graph: fx.Graph, captured: CapturedGraph, plan: Plan, groups: dict[str, str]) -> None:
+    """ZeRO-3: one gather of the dp chunks of each split parameter, before its first use (one
+    per parameter, so the runtime can gather a layer's parameters in one collective, as FSDP2)."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.op != "placeholder" or node.name not in captured.params or not node.users:
+            continue
+        name = captured.params[node.name]
+        dim = zero_shard_dim(plan, name, node.meta["val"].shape)
+        if dim is None:
+            continue
+        reduce_grad = Axis.DP in plan.grad_sync.get(name, ())  # else every dp rank has the whole gradient
+        users = list(node.users)
+        with graph.inserting_before(min(users, key=position.__getitem__)):
+            gathered = graph.call_function(
+                torch.ops.autopar.zero_gather.default, (node, groups[Axis.DP], dim, reduce_grad)
+            )
+        for user in users:
+            user.replace_input_with(node, gathered)
+
+
+def _rewrite_node(node, decision, plan, placements, builder, gradients, device) -> None:
+    """Bring the node's inputs where its strategy needs them; make its arguments local."""
+    axes = tuple(plan.degrees)
+    graph = node.graph
+    slots = tensor_inputs(node)
+    if len(slots) != len(decision.inputs):
+        raise StalePlanError(
+            f"plan entry for {node.format_node()} has {len(decision.inputs)} inputs, the graph {len(slots)}"
+        )
+    new_inputs = []
+    for index, (slot, wanted) in enumerate(zip(slots, decision.inputs)):
+        partial_grad = {axis for axis in axes if (node.name, index, axis) in gradients.completed_edges}
+        if node.target is operator.getitem and placements[slot.name] != wanted:
+            raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
+        with graph.inserting_before(node):
+            new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad, move_scope(node)))
+    _replace_inputs(node, slots, new_inputs)
+    if decision.kernel:
+        _use_kernel(node, decision.kernel, builder.groups[KERNEL_DIMS[decision.kernel]])
+    _localize_arguments(node, decision.output, plan.degrees, device)
+    if decision.output is not None:
+        placements[node.name] = decision.output
+
+
+def _use_kernel(node: fx.Node, kernel: str, group: str) -> None:
+    """Run the node as its parallel kernel over ``group`` (see autopar.runtime.kernels.context_parallel
+    and expert_parallel): attention on a split sequence, or experts split over ranks."""
+    if kernel in (Kernel.RING, Kernel.ULYSSES):
+        q, k, v = node.args[:3]
+        causal = _arg(node, 5, "is_causal", False)
+        scale = _arg(node, 6, "scale", None)
+        node.target = getattr(torch.ops.autopar, f"{kernel}_attention").default
+        node.args, node.kwargs = (q, k, v, group, causal, scale), {}
+    elif kernel == Kernel.EXPERTS:
+        node.args = (*node.args[:-1], group)  # the experts op's last argument: its process group
+    else:
+        raise StalePlanError(f"unknown kernel {kernel!r} for node {node.name}: re-run autopar.plan")
+
+
+def _arg(node: fx.Node, index: int, name: str, default):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _producer_placements(captured: CapturedGraph, plan: Plan, by_name) -> dict[str, tuple[Placement, ...]]:
+    axes_r = tuple(R for _ in plan.degrees)
+    placements = {}
+    for name in by_name:
+        if name in captured.params:
+            placements[name] = plan.params[captured.params[name]]
+        elif name in captured.user_inputs:
+            placements[name] = plan.inputs[name]
+        elif name in captured.buffers:
+            placements[name] = axes_r
+    return placements
+
+
+def _replace_inputs(node: fx.Node, slots: list[fx.Node], new_inputs: list[fx.Node]) -> None:
+    """Swap the k-th tensor input for its redistributed value (the same node may fill two slots)."""
+    queue = list(zip(slots, new_inputs))
+
+    def swap(arg):
+        if queue and isinstance(arg, fx.Node) and arg is queue[0][0]:
+            return queue.pop(0)[1]
+        return arg
+
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    flat = [swap(a) for a in flat]
+    node.args, node.kwargs = tree_unflatten(flat, spec)
+
+
+def _localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degrees: dict[str, int], device) -> None:
+    """Shape arguments become the local shape; factory ops build on the runtime device."""
+    if "device" in node.kwargs:
+        node.kwargs = {**node.kwargs, "device": torch.device(device)}
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet not in SHAPE_ARG_OPS or output is None:
+        return
+    val = node.meta.get("val")
+    shape = list(val.shape)
+    for placement, size in zip(output, degrees.values()):
+        if isinstance(placement, Shard):
+            shape[placement.dim] //= size
+    node.args = (node.args[0], shape, *node.args[2:])
+
+
+class _Collectives:
+    """Emits the collective nodes that move a value from one placement to another."""
+
+    def __init__(self, graph: fx.Graph, groups: dict[str, str], axes: tuple[str, ...], degrees: dict[str, int]):
+        self.graph, self.groups, self.axes, self.degrees = graph, groups, axes, degrees
+        self.emitted: dict[tuple, fx.Node] = {}
+
+    def redistribute(
+        self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str], scope: str
+    ) -> fx.Node:
+        """``value`` moved from ``src`` to ``dst``, completing its gradient on the axes in
+        ``partial_grad``. Consumers with the same ``scope`` (:func:`autopar.passes.cost.facts.move_scope`) share
+        one move: q, k and v take one gather of a sequence-parallel norm's output, and backward
+        sums their gradients before its reduce-scatter, which is linear."""
+        if src == dst and not partial_grad:
+            return value
+        key = (value, src, dst, frozenset(partial_grad), scope)
+        if key not in self.emitted:
+            self.emitted[key] = self._move(value, src, dst, partial_grad)
+        return self.emitted[key]
+
+    def _move(
+        self, value: fx.Node, src: tuple[Placement, ...], dst: tuple[Placement, ...], partial_grad: set[str]
+    ) -> fx.Node:
+        current = list(src)
+        # Un-shard inner axes first and shard outer axes first: chunk k of a dim sharded over
+        # (dp, tp) is dp-chunk-major, as in DTensor.
+        order = [i for i in reversed(range(len(self.axes))) if isinstance(src[i], Shard)]
+        order += [i for i in range(len(self.axes)) if i not in order]
+        for i in order:
+            axis = self.axes[i]
+            if self.degrees[axis] == 1:
+                continue
+            value = self._one_axis(value, current[i], dst[i], axis, axis in partial_grad)
+            current[i] = dst[i]
+        return value
+
+    def _op(self, name: str, *args) -> fx.Node:
+        return self.graph.call_function(getattr(torch.ops.autopar, name).default, args)
+
+    def _one_axis(self, value, src: Placement, dst: Placement, axis: str, partial_grad: bool) -> fx.Node:
+        group = self.groups[axis]
+        if src == dst:
+            return self._op("grad_all_reduce", value, group) if partial_grad else value
+        if axis == Axis.CP and (isinstance(src, Shard) or isinstance(dst, Shard)):
+            return self._zigzag_axis(value, src, dst, axis, partial_grad)
+        if isinstance(src, Shard) and isinstance(dst, Replicate):
+            return self._op("all_gather", value, group, src.dim, partial_grad)
+        if isinstance(src, Partial) and isinstance(dst, Replicate):
+            value = self._op("all_reduce", value, group, src.reduce_op)
+        elif isinstance(src, Partial) and isinstance(dst, Shard):
+            value = self._op("reduce_scatter", value, group, dst.dim, src.reduce_op)
+        elif isinstance(src, Replicate) and isinstance(dst, Shard):
+            value = self._op("chunk", value, group, dst.dim)
+        elif isinstance(src, Replicate) and dst == Partial("sum"):
+            value = self._op("keep_on_first", value, group)
+        elif isinstance(src, Shard) and isinstance(dst, Shard):
+            value = self._op("all_to_all", value, group, dst.dim, src.dim)
+        else:
+            raise AssertionError(f"no redistribution from {src} to {dst} on axis {axis}")
+        if partial_grad and isinstance(dst, Replicate):
+            value = self._op("grad_all_reduce", value, group)
+        return value
+
+    def _zigzag_axis(self, value, src: Placement, dst: Placement, axis: str, partial_grad: bool) -> fx.Node:
+        """On cp a shard is a head and a tail chunk (:mod:`autopar.runtime.kernels.zigzag`): permute
+        into rank order before chunking and back after gathering; a shard moves to another
+        dim by way of the whole tensor."""
+        group = self.groups[axis]
+        if isinstance(src, Shard):
+            value = self._op("all_gather", value, group, src.dim, partial_grad and isinstance(dst, Replicate))
+            value = self._op("zigzag", value, group, src.dim, True)
+            if isinstance(dst, Replicate):
+                return value
+            src = R
+        value = self._op("zigzag", value, group, dst.dim, False)
+        if isinstance(src, Partial):
+            return self._op("reduce_scatter", value, group, dst.dim, src.reduce_op)
+        return self._op("chunk", value, group, dst.dim)

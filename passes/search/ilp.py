@@ -1,0 +1,178 @@
+"""One choice per node, pairwise costs on edges, a memory budget: the intra-op ILP.
+
+Variables (Alpa's formulation):
+  x[v, s] ∈ {0, 1}   node v takes option s;                 Σ_s x[v, s] = 1
+  y[e, s, t] ≥ 0     edge e = (u, v) takes options (s, t);   Σ_t y[e, s, t] = x[u, s],  Σ_s y[e, s, t] = x[v, t]
+Objective:  Σ unary[v][s]·x[v, s] + Σ pair[e][s, t]·y[e, s, t]
+Memory:     Σ memory[v][s]·x[v, s] ≤ limit
+With x integral the marginal constraints force y to the product x[u, s]·x[v, t], so y
+needs no integrality. Solved with HiGHS; infeasibility is reported, never hidden.
+
+Followers (Alpa's merge of elementwise followers) are presolved away: a follower v of
+leader u takes option ``tie[s]`` whenever u takes s, so its costs, memory and edges fold
+into u's and it needs no variable of its own (:func:`merge_followers`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import highspy
+import numpy as np
+
+
+@dataclass
+class ChoiceProblem:
+    unary: list[np.ndarray]  # per variable: cost of each option
+    pairs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (u, v, cost[s_u, s_v])
+    memory: list[np.ndarray] | None = None  # per variable: bytes of each option
+    memory_limit: float | None = None
+    followers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # v → (leader u, tie[s_u] = s_v)
+
+
+@dataclass(frozen=True)
+class ChoiceSolution:
+    choice: tuple[int, ...]
+    objective: float
+
+
+def merge_followers(problem: ChoiceProblem) -> tuple[ChoiceProblem, list[tuple[int, list[int]]]]:
+    """Fold every follower into its leader (chains resolved to the root leader).
+
+    Returns the problem over the same variable indices, each follower reduced to a single
+    zero-cost option, and per variable (root, tie) to read its choice back.
+    """
+    n = len(problem.unary)
+    root = [(v, list(range(len(problem.unary[v])))) for v in range(n)]  # choice[v] = tie[choice[root]]
+
+    def resolve(v: int) -> tuple[int, list[int]]:
+        if v not in problem.followers:
+            return v, list(range(len(problem.unary[v])))
+        leader, tie = problem.followers[v]
+        top, top_tie = resolve(leader)
+        return top, [tie[s] for s in top_tie]
+
+    for v in range(n):
+        root[v] = resolve(v)
+    unary = [u.astype(float).copy() for u in problem.unary]
+    memory = None if problem.memory is None else [m.astype(float).copy() for m in problem.memory]
+    for v, (r, tie) in enumerate(root):
+        if r != v:
+            unary[r] += problem.unary[v][tie]
+            unary[v] = np.zeros(1)
+            if memory is not None:
+                memory[r] += problem.memory[v][tie]
+                memory[v] = np.zeros(1)
+    pairs = []
+    for u, v, matrix in problem.pairs:
+        (ru, tie_u), (rv, tie_v) = root[u], root[v]
+        pairs.append((ru, rv, matrix[np.ix_(tie_u, tie_v)]))
+    return ChoiceProblem(unary, pairs, memory, problem.memory_limit), root
+
+
+def fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
+    """Fold edges touching a variable with a single option (and self-edges) into unary costs."""
+    unary = [u.copy() for u in problem.unary]
+    pairs = []
+    for u, v, matrix in problem.pairs:
+        if len(unary[u]) == 1:
+            unary[v] = unary[v] + matrix[0, :]
+        elif len(unary[v]) == 1:
+            unary[u] = unary[u] + matrix[:, 0]
+        elif u == v:
+            unary[u] = unary[u] + np.diag(matrix)
+        else:
+            pairs.append((u, v, matrix))
+    return ChoiceProblem(unary, pairs, problem.memory, problem.memory_limit)
+
+
+def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceSolution | None:
+    """Minimize the objective; ``None`` when the memory budget cannot be met."""
+    merged, root = merge_followers(problem)
+    solution = _solve(fold_fixed(merged), time_limit_s)
+    if solution is None:
+        return None
+    return ChoiceSolution(tuple(tie[solution.choice[r]] for r, tie in root), solution.objective)
+
+
+def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None:
+    offsets = np.cumsum([0] + [len(u) for u in problem.unary])
+    n_x = int(offsets[-1])
+    costs = [np.concatenate(problem.unary)] if problem.unary else [np.zeros(0)]
+    rows: list[tuple[float, float, list[int], list[float]]] = []
+    for v, options in enumerate(problem.unary):
+        rows.append((1.0, 1.0, list(range(offsets[v], offsets[v + 1])), [1.0] * len(options)))
+    n_cols = n_x
+    for u, v, matrix in problem.pairs:
+        su, sv = matrix.shape
+        base = n_cols
+        n_cols += su * sv
+        costs.append(matrix.reshape(-1))
+        for s in range(su):  # Σ_t y[s, t] = x[u, s]
+            rows.append((0.0, 0.0, [base + s * sv + t for t in range(sv)] + [offsets[u] + s], [1.0] * sv + [-1.0]))
+        for t in range(sv):  # Σ_s y[s, t] = x[v, t]
+            rows.append((0.0, 0.0, [base + s * sv + t for s in range(su)] + [offsets[v] + t], [1.0] * su + [-1.0]))
+    if problem.memory is not None and problem.memory_limit is not None:
+        memory = np.concatenate(problem.memory)
+        rows.append((-highspy.kHighsInf, float(problem.memory_limit), list(range(n_x)), list(memory)))
+
+    highs = _new_highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", time_limit_s)
+    highs.setOptionValue("mip_rel_gap", 1e-6)
+    cost = np.concatenate(costs).astype(np.float64)
+    highs.addCols(
+        n_cols, cost, np.zeros(n_cols), np.ones(n_cols), 0, np.array([], np.int32), np.array([], np.int32), np.array([])
+    )
+    highs.changeColsIntegrality(n_x, np.arange(n_x, dtype=np.int32), np.ones(n_x, dtype=np.uint8))
+    starts, indices, values, lower, upper = [], [], [], [], []
+    for lo, hi, idx, val in rows:
+        starts.append(len(indices))
+        indices += idx
+        values += val
+        lower.append(lo)
+        upper.append(hi)
+    highs.addRows(
+        len(rows),
+        np.array(lower),
+        np.array(upper),
+        len(indices),
+        np.array(starts, np.int32),
+        np.array(indices, np.int32),
+        np.array(values, np.float64),
+    )
+    highs.run()
+    status = highs.getModelStatus()
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return None
+    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
+        raise RuntimeError(f"HiGHS could not solve the sharding ILP: {highs.modelStatusToString(status)}")
+    x = np.asarray(highs.getSolution().col_value[:n_x])
+    if status == highspy.HighsModelStatus.kTimeLimit and not np.isfinite(highs.getInfo().objective_function_value):
+        raise RuntimeError("HiGHS found no sharding within its time limit; pin degrees to shrink the search")
+    choice = tuple(int(np.argmax(x[offsets[v] : offsets[v + 1]])) for v in range(len(problem.unary)))
+    return ChoiceSolution(choice, float(highs.getInfo().objective_function_value))
+
+
+_banner_shown = False
+
+
+def _new_highs() -> highspy.Highs:
+    """A HiGHS instance. The first one of a process prints HiGHS's banner from C++, before any
+    option can silence it: it goes to /dev/null, so that ``autopar plan --json`` prints JSON alone."""
+    global _banner_shown
+    if _banner_shown:
+        return highspy.Highs()
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highs = highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    _banner_shown = True
+    return highs

@@ -1,0 +1,479 @@
+"""Sharding rules as data: for each aten op family, the strategies it can run with.
+
+``RULES`` maps an op (or its overload packet) to a function enumerating candidates from the
+op's arguments and shapes; :func:`node_strategies` adds the universal all-replicated
+fallback, drops candidates whose sharded dims do not divide by the axis size, and says
+whether the op had a rule at all (the coverage report).
+
+Partial values flow only through ops that are linear in them (views, sums, scaling,
+matmuls with a replicated partner); everything else must see them reduced first.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+
+from autopar.ir import Kernel, Partial, Replicate, Shard
+from autopar.passes.capture.moe import EXPERTS_OP
+from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+def _shard_all_but(view: OpView, excluded: set[int], partial_ok: bool = False) -> list[Strategy]:
+    """Ops that act independently along every dim but ``excluded`` (same rank in and out)."""
+    n_in = len(view.in_shapes)
+    out = [Strategy((Shard(d),) + (R,) * (n_in - 1), Shard(d)) for d in range(len(view.out_shape)) if d not in excluded]
+    if partial_ok:
+        out += [Strategy((Partial(op),) + (R,) * (n_in - 1), Partial(op)) for op in ("sum", "avg")]
+    return out
+
+
+# -- pointwise ------------------------------------------------------------------------
+_LINEAR_POINTWISE = {
+    aten.neg,
+    aten.clone,
+    aten._to_copy,
+    aten.to,
+    aten.alias,
+    aten.detach,
+    aten.contiguous,
+    aten.lift_fresh_copy,
+}
+# Elementwise ops torch does not tag as pointwise.
+_ALSO_POINTWISE = _LINEAR_POINTWISE | {
+    aten.dropout,
+    aten.type_as,
+    aten.__and__,
+    aten.__or__,
+    aten.__xor__,
+    aten.masked_fill,
+}
+_ADDITIVE = {aten.add, aten.sub}
+_SCALING = {aten.mul, aten.div}
+
+
+def pointwise(view: OpView) -> list[Strategy]:
+    """Broadcasting elementwise ops: shard any output dim; inputs follow, broadcast dims stay R."""
+    out_ndim = len(view.out_shape)
+    strategies = []
+    for d in range(out_ndim):
+        placements = []
+        for shape in view.in_shapes:
+            in_dim = d - (out_ndim - len(shape))
+            broadcast = in_dim < 0 or (shape[in_dim] == 1 and view.out_shape[d] != 1)
+            placements.append(R if broadcast else Shard(in_dim))
+        strategies.append(Strategy(tuple(placements), Shard(d)))
+    packet = getattr(view.node.target, "overloadpacket", None)
+    n_in = len(view.in_shapes)
+    for op in ("sum", "avg"):
+        if packet in _LINEAR_POINTWISE or (packet in _ADDITIVE and n_in >= 1):
+            strategies.append(Strategy((Partial(op),) * n_in, Partial(op)))
+        elif packet in _SCALING:  # linear in one operand; the other (and the divisor) replicated
+            for i in range(1 if packet is aten.div else n_in):
+                strategies.append(Strategy(tuple(Partial(op) if j == i else R for j in range(n_in)), Partial(op)))
+    return strategies
+
+
+def repeat_interleave(view: OpView) -> list[Strategy]:
+    """repeat_interleave(x, repeats: int, dim): rows repeat in place, so any other dim shards."""
+    dim = view.arg(2, "dim", None)
+    if dim is None or not isinstance(view.arg(1, "repeats"), int):
+        return []
+    return along_dim(2)(view)
+
+
+def like_input(view: OpView) -> list[Strategy]:
+    """``zeros_like`` and friends: the output is laid out like the first input."""
+    return _shard_all_but(view, set())
+
+
+# -- matrix products --------------------------------------------------------------------
+def linear(view: OpView) -> list[Strategy]:
+    """y = x Wᵀ + b. Batch dims of x; columns of W (Megatron column); the contraction (row → P)."""
+    x_ndim = len(view.in_shapes[0])
+    has_bias = len(view.in_shapes) == 3
+    bias = lambda p: (p,) if has_bias else ()  # noqa: E731
+    strategies = [Strategy((Shard(d), R) + bias(R), Shard(d)) for d in range(x_ndim - 1)]
+    strategies.append(Strategy((R, Shard(0)) + bias(Shard(0)), Shard(x_ndim - 1)))
+    for op in ("sum", "avg"):
+        strategies.append(Strategy((Partial(op), R) + bias(Partial(op)), Partial(op)))
+    strategies.append(Strategy((Shard(x_ndim - 1), Shard(1)) + bias(Partial()), Partial()))
+    return strategies
+
+
+def _einsum(lhs: str, rhs: str, out: str, partial_ok: bool = True) -> list[Strategy]:
+    """Strategies of a product in einsum notation: shard a shared or free letter, or contract."""
+    strategies = []
+    for letter in dict.fromkeys(lhs + rhs):
+        a = Shard(lhs.index(letter)) if letter in lhs else R
+        b = Shard(rhs.index(letter)) if letter in rhs else R
+        output = Shard(out.index(letter)) if letter in out else Partial()
+        strategies.append(Strategy((a, b), output))
+    if partial_ok:
+        for op in ("sum", "avg"):
+            strategies += [Strategy((Partial(op), R), Partial(op)), Strategy((R, Partial(op)), Partial(op))]
+    return strategies
+
+
+def mm(view: OpView) -> list[Strategy]:
+    return _einsum("mk", "kn", "mn")
+
+
+def bmm(view: OpView) -> list[Strategy]:
+    return _einsum("bmk", "bkn", "bmn")
+
+
+def addmm(view: OpView) -> list[Strategy]:
+    """bias + a @ b: the bias follows the output (R→P where the product is partial)."""
+    strategies = []
+    bias_ndim = len(view.in_shapes[0])
+    for s in _einsum("mk", "kn", "mn", partial_ok=False):
+        out = s.output
+        if isinstance(out, Shard):
+            bias = (
+                Shard(out.dim - (2 - bias_ndim))
+                if out.dim >= 2 - bias_ndim and view.in_shapes[0][out.dim - (2 - bias_ndim)] != 1
+                else R
+            )
+        else:
+            bias = Partial()
+        strategies.append(Strategy((bias,) + s.inputs, out))
+    return strategies
+
+
+def matmul(view: OpView) -> list[Strategy]:
+    """torch.matmul with equal ranks ≥ 2: leading dims are batch dims."""
+    a, b = view.in_shapes
+    if len(a) != len(b) or len(a) < 2:
+        return []
+    batch = "abcdefgh"[: len(a) - 2]
+    return _einsum(batch + "mk", batch + "kn", batch + "mn")
+
+
+# -- shapes and views -----------------------------------------------------------------
+def view_map(in_shape, out_shape) -> dict[int, int]:
+    """Input dim → output dim for a reshape, where sharding the input dim shards the output dim.
+
+    Dims are grouped where their products agree; inside a group only the first non-unit
+    dims correspond (a contiguous chunk of the leading dim stays contiguous).
+    """
+    mapping, i, j = {}, 0, 0
+    while i < len(in_shape) and j < len(out_shape):
+        if in_shape[i] == 1 and out_shape[j] != 1:
+            i += 1
+            continue
+        if out_shape[j] == 1 and in_shape[i] != 1:
+            j += 1
+            continue
+        first_in, first_out = i, j
+        size_in, size_out = in_shape[i], out_shape[j]
+        i, j = i + 1, j + 1
+        while size_in != size_out:
+            if size_in < size_out:
+                size_in *= in_shape[i]
+                i += 1
+            else:
+                size_out *= out_shape[j]
+                j += 1
+        if in_shape[first_in] != 1:
+            mapping[first_in] = first_out
+    return mapping
+
+
+def reshape(view: OpView) -> list[Strategy]:
+    """view / reshape / flatten / unflatten / squeeze / unsqueeze."""
+    in_shape = view.in_shapes[0]
+    strategies = [Strategy((Shard(i),), Shard(o)) for i, o in view_map(in_shape, view.out_shape).items()]
+    return strategies + [Strategy((Partial(op),), Partial(op)) for op in ("sum", "avg")]
+
+
+def expand(view: OpView) -> list[Strategy]:
+    in_shape, out_shape = view.in_shapes[0], view.out_shape
+    offset = len(out_shape) - len(in_shape)
+    return [
+        Strategy((Shard(d),), Shard(d + offset))
+        for d in range(len(in_shape))
+        if in_shape[d] == out_shape[d + offset] and in_shape[d] != 1
+    ]
+
+
+def permute(view: OpView) -> list[Strategy]:
+    ndim = len(view.in_shapes[0])
+    target = view.node.target.overloadpacket
+    if target is aten.transpose:
+        d0, d1 = normalize_dim(view.args[1], ndim), normalize_dim(view.args[2], ndim)
+        order = list(range(ndim))
+        order[d0], order[d1] = order[d1], order[d0]
+    elif target is aten.t:
+        order = list(reversed(range(ndim)))
+    else:
+        order = [normalize_dim(d, ndim) for d in view.args[1]]
+    strategies = [Strategy((Shard(src),), Shard(dst)) for dst, src in enumerate(order)]
+    return strategies + [Strategy((Partial(op),), Partial(op)) for op in ("sum", "avg")]
+
+
+def along_dim(dim_index: int, dim_name: str = "dim", default=0, partial_ok: bool = False, removes_dim: bool = False):
+    """Ops that work along one dim (softmax, cumsum, split, slice, select, ...): shard any other."""
+
+    def rule(view: OpView) -> list[Strategy]:
+        ndim = len(view.in_shapes[0])
+        along = normalize_dim(view.arg(dim_index, dim_name, default), ndim)
+        n_in = len(view.in_shapes)
+        strategies = []
+        for d in range(ndim):
+            if d == along:
+                continue
+            out_dim = d - 1 if removes_dim and d > along else d
+            strategies.append(Strategy((Shard(d),) + (R,) * (n_in - 1), Shard(out_dim)))
+        if partial_ok:
+            strategies += [Strategy((Partial(op),) + (R,) * (n_in - 1), Partial(op)) for op in ("sum", "avg")]
+        return strategies
+
+    return rule
+
+
+def concat(view: OpView) -> list[Strategy]:
+    """cat / stack: all inputs sharded alike on a dim that is not joined."""
+    ndim = len(view.in_shapes[0])
+    stack = view.node.target.overloadpacket is aten.stack
+    along = normalize_dim(view.arg(1, "dim", 0), ndim + 1 if stack else ndim)
+    n_in = len(view.in_shapes)
+    strategies = []
+    for d in range(ndim):
+        if not stack and d == along:
+            continue
+        out_dim = d + 1 if stack and d >= along else d
+        strategies.append(Strategy((Shard(d),) * n_in, Shard(out_dim)))
+    return strategies + [Strategy((Partial(op),) * n_in, Partial(op)) for op in ("sum", "avg")]
+
+
+def getitem(view: OpView) -> list[Strategy]:
+    """Taking one output of a multi-output op: it is laid out like its source."""
+    strategies = [Strategy((Shard(d),), Shard(d)) for d in range(len(view.out_shape))]
+    return strategies + [Strategy((Partial(op),), Partial(op)) for op in ("sum", "avg")]
+
+
+# -- reductions and normalization -----------------------------------------------------
+def reduction(view: OpView) -> list[Strategy]:
+    """sum / mean over dims: a reduced sharded dim gives a partial result (sum or avg)."""
+    ndim = len(view.in_shapes[0])
+    dims = view.arg(1, "dim", None)
+    keepdim = view.arg(2, "keepdim", False)
+    reduced = (
+        set(range(ndim))
+        if dims is None or dims == []
+        else {normalize_dim(d, ndim) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    )
+    mean = view.node.target.overloadpacket is aten.mean
+    strategies = []
+    for d in range(ndim):
+        if d in reduced:
+            strategies.append(Strategy((Shard(d),), Partial("avg" if mean else "sum")))
+        else:
+            out_dim = d if keepdim else d - sum(1 for r in reduced if r < d)
+            strategies.append(Strategy((Shard(d),), Shard(out_dim)))
+    return strategies + [Strategy((Partial(op),), Partial(op)) for op in ("sum", "avg")]
+
+
+def layer_norm(view: OpView) -> list[Strategy]:
+    """Normalizes the trailing ``normalized_shape`` dims: shard a leading one; weights replicated."""
+    ndim = len(view.in_shapes[0])
+    normalized = len(view.args[1])
+    n_in = len(view.in_shapes)
+    return [Strategy((Shard(d),) + (R,) * (n_in - 1), Shard(d)) for d in range(ndim - normalized)]
+
+
+def embedding(view: OpView) -> list[Strategy]:
+    """Lookup rows of W by index: shard the indices (output follows) or W's columns."""
+    weight_ndim, idx_ndim = len(view.in_shapes[0]), len(view.in_shapes[1])
+    strategies = [Strategy((R, Shard(d)), Shard(d)) for d in range(idx_ndim)]
+    strategies.append(Strategy((Shard(weight_ndim - 1), R), Shard(idx_ndim)))
+    return strategies
+
+
+def index(view: OpView) -> list[Strategy]:
+    """x[idx] with one index tensor on dim 0: shard the indices, or a dim of x that is not indexed."""
+    indices = view.arg(1, "indices")
+    if len(indices) != 1 or indices[0] is None or len(view.in_shapes) != 2:
+        return []
+    x_ndim, idx_ndim = len(view.in_shapes[0]), len(view.in_shapes[1])
+    strategies = [Strategy((R, Shard(d)), Shard(d)) for d in range(idx_ndim)]
+    strategies += [Strategy((Shard(k), R), Shard(idx_ndim + k - 1)) for k in range(1, x_ndim)]
+    return strategies + [Strategy((Partial(op), R), Partial(op)) for op in ("sum", "avg")]
+
+
+def attention(view: OpView) -> list[Strategy]:
+    """scaled_dot_product_attention on [batch, heads, seq, head_dim]: shard batch or heads;
+    or, without a mask or dropout, the sequence of q, k and v alike, run by a context-parallel
+    kernel (ring or Ulysses, see autopar.runtime.kernels.context_parallel)."""
+    q_shape = view.in_shapes[0]
+    strategies = []
+    for d in (0, 1) if len(q_shape) == 4 else (0,):  # [batch * heads, seq, head_dim]: dim 1 is the sequence
+        placements = []
+        for shape in view.in_shapes:
+            in_dim = d - (len(q_shape) - len(shape))
+            broadcast = in_dim < 0 or shape[in_dim] == 1
+            placements.append(R if broadcast else Shard(in_dim))
+        strategies.append(Strategy(tuple(placements), Shard(d)))
+    if len(q_shape) == 4 and len(view.in_shapes) == 3 and not view.arg(4, "dropout_p", 0.0):
+        seq = Shard(len(q_shape) - 2)
+        strategies += [Strategy((seq, seq, seq), seq, kernel) for kernel in (Kernel.RING, Kernel.ULYSSES)]
+    return strategies
+
+
+def experts(view: OpView) -> list[Strategy]:
+    """autopar::moe(x [T, H], router [E, H], gate_up [E, 2F, H], down [E, H, F]) -> (out, logits):
+    split the tokens (every rank runs every expert on its tokens), or split the experts too
+    and send tokens to them (the expert-parallel kernel)."""
+    tokens = Strategy((Shard(0), R, R, R), Shard(0))
+    return [tokens, Strategy((Shard(0), R, Shard(0), Shard(0)), Shard(0), Kernel.EXPERTS)]
+
+
+def loss(view: OpView) -> list[Strategy]:
+    """cross_entropy / nll_loss(input [N, C, ...], target [N, ...]): shard N or a trailing dim.
+
+    A mean over a sharded dim is the average of the shards' means (P(avg)); this is exact when
+    every shard holds as many counted targets, as with unpadded batches.
+    """
+    reduction = view.arg(3, "reduction", 1)
+    in_ndim = len(view.in_shapes[0])
+    out = {0: None, 1: Partial("avg"), 2: Partial("sum")}[reduction]
+    strategies = []
+    for d in [0] + list(range(2, in_ndim)):
+        target_dim = 0 if d == 0 else d - 1
+        placements = (Shard(d), Shard(target_dim)) + (R,) * (len(view.in_shapes) - 2)
+        strategies.append(Strategy(placements, out or Shard(target_dim)))
+    return strategies
+
+
+def mse(view: OpView) -> list[Strategy]:
+    reduction = view.arg(2, "reduction", 1)
+    out = {1: Partial("avg"), 2: Partial("sum")}.get(reduction)
+    return [Strategy((Shard(d), Shard(d)), out or Shard(d)) for d in range(len(view.in_shapes[0]))]
+
+
+def replicated_only(view: OpView) -> list[Strategy]:
+    """Factory ops and anything that must see whole tensors: the fallback alone, not a gap."""
+    return []
+
+
+RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
+    aten.linear: linear,
+    aten.mm: mm,
+    aten.bmm: bmm,
+    aten.addmm: addmm,
+    aten.matmul: matmul,
+    aten.view: reshape,
+    aten.reshape: reshape,
+    aten._unsafe_view: reshape,
+    aten.flatten: reshape,
+    aten.unflatten: reshape,
+    aten.squeeze: reshape,
+    aten.unsqueeze: reshape,
+    aten.expand: expand,
+    aten.transpose: permute,
+    aten.permute: permute,
+    aten.t: permute,
+    aten.split: along_dim(2, partial_ok=True),
+    aten.split_with_sizes: along_dim(2, partial_ok=True),
+    aten.chunk: along_dim(2, partial_ok=True),
+    aten.slice: along_dim(1, partial_ok=True),
+    aten.narrow: along_dim(1, partial_ok=True),
+    aten.select: along_dim(1, partial_ok=True, removes_dim=True),
+    aten.softmax: along_dim(1),
+    aten._softmax: along_dim(1),
+    aten.log_softmax: along_dim(1),
+    aten._log_softmax: along_dim(1),
+    aten.cumsum: along_dim(1),
+    aten.topk: along_dim(2, default=-1),
+    aten.sort: along_dim(1, default=-1),
+    aten.argmax: along_dim(1),
+    aten.cat: concat,
+    aten.stack: concat,
+    aten.sum: reduction,
+    aten.mean: reduction,
+    aten.layer_norm: layer_norm,
+    aten.embedding: embedding,
+    aten.index: index,
+    aten.scaled_dot_product_attention: attention,
+    aten.cross_entropy_loss: loss,
+    aten.nll_loss: loss,
+    aten.mse_loss: mse,
+    aten.broadcast_tensors: pointwise,
+    aten.zeros_like: like_input,
+    aten.ones_like: like_input,
+    aten.full_like: like_input,
+    aten.empty_like: like_input,
+    operator.getitem: getitem,
+    aten.repeat_interleave: repeat_interleave,
+    aten.new_ones: replicated_only,
+    aten.new_zeros: replicated_only,
+    aten.new_full: replicated_only,
+    aten.new_empty: replicated_only,
+    aten.arange: replicated_only,
+    aten.zeros: replicated_only,
+    aten.ones: replicated_only,
+    aten.full: replicated_only,
+    aten.empty: replicated_only,
+    aten.scalar_tensor: replicated_only,
+}
+
+
+OWN_OPS = {EXPERTS_OP: experts}  # autopar's composite ops, by name (registered by autopar.runtime)
+KERNEL_RULES = {
+    Kernel.RING: attention,
+    Kernel.ULYSSES: attention,
+    Kernel.EXPERTS: experts,
+}  # the rules offering each kernel
+MATMULS = (linear, mm, bmm, addmm, matmul, attention)  # the rules of ops that multiply whole rows by whole columns
+
+
+def rule_for(target) -> Callable[[OpView], list[Strategy]] | None:
+    packet = getattr(target, "overloadpacket", None)
+    rule = RULES.get(target) or RULES.get(packet) or OWN_OPS.get(str(packet))
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.pointwise in target.tags or packet in _ALSO_POINTWISE:
+            return pointwise
+    return rule
+
+
+def node_strategies(view: OpView, axis_size: int) -> tuple[list[Strategy], bool]:
+    """Candidates for one node on an axis of ``axis_size``; and whether its op has a rule."""
+    rule = rule_for(view.node.target)
+    fallback = Strategy(tuple(R for _ in view.in_shapes), R)
+    candidates = [fallback]
+    if axis_size > 1 and rule is not None:
+        for strategy in rule(view):
+            if (
+                strategy != fallback
+                and _divisible(view, strategy, axis_size)
+                and _kernel_fits(view, strategy, axis_size)
+                and strategy not in candidates
+            ):
+                candidates.append(strategy)
+    return candidates, rule is not None
+
+
+def _kernel_fits(view: OpView, strategy: Strategy, axis_size: int) -> bool:
+    """Ulysses trades the sequence for heads: every rank takes heads / p of them."""
+    return strategy.kernel != Kernel.ULYSSES or all(shape[1] % axis_size == 0 for shape in view.in_shapes)
+
+
+def _divisible(view: OpView, strategy: Strategy, axis_size: int) -> bool:
+    if len(strategy.inputs) != len(view.in_shapes):
+        return False
+    pairs = list(zip(strategy.inputs, view.in_shapes)) + [(strategy.output, shape) for shape in _out_shapes(view)]
+    for placement, shape in pairs:
+        if isinstance(placement, Shard):
+            if placement.dim >= len(shape) or shape[placement.dim] % axis_size:
+                return False
+    return True
+
+
+def _out_shapes(view: OpView) -> list[tuple[int, ...]]:
+    return [tuple(t.shape) for t in output_tensors(view.node)] or [view.out_shape]

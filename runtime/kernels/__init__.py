@@ -1,0 +1,2 @@
+"""Parallel kernels: ring and Ulysses context-parallel attention (``context_parallel``), the
+head-and-tail sequence layout they run on (``zigzag``), expert-parallel MoE (``expert_parallel``)."""

@@ -1,0 +1,307 @@
+"""Expert parallelism: a mixture-of-experts layer as one custom op, ``autopar::moe``.
+
+Capture (``passes/moe.py``) turns every MoE block into one call of this op, so the graph holds
+no data-dependent routing; the rewrite only changes ``group_name`` and hands the op this rank's
+slice of the expert weights. The math is Mixtral's (``MixtralSparseMoeBlock``):
+
+    logits = x @ router_weightᵀ                       [T, E]
+    probs  = softmax(logits) (in fp32); the top_k experts per token by probability,
+             their probabilities renormalized to sum to 1 if ``normalize``
+    out[t] = Σ_j weight[t, j] · down[e] @ (silu(g) * u),  g, u = (gate_up[e] @ x[t]).chunk(2)
+             with e the token's j-th expert: the gate rows come first in ``gate_up``.
+
+``group_name == ""``: every expert is local (the single-process meaning, also used by plain
+data parallelism). With an EP group of P ranks, rank r holds experts [r·E/P, (r+1)·E/P) and
+only its own tokens: it routes them, sends each kept (token, expert) slot to the expert's owner
+with an all-to-all of uneven splits (gloo supports them; the counts go first, in their own
+all-to-all), runs its experts one matmul per expert on the rows it received, and returns the
+rows by the reverse all-to-all, where they are weighted and summed per token. A token whose
+two experts live on one rank is sent twice.
+
+Capacity (``capacity_factor > 0``, GShard-style dropping): each expert takes at most
+``C = ceil(capacity_factor · T · top_k / E)`` slots from ONE rank's T tokens, in the order
+"every token's first choice, then every token's second choice, ..." (token order inside a
+choice). A slot over capacity contributes 0; its weight is not renormalized. Dropping is decided
+by the sending rank, before dispatch, so EP equals the single-process op run on each rank's
+batch separately (an expert then receives up to P·C rows). ``capacity_factor <= 0`` is dropless.
+
+Gradients. ``backward`` of the local loss gives, on each rank:
+- ``x`` and ``router_weight``: the gradient of this rank's local loss, as without EP;
+- ``gate_up`` and ``down`` (the local experts): Σ over ALL ranks q of d(loss_q)/dW, summed
+  over the tokens of rank q routed to these experts, because the combine all-to-all's backward
+  brings every rank's output gradient to the owner. If the training loss is the mean of the P
+  rank-local mean losses, divide the expert gradients by P (and do not all-reduce them over the
+  EP group: each expert lives on one rank of it); the router weight's gradient is all-reduced
+  over the group like any replicated parameter's.
+
+Backward recomputes the experts' forward (no routed activations are kept between forward and
+backward: their count depends on the data, which a fixed-shape op cannot return), so it sends
+each slot's input and output gradient to its owner and gets back the input gradient and the
+gate-weight gradient: see ``autopar.passes.cost.kernels.dispatch_bytes``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+
+@dataclass(frozen=True)
+class _Routing:
+    """Which experts each token goes to, and with what weights (fp32)."""
+
+    probs: Tensor  # [T, E] softmax of the router logits
+    top_probs: Tensor  # [T, k] the chosen experts' probabilities
+    weights: Tensor  # [T, k] the combine weights (top_probs, renormalized if asked)
+    experts: Tensor  # [T, k] chosen expert ids
+    keep: Tensor  # [T, k] False where a slot is over its expert's capacity
+
+
+@dataclass(frozen=True)
+class _Dispatch:
+    """Where the kept slots go and how the received rows group by local expert."""
+
+    slots: Tensor  # kept slot ids (t·k + j) in send order: sorted by expert, so by owner rank
+    send_splits: list[int]  # rows to each group rank
+    recv_splits: list[int]  # rows from each group rank
+    by_expert: Tensor  # permutation of the received rows that groups them by local expert
+    expert_rows: list[int]  # rows per local expert, in that grouped order
+
+
+def _group(group_name: str):
+    return _resolve_process_group(group_name) if group_name else None
+
+
+def _check_shapes(x, router_weight, gate_up, down, top_k: int, group) -> None:
+    group_size = group.size() if group is not None else 1
+    if x.dim() != 2 or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"moe needs x [tokens, hidden] and router_weight [experts, hidden], got {tuple(x.shape)} "
+            f"and {tuple(router_weight.shape)}: flatten batch and sequence into tokens first"
+        )
+    experts, hidden = router_weight.shape
+    if experts % group_size:
+        raise ValueError(
+            f"{experts} experts cannot be split over an EP group of {group_size} ranks; "
+            "choose an ep degree that divides the number of experts"
+        )
+    local = experts // group_size
+    ffn = down.shape[-1] if down.dim() == 3 else -1
+    if gate_up.shape != (local, 2 * ffn, hidden) or down.shape != (local, hidden, ffn):
+        raise ValueError(
+            f"with {experts} experts over {group_size} ranks, moe needs gate_up [{local}, 2·ffn, {hidden}] "
+            f"and down [{local}, {hidden}, ffn], got {tuple(gate_up.shape)} and {tuple(down.shape)}: pass this "
+            "rank's slice of the stacked expert weights"
+        )
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts, {experts}")
+
+
+def _route(logits: Tensor, top_k: int, normalize: bool, capacity_factor: float) -> _Routing:
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_probs, experts = probs.topk(top_k, dim=-1)
+    weights = top_probs / top_probs.sum(-1, keepdim=True) if normalize else top_probs
+    keep = _under_capacity(experts, probs.shape[1], capacity_factor)
+    return _Routing(probs, top_probs, weights, experts, keep)
+
+
+def _under_capacity(experts: Tensor, num_experts: int, capacity_factor: float) -> Tensor:
+    """Keep the first C slots of each expert in (choice, token) order; all of them if dropless."""
+    if capacity_factor <= 0:
+        return torch.ones_like(experts, dtype=torch.bool)
+    tokens, top_k = experts.shape
+    capacity = math.ceil(capacity_factor * tokens * top_k / num_experts)
+    hits = F.one_hot(experts.t().reshape(-1), num_experts)  # slots in (choice, token) order
+    position = (hits.cumsum(0) * hits).sum(-1) - 1  # how many earlier slots chose the same expert
+    return (position < capacity).view(top_k, tokens).t()
+
+
+def _plan_dispatch(routing: _Routing, group) -> _Dispatch:
+    num_experts = routing.probs.shape[1]
+    group_size = group.size() if group is not None else 1
+    local = num_experts // group_size
+    # dropped slots get the key num_experts, so a stable sort puts them last, in token order
+    key = torch.where(routing.keep, routing.experts, num_experts).reshape(-1)
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    slots = torch.argsort(key, stable=True)[: int(counts.sum())]
+    sent = counts.view(group_size, local)  # [owner rank, its local expert]
+    received = sent.clone()
+    if group is not None:
+        dist.all_to_all_single(received.view(-1), sent.reshape(-1), group=group)
+    # received rows come by source rank, then by expert: group them by expert, stably
+    expert_of_row = torch.arange(local, device=key.device).repeat(group_size).repeat_interleave(received.reshape(-1))
+    return _Dispatch(
+        slots=slots,
+        send_splits=sent.sum(1).tolist(),
+        recv_splits=received.sum(1).tolist(),
+        by_expert=torch.argsort(expert_of_row, stable=True),
+        expert_rows=received.sum(0).tolist(),
+    )
+
+
+def _exchange(rows: Tensor, send_splits: list[int], recv_splits: list[int], group) -> Tensor:
+    """Rows to their ranks (``send_splits`` per rank, in rank order): all-to-all of uneven splits."""
+    if group is None:
+        return rows
+    received = rows.new_empty((sum(recv_splits), rows.shape[1]))
+    dist.all_to_all_single(received, rows.contiguous(), recv_splits, send_splits, group=group)
+    return received
+
+
+def _to_experts(rows: Tensor, plan: _Dispatch, group) -> Tensor:
+    """Dispatch: slot rows (send order) → this rank's rows grouped by local expert."""
+    return _exchange(rows, plan.send_splits, plan.recv_splits, group)[plan.by_expert]
+
+
+def _from_experts(rows: Tensor, plan: _Dispatch, group) -> Tensor:
+    """Combine: rows grouped by local expert → their slots' ranks, in send order."""
+    ungrouped = torch.empty_like(rows)
+    ungrouped[plan.by_expert] = rows
+    return _exchange(ungrouped, plan.recv_splits, plan.send_splits, group)
+
+
+def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, expert_rows: list[int]) -> Tensor:
+    outs = []
+    for expert, chunk in enumerate(rows.split(expert_rows)):
+        gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, down[expert]))
+    return torch.cat(outs)
+
+
+def _experts_backward(rows, grads, weights, gate_up, down, expert_rows):
+    """Recompute each expert on its rows and return (dx rows, d weight rows, d gate_up, d down).
+
+    ``grads`` are the tokens' output gradients, ``weights`` the slots' combine weights: the
+    expert's output y enters the loss as weight · y, so d weight = ⟨grad, y⟩ and dy = weight · grad.
+    """
+    d_gate_up, d_down = torch.zeros_like(gate_up), torch.zeros_like(down)
+    d_rows, d_weights = [], []
+    for expert, (x, grad, weight) in enumerate(
+        zip(rows.split(expert_rows), grads.split(expert_rows), weights.split(expert_rows))
+    ):
+        gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
+        sigmoid = torch.sigmoid(gate)
+        activated = gate * sigmoid
+        hidden = activated * up
+        d_weights.append((grad * F.linear(hidden, down[expert])).sum(-1))
+        d_out = grad * weight[:, None]
+        d_down[expert] = d_out.t() @ hidden
+        d_hidden = d_out @ down[expert]
+        d_gate = d_hidden * up * sigmoid * (1 + gate * (1 - sigmoid))  # silu'(g) = σ(g)(1 + g(1 − σ(g)))
+        d_proj = torch.cat([d_gate, d_hidden * activated], dim=-1)
+        d_gate_up[expert] = d_proj.t() @ x
+        d_rows.append(d_proj @ gate_up[expert])
+    return torch.cat(d_rows), torch.cat(d_weights), d_gate_up, d_down
+
+
+@torch.library.custom_op("autopar::moe", mutates_args=())
+def moe(
+    x: Tensor,
+    router_weight: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    top_k: int,
+    normalize: bool,
+    capacity_factor: float,
+    group_name: str,
+) -> tuple[Tensor, Tensor]:
+    """A mixture-of-experts layer on ``x`` [T, H]: ``(out [T, H], router_logits [T, E])``.
+
+    ``gate_up`` [E_local, 2F, H] (gate rows, then up rows) and ``down`` [E_local, H, F] are this
+    rank's experts; ``group_name`` is the EP group ("" for none). See the module docstring for
+    the math, capacity and gradient semantics. Example::
+
+        out, logits = torch.ops.autopar.moe(x, router.weight, gate_up, down, 2, True, 0.0, "")
+    """
+    group = _group(group_name)
+    _check_shapes(x, router_weight, gate_up, down, top_k, group)
+    tokens, hidden = x.shape
+    logits = F.linear(x, router_weight)
+    routing = _route(logits, top_k, normalize, capacity_factor)
+    plan = _plan_dispatch(routing, group)
+    received = _to_experts(x[plan.slots // top_k], plan, group)
+    returned = _from_experts(_experts_forward(received, gate_up, down, plan.expert_rows), plan, group)
+    slot_outputs = x.new_zeros((tokens * top_k, hidden))
+    slot_outputs[plan.slots] = returned
+    weights = routing.weights.to(x.dtype).unsqueeze(-1)
+    return (weights * slot_outputs.view(tokens, top_k, hidden)).sum(1), logits
+
+
+@moe.register_fake
+def _(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, group_name):
+    _check_shapes(x, router_weight, gate_up, down, top_k, _group(group_name))
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], router_weight.shape[0]))
+
+
+@torch.library.custom_op("autopar::moe_backward", mutates_args=())
+def moe_backward(
+    grad_out: Tensor,
+    grad_logits: Tensor,
+    x: Tensor,
+    router_weight: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    router_logits: Tensor,
+    top_k: int,
+    normalize: bool,
+    capacity_factor: float,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`moe` for x, router_weight, gate_up, down (what its autograd calls).
+
+    Routing is recomputed from the saved ``router_logits``; each kept slot's input row, output
+    gradient and weight go to the expert's owner, which recomputes the expert and sends back
+    the input gradient and the weight's gradient (the reverse all-to-all).
+    """
+    group = _group(group_name)
+    tokens, hidden = x.shape
+    routing = _route(router_logits, top_k, normalize, capacity_factor)
+    plan = _plan_dispatch(routing, group)
+    token_of_slot = plan.slots // top_k
+    slot_weights = routing.weights.reshape(-1)[plan.slots].to(x.dtype)
+    sent = torch.cat([x[token_of_slot], grad_out[token_of_slot], slot_weights[:, None]], dim=1)
+    received = _to_experts(sent, plan, group)
+    d_rows, d_weight_rows, d_gate_up, d_down = _experts_backward(
+        received[:, :hidden], received[:, hidden:-1], received[:, -1], gate_up, down, plan.expert_rows
+    )
+    returned = _from_experts(torch.cat([d_rows, d_weight_rows[:, None]], dim=1), plan, group)
+    d_x = torch.zeros_like(x).index_add_(0, token_of_slot, returned[:, :hidden])
+    d_weights = routing.weights.new_zeros(tokens * top_k)
+    d_weights[plan.slots] = returned[:, -1].float()
+    d_weights = d_weights.view(tokens, top_k)
+    if normalize:  # w = v / Σv  ⇒  dv = (dw − Σ_j dw_j·w_j) / Σv
+        d_weights = (d_weights - (d_weights * routing.weights).sum(-1, keepdim=True)) / routing.top_probs.sum(
+            -1, keepdim=True
+        )
+    d_probs = torch.zeros_like(routing.probs).scatter_(1, routing.experts, d_weights)
+    d_logits = routing.probs * (d_probs - (d_probs * routing.probs).sum(-1, keepdim=True))
+    d_logits = d_logits.to(x.dtype) + grad_logits
+    return d_x + d_logits @ router_weight, d_logits.t() @ x, d_gate_up, d_down
+
+
+@moe_backward.register_fake
+def _(grad_out, grad_logits, x, router_weight, gate_up, down, *options):
+    return tuple(t.new_empty(t.shape) for t in (x, router_weight, gate_up, down))
+
+
+def _save_for_backward(ctx, inputs, output):
+    x, router_weight, gate_up, down, *options = inputs
+    ctx.save_for_backward(x, router_weight, gate_up, down, output[1])
+    ctx.options = options
+
+
+def _moe_autograd(ctx, grad_out, grad_logits):
+    x, router_weight, gate_up, down, router_logits = ctx.saved_tensors
+    grad_out = torch.zeros_like(x) if grad_out is None else grad_out
+    grad_logits = torch.zeros_like(router_logits) if grad_logits is None else grad_logits
+    grads = moe_backward(grad_out, grad_logits, x, router_weight, gate_up, down, router_logits, *ctx.options)
+    return (*grads, None, None, None, None)
+
+
+moe.register_autograd(_moe_autograd, setup_context=_save_for_backward)

@@ -1,0 +1,42 @@
+"""The public API's user errors, in one process (a "fake" process group stands in for ranks)."""
+
+import pytest
+import torch.distributed as dist
+from equivalence import load_example
+from planning import meta_model
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import autopar
+from autopar import MeshError, StalePlanError
+
+
+@pytest.fixture
+def fake_world_of_two():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _model():
+    return load_example("mlp.py").build()
+
+
+def test_parallelize_without_a_process_group_says_how_to_launch():
+    model = _model()
+    with pytest.raises(MeshError, match="autopar run"):
+        autopar.parallelize(model, 2, model.example_inputs(4))
+
+
+def test_a_mesh_that_does_not_match_the_world_names_both_sizes(fake_world_of_two):
+    model = _model()
+    with pytest.raises(MeshError, match="mesh 2x2 has 4 devices but the world has 2 ranks"):
+        autopar.parallelize(model, "2x2", model.example_inputs(4))
+
+
+def test_a_stale_plan_file_is_refused(fake_world_of_two, tmp_path):
+    model = _model()
+    path = autopar.plan(meta_model("mlp.py"), 2, model.example_inputs(8, device="meta")).save(tmp_path / "plan.json")
+    with pytest.raises(StalePlanError, match="re-run autopar.plan"):
+        autopar.parallelize(model, 2, model.example_inputs(4), plan=str(path))

@@ -1,0 +1,186 @@
+"""Shared by the equivalence tests: train one step both ways and compare, inside a rank."""
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+import autopar
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Adam's first step moves each element by lr * g / (|g| + eps): fp32 rounding in a gradient
+# element near 1e-7 (seen: 1e-8 absolute, i.e. 2e-7 of the largest gradient) shifts that
+# element's update by ~1% of lr. At lr=1e-4 that is ~1e-6, 20x under the 1e-4 tolerance on
+# parameters of scale 0.05, while a mis-sharded or missing update (~lr) is 20x over it.
+# Near |g| ≈ eps the update's slope is lr/(4·eps): with the default eps=1e-8, 1e-9 of rounding
+# noise moves an element by 2.5e-6. eps=1e-6 (a common AdamW setting) keeps that at 2.5e-8.
+LEARNING_RATE, ADAM_EPS = 1e-4, 1e-6
+
+# Megatron layouts, pinned by module name (the search fills in everything else).
+GPT_TP = {
+    "layers.*.attn.w[qkv]": "S(-1)",
+    "layers.*.attn.wo": "P",
+    "layers.*.mlp.fc1": "S(-1)",
+    "layers.*.mlp.fc2": "P",
+}
+GPT_SP = {**GPT_TP, "layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}
+MLP_TP = {"blocks.*.fc1": "S(-1)", "blocks.*.fc2": "P"}
+LLAMA_TP = {
+    "model.layers.*.self_attn.[qkv]_proj": "S(-1)",
+    "model.layers.*.self_attn.o_proj": "P",
+    "model.layers.*.mlp.[gu][ap]*_proj": "S(-1)",
+    "model.layers.*.mlp.down_proj": "P",
+}
+LLAMA_SP = {**LLAMA_TP, "model.layers.*.input_layernorm": "S(1)", "model.layers.*.post_attention_layernorm": "S(1)"}
+GPT2_TP = {"transformer.h.*.mlp.c_fc": "S(-1)", "transformer.h.*.mlp.c_proj": "P"}
+GPT2_SP = {**GPT2_TP, "transformer.h.*.ln_[12]": "S(1)"}
+
+
+def load_example(file: str):
+    spec = importlib.util.spec_from_file_location(Path(file).stem, ROOT / "examples" / file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dict) -> dict:
+    """Single-process reference vs autopar on this rank; returns the worst relative errors."""
+    torch.manual_seed(0)
+    model = builder(**kwargs)
+    inputs = model.example_inputs(batch)
+    options_optimizer = options.pop("optimizer", "dtensor")
+    check_forward = options.pop("check_forward", False)
+    pmodel = autopar.parallelize(model, options.pop("mesh", world), inputs, **options)
+
+    forward = pmodel(*pmodel.shard_batch(*inputs)) if check_forward else None
+    reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    ref_loss = model(*inputs)
+    ref_loss.backward()
+    ref_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    reference.step()
+
+    if options_optimizer == "shards":
+        optimizer = pmodel.optimizer(torch.optim.AdamW, lr=LEARNING_RATE, eps=ADAM_EPS)
+    else:  # a torch optimizer over the DTensor parameters
+        optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    loss = pmodel.train_step(*pmodel.shard_batch(*inputs))
+    grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
+    optimizer.step()
+    params = {name: p.full_tensor() for name, p in pmodel.named_parameters()}
+
+    ref_params = dict(model.named_parameters())
+    pipelined = pmodel.plan.schedule.stages > 1  # a rank holds only its stages' parameters
+    assert grads.keys() <= ref_grads.keys() if pipelined else grads.keys() == ref_grads.keys(), (
+        sorted(grads),
+        sorted(ref_grads),
+    )
+    return {
+        "degrees": pmodel.plan.degrees,
+        "loss": _rel(loss, ref_loss),
+        "grad": max((_rel(grads[n], ref_grads[n]), n) for n in grads),
+        "param": max((_rel(params[n], ref_params[n]), n) for n in params),
+        "overlapped_loss_reduction": pmodel._local_loss is not None,
+        "collectives": sum(1 for node in pmodel.program.graph.nodes if "autopar" in str(node.target)),
+        "kernels": sorted(kernel for node in pmodel.program.graph.nodes if (kernel := _kernel(node))),
+        "held": sorted(grads),
+        "forward": _rel(forward, ref_loss) if check_forward else None,
+        "schedule": pmodel.plan.schedule,
+    }
+
+
+RTOL, ATOL = 1e-4, 1e-6
+KERNEL_OPS = {"autopar.ring_attention.default": "ring", "autopar.ulysses_attention.default": "ulysses"}
+
+
+def _kernel(node) -> str | None:
+    """The parallel kernel a program node runs, if any (experts: a moe op given a group)."""
+    if str(node.target) == "autopar.moe.default":
+        return "experts" if node.args[-1] else None
+    return KERNEL_OPS.get(str(node.target))
+
+
+def _rel(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """Worst |value - reference| / (ATOL + RTOL·|reference|): at most 1 means allclose holds.
+
+    The absolute floor matters for elements near zero, e.g. zero-initialized biases after one
+    step (≈ lr); a missing or mis-sharded update (≈ lr = 1e-4) exceeds it 100-fold.
+    """
+    value, reference = value.detach().float(), reference.detach().float()
+    return ((value - reference).abs() / (ATOL + RTOL * reference.abs())).max().item()
+
+
+def run_cases(rank: int, world: int, cases: list, batch: int = 8) -> list[dict]:
+    """``compare_one_step`` for each (example file, builder, model kwargs, options), on this rank;
+    a case that raises gives ``{"error": ...}`` and the next cases still run."""
+    return [
+        run_case(
+            lambda: compare_one_step(getattr(load_example(f"{file}.py"), builder), kwargs, batch, world, dict(options))
+        )
+        for file, builder, kwargs, options in cases
+    ]
+
+
+def run_case(compare) -> dict:
+    """``compare()``, or ``{"error": ...}`` when it raises (planning errors are raised on every rank alike)."""
+    try:
+        return compare()
+    except Exception as error:  # noqa: BLE001  (reported by check_every_case, with the other cases)
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def check_every_case(cases: list, results: list, check) -> None:
+    """``check(case, result)`` for every case; fails once, naming every case that failed (an
+    error raised while running it, or a failed assertion), not only the first."""
+    failures = []
+    for case, result in zip(cases, results, strict=True):
+        try:
+            assert "error" not in result, result.get("error")
+            check(case, result)
+        except AssertionError as failure:
+            failures.append(f"- {case}: {failure}")
+    assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures)
+
+
+def assert_matches(label: str, result: dict) -> None:
+    """Loss, every full gradient and every parameter after AdamW allclose to the reference:
+    each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|), at most 1."""
+    assert result["loss"] <= 1, (label, result)
+    assert result["grad"][0] <= 1, (label, result)
+    assert result["param"][0] <= 1, (label, result)
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def load_and_compare(reader, optimizer, path, model, reference) -> tuple[dict, dict]:
+    """Load a checkpoint into ``reader`` and its optimizer; the logical state, and whether the
+    parameters and AdamW moments this rank holds equal the single-process ``model``'s and
+    ``reference`` optimizer's (plus the learning rate the checkpoint set)."""
+    from autopar.runtime.checkpoint import load_checkpoint, logical_state
+
+    load_checkpoint(reader, optimizer, path)
+    state = logical_state(reader, optimizer)
+    params = dict(model.named_parameters())
+    return state, {
+        "params": all(close(p.full_tensor(), params[name]) for name, p in reader.named_parameters()),
+        "moments": all(
+            close(state["optimizer"][name][key].full_tensor(), reference.state[params[name]][key])
+            for name in state["optimizer"]
+            for key in ("exp_avg", "exp_avg_sq")
+        ),
+        "lr": optimizer.param_groups[0]["lr"],
+    }
+
+
+def reference_after_one_step(builder, kwargs: dict, batch: int):
+    """The single-process model (seed 0), its inputs and its AdamW after one training step."""
+    torch.manual_seed(0)
+    model = builder(**kwargs)
+    inputs = model.example_inputs(batch)
+    reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    model(*inputs).backward()
+    reference.step()
+    reference.zero_grad()
+    return model, inputs, reference

@@ -1,0 +1,19 @@
+"""Shared by the custom-op tests: torch.library.opcheck over several ops, inside a rank."""
+
+import torch
+
+
+def opcheck_failures(calls: dict) -> dict:
+    """opcheck (schema, autograd registration, fake impl) of ``torch.ops.autopar.<name>`` on each
+    name's arguments; the failures by name, for the parent process to assert there are none."""
+    failures = {}
+    for name, args in calls.items():
+        try:
+            torch.library.opcheck(
+                getattr(torch.ops.autopar, name).default,
+                args,
+                test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+            )
+        except Exception as error:  # reported to the parent, which asserts there is none
+            failures[name] = repr(error)
+    return failures

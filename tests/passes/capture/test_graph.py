@@ -1,0 +1,42 @@
+import pytest
+import torch
+from planning import meta_model
+
+from autopar.ir import TraceError
+from autopar.passes.capture.graph import capture, module_path
+
+
+def test_capture_lifts_parameters_and_inputs_with_shapes_and_module_paths():
+    model = meta_model("gpt.py", hidden=32, layers=1, heads=2, vocab=64, seq=8)
+    captured = capture(model, model.example_inputs(4, device="meta"))
+    assert list(captured.params.values()) == [name for name, _ in model.named_parameters()]
+    assert len(captured.user_inputs) == 2 and captured.outputs == ("user",)
+    paths = {module_path(n) for n in captured.graph.nodes if n.op == "call_function"}
+    assert "layers.0.attn.wq" in paths
+    assert all("val" in n.meta for n in captured.graph.nodes if n.op != "output")
+
+
+def test_the_fingerprint_follows_the_input_shapes():
+    model = meta_model("mlp.py")
+    small, large = (capture(model, model.example_inputs(b, device="meta")).fingerprint for b in (4, 8))
+    assert small != large
+    assert small == capture(model, model.example_inputs(4, device="meta")).fingerprint
+
+
+def test_tied_weights_become_one_parameter():
+    model = meta_model("hf.py", "build_gpt2")
+    captured = capture(model, model.example_inputs(2, device="meta"))
+    assert captured.tied == {"lm_head.weight": "transformer.wte.weight"}
+    assert "lm_head.weight" not in captured.params.values()
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # Python control flow on a value: not traceable
+            return x.mean()
+        return -x.mean()
+
+
+def test_an_untraceable_model_is_a_clear_error():
+    with pytest.raises(TraceError, match="(?s)could not trace DataDependent.*control flow"):
+        capture(DataDependent(), (torch.randn(2, 2),))

@@ -1,0 +1,162 @@
+"""passes/moe.py: which blocks are MoE blocks, one ``autopar.moe`` node per layer at capture,
+and the same loss and gradients under ``composite_moe`` as in eager mode."""
+
+import operator
+
+import pytest
+import torch
+from equivalence import load_example
+from planning import meta_model
+from torch import nn
+from transformers import MixtralConfig, MixtralForCausalLM
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+from autopar.ir import ConfigError
+from autopar.passes.capture.graph import capture, module_path
+from autopar.passes.capture.moe import composite_moe, moe_modules
+
+moe_gpt, hf = load_example("moe_gpt.py"), load_example("hf.py")
+TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+# what capture may leave of a block besides the op: the reshapes around it
+_RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
+
+
+def test_recognizes_moe_gpt_and_mixtral_blocks_and_nothing_else():
+    model = meta_model("moe_gpt.py", hidden=32, layers=3, heads=2, vocab=64, seq=8)
+    assert list(moe_modules(model)) == ["layers.0.moe", "layers.1.moe", "layers.2.moe"]
+    mixtral = meta_model("hf.py", "build_mixtral", layers=2)
+    assert list(moe_modules(mixtral)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert moe_modules(meta_model("gpt.py", hidden=32, layers=1, heads=2, vocab=64, seq=8)) == {}
+    assert moe_modules(meta_model("hf.py", "build_llama")) == {}
+
+
+def test_blocks_whose_math_differs_are_not_recognized():
+    def block():
+        return moe_gpt.MoEFeedForward(hidden=8, ffn=4, experts=4, top_k=2)
+
+    shared_expert = block()
+    shared_expert.shared_expert = nn.Linear(8, 8)  # its forward would add a dense expert
+    gelu = block()
+    gelu.experts.act_fn = nn.GELU()
+    biased_router = block()
+    biased_router.gate = nn.Linear(8, 4)
+    assert list(moe_modules(block())) == [""]
+    for model in (shared_expert, gelu, biased_router):
+        assert moe_modules(model) == {}
+
+
+def _op_nodes(graph):
+    return [node for node in graph.nodes if node.op == "call_function"]
+
+
+def _assert_one_op_per_block(captured, blocks: list[str]) -> None:
+    moe_nodes = [node for node in _op_nodes(captured.graph) if str(node.target) == "autopar.moe.default"]
+    assert [module_path(node) for node in moe_nodes] == blocks
+    for node in _op_nodes(captured.graph):
+        if any(module_path(node).startswith(block) for block in blocks) and node not in moe_nodes:
+            assert node.target is operator.getitem or str(node.target) in _RESHAPES, node.format_node()
+        assert "nonzero" not in str(node.target) and "_local_scalar_dense" not in str(node.target)
+
+
+def test_capture_makes_one_moe_node_per_layer():
+    model = meta_model("moe_gpt.py", hidden=32, layers=2, heads=2, vocab=64, seq=8)
+    with composite_moe(model):
+        captured = capture(model, model.example_inputs(4, device="meta"))
+    _assert_one_op_per_block(captured, ["layers.0.moe", "layers.1.moe"])
+    assert "forward" not in vars(model.layers[0].moe)  # the class's forward is back
+
+    mixtral = meta_model("hf.py", "build_mixtral", layers=2)
+    with composite_moe(mixtral):
+        captured = capture(mixtral, mixtral.example_inputs(2, device="meta"))
+    _assert_one_op_per_block(captured, ["model.layers.0.mlp", "model.layers.1.mlp"])
+    assert "forward" not in vars(mixtral.model.layers[0].mlp) and "forward" not in vars(
+        mixtral.model.layers[0].mlp.gate
+    )
+
+
+def _loss_and_grads(model, inputs):
+    loss = model(*inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def _assert_composite_equals_eager(model, inputs) -> None:
+    eager_loss, eager_grads = _loss_and_grads(model, inputs)
+    with composite_moe(model):
+        loss, grads = _loss_and_grads(model, inputs)
+    torch.testing.assert_close(loss, eager_loss, **TOLERANCE)
+    for name, expected in eager_grads.items():
+        # gradients here are ~1e-3: the absolute floor scales with each one, as for unit-scale values
+        torch.testing.assert_close(grads[name], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item(), msg=name)
+
+
+def test_moe_gpt_loss_and_gradients_under_composite_equal_eager():
+    torch.manual_seed(0)
+    model = moe_gpt.build(hidden=32, layers=2, heads=2, vocab=64, seq=8, aux_loss_coef=0.5)
+    inputs = model.example_inputs(4)
+    _assert_composite_equals_eager(model, inputs)
+    captured = capture(model, inputs)  # capture makes each MoE block one node
+    assert sum(str(node.target) == "autopar.moe.default" for node in captured.graph.nodes) == 2
+
+
+def test_mixtral_loss_and_gradients_under_composite_equal_eager():
+    torch.manual_seed(0)
+    model = hf.build_mixtral(hidden=32, layers=2, heads=2, kv_heads=1, ffn=48, experts=4, seq=8)
+    _assert_composite_equals_eager(model, model.example_inputs(3))
+
+
+class _MixtralWithAuxLoss(nn.Module):
+    """Hugging Face's own loss path: ``output_router_logits`` adds coef · load_balancing_loss_func."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = MixtralConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            intermediate_size=48,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            vocab_size=64,
+            max_position_embeddings=8,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            output_router_logits=True,
+            router_aux_loss_coef=0.5,
+            use_cache=False,
+            tie_word_embeddings=False,
+            attn_implementation="sdpa",
+            experts_implementation="batched_mm",
+        )
+        self.model = MixtralForCausalLM(config)
+
+    def forward(self, input_ids, labels):
+        return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+def test_mixtral_router_logits_reach_its_aux_loss_under_composite():
+    torch.manual_seed(0)
+    model = _MixtralWithAuxLoss()
+    inputs = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    _assert_composite_equals_eager(model, inputs)
+    with composite_moe(model):
+        captured = capture(model, inputs)
+    _assert_one_op_per_block(captured, ["model.model.layers.0.mlp", "model.model.layers.1.mlp"])
+
+
+def test_moe_gpt_aux_loss_is_hugging_faces():
+    logits = [torch.randn(12, 8, generator=torch.Generator().manual_seed(layer)) for layer in range(3)]
+    expected = load_balancing_loss_func(tuple(logits), num_experts=8, top_k=2)
+    torch.testing.assert_close(moe_gpt.load_balancing_loss(logits, top_k=2), expected, **TOLERANCE)
+
+
+def test_training_jitter_is_refused_with_its_fix():
+    model = hf.build_mixtral(hidden=16, layers=1, heads=2, kv_heads=1, ffn=8, experts=2, seq=4)
+    block = model.model.layers[0].mlp
+    block.jitter_noise = 0.1
+    with composite_moe(model), pytest.raises(ConfigError, match="'model.layers.0.mlp'.*router_jitter_noise=0"):
+        model(*model.example_inputs(1))
+    assert "forward" not in vars(block)  # restored after the error too

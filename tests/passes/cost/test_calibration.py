@@ -1,0 +1,170 @@
+"""passes/cost/calibration.py: the α-β fit (synthetic, exact), the measured contention and
+rendezvous per rank count, the GPU node profile, and the planner's use of them. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+from calibration_data import (
+    GPU_LINKS,
+    GPU_MATMUL,
+    TRUE_CORES,
+    TRUE_LINKS,
+    TRUE_SLOWDOWN,
+    TRUE_SYNC_BY_RANKS,
+    synthetic_gpu_measurements,
+    synthetic_measurements,
+)
+from planning import plan_example
+
+from autopar.ir import HardwareProfile, LinkTier, get_profile
+from autopar.passes.cost.calibration import (
+    fit_collective,
+    fit_contention,
+    fit_errors,
+    fit_profile,
+    fit_sync_by_ranks,
+    model_coefficients,
+)
+from autopar.runtime.measure import KINDS, SIZES_BYTES
+
+
+def test_gpu_measurements_make_a_node_profile_on_the_matching_preset(tmp_path):
+    profile = fit_profile(synthetic_gpu_measurements())
+    preset = get_profile("h100-80gb")
+    inside, between = profile.links
+    assert profile.name == "gpu-calibrated" and inside.name == preset.links[0].name and between == preset.links[1]
+    for kind, (alpha, bandwidth) in GPU_LINKS.items():
+        for ranks in (2, 8):
+            fitted_alpha, fitted_bandwidth = inside.alpha_beta(kind, ranks)
+            assert fitted_alpha == pytest.approx(alpha, rel=0.10) and fitted_bandwidth == pytest.approx(
+                bandwidth, rel=0.10
+            )
+    assert profile.peak_flops == GPU_MATMUL and profile.memory_bytes == 85e9 and profile.memory_bandwidth == 3.0e12
+    # the preset's whole-model factor against its datasheet: the same bfloat16 rate as the preset plans with
+    assert profile.flops_per_s("bfloat16") == pytest.approx(preset.flops_per_s("bfloat16"))
+    assert not profile.measure_ops and profile.contention((8,)) == 1.0 and profile.link((8,), 8).sync_s == 0.0
+    assert HardwareProfile.load(profile.save(tmp_path / "gpu.json")) == profile
+    plan = plan_example("mlp.py", 8, batch=64, hardware=profile)
+    assert plan.hardware == "gpu-calibrated" and plan.cost.step_s > 0
+    assert (
+        fit_profile({**synthetic_gpu_measurements(), "device_name": "NVIDIA A100-SXM4-80GB"}).links[1]
+        == get_profile("a100-80gb").links[1]
+    )
+
+
+def test_coefficients_are_read_off_collective_time():
+    assert model_coefficients("all_reduce", 4) == (6.0, 1.5)
+    assert model_coefficients("all_gather", 4) == (3.0, 0.75)
+    assert model_coefficients("all_to_all", 4) == (3.0, 0.1875)
+    assert model_coefficients("send_recv", 4) == (1.0, 1.0)  # one message, whatever the group
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_fit_recovers_alpha_and_bandwidth_from_noisy_times(kind, ranks):
+    records = synthetic_measurements()["collectives"]
+    alpha, bandwidth = fit_collective(records, kind, ranks)
+    true_alpha, true_bandwidth = TRUE_LINKS[kind]
+    assert alpha == pytest.approx(true_alpha, rel=0.10)
+    assert bandwidth == pytest.approx(true_bandwidth, rel=0.10)
+
+
+def test_fit_keeps_alpha_nonnegative_and_bandwidth_finite():
+    flat = [{"kind": "all_gather", "ranks": 2, "nbytes": n, "seconds": 1e-3} for n in SIZES_BYTES]  # no growth
+    alpha, bandwidth = fit_collective(flat, "all_gather", 2)
+    assert alpha == pytest.approx(1e-3, rel=0.01) and math.isfinite(bandwidth) and bandwidth > 0
+    pure_bandwidth = [  # ±3% around n/B with B = 1 GB/s, no latency at all
+        {"kind": "all_gather", "ranks": 2, "nbytes": n, "seconds": n / 1e9 * (1 + 0.03 * (-1) ** i)}
+        for i, n in enumerate(SIZES_BYTES)
+    ]
+    alpha, bandwidth = fit_collective(pure_bandwidth, "all_gather", 2)
+    assert alpha >= 0 and bandwidth == pytest.approx(0.5e9, rel=0.05)  # share (p-1)/p = 1/2
+    with pytest.raises(ValueError, match="two sizes"):
+        fit_collective(flat[:1], "all_gather", 2)
+
+
+def test_fit_profile_round_trips_and_plans(tmp_path):
+    profile = fit_profile(synthetic_measurements())
+    link = profile.links[0]
+    assert profile.name == "cpu-local-calibrated" and profile.compute_efficiency == 1.0
+    assert profile.flops_per_s("float32") == 8e10 and profile.memory_bandwidth == 2.5e10
+    assert (link.alpha_s, link.bandwidth) == link.fitted["all_reduce"][4]  # the largest group
+    assert set(link.fitted) == set(KINDS) and all(set(by_ranks) == {2, 4} for by_ranks in link.fitted.values())
+    assert profile.cores_per_host == TRUE_CORES
+    assert "autopar calibrate" in profile.description and "achieved" in profile.description
+    errors = profile.extra["fit_error"]
+    assert set(errors) == set(KINDS) and all(0 <= e < 0.05 for by_ranks in errors.values() for e in by_ranks.values())
+    barrier_first = dataclasses.replace(link, sync_s=0.0)  # as measured: every rank waiting, no skew
+    assert (
+        fit_errors(profile.extra["measurements"]["collectives"], barrier_first)["send_recv"][2]
+        == errors["send_recv"]["2"]
+    )
+
+    path = profile.save(tmp_path / "calibrated.json")
+    assert HardwareProfile.load(path) == profile
+    assert get_profile(str(path)) == profile
+    plan = plan_example("mlp.py", 2, batch=8, hardware=str(path))
+    assert plan.hardware == "cpu-local-calibrated" and plan.cost.step_s > 0
+
+
+def test_fit_recovers_the_measured_contention_and_rendezvous_per_rank_count():
+    measurements = synthetic_measurements()
+    assert fit_contention(measurements["contention"]) == pytest.approx(TRUE_SLOWDOWN, rel=0.06)  # ±5% noise on one pass
+    assert fit_contention(measurements["contention"][1:]) == {}  # nothing to compare with
+    noise_below_alone = [{"ranks": 1, "mix_s": 0.024}, {"ranks": 2, "mix_s": 0.023}]
+    assert fit_contention(noise_below_alone) == {2: 1.0}  # sharing never speeds a rank up
+    profile = fit_profile(measurements)
+    link = profile.links[0]
+    assert profile.contention_by_ranks == fit_contention(measurements["contention"])
+    assert link.sync_by_ranks == pytest.approx(TRUE_SYNC_BY_RANKS, rel=0.06)
+    # per unit of contention, for rank counts not measured: 0.5 ms / 1.15 and 1.9 ms / 2.6, median of 9 records
+    assert link.sync_s == pytest.approx(TRUE_SYNC_BY_RANKS[4] / TRUE_SLOWDOWN[4], rel=0.06)
+
+
+def test_rendezvous_fit_weighs_short_bursts_most():
+    link = LinkTier("free", 0.0, 1e15)  # alpha-beta ~0: the excess is the in-step time
+    measured = [(0.004, 1.2e-3), (0.017, -0.9e-3), (0.053, -1.3e-3), (0.004, 3.6e-3), (0.018, 0.7e-3), (0.051, 0.2e-3)]
+    records = [
+        {"job_ranks": 4, "ranks": 4, "nbytes": 4, "burst_s": burst, "in_step_s": seconds} for burst, seconds in measured
+    ]
+    # 4 ranks on 2 cores (a calibration here): after long bursts the wait hides behind the others'
+    # compute and the difference of two long timings is noise; the plain median would say 0.45 ms
+    assert fit_sync_by_ranks(records, link) == {4: pytest.approx(1.2e-3, abs=1e-9)}
+    assert fit_sync_by_ranks([{**r, "in_step_s": -1e-3} for r in records], link) == {4: 0.0}  # never below 0
+
+
+def test_contention_uses_the_measured_factor_where_there_is_one():
+    preset = dataclasses.replace(get_profile("cpu-local"), cores_per_host=2)
+    link = LinkTier("loopback", 1e-4, 1e9, sync_s=1e-3)
+    assumed = dataclasses.replace(preset, links=(link,))
+    assert [assumed.contention((n,)) for n in (1, 2, 4, 8)] == [1.0, 1.0, 2.0, 4.0]  # no measurement: ranks per core
+    assert assumed.link((4,), 4).sync_s == pytest.approx(2e-3)
+    measured = dataclasses.replace(
+        assumed,
+        contention_by_ranks={2: 1.15, 4: 2.6},
+        links=(dataclasses.replace(link, sync_by_ranks={2: 0.5e-3, 4: 1.9e-3}),),
+    )
+    assert [measured.contention((n,)) for n in (1, 2, 4, 8)] == [1.0, 1.15, 2.6, 4.0]  # 8 was not measured
+    assert measured.contention((2, 2)) == 2.6  # one host: every rank of the mesh shares it
+    assert (
+        measured.link((4,), 4).sync_s == 1.9e-3 and measured.link((2, 2), 2, 2).sync_s == 1.9e-3
+    )  # the job's, any group
+    assert measured.link((2,), 2).sync_s == 0.5e-3 and measured.link((8,), 8).sync_s == pytest.approx(4e-3)
+    assert HardwareProfile.from_json(json.loads(json.dumps(measured.to_json()))) == measured  # JSON keys are strings
+    old_format = {key: value for key, value in assumed.to_json().items() if key != "contention_by_ranks"}
+    old_format["links"] = [
+        {key: value for key, value in data.items() if key != "sync_by_ranks"} for data in old_format["links"]
+    ]
+    assert HardwareProfile.from_json(old_format) == assumed  # profiles written before the fields load as before
+
+    # the planner's every use: op times, the optimizer step and the rendezvous follow the measured factor
+    times = {}
+    for name, profile in (("assumed", assumed), ("measured", measured)):
+        plan = plan_example("mlp.py", 4, batch=8, hardware=profile, degrees={"dp": 4, "tp": 1})
+        times[name] = plan.cost
+    assert times["measured"].compute_s == pytest.approx(times["assumed"].compute_s * 2.6 / 2.0, rel=1e-6)
+    assert times["measured"].optimizer_s == pytest.approx(times["assumed"].optimizer_s * 2.6 / 2.0, rel=1e-6)

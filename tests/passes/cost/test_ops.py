@@ -1,0 +1,149 @@
+"""Cost-model formulas against values computed by hand."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile, model_state_bytes
+from autopar.passes.capture.graph import capture
+from autopar.passes.cost.ops import (
+    MEASURE_LIMIT_BYTES,
+    OpProfile,
+    collective_time,
+    compute_time,
+    grad_sync_time,
+    measured_time,
+    op_profile,
+    reshard_time,
+)
+
+LINK = LinkTier("test", alpha_s=1e-5, bandwidth=1e9)
+MB = 1e6
+
+
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("all_reduce", 2 * 3 * 1e-5 + 2 * 3 / 4 * 8 * MB / 1e9),  # 2(p-1)α + 2(p-1)/p·n/B
+        ("all_gather", 3 * 1e-5 + 3 / 4 * 8 * MB / 1e9),  # (p-1)α + (p-1)/p·n/B
+        ("reduce_scatter", 3 * 1e-5 + 3 / 4 * 8 * MB / 1e9),
+        ("all_to_all", 3 * 1e-5 + 3 / 4 * 2 * MB / 1e9),  # each rank moves (p-1)/p of its n/p
+        ("send_recv", 1e-5 + 8 * MB / 1e9),
+    ],
+)
+def test_alpha_beta_collectives_over_four_ranks(kind, expected):
+    assert collective_time(kind, 8 * MB, 4, LINK) == pytest.approx(expected)
+    assert collective_time(kind, 8 * MB, 1, LINK) == 0
+
+
+def test_fitted_collectives_override_the_tier():
+    link = LinkTier("test", 1e-5, 1e9, fitted={"all_gather": {4: (1e-4, 5e8)}})
+    assert collective_time("all_gather", 8 * MB, 4, link) == pytest.approx(3 * 1e-4 + 3 / 4 * 8 * MB / 5e8)
+
+
+def test_bucketed_gradient_sync_pays_latency_per_bucket():
+    small = grad_sync_time(1 * MB, 4, LINK, bucket_bytes=25 * MB)
+    assert small == pytest.approx(2 * 3 * 1e-5 / 25 + 2 * 3 / 4 * MB / 1e9)
+    assert grad_sync_time(50 * MB, 4, LINK, bucket_bytes=25 * MB) == pytest.approx(
+        collective_time("all_reduce", 50 * MB, 4, LINK)
+    )
+
+
+def test_redistributions_cost_their_collective_and_its_dual():
+    n, p = 8 * MB, 4
+    gather = collective_time("all_gather", n, p, LINK)
+    assert reshard_time(Shard(0), Replicate(), n, p, LINK, needs_grad=True) == pytest.approx(gather)
+    assert reshard_time(Replicate(), Shard(0), n, p, LINK, needs_grad=True) == pytest.approx(gather)
+    assert reshard_time(Replicate(), Shard(0), n, p, LINK, needs_grad=False) == 0
+    assert reshard_time(Partial(), Replicate(), n, p, LINK, True) == pytest.approx(
+        collective_time("all_reduce", n, p, LINK)
+    )
+    assert reshard_time(Partial(), Shard(1), n, p, LINK, True) == pytest.approx(
+        collective_time("reduce_scatter", n, p, LINK) + gather
+    )
+    assert reshard_time(Replicate(), Partial(), n, p, LINK, True) == 0
+    assert reshard_time(Replicate(), Partial("avg"), n, p, LINK, True) == float("inf")
+    assert reshard_time(Shard(0), Partial(), n, p, LINK, True) == float("inf")
+
+
+def test_roofline_takes_the_slower_of_flops_and_bytes():
+    profile = get_profile("a100-80gb")
+    matmul = compute_time(OpProfile(2e12, 4e12, 1e6), profile, needs_grad=True)
+    assert matmul == pytest.approx(6e12 / profile.flops_per_s() + 2 * profile.op_overhead_s)
+    assert compute_time(OpProfile(2e12, 4e12, 1e6), profile, needs_grad=False) == pytest.approx(
+        2e12 / profile.flops_per_s() + profile.op_overhead_s
+    )
+    copy = compute_time(OpProfile(0, 0, 1e9), profile, needs_grad=True)  # memory bound, backward alike
+    assert copy == pytest.approx(2 * 1e9 / profile.memory_bandwidth + 2 * profile.op_overhead_s)
+
+
+def _only_op(module, *inputs):
+    captured = capture(module, inputs)
+    (node,) = [n for n in captured.graph.nodes if n.op == "call_function"]
+    return node
+
+
+def test_ops_are_profiled_forward_and_backward_with_what_autograd_saves():
+    linear = op_profile(_only_op(torch.nn.Linear(64, 32), torch.randn(16, 64)), needs_grad=True)
+    assert linear.forward_flops == 2 * 16 * 64 * 32
+    assert linear.backward_flops == 2 * linear.forward_flops  # grad input and grad weight
+    assert linear.saved_inputs == (0, 1) and not linear.saves_output  # x and W
+    assert op_profile(_only_op(torch.nn.Linear(64, 32), torch.randn(16, 64)), needs_grad=False).backward_flops == 0
+
+
+def test_ops_are_timed_on_this_machine_when_it_is_the_target():
+    node = _only_op(torch.nn.Linear(256, 256), torch.randn(64, 256))
+    profile = op_profile(node, needs_grad=True)
+    seconds = measured_time(node, True, profile)
+    assert 0 < seconds < 1.0 and measured_time(node, True, profile) == seconds  # cached per signature
+    too_big = OpProfile(profile.forward_flops, profile.backward_flops, MEASURE_LIMIT_BYTES + 1)
+    assert measured_time(node, True, too_big) is None  # left to the roofline
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_flops_come_from_the_formula_where_the_counter_has_none():
+    q = torch.randn(2, 4, 16, 8)
+    profile = op_profile(_only_op(Attention(), q, q, q), needs_grad=True)
+    assert profile.forward_flops == 4 * 2 * 4 * 16 * 16 * 8
+    assert profile.saves_output and profile.saved_extra_bytes > 0  # output and softmax statistics
+
+
+def test_zero_paper_worked_example_within_two_percent():
+    # Rajbhandari et al.: 7.5B parameters, 64 data-parallel ranks, mixed-precision Adam.
+    published = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
+    for stage, expected in published.items():
+        total = sum(model_state_bytes(7.5e9, data_parallel=64, zero_stage=stage, precision="bf16-mixed").values())
+        assert total == pytest.approx(expected, rel=0.02)
+
+
+def test_fp32_adam_states_by_category():
+    assert model_state_bytes(1000) == {"params": 4000, "grads": 4000, "optimizer": 8000}
+
+
+def test_groups_across_nodes_run_hierarchically_and_all_to_all_pays_for_crossing():
+    inner, outer = LinkTier("nvlink", 1e-6, 200e9), LinkTier("ib", 1e-5, 25e9)
+    a100 = dataclasses.replace(get_profile("a100-80gb"), links=(inner, outer))
+    link = a100.link((4, 8), 32, 16)  # 16 ranks every other device of 4 nodes: 4 per node
+    assert link.inner == inner and link.local_ranks == 4
+    n = 64 * MB
+    assert collective_time("all_reduce", n, 16, link) == pytest.approx(
+        collective_time("reduce_scatter", n, 4, inner)
+        + collective_time("all_reduce", n / 4, 4, outer)
+        + collective_time("all_gather", n, 4, inner)
+    )
+    assert collective_time("all_gather", n, 16, link) == pytest.approx(
+        collective_time("all_gather", n / 4, 4, outer) + collective_time("all_gather", n, 4, inner)
+    )
+    flat = dataclasses.replace(link, inner=None, local_ranks=1)
+    assert collective_time("all_reduce", n, 16, link) < collective_time("all_reduce", n, 16, flat)
+    crossing = n / 16 * 3 / 4 * 4 / 25e9  # 3/4 of each rank's data leaves its node, 4 ranks share the node's links
+    assert collective_time("all_to_all", n, 16, link) == pytest.approx(
+        15 * 1e-5 + crossing + collective_time("all_to_all", n / 4, 4, inner)
+    )
+    assert a100.link((4, 8), 32, 4).local_ranks == 1  # one member per node: a plain ring over the nodes
+    assert a100.link((4, 8), 8, 8).inner is None  # inside one node

@@ -1,0 +1,98 @@
+"""The whole-step terms of the cost model against hand-computed values: memory liveness,
+the optimizer step, in-step rendezvous, recomputation, microbatches and pipeline stages."""
+
+import dataclasses
+
+import pytest
+from planning import plan_example
+
+from autopar.ir import ConfigError, Cost, LinkTier, Schedule, get_profile
+from autopar.passes.cost.ops import OPTIMIZER_BYTES_PER_PARAM, collective_time, optimizer_time
+
+GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
+
+
+def test_gradients_replace_activations_in_the_peak():
+    cost = Cost(
+        0, 0, 0, {"params": 10, "grads": 10, "optimizer": 20, "grad_buckets": 10, "activations": 30, "temporary": 4}
+    )
+    assert cost.peak_memory == 10 + 20 + 10 + max(30 + 4, 10)
+    assert dataclasses.replace(cost, memory={**cost.memory, "grads": 50}).peak_memory == 10 + 20 + 10 + 50
+
+
+def test_optimizer_step_is_memory_bound_and_slowed_by_contention():
+    hardware = get_profile("a100-80gb")
+    assert optimizer_time(1e9, hardware) == pytest.approx(1e9 * OPTIMIZER_BYTES_PER_PARAM / hardware.memory_bandwidth)
+    assert optimizer_time(1e9, hardware, contention=2.0) == pytest.approx(2 * optimizer_time(1e9, hardware))
+
+
+def test_blocking_collectives_pay_the_rendezvous_scaled_by_contention():
+    link = LinkTier("test", 1e-5, 1e9, sync_s=1e-3)
+    assert collective_time("all_gather", 4e6, 4, link) == pytest.approx(3 * 1e-5 + 3 / 4 * 4e6 / 1e9 + 1e-3)
+    cpu = dataclasses.replace(get_profile("cpu-local"), links=(link,), cores_per_host=2)
+    assert cpu.contention((4,)) == 2 and cpu.contention((2,)) == 1
+    assert cpu.link((4,), 4).sync_s == pytest.approx(2e-3)
+    assert get_profile("a100-80gb").contention((8, 8)) == 1  # GPUs do not share their compute
+
+
+def _plan(**options):
+    options = {"model_kwargs": GPT, **options}
+    return plan_example("gpt.py", (2, 4), batch=16, hardware="a100-80gb", **options)
+
+
+def test_recomputation_trades_activations_for_forward_compute():
+    # 8 layers: full recomputation holds one whole layer's activations while it recomputes
+    # it, which only pays once there are more layers than a handful
+    deep = dict(model_kwargs={**GPT, "layers": 8})
+    none = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="none", **deep)
+    selective = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="selective", **deep)
+    full = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="full", **deep)
+    activations = [plan.cost.memory["activations"] for plan in (full, selective, none)]
+    assert activations == sorted(activations) and len(set(activations)) == 3
+    assert none.cost.compute_s < selective.cost.compute_s < full.cost.compute_s
+    assert full.cost.compute_s < 1.5 * none.cost.compute_s  # one more forward: about a third more
+    assert full.schedule == Schedule(1, 1, "full") and full.cost.model_flops == none.cost.model_flops
+
+
+def test_microbatches_divide_activations_and_pipeline_stages_pay_the_bubble():
+    whole = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="none")
+    micro = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="none", microbatches=2)
+    assert micro.cost.memory["activations"] == pytest.approx(whole.cost.memory["activations"] / 2)
+    assert micro.cost.compute_s == pytest.approx(whole.cost.compute_s) and micro.cost.pipeline_s == 0
+
+    piped = _plan(degrees={"pp": 2, "dp": 4, "tp": 1}, zero=0, recompute="none", microbatches=4)
+    flat = plan_example(  # one stage's devices, the whole model
+        "gpt.py",
+        4,
+        batch=16,
+        model_kwargs=GPT,
+        hardware="a100-80gb",
+        degrees={"dp": 4, "tp": 1},
+        zero=0,
+        recompute="none",
+    )
+    assert piped.schedule == Schedule(2, 4, "none", cuts=("layers.2",)) and piped.degrees == {"dp": 4, "tp": 1}
+    stage_work = piped.cost.compute_s + piped.cost.comm_s
+    boundary_transfers = piped.cost.pipeline_s - stage_work * (2 - 1) / 4
+    assert boundary_transfers > 0  # 2·(m + p − 2) boundary messages
+    # the busiest stage sets the pace: half the layers, plus the embeddings or the head and loss
+    assert flat.cost.compute_s / 2 < piped.cost.compute_s < 0.6 * flat.cost.compute_s
+    assert flat.cost.memory["params"] / 2 < piped.cost.memory["params"] < 0.6 * flat.cost.memory["params"]
+    assert piped.cost.model_flops / piped.cost.compute_s == pytest.approx(
+        flat.cost.model_flops / flat.cost.compute_s, rel=1e-6
+    )
+
+
+def test_a_pipeline_must_split_the_outer_mesh_dimension_and_does_not_run_yet():
+    with pytest.raises(ConfigError, match="pipeline stages must divide the outermost dimension"):
+        _plan(degrees={"pp": 4, "dp": 2, "tp": 1})
+    with pytest.raises(ConfigError, match="recompute='sometimes'"):
+        _plan(recompute="sometimes")
+
+
+def test_a_tight_memory_limit_turns_recomputation_on():
+    free = _plan(degrees={"dp": 8, "tp": 1}, zero=3)
+    assert free.schedule.recompute == "none"
+    limit = free.cost.peak_memory - free.cost.memory["activations"] / 2
+    tight = _plan(degrees={"dp": 8, "tp": 1}, zero=3, memory_limit=limit)
+    assert tight.schedule.recompute != "none" and tight.cost.peak_memory <= limit

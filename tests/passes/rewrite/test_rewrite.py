@@ -1,0 +1,57 @@
+import pytest
+import torch
+from planning import meta_model, plan_example
+
+import autopar.runtime.collectives  # noqa: F401
+from autopar.ir import StalePlanError
+from autopar.passes.capture.graph import capture
+from autopar.passes.rewrite.rewrite import rewrite
+
+GPT = dict(hidden=64, layers=1, heads=4, vocab=128, seq=16)
+TP = {"layers.*.attn.w[qkv]": "S(-1)", "layers.*.attn.wo": "P", "layers.*.mlp.fc1": "S(-1)", "layers.*.mlp.fc2": "P"}
+
+
+def _rewritten(plan, batch=8):
+    model = meta_model("gpt.py", **GPT)
+    captured = capture(model, model.example_inputs(batch, device="meta"))
+    return rewrite(captured, plan, groups={"dp": "DP", "tp": "TP"}, device="cpu")
+
+
+def test_megatron_plan_gets_one_all_reduce_per_row_parallel_layer_and_local_head_views():
+    plan = plan_example("gpt.py", 4, batch=8, model_kwargs=GPT, degrees={"tp": 4}, constraints=TP)
+    program = _rewritten(plan)
+    all_reduces = [n for n in program.graph.nodes if n.target is torch.ops.autopar.all_reduce.default]
+    # wo and fc2 produce partial sums; the loss needs no reduction over tp.
+    assert len(all_reduces) == 2 and all(n.args[1] == "TP" for n in all_reduces)
+    heads = [n for n in program.graph.nodes if n.target is torch.ops.aten.reshape.default and len(n.args[1]) == 4]
+    assert heads and all(n.args[1][2] == 1 for n in heads)  # 4 heads over 4 ranks: one each
+    assert "torch.ops.autopar.all_reduce.default" in program.code
+
+
+def test_sequence_parallel_norm_output_is_gathered_once_for_q_k_and_v():
+    sp = {**TP, "layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}
+    plan = plan_example("gpt.py", 4, batch=8, model_kwargs=GPT, degrees={"tp": 4}, constraints=sp)
+    program = _rewritten(plan)
+    gathers = [n for n in program.graph.nodes if n.target is torch.ops.autopar.all_gather.default]
+    gathered = [n.args[0].name for n in gathers]
+    assert len(gathered) == len(set(gathered))  # each value gathered once, whatever its consumers
+    qkv_input = [n for n in gathers if len(n.users) == 3]  # wq, wk, wv share the norm output's gather
+    assert len(qkv_input) == 1 and all(u.target is torch.ops.aten.linear.default for u in qkv_input[0].users)
+    assert qkv_input[0].args[-1] is True  # backward reduce-scatters the summed partial gradients
+
+
+def test_data_parallel_plan_only_reduces_the_loss():
+    # a GPU profile: this machine's profile times ops while planning, and on a busy machine a
+    # tiny model's measured times can tip it to replicating a cheap op
+    plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2}, hardware="a100-80gb")
+    program = _rewritten(plan)
+    collectives = [n for n in program.graph.nodes if "autopar" in str(n.target)]
+    assert [str(n.target) for n in collectives] == ["autopar.all_reduce.default"]
+    assert collectives[0].args[1:] == ("DP", "avg")
+    assert all(p[0] == plan.params[name][0] for name, p in plan.params.items())
+
+
+def test_a_plan_for_another_graph_is_stale():
+    plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT)
+    with pytest.raises(StalePlanError, match="(?i)re-run autopar.plan"):
+        _rewritten(plan, batch=4)

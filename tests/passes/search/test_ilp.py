@@ -1,0 +1,51 @@
+import itertools
+
+import numpy as np
+
+from autopar.passes.search.ilp import ChoiceProblem, solve_choices
+
+
+def _brute_force(problem):
+    best = None
+    for choice in itertools.product(*(range(len(u)) for u in problem.unary)):
+        if problem.memory is not None and sum(m[c] for m, c in zip(problem.memory, choice)) > problem.memory_limit:
+            continue
+        cost = sum(u[c] for u, c in zip(problem.unary, choice))
+        cost += sum(matrix[choice[a], choice[b]] for a, b, matrix in problem.pairs)
+        if best is None or cost < best[0]:
+            best = (cost, choice)
+    return best
+
+
+def test_matches_brute_force_on_a_random_chain_with_memory():
+    rng = np.random.default_rng(0)
+    unary = [rng.random(3) for _ in range(5)]
+    pairs = [(i, i + 1, rng.random((3, 3))) for i in range(4)] + [(0, 4, rng.random((3, 3)))]
+    memory = [rng.random(3) for _ in range(5)]
+    problem = ChoiceProblem(unary, pairs, memory, memory_limit=2.0)
+    cost, choice = _brute_force(problem)
+    solution = solve_choices(problem)
+    assert solution.choice == choice
+    assert np.isclose(solution.objective, cost)
+
+
+def test_infeasible_memory_returns_none():
+    problem = ChoiceProblem([np.array([1.0, 2.0])], [], [np.array([5.0, 6.0])], memory_limit=1.0)
+    assert solve_choices(problem) is None
+
+
+def test_a_follower_is_folded_into_its_leader():
+    rng = np.random.default_rng(1)
+    unary = [rng.random(3) for _ in range(3)]
+    pairs = [(0, 1, rng.random((3, 3))), (1, 2, rng.random((3, 3)))]
+    tie = [2, 0, 1]  # variable 1 takes tie[s] whenever variable 0 takes s
+    problem = ChoiceProblem(unary, pairs, followers={1: (0, tie)})
+    solution = solve_choices(problem)
+    assert solution.choice[1] == tie[solution.choice[0]]
+    # the same optimum as brute force over the tied assignments
+    best = min(
+        (unary[0][a] + unary[1][tie[a]] + unary[2][c] + pairs[0][2][a, tie[a]] + pairs[1][2][tie[a], c], (a, tie[a], c))
+        for a in range(3)
+        for c in range(3)
+    )
+    assert solution.choice == best[1] and np.isclose(solution.objective, best[0])

@@ -1,0 +1,72 @@
+"""Pipeline planning: balanced cut points, the schedule choice, the memory ladder."""
+
+from planning import plan_example
+
+from autopar.ir import MemoryLimitError
+from autopar.passes.search.partition import _balanced_starts
+
+LADDER_GPT = dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256)
+
+
+def test_the_dynamic_program_balances_the_slowest_stage_and_prefers_small_boundaries():
+    # a heavy last layer (the head rides on it): 4 light layers go to the first stage
+    assert _balanced_starts([1, 1, 1, 1, 4], [0] * 5, [1] * 5, 2) == [0, 4]
+    assert _balanced_starts([1] * 8, [0] * 8, [1] * 8, 4) == [0, 2, 4, 6]
+    # equal times either way: cut where the boundary activation is smaller
+    assert _balanced_starts([1, 1, 1, 1], [0] * 4, [9, 9, 1, 9], 2) == [0, 2]
+
+
+def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
+    plan = plan_example(
+        "gpt.py",
+        4,
+        batch=8,
+        model_kwargs=dict(hidden=512, layers=8, heads=8, vocab=1024, seq=128),
+        hardware="a100-80gb",
+        degrees={"pp": 4, "dp": 1, "tp": 1},
+        pipeline="interleaved-1f1b",
+        microbatches=8,
+    )
+    assert plan.schedule.kind == "interleaved-1f1b" and plan.schedule.virtual == 2 and len(plan.schedule.cuts) == 7
+    one = plan_example(
+        "gpt.py",
+        4,
+        batch=8,
+        model_kwargs=dict(hidden=512, layers=8, heads=8, vocab=1024, seq=128),
+        hardware="a100-80gb",
+        degrees={"pp": 4, "dp": 1, "tp": 1},
+        pipeline="1f1b",
+        microbatches=8,
+    )
+    assert plan.cost.pipeline_s < one.cost.pipeline_s  # (p - 1)/(v m) against (p - 1)/m
+    assert plan.cost.memory["activations"] > one.cost.memory["activations"]  # more in flight
+
+
+def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
+    """The issue's ladder on 4 devices (recomputation pinned off): each step is what the
+    previous plan's 80 % no longer fits."""
+    limit, steps = None, []
+    for _ in range(8):
+        try:
+            plan = plan_example(
+                "gpt.py",
+                4,
+                batch=8,
+                model_kwargs=LADDER_GPT,
+                hardware="a100-80gb",
+                recompute="none",
+                memory_limit=limit,
+            )
+        except MemoryLimitError:
+            break
+        assert limit is None or plan.cost.peak_memory <= limit
+        steps.append(plan)
+        limit = plan.cost.peak_memory * 0.8
+    first, *rest = steps
+    assert first.degrees == {"dp": 4, "tp": 1} and first.zero == 0 and first.schedule.stages == 1
+    zero = next(i for i, p in enumerate(rest) if p.zero)
+    piped = next(i for i, p in enumerate(rest) if p.schedule.stages > 1)
+    assert rest[zero].schedule.stages == 1 and zero < piped  # ZeRO before stages
+    assert (
+        rest[-1].schedule.stages > 1 and rest[-1].degrees["tp"] > 1
+    )  # at the end tensor parallelism joins the pipeline
