@@ -37,6 +37,9 @@ from autopar.passes.sharding.strategies import tensor_inputs
 R = Replicate()
 # Ops whose argument 1 is the output shape (or sizes derived from it).
 SHAPE_ARG_OPS = {torch.ops.aten.view, torch.ops.aten.reshape, torch.ops.aten._unsafe_view, torch.ops.aten.expand}
+# Ops whose arguments fix the output shape otherwise: on a shard they become a reshape to the local
+# shape (unflatten's sizes are the whole dim's; squeeze(d) would drop a dim a shard has made 1).
+RESHAPE_OPS = {torch.ops.aten.unflatten, torch.ops.aten.squeeze}
 
 
 def rewrite(
@@ -128,7 +131,7 @@ def _rewrite_node(node, decision, plan, placements, builder, gradients, device) 
     _replace_inputs(node, slots, new_inputs)
     if decision.kernel:
         _use_kernel(node, decision.kernel, builder.groups[KERNEL_DIMS[decision.kernel]])
-    _localize_arguments(node, decision.output, plan.degrees, device)
+    localize_arguments(node, decision.output, plan.degrees, device)
     if decision.output is not None:
         placements[node.name] = decision.output
 
@@ -181,18 +184,27 @@ def _replace_inputs(node: fx.Node, slots: list[fx.Node], new_inputs: list[fx.Nod
     node.args, node.kwargs = tree_unflatten(flat, spec)
 
 
-def _localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degrees: dict[str, int], device) -> None:
-    """Shape arguments become the local shape; factory ops build on the runtime device."""
+def localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degrees: dict[str, int], device) -> None:
+    """Shape arguments become the local shape; factory ops build on the runtime device.
+
+    What a node's arguments are on one rank once its output is laid out as ``output`` (one
+    placement per axis of ``degrees``); the rule validation (tests/helpers/rule_check.py) runs
+    each op per shard through this same function. Example: ``view(x, [8, 64])`` with output
+    ``(S(0),)`` on 2 ranks becomes ``view(x, [4, 64])``."""
     if "device" in node.kwargs:
         node.kwargs = {**node.kwargs, "device": torch.device(device)}
     packet = getattr(node.target, "overloadpacket", None)
-    if packet not in SHAPE_ARG_OPS or output is None:
+    if packet not in SHAPE_ARG_OPS | RESHAPE_OPS or output is None:
         return
     val = node.meta.get("val")
     shape = list(val.shape)
     for placement, size in zip(output, degrees.values()):
         if isinstance(placement, Shard):
             shape[placement.dim] //= size
+    if packet in RESHAPE_OPS:
+        if shape != list(val.shape):
+            node.target, node.args, node.kwargs = torch.ops.aten.reshape.default, (node.args[0], shape), {}
+        return
     node.args = (node.args[0], shape, *node.args[2:])
 
 

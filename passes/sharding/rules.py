@@ -15,6 +15,7 @@ import operator
 from collections.abc import Callable
 
 import torch
+import torch.fx as fx
 
 from autopar.ir import Kernel, Partial, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP
@@ -70,8 +71,12 @@ def pointwise(view: OpView) -> list[Strategy]:
         strategies.append(Strategy(tuple(placements), Shard(d)))
     packet = getattr(view.node.target, "overloadpacket", None)
     n_in = len(view.in_shapes)
+    if not all(t.is_floating_point() for t in output_tensors(view.node)):
+        return strategies  # a cast to integers or booleans is not linear
+    # x + c over ranks holding x_r: the sum of the x_r + c counts c p times, their mean once
+    number_operand = packet in _ADDITIVE and any(not isinstance(a, fx.Node) for a in view.args[:2])
     for op in ("sum", "avg"):
-        if packet in _LINEAR_POINTWISE or (packet in _ADDITIVE and n_in >= 1):
+        if packet in _LINEAR_POINTWISE or (packet in _ADDITIVE and not (number_operand and op == "sum")):
             strategies.append(Strategy((Partial(op),) * n_in, Partial(op)))
         elif packet in _SCALING:  # linear in one operand; the other (and the divisor) replicated
             for i in range(1 if packet is aten.div else n_in):
@@ -237,6 +242,14 @@ def along_dim(dim_index: int, dim_name: str = "dim", default=0, partial_ok: bool
     return rule
 
 
+def argmax(view: OpView) -> list[Strategy]:
+    """argmax(x, dim, keepdim): shard another dim (shifted down where the reduced dim is dropped);
+    without a dim it indexes the flattened tensor, which only the whole tensor gives."""
+    if view.arg(1, "dim", None) is None:
+        return []
+    return along_dim(1, removes_dim=not view.arg(2, "keepdim", False))(view)
+
+
 def concat(view: OpView) -> list[Strategy]:
     """cat / stack: all inputs sharded alike on a dim that is not joined."""
     ndim = len(view.in_shapes[0])
@@ -338,9 +351,12 @@ def loss(view: OpView) -> list[Strategy]:
     """cross_entropy / nll_loss(input [N, C, ...], target [N, ...]): shard N or a trailing dim.
 
     A mean over a sharded dim is the average of the shards' means (P(avg)); this is exact when
-    every shard holds as many counted targets, as with unpadded batches.
+    every shard holds as many counted targets, as with unpadded batches. With class weights a mean
+    divides by the targets' total weight, which differs from shard to shard: no split then.
     """
     reduction = view.arg(3, "reduction", 1)
+    if reduction == 1 and view.arg(2, "weight", None) is not None:
+        return []
     in_ndim = len(view.in_shapes[0])
     out = {0: None, 1: Partial("avg"), 2: Partial("sum")}[reduction]
     strategies = []
@@ -392,7 +408,7 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.cumsum: along_dim(1),
     aten.topk: along_dim(2, default=-1),
     aten.sort: along_dim(1, default=-1),
-    aten.argmax: along_dim(1),
+    aten.argmax: argmax,
     aten.cat: concat,
     aten.stack: concat,
     aten.sum: reduction,
