@@ -143,9 +143,26 @@ def _constraint_pins(facts, constraints) -> dict[str, Placement]:
         if not matched:
             raise ShardingRuleError(f"constraint {pattern!r} matches no parameter and no module: check the name")
         for name in matched:
-            ndim = len(facts[name].out_shape)
-            pins[name] = Shard(placement.dim % ndim) if isinstance(placement, Shard) else placement
+            pins[name] = _pinned(facts[name], pattern, placement)
     return pins
+
+
+def _pinned(fact: NodeFacts, pattern: str, placement: Placement) -> Placement:
+    """The pin with a negative dim counted from the end; a dim the tensor does not have is the user's mistake."""
+    if not isinstance(placement, Shard):
+        return placement
+    shape = fact.out_shape
+    if not -len(shape) <= placement.dim < len(shape):
+        what = (
+            f"parameter {fact.name!r}"
+            if fact.kind == "param"
+            else f"{fact.node.format_node()} (module {module_path(fact.node)!r})"
+        )
+        raise ShardingRuleError(
+            f"constraint {pattern!r}={placement}: {what} has {len(shape)} dims (shape {list(shape)}), so S(d) needs "
+            f"{-len(shape)} <= d < {len(shape)}: pin a dim it has, e.g. S(-1) for its last"
+        )
+    return Shard(placement.dim % len(shape))
 
 
 def expert_params(facts) -> frozenset[str]:
