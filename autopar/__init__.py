@@ -5,6 +5,7 @@ from autopar.api import capture, parallelize, plan
 from autopar.ir import (
     AutoparError,
     ConfigError,
+    InvalidPlanError,
     MemoryLimitError,
     Mesh,
     MeshError,
@@ -21,6 +22,7 @@ from autopar.ir import (
 __all__ = [
     "AutoparError",
     "ConfigError",
+    "InvalidPlanError",
     "MemoryLimitError",
     "Mesh",
     "MeshError",

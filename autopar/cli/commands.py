@@ -11,7 +11,7 @@ from autopar.api import capture
 from autopar.api import plan as make_plan
 from autopar.cli.arguments import BATCH_PER_DEVICE, UsageError, default_profile_path
 from autopar.cli.models import load_model
-from autopar.ir import Plan, PlanOptions, get_profile
+from autopar.ir import InvalidPlanError, Plan, PlanOptions, get_profile
 from autopar.passes.cost.symbolic import symbolic_cost
 from autopar.passes.rewrite.export import write_export
 from autopar.passes.rewrite.rewrite import rewrite
@@ -110,8 +110,8 @@ def _cmd_explain(args) -> int:
         raise UsageError(f"PLAN.json: no file {path}")
     try:
         plan = Plan.load(path)
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise UsageError(f"PLAN.json: {path} is not an autopar plan ({type(error).__name__}: {error})") from None
+    except InvalidPlanError as error:
+        raise UsageError(f"PLAN.json: {error}") from None
     print(plan)
     print()
     print(search_text(plan))

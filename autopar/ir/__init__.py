@@ -6,6 +6,7 @@ This package imports nothing else of autopar; everything else imports it.
 from autopar.ir.errors import (
     AutoparError,
     ConfigError,
+    InvalidPlanError,
     MemoryLimitError,
     MeshError,
     ShardingRuleError,
@@ -43,6 +44,7 @@ __all__ = [
     "AutoparError",
     "Axis",
     "ConfigError",
+    "InvalidPlanError",
     "Cost",
     "HardwareProfile",
     "Kernel",

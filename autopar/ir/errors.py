@@ -27,3 +27,7 @@ class StalePlanError(AutoparError):
 
 class ConfigError(AutoparError):
     """An option has a value autopar cannot use (unknown hardware profile, bad degrees, ...)."""
+
+
+class InvalidPlanError(AutoparError):
+    """A plan no graph can run: a plan file edited into nonsense, or placements its model cannot take."""

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-from autopar.ir.errors import ConfigError, StalePlanError
+from autopar.ir.errors import AutoparError, ConfigError, InvalidPlanError, StalePlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.names import Axis, Kernel, PipelineKind, Recompute
 from autopar.ir.placement import Placement, format_placements, parse_placement
+from autopar.ir.plan_schema import check_plan_json
 
 PLAN_FORMAT = 5  # 3: the schedule's pipeline kind, virtual stages and cut points; 4: kernels (cp, ep); 5: precision
 
@@ -180,11 +181,14 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:
-        if data.get("format") != PLAN_FORMAT:
+        """The plan ``to_json`` wrote; :class:`InvalidPlanError` naming the field that is not
+        well formed (:mod:`autopar.ir.plan_schema`), :class:`StalePlanError` for another format."""
+        if isinstance(data, dict) and data.get("format") != PLAN_FORMAT:
             raise StalePlanError(
                 f"plan file has format {data.get('format')!r}, this autopar reads format {PLAN_FORMAT}: re-run "
                 "autopar.plan"
             )
+        check_plan_json(data)
         nodes = {
             name: NodeDecision(
                 op=node["op"],
@@ -211,7 +215,7 @@ class Plan:
             search_time_s=data["search_time_s"],
             replicated_ops=tuple(data["replicated_ops"]),
             zero=data["zero"],
-            schedule=Schedule(**{**data["schedule"], "cuts": tuple(data["schedule"]["cuts"])}),
+            schedule=_schedule(data["schedule"]),
             precision=data["precision"],
         )
 
@@ -222,7 +226,13 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(json.loads(Path(path).read_text()))
+        """Read a plan file; an error names the file and what is wrong in it."""
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as error:
+            raise InvalidPlanError(f"{path}: not JSON ({error}): re-save the plan with autopar plan --save") from None
+        except AutoparError as error:
+            raise type(error)(f"{path}: {error}") from None
 
     # -- display -----------------------------------------------------------------------
     def __str__(self) -> str:
@@ -240,6 +250,13 @@ class Plan:
             f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "
             f"memory per device: {memory}\n{table}"
         )
+
+
+def _schedule(data: dict) -> Schedule:
+    try:
+        return Schedule(**{**data, "cuts": tuple(data["cuts"])})
+    except ConfigError as error:  # the schedule's own invariants, e.g. cut points per stage module
+        raise InvalidPlanError(f"field 'schedule': {error}") from None
 
 
 def _dump(placements: AxisPlacements | None) -> list[str] | None:

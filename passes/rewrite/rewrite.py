@@ -26,7 +26,18 @@ import operator
 import torch
 import torch.fx as fx
 
-from autopar.ir import KERNEL_DIMS, Axis, Kernel, Partial, Placement, Plan, Replicate, Shard, StalePlanError
+from autopar.ir import (
+    KERNEL_DIMS,
+    Axis,
+    InvalidPlanError,
+    Kernel,
+    Partial,
+    Placement,
+    Plan,
+    Replicate,
+    Shard,
+    StalePlanError,
+)
 from autopar.ir.zero import zero_shard_dim
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.facts import move_scope
@@ -50,11 +61,7 @@ def rewrite(
     ``groups`` maps each parallel dimension to the c10d group name its collectives use; for an
     export without process groups, pass the dimension names themselves.
     """
-    if captured.fingerprint != plan.fingerprint:
-        raise StalePlanError(
-            f"the plan was made for graph {plan.fingerprint}, but the model now captures as {captured.fingerprint}: "
-            "the model, its inputs' shapes or autopar changed since. Re-run autopar.plan."
-        )
+    check_plan(captured, plan)
     graph = fx.Graph()
     value_map: dict[fx.Node, fx.Node] = {}
     output = graph.graph_copy(captured.graph, value_map)
@@ -79,6 +86,57 @@ def rewrite(
     graph.eliminate_dead_code()
     graph.lint()
     return fx.GraphModule(captured.graph_module, graph)
+
+
+def check_plan(captured: CapturedGraph, plan: Plan) -> None:
+    """The plan was made for this graph and its placements fit the tensors they place: every
+    parameter placed, each ``S(d)`` a dim the tensor has and whose size the degrees split evenly.
+    A plan file edited by hand fails here (:class:`InvalidPlanError`) instead of inside a rank.
+
+    >>> check_plan(capture(model, inputs), Plan.load("plan.json"))   # doctest: +SKIP
+    """
+    if captured.fingerprint != plan.fingerprint:
+        raise StalePlanError(
+            f"the plan was made for graph {plan.fingerprint}, but the model now captures as {captured.fingerprint}: "
+            "the model, its inputs' shapes or autopar changed since. Re-run autopar.plan."
+        )
+    params = set(captured.params.values())
+    if set(plan.params) != params:
+        raise InvalidPlanError(
+            f"the plan places parameters {sorted(set(plan.params) - params)} the model lacks and leaves out "
+            f"{sorted(params - set(plan.params))}: re-run autopar.plan for this model"
+        )
+    for node in captured.graph.nodes:
+        if node.name in captured.params:
+            what, placements = f"parameter {captured.params[node.name]!r}", plan.params[captured.params[node.name]]
+        elif node.name in captured.user_inputs:
+            what, placements = f"input {node.name!r}", plan.inputs.get(node.name)
+        elif node.name in plan.nodes:
+            what, placements = f"node {node.name!r}", plan.nodes[node.name].output
+        else:
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and placements is not None:
+            _check_placements(what, tuple(value.shape), placements, plan.degrees)
+
+
+def _check_placements(what: str, shape: tuple[int, ...], placements, degrees: dict[str, int]) -> None:
+    splits = [1] * len(shape)
+    for placement, (axis, size) in zip(placements, degrees.items()):
+        if not isinstance(placement, Shard):
+            continue
+        if not 0 <= placement.dim < len(shape):
+            raise InvalidPlanError(
+                f"the plan places {what} (shape {list(shape)}) {placement} on {axis!r}, a dim it does not have: "
+                "fix the plan file or re-run autopar.plan"
+            )
+        splits[placement.dim] *= size
+    for dim, split in enumerate(splits):
+        if shape[dim] % split:
+            raise InvalidPlanError(
+                f"the plan splits dim {dim} of {what} (shape {list(shape)}) into {split} pieces, which do not divide "
+                f"{shape[dim]}: fix the plan file or re-run autopar.plan"
+            )
 
 
 def _views_to_reshapes(graph: fx.Graph) -> None:
