@@ -1,13 +1,15 @@
 """The ``autopar`` command: plan, explain, export and run from a shell.
 
 The only module that reads argv (and, through ``launch_local``, hands the environment on).
-Exit codes: 0 done; 1 autopar refused (an :class:`AutoparError`, printed as ``error: ...``);
-2 the command line was wrong (bad option, MODEL or file).
+Exit codes: 0 done; 1 autopar refused (an :class:`AutoparError`, printed as ``error: ...``) or a
+verify run failed; 2 the command line was wrong (bad option, MODEL or file); 3 ``autopar verify``
+found the plan's step different from one process's.
 
     autopar plan gpt --mesh 2x2 --batch 8
     autopar plan 'examples/gpt.py:build(hidden=4096, layers=32)' --mesh 2x4 --hardware h100-80gb --json
     autopar explain plan.json
     autopar export gpt --mesh 2x2 --degrees tp=4 --out exported/
+    autopar verify gpt --mesh 2 --degrees tp=2          # exit 0 when the plan's step is exact
     autopar run train.py --nproc 4 -- --steps 10
     autopar calibrate --quick      # measure this machine; plan/export then use the profile
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import sys
 import warnings
 
-from autopar.cli.arguments import USAGE_ERROR, UsageError, default_profile_path, parse_bytes, parser
+from autopar.cli.arguments import USAGE_ERROR, UsageError, VerifyFailed, default_profile_path, parse_bytes, parser
 from autopar.cli.commands import COMMANDS
 from autopar.cli.models import load_model
 from autopar.ir import AutoparError
@@ -50,6 +52,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"autopar {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
-    except AutoparError as error:
+    except (AutoparError, VerifyFailed) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -27,10 +27,15 @@ UNITS = {
     "tib": 2**40,
 }
 USAGE_ERROR = 2
+VERIFY_MISMATCH = 3  # autopar verify: the plan ran, and its step differs from one process's
 
 
 class UsageError(Exception):
     """The command line is wrong: exit 2 with this message."""
+
+
+class VerifyFailed(Exception):
+    """autopar verify could not finish its run (a rank died or timed out): exit 1 with this message."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,6 +65,32 @@ def parser() -> argparse.ArgumentParser:
     _planning_options(export)
     export.add_argument("--out", required=True, metavar="DIR", help="folder to write into (created)")
     export.set_defaults(handler="export")
+
+    verify = commands.add_parser(
+        "verify",
+        help="run a plan on local gloo ranks against one process; exit 0 when exact",
+        description="One training step of MODEL under the plan on local gloo ranks, and as the plain model in "
+        "one process: the worst relative error of the loss, every gradient and every updated parameter. "
+        "Exit 0 when every one is within fp32 tolerance, 3 when not. A model or mesh too big for this machine "
+        "is verified on a smaller copy with the same placement pattern (see --shrink).",
+    )
+    _planning_options(verify)
+    verify.add_argument("--plan", metavar="PLAN.json", help="verify this plan (default: plan MODEL with the options)")
+    verify.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    verify.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="stop the ranks after S seconds (default 600)"
+    )
+    verify.add_argument(
+        "--max-ranks", type=_positive_int, default=4, metavar="N", help="local ranks it may start (default 4)"
+    )
+    verify.add_argument(
+        "--shrink",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="run a smaller copy (fewer layers, smaller widths and degrees, the plan's placements): "
+        "auto when the model or mesh does not fit here (default)",
+    )
+    verify.set_defaults(handler="verify")
 
     run = commands.add_parser(
         "run",

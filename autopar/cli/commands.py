@@ -9,8 +9,8 @@ from pathlib import Path
 
 from autopar.api import capture
 from autopar.api import plan as make_plan
-from autopar.cli.arguments import BATCH_PER_DEVICE, UsageError, default_profile_path
-from autopar.cli.models import load_model
+from autopar.cli.arguments import BATCH_PER_DEVICE, VERIFY_MISMATCH, UsageError, VerifyFailed, default_profile_path
+from autopar.cli.models import load_model, model_factory
 from autopar.ir import InvalidPlanError, Plan, PlanOptions, get_profile
 from autopar.passes.cost.symbolic import symbolic_cost
 from autopar.passes.rewrite.export import write_export
@@ -43,7 +43,17 @@ def _make_plan(args):
     batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
     inputs = model.example_inputs(batch, device="meta")
     captured = capture(model, inputs)
-    options = PlanOptions(
+    plan = make_plan(captured, args.mesh, options=_options(args, hardware))
+    program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
+    at = getattr(args, "at", None)  # only `plan` has it
+    symbolic = at and symbolic_cost(
+        captured, plan, hardware, model=model, example_inputs=inputs, seq_dim=1 if "seq" in at else None
+    )
+    return captured, plan, program, symbolic
+
+
+def _options(args, hardware) -> PlanOptions:
+    return PlanOptions(
         degrees=args.degrees,
         constraints=dict(args.constraint) or None,
         hardware=hardware,
@@ -54,13 +64,6 @@ def _make_plan(args):
         pipeline=args.pipeline,
         stage_cuts=tuple(args.stage_cuts or ()),
     )
-    plan = make_plan(captured, args.mesh, options=options)
-    program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
-    at = getattr(args, "at", None)  # only `plan` has it
-    symbolic = at and symbolic_cost(
-        captured, plan, hardware, model=model, example_inputs=inputs, seq_dim=1 if "seq" in at else None
-    )
-    return captured, plan, program, symbolic
 
 
 def _cmd_plan(args) -> int:
@@ -104,14 +107,18 @@ def _cmd_plan(args) -> int:
     return 0
 
 
-def _cmd_explain(args) -> int:
-    path = Path(args.plan_file)
+def _load_plan(file: str) -> Plan:
+    path = Path(file)
     if not path.is_file():
         raise UsageError(f"PLAN.json: no file {path}")
     try:
-        plan = Plan.load(path)
+        return Plan.load(path)
     except InvalidPlanError as error:
         raise UsageError(f"PLAN.json: {error}") from None
+
+
+def _cmd_explain(args) -> int:
+    plan = _load_plan(args.plan_file)
     print(plan)
     print()
     print(search_text(plan))
@@ -129,6 +136,38 @@ def _cmd_export(args) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _cmd_verify(args) -> int:
+    from autopar.verify import prepare, run
+
+    factory, model_args, kwargs = model_factory(args.model)
+    pinned = _options(args, args.hardware)
+    if args.plan and pinned != PlanOptions():
+        raise UsageError("--plan fixes every planning option: drop --degrees, --constraint, --zero, ...")
+    plan = _load_plan(args.plan) if args.plan else None
+    target = prepare(
+        factory,
+        args.mesh,
+        args=tuple(model_args),
+        kwargs=kwargs,
+        plan=plan,
+        options=None if plan else pinned,
+        batch=args.batch,
+        max_ranks=args.max_ranks,
+        shrink_model=args.shrink,
+    )
+    print(f"verify: {args.model} on {target.mesh.size} local rank(s) ...", file=sys.stderr, flush=True)
+    try:
+        (report,) = run([target], timeout_s=args.timeout)
+    except TimeoutError as error:
+        raise VerifyFailed(f"{error}: the plan hangs or the run needs more than --timeout {args.timeout:g}") from None
+    except RuntimeError as error:  # a rank died before it could report
+        raise VerifyFailed(str(error)) from None
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.text())
+    if report.error:
+        return 1
+    return 0 if report.exact else VERIFY_MISMATCH
 
 
 def _cmd_run(args) -> int:
@@ -152,6 +191,7 @@ COMMANDS = {
     "plan": _cmd_plan,
     "explain": _cmd_explain,
     "export": _cmd_export,
+    "verify": _cmd_verify,
     "run": _cmd_run,
     "calibrate": _cmd_calibrate,
 }

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import inspect
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,37 +17,74 @@ from autopar.cli.arguments import DEFAULT_FACTORY, UsageError
 REPO_ROOT = Path(__file__).resolve().parents[2]  # where examples/ lives in a source checkout
 
 
+@dataclass(frozen=True)
+class Factory:
+    """A model factory named by its file and function: picklable, so spawned ranks can build the
+    model themselves (``autopar verify``). Calling it calls the function; ``inspect.signature``
+    sees the function's parameters.
+
+    >>> Factory("examples/gpt.py", "build")(layers=1)   # doctest: +SKIP
+    """
+
+    path: str
+    name: str
+
+    def function(self):
+        module_name = self.module_name
+        module = sys.modules.get(module_name)
+        if getattr(module, "__file__", None) != self.path:
+            module_spec = importlib.util.spec_from_file_location(module_name, self.path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_name] = module
+            module_spec.loader.exec_module(module)
+        return getattr(module, self.name, None)
+
+    @property
+    def module_name(self) -> str:
+        return "autopar_model_" + re.sub(r"\W", "_", Path(self.path).stem)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.function())
+
+    def __call__(self, *args, **kwargs):
+        return self.function()(*args, **kwargs)
+
+
 def load_model(spec: str) -> torch.nn.Module:
     """Build MODEL on the meta device: ``FILE.py[:FACTORY(k=v, ...)]`` or an example name.
 
     >>> load_model("examples/gpt.py:build(hidden=64, layers=1)")   # doctest: +SKIP
     GPT(...)
     """
-    location, factory_name, args, kwargs = _parse_model(spec)
-    path = _resolve_model_file(location, spec)
-    module_name = "autopar_model_" + re.sub(r"\W", "_", path.stem)
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # the user's file: any failure is a bad MODEL
-        raise UsageError(f"MODEL {spec!r}: importing {path} failed: {type(error).__name__}: {error}") from error
-    factory = getattr(module, factory_name, None)
-    if not callable(factory):
-        available = sorted(name for name, value in vars(module).items() if callable(value) and name.startswith("build"))
-        raise UsageError(f"MODEL {spec!r}: {path} has no function {factory_name!r}; it has {available or 'no build*'}")
+    factory, args, kwargs = model_factory(spec)
     try:
         with torch.device("meta"):
             model = factory(*args, **kwargs)
     except Exception as error:  # the user's factory: any failure is a bad MODEL
-        raise UsageError(f"MODEL {spec!r}: {factory_name}(...) raised {type(error).__name__}: {error}") from error
+        raise UsageError(f"MODEL {spec!r}: {factory.name}(...) raised {type(error).__name__}: {error}") from error
     if not callable(getattr(model, "example_inputs", None)):
         raise UsageError(
-            f"MODEL {spec!r}: {factory_name}() returned a {type(model).__name__} without "
+            f"MODEL {spec!r}: {factory.name}() returned a {type(model).__name__} without "
             "example_inputs(batch_size, device=None), which autopar needs to trace it"
         )
     return model
+
+
+def model_factory(spec: str) -> tuple[Factory, list, dict]:
+    """MODEL as its factory and the arguments it is called with; a bad file or name is a UsageError."""
+    location, factory_name, args, kwargs = _parse_model(spec)
+    path = _resolve_model_file(location, spec)
+    factory = Factory(str(path), factory_name)
+    try:
+        function = factory.function()
+    except Exception as error:  # the user's file: any failure is a bad MODEL
+        raise UsageError(f"MODEL {spec!r}: importing {path} failed: {type(error).__name__}: {error}") from error
+    if not callable(function):
+        module = sys.modules[factory.module_name]
+        available = sorted(name for name, value in vars(module).items() if callable(value) and name.startswith("build"))
+        raise UsageError(f"MODEL {spec!r}: {path} has no function {factory_name!r}; it has {available or 'no build*'}")
+    return factory, args, kwargs
 
 
 def _parse_model(spec: str) -> tuple[str, str, list, dict]:
