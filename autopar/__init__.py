@@ -5,6 +5,7 @@ from autopar.api import capture, parallelize, plan
 from autopar.ir import (
     AutoparError,
     ConfigError,
+    InputError,
     InvalidPlanError,
     MemoryLimitError,
     Mesh,
@@ -22,6 +23,7 @@ from autopar.ir import (
 __all__ = [
     "AutoparError",
     "ConfigError",
+    "InputError",
     "InvalidPlanError",
     "MemoryLimitError",
     "Mesh",

@@ -140,7 +140,7 @@ def parallelize(
     }
     if schedule.stages > 1:
         stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
-        return PipelineModule(
+        module = PipelineModule(
             stages,
             plan,
             device_mesh,
@@ -150,16 +150,19 @@ def parallelize(
             state=state,
             tied=captured.tied,
         )
-    module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
-    return module_class(
-        program,
-        plan,
-        device_mesh,
-        param_order=[captured.params[n] for n in captured.params],
-        buffer_order=[captured.buffers[n] for n in captured.buffers],
-        state=state,
-        tied=captured.tied,
-    )
+    else:
+        module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
+        module = module_class(
+            program,
+            plan,
+            device_mesh,
+            param_order=[captured.params[n] for n in captured.params],
+            buffer_order=[captured.buffers[n] for n in captured.buffers],
+            state=state,
+            tied=captured.tied,
+        )
+    module.expect_inputs(example_inputs)  # forward and train_step refuse inputs unlike these
+    return module
 
 
 def _check_runnable(plan: Plan) -> None:

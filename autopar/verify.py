@@ -32,6 +32,7 @@ from tabulate import tabulate
 from autopar.api import capture, parallelize
 from autopar.api import plan as make_plan
 from autopar.ir import ConfigError, Mesh, Plan, PlanOptions, Replicate, StalePlanError, batch_split
+from autopar.passes.rewrite.rewrite import check_plan
 from autopar.runtime.spawn import run_local
 from autopar.shrink import full_degrees, pattern_batch, pattern_options, shrink
 
@@ -77,7 +78,7 @@ class Report:
 
     target: Target
     degrees: dict
-    split: dict = dataclasses.field(default_factory=dict)  # axis -> parameters split over it
+    split: dict = dataclasses.field(default_factory=dict)  # axis -> {"params": n, "inputs": n} split over it
     loss: float = math.inf
     grads: dict = dataclasses.field(default_factory=dict)
     params: dict = dataclasses.field(default_factory=dict)
@@ -103,9 +104,11 @@ class Report:
             "one step (forward, backward, AdamW)",
             *(f"note: {note}" for note in target.notes),
         ]
-        if self.split or not self.error:
-            split = ", ".join(f"{n} over {axis}" for axis, n in self.split.items()) or "none"
-            lines.append(f"parameters split: {split} (of {len(self.params)} on this rank's stages)")
+        if not self.error:
+            split = "; ".join(
+                f"{axis}: {n['params']} parameters, {n['inputs']} inputs" for axis, n in self.split.items()
+            )
+            lines.append(f"split: {split or 'nothing'} (of {len(self.params)} parameters on the ranks' stages)")
         if self.error:
             return "\n".join([*lines, f"error: {self.error}"])
         rows = [[name, _e(self.grads.get(name)), _e(self.params.get(name))] for name in sorted(self.params)]
@@ -139,10 +142,14 @@ class Report:
         }
 
 
-def split_params(plan: Plan) -> dict[str, int]:
-    """How many parameters the plan splits over each axis (so an exact report is not a vacuous one)."""
+def split_counts(plan: Plan) -> dict[str, dict[str, int]]:
+    """Per axis, how many parameters and inputs the plan splits over it (so that an exact report
+    is seen not to be a vacuous one)."""
     return {
-        axis: sum(1 for placements in plan.params.values() if placements[i] != Replicate())
+        axis: {
+            "params": sum(1 for p in plan.params.values() if p[i] != Replicate()),
+            "inputs": sum(1 for p in plan.inputs.values() if p[i] != Replicate()),
+        }
         for i, axis in enumerate(plan.degrees)
         if plan.degrees[axis] > 1
     }
@@ -226,10 +233,12 @@ def _runnable_plan(factory, args, kwargs, mesh: Mesh, plan: Plan, meta_fingerpri
     """The plan as it is if the CPU model captures as the plan's graph; else its pattern."""
     torch.manual_seed(0)
     model = factory(*args, **kwargs)
-    cpu = capture(model, model.example_inputs(plan.batch_size)).fingerprint
+    captured = capture(model, model.example_inputs(plan.batch_size))
+    cpu = captured.fingerprint
     fp32 = dataclasses.replace(plan, precision="fp32")
     notes = () if plan.precision == "fp32" else (f"the plan trains in {plan.precision}; verified in fp32",)
     if plan.fingerprint == cpu:
+        check_plan(captured, plan)  # a placement the model cannot take fails here, before any rank starts
         return Target(factory, args, kwargs, mesh, plan.batch_size, plan=fp32, notes=notes)
     if plan.fingerprint != meta_fingerprint:
         raise StalePlanError(
@@ -358,7 +367,7 @@ def _one_step(target: Target) -> dict:
     grad_errors.update({n: relative_error(g, reference_grads[n]) for n, g in grads.items() if n in reference_grads})
     return {
         "degrees": full_degrees(pmodel.plan),
-        "split": split_params(pmodel.plan),
+        "split": split_counts(pmodel.plan),
         "loss": relative_error(loss, reference_loss),
         "grads": grad_errors,
         "params": {n: relative_error(p, reference_params[n]) for n, p in params.items()},

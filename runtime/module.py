@@ -28,7 +28,7 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from autopar.ir import Axis, Plan, Replicate, Shard
+from autopar.ir import Axis, InputError, Plan, Replicate, Shard, format_placements
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.zigzag import zigzag_order
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -129,6 +129,7 @@ class ParallelModule(nn.Module):
 
     def forward(self, *local_inputs):
         """Forward on this rank's slice of the batch; returns what the model returns (the loss)."""
+        self.check_inputs(local_inputs)
         outputs = self._run(self.program, local_inputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
@@ -139,6 +140,7 @@ class ParallelModule(nn.Module):
         end, that reduction runs asynchronously, overlapped with backward: backward starts
         from this rank's share, which is exactly what the reduction's backward would give.
         """
+        self.check_inputs(local_inputs)
         if self._local_loss is None:
             loss = self(*local_inputs)
             loss.backward()
@@ -192,6 +194,40 @@ class ParallelModule(nn.Module):
             local_chunk(value, self.plan.inputs[name], self.device_mesh)
             for name, value in zip(self.plan.inputs, global_inputs)
         )
+
+    def expect_inputs(self, global_inputs) -> None:
+        """Remember what ``shard_batch`` makes of a global batch like ``global_inputs`` (the example
+        inputs the plan was made for): ``forward`` and ``train_step`` then take only inputs of
+        those dtypes and local shapes (:meth:`check_inputs`)."""
+        if not all(isinstance(value, torch.Tensor) for value in global_inputs):
+            return  # only tensors have a layout to check
+        meta = [torch.empty(value.shape, dtype=value.dtype, device="meta") for value in global_inputs]
+        local = self.shard_batch(*meta)
+        self._expected_inputs = [
+            (name, tuple(whole.shape), tuple(value.shape), value.dtype)
+            for name, whole, value in zip(self.plan.inputs, meta, local)
+        ]
+
+    def check_inputs(self, local_inputs) -> None:
+        """Raise :class:`InputError` naming the first input whose count, dtype, rank or shape is not
+        what the plan was made for (a global batch where a local one belongs, another dtype ...)."""
+        expected = getattr(self, "_expected_inputs", None)
+        if expected is None:
+            return
+        if len(local_inputs) != len(expected):
+            raise InputError(
+                f"the plan takes {len(expected)} inputs ({', '.join(e[0] for e in expected)}), got {len(local_inputs)}"
+            )
+        for index, ((name, whole, shape, dtype), value) in enumerate(zip(expected, local_inputs), 1):
+            got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
+            if got != (shape, dtype):
+                found = f"{str(got[1]).removeprefix('torch.')} {list(got[0])}" if got else type(value).__name__
+                raise InputError(
+                    f"input {name!r} (argument {index}) is {found}, but the plan takes "
+                    f"{str(dtype).removeprefix('torch.')} {list(shape)} on this rank (the global {list(whole)} split "
+                    f"{format_placements(self.plan.inputs[name])}): pass pmodel.shard_batch(*global_batch) of that "
+                    "dtype, or plan again for inputs like these"
+                )
 
     def _on_grad_accumulated(self, _local: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -283,6 +319,7 @@ class AccumulatingModule(ParallelModule):
         return list(zip(*(value.tensor_split(count) for value in local_inputs)))
 
     def train_step(self, *local_inputs) -> torch.Tensor:
+        self.check_inputs(local_inputs)
         pieces = self._pieces(local_inputs)
         losses = []
         for index, piece in enumerate(pieces):
@@ -300,6 +337,7 @@ class AccumulatingModule(ParallelModule):
         return contextlib.nullcontext() if last else self.no_sync()
 
     def forward(self, *local_inputs):
+        self.check_inputs(local_inputs)
         return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
 
 

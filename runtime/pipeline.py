@@ -198,6 +198,7 @@ class PipelineModule(ParallelModule):
         """Forward and backward of the local batch through the pipeline; gradients complete
         (summed over dp, averaged over microbatches) on every rank's own parameters.
         Returns the global loss on every rank."""
+        self.check_inputs(local_inputs)
         self._follow_zeroed_grads()
         losses: list[torch.Tensor] = []
         args = local_inputs if self._holds_first else ()
@@ -215,6 +216,7 @@ class PipelineModule(ParallelModule):
 
     def forward(self, *local_inputs):
         """The loss of the local batch, forward only (every rank gets it)."""
+        self.check_inputs(local_inputs)
         args = local_inputs if self._holds_first else ()
         with _forward_actions_only(self._schedule):
             merged = self._schedule.eval(*args, target=self._no_target, **self._keywords(local_inputs))

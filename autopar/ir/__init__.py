@@ -6,6 +6,7 @@ This package imports nothing else of autopar; everything else imports it.
 from autopar.ir.errors import (
     AutoparError,
     ConfigError,
+    InputError,
     InvalidPlanError,
     MemoryLimitError,
     MeshError,
@@ -44,6 +45,7 @@ __all__ = [
     "AutoparError",
     "Axis",
     "ConfigError",
+    "InputError",
     "InvalidPlanError",
     "Cost",
     "HardwareProfile",

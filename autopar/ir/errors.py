@@ -31,3 +31,7 @@ class ConfigError(AutoparError):
 
 class InvalidPlanError(AutoparError):
     """A plan no graph can run: a plan file edited into nonsense, or placements its model cannot take."""
+
+
+class InputError(AutoparError):
+    """Inputs of another count, dtype, rank or shape than the plan was made for."""

@@ -153,14 +153,9 @@ def _pinned(fact: NodeFacts, pattern: str, placement: Placement) -> Placement:
         return placement
     shape = fact.out_shape
     if not -len(shape) <= placement.dim < len(shape):
-        what = (
-            f"parameter {fact.name!r}"
-            if fact.kind == "param"
-            else f"{fact.node.format_node()} (module {module_path(fact.node)!r})"
-        )
         raise ShardingRuleError(
-            f"constraint {pattern!r}={placement}: {what} has {len(shape)} dims (shape {list(shape)}), so S(d) needs "
-            f"{-len(shape)} <= d < {len(shape)}: pin a dim it has, e.g. S(-1) for its last"
+            f"constraint {pattern!r}={placement}: {_named(fact)} has {len(shape)} dims (shape {list(shape)}), so "
+            f"S(d) needs {-len(shape)} <= d < {len(shape)}: pin a dim it has, e.g. S(-1) for its last"
         )
     return Shard(placement.dim % len(shape))
 
@@ -216,13 +211,26 @@ def candidates(fact: NodeFacts, ctx: AxisContext) -> list[Strategy]:
     if name in ctx.pins:
         pinned = [s for s in options if s.output == ctx.pins[name]]
         if not pinned:
+            pin, shape = ctx.pins[name], ctx.local.shapes[name][0] if ctx.local.shapes[name] else ()
+            multiple = chunks_per_rank(ctx.name) * ctx.size
+            why = (
+                f" (dim {pin.dim} has size {shape[pin.dim]} here, which {ctx.name}={ctx.size} does not split evenly)"
+                if isinstance(pin, Shard) and pin.dim < len(shape) and shape[pin.dim] % multiple
+                else ""
+            )
             raise ShardingRuleError(
-                f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r}) cannot be placed "
-                f"{ctx.pins[name]} on axis {ctx.name!r}: its candidates are {[str(s.output) for s in options]}. "
-                "Change the constraint or the degrees."
+                f"{_named(fact)} cannot be placed {pin} on axis {ctx.name!r}{why}: its candidates are "
+                f"{[str(s.output) for s in options]}. Change the constraint or the degrees."
             )
         options = pinned
     return options
+
+
+def _named(fact: NodeFacts) -> str:
+    """A node as a user knows it: a parameter by name, an op by its node and module."""
+    if fact.kind == "param":
+        return f"parameter {fact.name!r}"
+    return f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r})"
 
 
 def _no_kernel(fact: NodeFacts, ctx: AxisContext):

@@ -101,6 +101,8 @@ def search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions = PlanOptio
     for pp in ladder:
         ctx = SearchContext(facts, stage_mesh(mesh, pp), hardware, options, limit, pp, batch_dims, sequence_dims)
         configs = [check_degrees(degrees, ctx.mesh.size)] if degrees else degree_choices(ctx.mesh.size, optional)
+        if degrees:
+            _check_pinned_split(facts, configs[0], batch)
         configs = [
             c for c in configs if batch % batch_split(c) == 0 and _sequence_splits(facts, c.get(Axis.CP, 1))
         ] or configs
@@ -198,6 +200,24 @@ def _useful_cp(facts: dict[str, NodeFacts], hardware: HardwareProfile) -> int:
     causal = bool(fact.node.kwargs.get("is_causal", fact.node.args[5] if len(fact.node.args) > 5 else False))
     block = ring_hideable_block(q[1], k[1], fact.elem_bytes, flops, hardware.links[0].bandwidth, causal=causal)
     return max(1, q[2] // max(block, 1))
+
+
+def _check_pinned_split(facts: dict[str, NodeFacts], degrees: dict[str, int], batch: int) -> None:
+    """Pinned degrees must split what they split: dp x ep the global batch, cp the sequence."""
+    ranks = batch_split(degrees)
+    if batch % ranks:
+        raise ConfigError(
+            f"degrees {_degrees_str(degrees)}: {ranks} ranks split the global batch of {batch}, which {ranks} does "
+            f"not divide: pass a batch that is a multiple of {ranks}, or other degrees"
+        )
+    cp = degrees.get(Axis.CP, 1)
+    if not _sequence_splits(facts, cp):
+        lengths = sorted({f.out_shape[1] for f in facts.values() if f.kind == "input" and len(f.out_shape) > 1})
+        raise ConfigError(
+            f"degrees {_degrees_str(degrees)}: cp={cp} splits the sequence into {chunks_per_rank(Axis.CP) * cp} chunks "
+            f"(a head and a tail per rank), which the inputs' sequence length(s) {lengths} do not divide: pass a "
+            f"multiple of {chunks_per_rank(Axis.CP) * cp}, or another cp"
+        )
 
 
 def _sequence_splits(facts: dict[str, NodeFacts], cp: int) -> bool:
