@@ -36,10 +36,13 @@ from autopar.passes.rewrite.rewrite import check_plan
 from autopar.runtime.spawn import run_local
 from autopar.shrink import full_degrees, pattern_batch, pattern_options, shrink
 
-RTOL, ATOL = 1e-4, 1e-6  # fp32; an element near zero is judged by ATOL (the equivalence tests' allclose)
-# One AdamW step moves each element by about lr: a missing or mis-sharded gradient shows as an
-# error near lr / (ATOL + RTOL·|p|), far above 1; eps well above fp32 rounding of small gradients
-# keeps exact plans exact (see tests/helpers/equivalence.py for the numbers).
+RTOL, ATOL = 1e-4, 1e-6  # fp32; an element near zero is judged by ATOL (the equivalence tests use these too)
+# Adam's first step moves each element by lr * g / (|g| + eps): fp32 rounding in a gradient
+# element near 1e-7 (seen: 1e-8 absolute, i.e. 2e-7 of the largest gradient) shifts that
+# element's update by ~1% of lr. At lr=1e-4 that is ~1e-6, 20x under the 1e-4 tolerance on
+# parameters of scale 0.05, while a mis-sharded or missing update (~lr) is 20x over it.
+# Near |g| ≈ eps the update's slope is lr/(4·eps): with the default eps=1e-8, 1e-9 of rounding
+# noise moves an element by 2.5e-6. eps=1e-6 (a common AdamW setting) keeps that at 2.5e-8.
 LEARNING_RATE, ADAM_EPS = 1e-4, 1e-6
 BATCH_PER_DEVICE = 2
 SHRINK_CHOICES = ("auto", "always", "never")

@@ -6,16 +6,9 @@ from pathlib import Path
 import torch
 
 import autopar
+from autopar.verify import ADAM_EPS, ATOL, LEARNING_RATE, RTOL  # the step and tolerance autopar verify uses
 
 ROOT = Path(__file__).resolve().parents[2]
-
-# Adam's first step moves each element by lr * g / (|g| + eps): fp32 rounding in a gradient
-# element near 1e-7 (seen: 1e-8 absolute, i.e. 2e-7 of the largest gradient) shifts that
-# element's update by ~1% of lr. At lr=1e-4 that is ~1e-6, 20x under the 1e-4 tolerance on
-# parameters of scale 0.05, while a mis-sharded or missing update (~lr) is 20x over it.
-# Near |g| ≈ eps the update's slope is lr/(4·eps): with the default eps=1e-8, 1e-9 of rounding
-# noise moves an element by 2.5e-6. eps=1e-6 (a common AdamW setting) keeps that at 2.5e-8.
-LEARNING_RATE, ADAM_EPS = 1e-4, 1e-6
 
 # Megatron layouts, pinned by module name (the search fills in everything else).
 GPT_TP = {
@@ -89,7 +82,6 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     }
 
 
-RTOL, ATOL = 1e-4, 1e-6
 KERNEL_OPS = {"autopar.ring_attention.default": "ring", "autopar.ulysses_attention.default": "ulysses"}
 
 
