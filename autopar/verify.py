@@ -202,7 +202,7 @@ def prepare(
     budget = memory_budget or available_memory() / 2
     fits = mesh.size <= max_ranks and need <= budget
     if shrink_model == "always" or (not fits and shrink_model == "auto"):
-        return _shrunk(factory, args, kwargs, pattern, max_ranks, model, need, budget)
+        return _shrunk(factory, args, kwargs, pattern, max_ranks, need, budget)
     if not fits:
         raise ConfigError(
             f"the model on mesh {mesh} needs {mesh.size} ranks and about {need / 2**30:.1f} GiB here; the limits are "
@@ -256,7 +256,7 @@ def _runnable_plan(factory, args, kwargs, mesh: Mesh, plan: Plan, meta_fingerpri
     return Target(factory, args, kwargs, mesh, plan.batch_size, options=options, notes=(*notes, note))
 
 
-def _shrunk(factory, args, kwargs, pattern: Plan, max_ranks, model, need, budget) -> Target:
+def _shrunk(factory, args, kwargs, pattern: Plan, max_ranks: int, need: float, budget: float) -> Target:
     try:
         copy = shrink(factory, kwargs, pattern, max_ranks)
     except ValueError as error:

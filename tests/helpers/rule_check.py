@@ -68,12 +68,19 @@ class Tally:
 
     def summary(self) -> str:
         strategies = sum(len(s) for s in self.forward.values())
+        splitting = sum(1 for s in self.forward.values() for text in s if not _replicated(text))
         backward = sum(len(s) for s in self.backward.values())
         kernels = sum(len(s) for s in self.kernels.values())
         return (
-            f"{len(self.forward)} ops x {strategies} strategies checked forward ({backward} also backward); "
-            f"{kernels} kernel strategies left to tests/runtime/kernels"
+            f"{len(self.forward)} ops x {strategies} strategies checked forward ({splitting} that split or "
+            f"partial, the rest all-replicated fallbacks; {backward} also backward); {kernels} kernel strategies "
+            "left to tests/runtime/kernels"
         )
+
+
+def _replicated(strategy_text: str) -> bool:
+    """Whether a strategy (as ``str(Strategy)``) keeps every tensor whole: the fallback."""
+    return set(strategy_text.replace("->", ",").replace(" ", "").split(",")) <= {"R", ""}
 
 
 TALLY = Tally()
