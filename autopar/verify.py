@@ -34,7 +34,7 @@ from autopar.api import plan as make_plan
 from autopar.ir import ConfigError, Mesh, Plan, PlanOptions, Replicate, StalePlanError, batch_split
 from autopar.passes.rewrite.rewrite import check_plan
 from autopar.runtime.spawn import run_local
-from autopar.shrink import full_degrees, pattern_batch, pattern_options, shrink
+from autopar.shrink import SIZES, full_degrees, pattern_batch, pattern_options, shrink
 
 RTOL, ATOL = 1e-4, 1e-6  # fp32; an element near zero is judged by ATOL (the equivalence tests use these too)
 # Adam's first step moves each element by lr * g / (|g| + eps): fp32 rounding in a gradient
@@ -266,9 +266,16 @@ def _shrunk(factory, args, kwargs, pattern: Plan, max_ranks: int, need: float, b
         ) from None
     with torch.device("meta"):
         small = factory(*args, **copy.kwargs)
+    world = math.prod(copy.degrees.values())
+    small_need = world * 4 * sum(p.numel() * p.element_size() for p in small.parameters())
+    if small_need > budget:
+        raise ConfigError(
+            f"even the smaller copy ({', '.join(copy.changes)}) needs about {small_need / 2**30:.1f} GiB here, more "
+            f"than {budget / 2**30:.1f} GiB: its factory fixes sizes verify cannot lower (it lowers "
+            f"{', '.join(SIZES)}); verify a factory that takes them"
+        )
     params = {name for name, _ in small.named_parameters()}
     options = pattern_options(pattern, copy.degrees, params=params, modules=_modules(small))
-    world = math.prod(copy.degrees.values())
     notes = (
         f"a smaller copy ({', '.join(copy.changes) or 'same sizes'}) with the plan's parameter placements, "
         "kernels and schedule pinned",

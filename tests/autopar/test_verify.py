@@ -111,6 +111,9 @@ def test_the_copy_lowers_sizes_and_degrees_keeping_every_split_divisible():
     kwargs, _ = shrink_sizes(llama, dict(hidden=4096, heads=32, kv_heads=32, ffn=11008, layers=32), layers=4)
     assert kwargs["kv_heads"] == kwargs["heads"] == 4 and kwargs["layers"] == 4 and kwargs["ffn"] == 128
 
+    with pytest.raises(ValueError, match="takes none of the sizes verify lowers"):
+        shrink_sizes(lambda width=4096: None, {}, layers=2)
+
     degrees, changes = shrink_degrees({"pp": 4, "dp": 8, "tp": 8}, zero=0, max_ranks=4)
     assert degrees == {"pp": 2, "dp": 1, "tp": 2}  # dp goes first...
     degrees, _ = shrink_degrees({"pp": 4, "dp": 8, "tp": 8}, zero=1, max_ranks=4)
