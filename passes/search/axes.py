@@ -109,12 +109,15 @@ def axis_pins(facts, axis: str, size: int, constraints, experts: frozenset[str] 
 
 
 def kernel_pins(facts, constraints) -> dict[str, str]:
-    """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by module name)."""
+    """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by module name; the
+    model's own forward, where a loss is usually computed, is ``"<top>"``)."""
     pins = {}
     for pattern, value in constraints.items():
         if value in KERNEL_DIMS:
             matched = [
-                n for n, f in facts.items() if f.kind == "op" and fnmatch.fnmatchcase(module_path(f.node), pattern)
+                n
+                for n, f in facts.items()
+                if f.kind == "op" and fnmatch.fnmatchcase(module_path(f.node) or "<top>", pattern)
             ]
             pins.update({name: value for name in matched if _has_kernel(facts[name], value)})
             if not any(_has_kernel(facts[name], value) for name in matched):
@@ -125,7 +128,7 @@ def kernel_pins(facts, constraints) -> dict[str, str]:
 
 
 def _has_kernel(fact: NodeFacts, kernel: str) -> bool:
-    return rule_for(fact.node.target) is KERNEL_RULES[kernel]
+    return rule_for(fact.node.target) in KERNEL_RULES[kernel]
 
 
 def _constraint_pins(facts, constraints) -> dict[str, Placement]:
@@ -212,7 +215,8 @@ def _no_kernel(fact: NodeFacts, ctx: AxisContext):
     raise ShardingRuleError(
         f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r}) cannot run as the "
         f"{ctx.kernels[fact.node.name]!r} kernel on axis {ctx.name!r} of size {ctx.size}: its shapes do not split "
-        "that way (Ulysses needs the heads to split over the axis too). Pin the other kernel or change the degrees."
+        "that way (Ulysses needs the heads to split over the axis too; vocab, the vocabulary, without class weights). "
+        "Pin the other kernel or change the degrees."
     )
 
 
