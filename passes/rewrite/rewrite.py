@@ -13,8 +13,9 @@ input's LOCAL shard, in which
   left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
 - shape arguments of views and factory device arguments are local;
 - a mean loss over targets split on an axis (its output ``P(avg)`` there) divides its sum by
-  the global count of targets not ignored (over the shards, divided by their number): the
-  shards' average is then the mean over the whole batch however ignored targets fall;
+  the global count of targets not ignored (over the shards, divided by their number, counted
+  first thing in forward where the targets are an input): the shards' average is then the
+  mean over the whole batch however ignored targets fall;
 - under ZeRO-3 (``plan.zero == 3``) a parameter split over dp (``autopar.ir.zero``) arrives
   as its dp chunk and is gathered (``torch.ops.autopar.zero_gather``) once, right before its
   first use, so the whole weight lives from its first use to its last (the runtime batches
@@ -52,6 +53,7 @@ aten = torch.ops.aten
 R = Replicate()
 # Ops whose argument 1 is the output shape (or sizes derived from it).
 SHAPE_ARG_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.squeeze, aten.unsqueeze}
 _MEAN_LOSSES = {"aten.cross_entropy_loss", "aten.nll_loss", f"{OP_NAMESPACE}.vocab_cross_entropy"}  # by op name
 
 
@@ -204,9 +206,10 @@ def _exact_split_means(graph: fx.Graph, plan: Plan, groups: dict[str, str]) -> N
         split = [a for a, p in zip(axes, decision.output) if p == Partial("avg") and plan.degrees[a] > 1]
         if args[3] != _MEAN or not split:
             continue
-        target, weight, ignore_index = args[1], args[2], args[4]
+        target, weight, ignore_index = _view_root(args[1]), args[2], args[4]
         node.args, node.kwargs = (*args[:3], 2, *args[4:], *node.args[len(args) :]), {}  # sum, then divide
-        with graph.inserting_before(node.next):
+        early = target.op == "placeholder" and (weight is None or weight.op == "placeholder")
+        with graph.inserting_before(_first_op(graph) if early else node):
             counted = graph.call_function(aten.ne.Scalar, (target, ignore_index))
             if weight is not None:
                 index = graph.call_function(aten.where.ScalarOther, (counted, target, 0))
@@ -217,11 +220,26 @@ def _exact_split_means(graph: fx.Graph, plan: Plan, groups: dict[str, str]) -> N
             count = graph.call_function(aten.sum.default, (counted,), {"dtype": torch.float32})  # exact to 2^24
             for axis in split:
                 count = graph.call_function(torch.ops.autopar.all_reduce.default, (count, groups[axis], "avg"))
+        with graph.inserting_before(node.next):
             mean = divided = graph.call_function(aten.div.Tensor, (node, count))
             if node.meta["val"].dtype != torch.float32:
                 mean = graph.call_function(aten._to_copy.default, (divided,), {"dtype": node.meta["val"].dtype})
         mean.meta = dict(node.meta)
         node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not divided)
+
+
+def _view_root(value: fx.Node) -> fx.Node:
+    """The value a chain of views reads (the same elements), e.g. the labels placeholder behind
+    their flattened view: counting targets there, first thing in forward, the count's all-reduce
+    meets ranks still aligned by the last step's gradient sync, as torchtitan counts tokens
+    before the step, not at the end of forward."""
+    while value.op == "call_function" and getattr(value.target, "overloadpacket", None) in _VIEWS:
+        value = value.args[0]
+    return value
+
+
+def _first_op(graph: fx.Graph) -> fx.Node:
+    return next(node for node in graph.nodes if node.op != "placeholder")
 
 
 def _producer_placements(captured: CapturedGraph, plan: Plan, by_name) -> dict[str, tuple[Placement, ...]]:
