@@ -29,7 +29,7 @@ import torch
 
 from autopar.ir import Kernel
 from autopar.passes.cost.ops import collective_time, minimum
-from autopar.passes.sharding.strategies import numel
+from autopar.passes.sharding.strategies import OpView, numel
 
 
 def ulysses_bytes(batch: int, heads: int, seq: int, head_dim: int, world: int, itemsize: int) -> float:
@@ -153,14 +153,10 @@ def kernel_time(fact, strategy, ctx) -> float:
     if strategy.kernel == Kernel.VOCAB:
         if fact.node.target.overloadpacket is not torch.ops.aten.cross_entropy_loss:
             return 0.0  # the embedding: its partial sums are completed on the output's edge
-        tokens, smoothing = shapes[0][0], bool(_arg(fact.node, 5, "label_smoothing", 0.0))
+        tokens, smoothing = shapes[0][0], bool(OpView(fact.node, (), ()).arg(5, "label_smoothing", 0.0))
         rows = (1, 3 if smoothing else 2)  # the maxima; the sums
         return sum(collective_time("all_reduce", 4 * tokens * width, p, ctx.link) for width in rows)
     raise ValueError(f"no cost for kernel {strategy.kernel!r}")
-
-
-def _arg(node, index: int, name: str, default):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 def kernel_bytes(kernel: str, local_bytes: float, p: int, top_k: int = 1, tokens: int = 0) -> float:

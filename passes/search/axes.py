@@ -109,15 +109,12 @@ def axis_pins(facts, axis: str, size: int, constraints, experts: frozenset[str] 
 
 
 def kernel_pins(facts, constraints) -> dict[str, str]:
-    """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by module name; the
-    model's own forward, where a loss is usually computed, is ``"<top>"``)."""
+    """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by :func:`module_name`)."""
     pins = {}
     for pattern, value in constraints.items():
         if value in KERNEL_DIMS:
             matched = [
-                n
-                for n, f in facts.items()
-                if f.kind == "op" and fnmatch.fnmatchcase(module_path(f.node) or "<top>", pattern)
+                n for n, f in facts.items() if f.kind == "op" and fnmatch.fnmatchcase(module_name(f.node), pattern)
             ]
             pins.update({name: value for name in matched if _has_kernel(facts[name], value)})
             if not any(_has_kernel(facts[name], value) for name in matched):
@@ -125,6 +122,12 @@ def kernel_pins(facts, constraints) -> dict[str, str]:
                     f"constraint {pattern!r}: {value!r} pins a kernel, but no op of a module matching it has one"
                 )
     return pins
+
+
+def module_name(node) -> str:
+    """The module a constraint pattern matches a node by: its module path, or ``"<top>"`` for
+    the model's own forward (where a loss is usually computed), as plans print it."""
+    return module_path(node) or "<top>"
 
 
 def _has_kernel(fact: NodeFacts, kernel: str) -> bool:
@@ -141,7 +144,7 @@ def _constraint_pins(facts, constraints) -> dict[str, Placement]:
             name
             for name, f in facts.items()
             if (f.kind == "param" and fnmatch.fnmatchcase(f.name, pattern))
-            or (f.kind == "op" and f.out_shapes and fnmatch.fnmatchcase(module_path(f.node), pattern))
+            or (f.kind == "op" and f.out_shapes and fnmatch.fnmatchcase(module_name(f.node), pattern))
         ]
         if not matched:
             raise ShardingRuleError(f"constraint {pattern!r} matches no parameter and no module: check the name")
@@ -203,7 +206,7 @@ def candidates(fact: NodeFacts, ctx: AxisContext) -> list[Strategy]:
         pinned = [s for s in options if s.output == ctx.pins[name]]
         if not pinned:
             raise ShardingRuleError(
-                f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r}) cannot be placed "
+                f"node {fact.node.format_node()} (module {module_name(fact.node)!r}) cannot be placed "
                 f"{ctx.pins[name]} on axis {ctx.name!r}: its candidates are {[str(s.output) for s in options]}. "
                 "Change the constraint or the degrees."
             )
@@ -213,7 +216,7 @@ def candidates(fact: NodeFacts, ctx: AxisContext) -> list[Strategy]:
 
 def _no_kernel(fact: NodeFacts, ctx: AxisContext):
     raise ShardingRuleError(
-        f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r}) cannot run as the "
+        f"node {fact.node.format_node()} (module {module_name(fact.node)!r}) cannot run as the "
         f"{ctx.kernels[fact.node.name]!r} kernel on axis {ctx.name!r} of size {ctx.size}: its shapes do not split "
         "that way (Ulysses needs the heads to split over the axis too; vocab, the vocabulary, without class weights). "
         "Pin the other kernel or change the degrees."
@@ -225,7 +228,9 @@ def split_dims(
 ) -> dict[str, Strategy]:
     """Where the batch (axis "dp") or sequence (axis "cp", never splitting the ``batch`` dim)
     dim of every tensor is: that axis's solution on a virtual axis where gradient sync is
-    free (hidden), so the dim stays split wherever it can."""
+    free (hidden), so the dim stays split wherever it can. Where that solution chunks a weight
+    instead (an output projection by columns, when the sequence cannot pass the logits' flatten)
+    the node's split is the weight's, neither dim: such nodes are left out."""
     dim, multiple = SPLIT_DIM[axis], chunks_per_rank(axis)
     sizes = [f.out_shape[dim] for f in facts.values() if f.kind == "input" and len(f.out_shape) > dim]
     size = next((k for k in range(2, (sizes[0] if sizes else 1) + 1) if sizes[0] % (k * multiple) == 0), 1)
@@ -240,7 +245,15 @@ def split_dims(
         overlap=1.0,
         batch=batch,
     )
-    return solve_axis(facts, ctx, None)
+    chosen = solve_axis(facts, ctx, None)
+    return {name: s for name, s in chosen.items() if not _splits_a_weight(facts[name], s, facts)}
+
+
+def _splits_a_weight(fact: NodeFacts, strategy: Strategy, facts) -> bool:
+    return any(
+        isinstance(placement, Shard) and facts[slot.name].kind == "param"
+        for slot, placement in zip(fact.slots, strategy.inputs)
+    )
 
 
 def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:

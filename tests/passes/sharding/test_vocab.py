@@ -127,3 +127,16 @@ def test_a_vocab_pin_that_cannot_hold_names_the_node():
         autopar.plan(model, 4, inputs, degrees={"tp": 4}, constraints={"<top>": "vocab"})
     with pytest.raises(ShardingRuleError, match="no op of a module matching it has one"):
         autopar.plan(model, 4, inputs, degrees={"tp": 4}, constraints={"norm": "vocab"})
+
+
+def test_a_batch_of_sequences_still_splits_the_head_by_columns():
+    """With batch > 1 the sequence cannot pass the logits' flatten(0, 1), and the virtual axis that
+    finds the sequence dims chunks the head's weight instead; that is no sequence split, so tp may
+    still split the head by columns (it used to refuse the pin) and run the loss over split classes."""
+    model = meta_model("gpt.py", hidden=128, layers=1, heads=4, vocab=32768, seq=256)
+    captured = autopar.capture(model, model.example_inputs(8, device="meta"))
+    pinned = autopar.plan(captured, 4, degrees={"tp": 4}, constraints={"output": "S(-1)"}, hardware="a100-80gb")
+    free = autopar.plan(captured, 4, degrees={"tp": 4}, hardware="a100-80gb")
+    for plan in (pinned, free):
+        assert plan.params["output.weight"][-1] == Shard(0)
+        assert next(d for d in plan.nodes.values() if "cross_entropy" in d.op).kernel == Kernel.VOCAB

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from op_checks import opcheck_failures
+from op_checks import error_of, opcheck_failures
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.runtime import build_device_mesh, group_name
@@ -80,14 +80,6 @@ def _cross_entropy_errors(group: str) -> dict:
     return errors
 
 
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except ValueError as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 def _two_ranks(rank, world_size):
     group = group_name(build_device_mesh({"tp": 2}, "cpu"), ("tp",))
     logits, target = torch.randn(4, VOCAB // 2, requires_grad=True), torch.tensor([0, 7, -100, 11])
@@ -99,8 +91,8 @@ def _two_ranks(rank, world_size):
                 "_vocab_cross_entropy": (logits, target, group, -100, 0.1),
             }
         ),
-        "weighted": _error_of(lambda: ops.vocab_cross_entropy(logits, target, torch.ones(12), 1, -100, 0.0, group)),
-        "unflattened": _error_of(
+        "weighted": error_of(lambda: ops.vocab_cross_entropy(logits, target, torch.ones(12), 1, -100, 0.0, group)),
+        "unflattened": error_of(
             lambda: ops.vocab_cross_entropy(logits.unsqueeze(0), target[None], None, 1, -100, 0.0, group)
         ),
     }
