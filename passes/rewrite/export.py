@@ -211,15 +211,15 @@ def collective_calls(program: fx.GraphModule, plan: Plan) -> list[CollectiveCall
         nbytes = 0
         if val is not None and before is not None:
             nbytes = math.prod(local_shape(tuple(val.shape), before, plan.degrees)) * val.element_size()
-        op, group = _collective_name(node), _group(node)
+        op, group, module = _collective_name(node), _group(node), _consumer_module(node)
         if op in KERNEL_TRAFFIC:  # what the kernel itself sends, for its input's size; its output is a new value
             tokens = _local_numel(node.args[1], placements, plan) if op == "vocab_cross_entropy" else 0
             nbytes = kernel_bytes(
                 KERNEL_TRAFFIC[op], nbytes, plan.degrees.get(group, 1), node.args[4] if op == "moe" else 1, tokens
             )
-            sources[node.name] = node
+            sources[node.name], module = node, module_path(node)  # a kernel serves its own module
             placements[node.name] = plan.nodes[node.name].output if node.name in plan.nodes else after
-        calls.append(CollectiveCall(node.name, op, group, _consumer_module(node), before, after, nbytes))
+        calls.append(CollectiveCall(node.name, op, group, module, before, after, nbytes))
     return calls
 
 
