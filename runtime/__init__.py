@@ -4,7 +4,8 @@
   DeviceMesh and the c10d groups of its axes;
 - ``collectives``: the ``autopar::`` ops rewritten graphs call, each an autograd function with
   its dual as backward; ``kernels/``: context-parallel attention (ring, Ulysses, the zigzag
-  sequence layout) and the expert-parallel mixture of experts;
+  sequence layout), the expert-parallel mixture of experts, the vocabulary-parallel embedding
+  and cross-entropy;
 - ``grad_sync``: bucketed gradient all-reduce overlapped with backward; ``zero/``: ZeRO 1-3
   (sharded layout and optimizer, parameter gathers, gradient reduce-scatters);
 - ``module`` (``ParallelModule``, ``AccumulatingModule``) and ``pipeline`` (``PipelineModule``):
@@ -27,6 +28,7 @@ from autopar.runtime.collectives import (
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.context_parallel import ring_attention, ulysses_attention
 from autopar.runtime.kernels.expert_parallel import moe
+from autopar.runtime.kernels.vocab_parallel import vocab_cross_entropy, vocab_embedding
 from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import free_port, init_from_env, launch_local
 from autopar.runtime.process_groups import build_device_mesh, group_name
@@ -53,6 +55,8 @@ __all__ = [
     "run_local",
     "save_checkpoint",
     "ulysses_attention",
+    "vocab_cross_entropy",
+    "vocab_embedding",
     "zero_gather",
     "zigzag",
 ]

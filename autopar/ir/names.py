@@ -27,6 +27,7 @@ class Kernel(StrEnum):
     RING = "ring"  # context-parallel attention: K/V blocks pass around the ring
     ULYSSES = "ulysses"  # context-parallel attention: all-to-all between sequence and heads
     EXPERTS = "experts"  # expert-parallel mixture of experts: tokens travel to their experts by all-to-all
+    VOCAB = "vocab"  # the vocabulary split: embedding rows looked up where they live, cross-entropy over split classes
 
 
 class PipelineKind(StrEnum):

@@ -23,7 +23,7 @@ from autopar.ir.plan_schema import check_plan_json
 PLAN_FORMAT = 5  # 3: the schedule's pipeline kind, virtual stages and cut points; 4: kernels (cp, ep); 5: precision
 
 # The mesh dimension each parallel kernel runs over (see :class:`Kernel`).
-KERNEL_DIMS = {Kernel.RING: Axis.CP, Kernel.ULYSSES: Axis.CP, Kernel.EXPERTS: Axis.EP}
+KERNEL_DIMS = {Kernel.RING: Axis.CP, Kernel.ULYSSES: Axis.CP, Kernel.EXPERTS: Axis.EP, Kernel.VOCAB: Axis.TP}
 
 AxisPlacements = tuple[Placement, ...]  # one placement per parallel dimension of the plan
 

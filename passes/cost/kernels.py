@@ -15,6 +15,10 @@ layer, forward and backward, on one rank:
   rank sets the pace: its share of the routed tokens (measured on the example inputs when
   capture could run the model, else uniform) scales its traffic, and the others wait for its
   extra expert work.
+- Vocabulary: the embedding looks up its own rows and sends nothing (its partial output is
+  completed on the edge, priced there); the cross-entropy all-reduces the row maxima and then
+  the rows' sums in forward and sends nothing in backward (Megatron-LM's
+  ``vocab_parallel_cross_entropy``), where gathering the logits would move N·V elements.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 
 from autopar.ir import Kernel
 from autopar.passes.cost.ops import collective_time, minimum
-from autopar.passes.sharding.strategies import numel
+from autopar.passes.sharding.strategies import OpView, numel
 
 
 def ulysses_bytes(batch: int, heads: int, seq: int, head_dim: int, world: int, itemsize: int) -> float:
@@ -83,6 +87,18 @@ def dispatch_bytes(tokens: int, hidden: int, top_k: int, world: int, itemsize: i
     return tokens * top_k * row_elements * itemsize * (world - 1) / world
 
 
+def vocab_loss_bytes(tokens: int, world: int, smoothing: bool = False) -> float:
+    """Bytes one rank sends in a vocabulary-parallel cross-entropy over ``tokens`` rows; backward sends none.
+
+    Two ring all-reduces of fp32 values, each sending 2·(p−1)/p of its size: the N row maxima,
+    then per row the sum of exponentials and the target logit (and, with label smoothing, the
+    sum of logits): ``2·(p−1)/p · 4·N·(1 + 2)``, or ``(1 + 3)``. Gathering the logits instead
+    sends (p−1)/p · N·V·itemsize. Example: ``vocab_loss_bytes(8192, 8)`` is 172032 (168 KiB).
+    """
+    values = tokens * (1 + (3 if smoothing else 2))
+    return 2 * (world - 1) / world * 4 * values
+
+
 def expert_load(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """Fraction of the token-slots (T·top_k) each expert receives: [E], summing to 1.
 
@@ -134,16 +150,26 @@ def kernel_time(fact, strategy, ctx) -> float:
         moved = sum(collective_time("all_to_all", tokens * top_k * width * elem, p, ctx.link) for width in widths)
         waiting = fact.full_time_s * ctx.local.work[fact.node.name] / p * (imbalance - 1)
         return moved * imbalance + waiting
+    if strategy.kernel == Kernel.VOCAB:
+        if fact.node.target.overloadpacket is not torch.ops.aten.cross_entropy_loss:
+            return 0.0  # the embedding: its partial sums are completed on the output's edge
+        tokens, smoothing = shapes[0][0], bool(OpView(fact.node, (), ()).arg(5, "label_smoothing", 0.0))
+        rows = (1, 3 if smoothing else 2)  # the maxima; the sums
+        return sum(collective_time("all_reduce", 4 * tokens * width, p, ctx.link) for width in rows)
     raise ValueError(f"no cost for kernel {strategy.kernel!r}")
 
 
-def kernel_bytes(kernel: str, local_bytes: float, p: int, top_k: int = 1) -> float:
+def kernel_bytes(kernel: str, local_bytes: float, p: int, top_k: int = 1, tokens: int = 0) -> float:
     """Bytes one rank sends in a kernel's forward, given its first input's local size (q for
     attention, the tokens for experts); backward sends about as much again (ring: twice).
 
     Ring: p − 1 K/V blocks, each as large as q (without grouped K/V heads). Ulysses: four
     all-to-alls keeping 1/p of q's size. Experts: every token top_k times out and back.
+    Vocabulary: the cross-entropy's :func:`vocab_loss_bytes` for its ``tokens`` rows (the
+    embedding, given none, sends nothing).
     """
+    if kernel == Kernel.VOCAB:
+        return vocab_loss_bytes(tokens, p) if tokens else 0.0
     if kernel == Kernel.RING:
         return 2 * (p - 1) * local_bytes
     if kernel == Kernel.ULYSSES:

@@ -37,7 +37,13 @@ AXIS_MEANING = {
     Axis.CP: "context parallel: the sequence is split",
     Axis.EP: "expert parallel: experts are split",
 }
-KERNEL_TRAFFIC = {"ring_attention": Kernel.RING, "ulysses_attention": Kernel.ULYSSES, "moe": Kernel.EXPERTS}
+KERNEL_TRAFFIC = {
+    "ring_attention": Kernel.RING,
+    "ulysses_attention": Kernel.ULYSSES,
+    "moe": Kernel.EXPERTS,
+    "vocab_embedding": Kernel.VOCAB,
+    "vocab_cross_entropy": Kernel.VOCAB,
+}
 COLLECTIVE_COLOR = "orange"
 PARAM_COLOR = "lightblue"
 INPUT_COLOR = "palegreen"
@@ -205,13 +211,21 @@ def collective_calls(program: fx.GraphModule, plan: Plan) -> list[CollectiveCall
         nbytes = 0
         if val is not None and before is not None:
             nbytes = math.prod(local_shape(tuple(val.shape), before, plan.degrees)) * val.element_size()
-        op, group = _collective_name(node), _group(node)
-        if op in KERNEL_TRAFFIC:  # what the kernel itself sends, for its input's size
+        op, group, module = _collective_name(node), _group(node), _consumer_module(node)
+        if op in KERNEL_TRAFFIC:  # what the kernel itself sends, for its input's size; its output is a new value
+            tokens = _local_numel(node.args[1], placements, plan) if op == "vocab_cross_entropy" else 0
             nbytes = kernel_bytes(
-                KERNEL_TRAFFIC[op], nbytes, plan.degrees.get(group, 1), node.args[4] if op == "moe" else 1
+                KERNEL_TRAFFIC[op], nbytes, plan.degrees.get(group, 1), node.args[4] if op == "moe" else 1, tokens
             )
-        calls.append(CollectiveCall(node.name, op, group, _consumer_module(node), before, after, nbytes))
+            sources[node.name], module = node, module_path(node)  # a kernel serves its own module
+            placements[node.name] = plan.nodes[node.name].output if node.name in plan.nodes else after
+        calls.append(CollectiveCall(node.name, op, group, module, before, after, nbytes))
     return calls
+
+
+def _local_numel(value: fx.Node, placements: dict, plan: Plan) -> int:
+    val, placement = _tensor(value), placements.get(value.name)
+    return math.prod(local_shape(tuple(val.shape), placement, plan.degrees)) if val is not None and placement else 0
 
 
 def _consumer_module(node: fx.Node) -> str:

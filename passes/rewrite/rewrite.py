@@ -12,6 +12,10 @@ input's LOCAL shard, in which
   all-gather when the input was just gathered: sequence parallelism's reduce-scatter), and
   left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
 - shape arguments of views and factory device arguments are local;
+- a mean loss over targets split on an axis (its output ``P(avg)`` there) divides its sum by
+  the global count of targets not ignored (over the shards, divided by their number, counted
+  first thing in forward where the targets are an input): the shards' average is then the
+  mean over the whole batch however ignored targets fall;
 - under ZeRO-3 (``plan.zero == 3``) a parameter split over dp (``autopar.ir.zero``) arrives
   as its dp chunk and is gathered (``torch.ops.autopar.zero_gather``) once, right before its
   first use, so the whole weight lives from its first use to its last (the runtime batches
@@ -28,6 +32,7 @@ import torch.fx as fx
 
 from autopar.ir import (
     KERNEL_DIMS,
+    OP_NAMESPACE,
     Axis,
     InvalidPlanError,
     Kernel,
@@ -45,12 +50,15 @@ from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.runner import at_node
 from autopar.passes.sharding.strategies import tensor_inputs
 
+aten = torch.ops.aten
 R = Replicate()
 # Ops whose argument 1 is the output shape (or sizes derived from it).
-SHAPE_ARG_OPS = {torch.ops.aten.view, torch.ops.aten.reshape, torch.ops.aten._unsafe_view, torch.ops.aten.expand}
+SHAPE_ARG_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
 # Ops whose arguments fix the output shape otherwise: on a shard they become a reshape to the local
 # shape (unflatten's sizes are the whole dim's; squeeze(d) would drop a dim a shard has made 1).
-RESHAPE_OPS = {torch.ops.aten.unflatten, torch.ops.aten.squeeze}
+RESHAPE_OPS = {aten.unflatten, aten.squeeze}
+_VIEWS = {aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.squeeze, aten.unsqueeze}
+_MEAN_LOSSES = {"aten.cross_entropy_loss", "aten.nll_loss", f"{OP_NAMESPACE}.vocab_cross_entropy"}  # by op name
 
 
 def rewrite(
@@ -80,6 +88,7 @@ def rewrite(
             continue
         with at_node(node):
             _rewrite_node(node, decision, plan, placements, builder, gradients, device)
+    _exact_split_means(graph, plan, groups)
     if plan.zero == 3:
         _gather_zero3_params(graph, captured, plan, groups)
     _views_to_reshapes(graph)
@@ -205,12 +214,83 @@ def _use_kernel(node: fx.Node, kernel: str, group: str) -> None:
         node.args, node.kwargs = (q, k, v, group, causal, scale), {}
     elif kernel == Kernel.EXPERTS:
         node.args = (*node.args[:-1], group)  # the experts op's last argument: its process group
+    elif kernel == Kernel.VOCAB and node.target.overloadpacket is aten.embedding:
+        weight, indices, padding_idx = *node.args[:2], _arg(node, 2, "padding_idx", -1)
+        node.target = torch.ops.autopar.vocab_embedding.default
+        node.args, node.kwargs = (weight, indices, group, padding_idx), {}
+    elif kernel == Kernel.VOCAB:  # the cross-entropy over split classes, same arguments and the group
+        args = _loss_args(node)
+        node.target = torch.ops.autopar.vocab_cross_entropy.default
+        node.args, node.kwargs = (*args, group), {}
     else:
         raise StalePlanError(f"unknown kernel {kernel!r} for node {node.name}: re-run autopar.plan")
 
 
 def _arg(node: fx.Node, index: int, name: str, default):
     return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+# (input, target, then these) of aten.cross_entropy_loss, aten.nll_loss and autopar::vocab_cross_entropy
+_LOSS_OPTIONS = (("weight", None), ("reduction", 1), ("ignore_index", -100), ("label_smoothing", 0.0))
+_MEAN = 1  # at::Reduction::Mean
+
+
+def _loss_args(node: fx.Node) -> list:
+    """A loss node's arguments in full, defaults filled in (nll_loss takes no label smoothing)."""
+    options = _LOSS_OPTIONS[:3] if node.target.overloadpacket is aten.nll_loss else _LOSS_OPTIONS
+    return [*node.args[:2]] + [_arg(node, 2 + i, name, default) for i, (name, default) in enumerate(options)]
+
+
+def _exact_split_means(graph: fx.Graph, plan: Plan, groups: dict[str, str]) -> None:
+    """A mean loss whose targets are split over axes (its output ``P(avg)`` on them) sums its
+    shard and divides by C / n: C the targets counted over the n shards (``all_reduce`` avg of
+    each shard's count, axis by axis), so the shards' average Σ sum / C is the global mean even
+    where shards hold different numbers of ignored targets (Megatron's per-token loss). Class
+    weights count as constants here: the count uses them detached."""
+    axes = tuple(plan.degrees)
+    for node in list(graph.nodes):
+        decision = plan.nodes.get(node.name)
+        packet = getattr(node.target, "overloadpacket", None)
+        if decision is None or decision.output is None or str(packet) not in _MEAN_LOSSES:
+            continue
+        args = _loss_args(node)
+        split = [a for a, p in zip(axes, decision.output) if p == Partial("avg") and plan.degrees[a] > 1]
+        if args[3] != _MEAN or not split:
+            continue
+        target, weight, ignore_index = _view_root(args[1]), args[2], args[4]
+        node.args, node.kwargs = (*args[:3], 2, *args[4:], *node.args[len(args) :]), {}  # sum, then divide
+        early = target.op == "placeholder" and (weight is None or weight.op == "placeholder")
+        with graph.inserting_before(_first_op(graph) if early else node):
+            counted = graph.call_function(aten.ne.Scalar, (target, ignore_index))
+            if weight is not None:
+                index = graph.call_function(aten.where.ScalarOther, (counted, target, 0))
+                weights = graph.call_function(
+                    aten.index.Tensor, (graph.call_function(aten.detach.default, (weight,)), [index])
+                )
+                counted = graph.call_function(aten.mul.Tensor, (weights, counted))
+            count = graph.call_function(aten.sum.default, (counted,), {"dtype": torch.float32})  # exact to 2^24
+            for axis in split:
+                count = graph.call_function(torch.ops.autopar.all_reduce.default, (count, groups[axis], "avg"))
+        with graph.inserting_before(node.next):
+            mean = divided = graph.call_function(aten.div.Tensor, (node, count))
+            if node.meta["val"].dtype != torch.float32:
+                mean = graph.call_function(aten._to_copy.default, (divided,), {"dtype": node.meta["val"].dtype})
+        mean.meta = dict(node.meta)
+        node.replace_all_uses_with(mean, delete_user_cb=lambda user: user is not divided)
+
+
+def _view_root(value: fx.Node) -> fx.Node:
+    """The value a chain of views reads (the same elements), e.g. the labels placeholder behind
+    their flattened view: counting targets there, first thing in forward, the count's all-reduce
+    meets ranks still aligned by the last step's gradient sync, as torchtitan counts tokens
+    before the step, not at the end of forward."""
+    while value.op == "call_function" and getattr(value.target, "overloadpacket", None) in _VIEWS:
+        value = value.args[0]
+    return value
+
+
+def _first_op(graph: fx.Graph) -> fx.Node:
+    return next(node for node in graph.nodes if node.op != "placeholder")
 
 
 def _producer_placements(captured: CapturedGraph, plan: Plan, by_name) -> dict[str, tuple[Placement, ...]]:

@@ -109,12 +109,12 @@ def axis_pins(facts, axis: str, size: int, constraints, experts: frozenset[str] 
 
 
 def kernel_pins(facts, constraints) -> dict[str, str]:
-    """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by module name)."""
+    """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by :func:`module_name`)."""
     pins = {}
     for pattern, value in constraints.items():
         if value in KERNEL_DIMS:
             matched = [
-                n for n, f in facts.items() if f.kind == "op" and fnmatch.fnmatchcase(module_path(f.node), pattern)
+                n for n, f in facts.items() if f.kind == "op" and fnmatch.fnmatchcase(module_name(f.node), pattern)
             ]
             pins.update({name: value for name in matched if _has_kernel(facts[name], value)})
             if not any(_has_kernel(facts[name], value) for name in matched):
@@ -124,8 +124,14 @@ def kernel_pins(facts, constraints) -> dict[str, str]:
     return pins
 
 
+def module_name(node) -> str:
+    """The module a constraint pattern matches a node by: its module path, or ``"<top>"`` for
+    the model's own forward (where a loss is usually computed), as plans print it."""
+    return module_path(node) or "<top>"
+
+
 def _has_kernel(fact: NodeFacts, kernel: str) -> bool:
-    return rule_for(fact.node.target) is KERNEL_RULES[kernel]
+    return rule_for(fact.node.target) in KERNEL_RULES[kernel]
 
 
 def _constraint_pins(facts, constraints) -> dict[str, Placement]:
@@ -138,7 +144,7 @@ def _constraint_pins(facts, constraints) -> dict[str, Placement]:
             name
             for name, f in facts.items()
             if (f.kind == "param" and fnmatch.fnmatchcase(f.name, pattern))
-            or (f.kind == "op" and f.out_shapes and fnmatch.fnmatchcase(module_path(f.node), pattern))
+            or (f.kind == "op" and f.out_shapes and fnmatch.fnmatchcase(module_name(f.node), pattern))
         ]
         if not matched:
             raise ShardingRuleError(f"constraint {pattern!r} matches no parameter and no module: check the name")
@@ -230,14 +236,15 @@ def _named(fact: NodeFacts) -> str:
     """A node as a user knows it: a parameter by name, an op by its node and module."""
     if fact.kind == "param":
         return f"parameter {fact.name!r}"
-    return f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r})"
+    return f"node {fact.node.format_node()} (module {module_name(fact.node)!r})"
 
 
 def _no_kernel(fact: NodeFacts, ctx: AxisContext):
     raise ShardingRuleError(
-        f"node {fact.node.format_node()} (module {module_path(fact.node) or '<top>'!r}) cannot run as the "
+        f"node {fact.node.format_node()} (module {module_name(fact.node)!r}) cannot run as the "
         f"{ctx.kernels[fact.node.name]!r} kernel on axis {ctx.name!r} of size {ctx.size}: its shapes do not split "
-        "that way (Ulysses needs the heads to split over the axis too). Pin the other kernel or change the degrees."
+        "that way (Ulysses needs the heads to split over the axis too; vocab, the vocabulary, without class weights). "
+        "Pin the other kernel or change the degrees."
     )
 
 
@@ -246,7 +253,9 @@ def split_dims(
 ) -> dict[str, Strategy]:
     """Where the batch (axis "dp") or sequence (axis "cp", never splitting the ``batch`` dim)
     dim of every tensor is: that axis's solution on a virtual axis where gradient sync is
-    free (hidden), so the dim stays split wherever it can."""
+    free (hidden), so the dim stays split wherever it can. Where that solution chunks a weight
+    instead (an output projection by columns, when the sequence cannot pass the logits' flatten)
+    the node's split is the weight's, neither dim: such nodes are left out."""
     dim, multiple = SPLIT_DIM[axis], chunks_per_rank(axis)
     sizes = [f.out_shape[dim] for f in facts.values() if f.kind == "input" and len(f.out_shape) > dim]
     size = next((k for k in range(2, (sizes[0] if sizes else 1) + 1) if sizes[0] % (k * multiple) == 0), 1)
@@ -261,7 +270,15 @@ def split_dims(
         overlap=1.0,
         batch=batch,
     )
-    return solve_axis(facts, ctx, None)
+    chosen = solve_axis(facts, ctx, None)
+    return {name: s for name, s in chosen.items() if not _splits_a_weight(facts[name], s, facts)}
+
+
+def _splits_a_weight(fact: NodeFacts, strategy: Strategy, facts) -> bool:
+    return any(
+        isinstance(placement, Shard) and facts[slot.name].kind == "param"
+        for slot, placement in zip(fact.slots, strategy.inputs)
+    )
 
 
 def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:

@@ -3,7 +3,8 @@
 ``RULES`` maps an op (or its overload packet) to a function enumerating candidates from the
 op's arguments and shapes; :func:`node_strategies` adds the universal all-replicated
 fallback, drops candidates whose sharded dims do not divide by the axis size, and says
-whether the op had a rule at all (the coverage report).
+whether the op had a rule at all (the coverage report). The rules of the ops indexed by a
+vocabulary (embedding, losses) are in :mod:`vocab`.
 
 Partial values flow only through ops that are linear in them (views, sums, scaling,
 matmuls with a replicated partner); everything else must see them reduced first.
@@ -20,6 +21,7 @@ import torch.fx as fx
 from autopar.ir import Kernel, Partial, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
+from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
 
 aten = torch.ops.aten
 R = Replicate()
@@ -301,14 +303,6 @@ def layer_norm(view: OpView) -> list[Strategy]:
     return [Strategy((Shard(d),) + (R,) * (n_in - 1), Shard(d)) for d in range(ndim - normalized)]
 
 
-def embedding(view: OpView) -> list[Strategy]:
-    """Lookup rows of W by index: shard the indices (output follows) or W's columns."""
-    weight_ndim, idx_ndim = len(view.in_shapes[0]), len(view.in_shapes[1])
-    strategies = [Strategy((R, Shard(d)), Shard(d)) for d in range(idx_ndim)]
-    strategies.append(Strategy((Shard(weight_ndim - 1), R), Shard(idx_ndim)))
-    return strategies
-
-
 def index(view: OpView) -> list[Strategy]:
     """x[idx] with one index tensor on dim 0: shard the indices, or a dim of x that is not indexed."""
     indices = view.arg(1, "indices")
@@ -345,26 +339,6 @@ def experts(view: OpView) -> list[Strategy]:
     and send tokens to them (the expert-parallel kernel)."""
     tokens = Strategy((Shard(0), R, R, R), Shard(0))
     return [tokens, Strategy((Shard(0), R, Shard(0), Shard(0)), Shard(0), Kernel.EXPERTS)]
-
-
-def loss(view: OpView) -> list[Strategy]:
-    """cross_entropy / nll_loss(input [N, C, ...], target [N, ...]): shard N or a trailing dim.
-
-    A mean over a sharded dim is the average of the shards' means (P(avg)); this is exact when
-    every shard holds as many counted targets, as with unpadded batches. With class weights a mean
-    divides by the targets' total weight, which differs from shard to shard: no split then.
-    """
-    reduction = view.arg(3, "reduction", 1)
-    if reduction == 1 and view.arg(2, "weight", None) is not None:
-        return []
-    in_ndim = len(view.in_shapes[0])
-    out = {0: None, 1: Partial("avg"), 2: Partial("sum")}[reduction]
-    strategies = []
-    for d in [0] + list(range(2, in_ndim)):
-        target_dim = 0 if d == 0 else d - 1
-        placements = (Shard(d), Shard(target_dim)) + (R,) * (len(view.in_shapes) - 2)
-        strategies.append(Strategy(placements, out or Shard(target_dim)))
-    return strategies
 
 
 def mse(view: OpView) -> list[Strategy]:
@@ -417,7 +391,7 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.embedding: embedding,
     aten.index: index,
     aten.scaled_dot_product_attention: attention,
-    aten.cross_entropy_loss: loss,
+    aten.cross_entropy_loss: cross_entropy,
     aten.nll_loss: loss,
     aten.mse_loss: mse,
     aten.broadcast_tensors: pointwise,
@@ -442,9 +416,10 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
 
 OWN_OPS = {EXPERTS_OP: experts}  # autopar's composite ops, by name (registered by autopar.runtime)
 KERNEL_RULES = {
-    Kernel.RING: attention,
-    Kernel.ULYSSES: attention,
-    Kernel.EXPERTS: experts,
+    Kernel.RING: (attention,),
+    Kernel.ULYSSES: (attention,),
+    Kernel.EXPERTS: (experts,),
+    Kernel.VOCAB: (embedding, cross_entropy),
 }  # the rules offering each kernel
 MATMULS = (linear, mm, bmm, addmm, matmul, attention)  # the rules of ops that multiply whole rows by whole columns
 

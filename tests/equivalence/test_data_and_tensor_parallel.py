@@ -1,5 +1,9 @@
 """Rewrite + runtime against the unparallelized model: same loss, full gradients and
-parameters after AdamW (fp32), on real gloo process groups of 2 and 4 ranks."""
+parameters after AdamW (fp32), on real gloo process groups of 2 and 4 ranks.
+
+The vocabulary-split cases (``*_VOCAB``) cover GPT and Llama on TP2, TP4 and DP2xTP2, each model
+with and without sequence parallelism, all with ignored targets (a different count per row).
+"""
 
 import pytest
 from equivalence import (
@@ -7,8 +11,10 @@ from equivalence import (
     GPT2_TP,
     GPT_SP,
     GPT_TP,
+    GPT_VOCAB,
     LLAMA_SP,
     LLAMA_TP,
+    LLAMA_VOCAB,
     MLP_TP,
     assert_matches,
     check_every_case,
@@ -20,17 +26,19 @@ from autopar.runtime.spawn import run_local
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 MLP = dict(hidden=32, ffn=64, layers=2)
 HF = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
+IGNORED = dict(ignore_targets=True)  # rows ignore 1, 2, ... targets: data-parallel shards count differently
 
 TWO_RANKS = [
     ("mlp", "build", MLP, {}),
     ("mlp", "build", MLP, dict(degrees={"dp": 2})),
     ("mlp", "build", MLP, dict(degrees={"tp": 2}, constraints=MLP_TP)),
     ("gpt", "build", GPT, {}),
-    ("gpt", "build", GPT, dict(degrees={"dp": 2})),
+    ("gpt", "build", GPT, dict(degrees={"dp": 2}, **IGNORED)),
     ("gpt", "build", GPT, dict(degrees={"dp": 2}, optimizer="shards")),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_TP)),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_TP, optimizer="shards")),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP)),
+    ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints={**GPT_TP, **GPT_VOCAB}, **IGNORED)),
     ("hf", "build_gpt2", HF, {}),
     ("hf", "build_gpt2", HF, dict(degrees={"dp": 2})),
     ("hf", "build_gpt2", HF, dict(degrees={"tp": 2}, constraints=GPT2_TP)),
@@ -39,6 +47,7 @@ TWO_RANKS = [
     ("hf", "build_llama", HF, dict(degrees={"dp": 2})),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_TP)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_SP)),
+    ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints={**LLAMA_SP, **LLAMA_VOCAB}, **IGNORED)),
     ("hf", "build_mixtral", HF, dict(degrees={"dp": 2})),
 ]
 
@@ -46,12 +55,21 @@ FOUR_RANKS = [
     ("mlp", "build", MLP, {}),
     ("mlp", "build", MLP, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=MLP_TP)),
     ("gpt", "build", GPT, {}),
-    ("gpt", "build", GPT, dict(degrees={"dp": 4})),
+    ("gpt", "build", GPT, dict(degrees={"dp": 4}, **IGNORED)),
     ("gpt", "build", GPT, dict(degrees={"tp": 4}, constraints=GPT_TP)),
     ("gpt", "build", GPT, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT_TP)),
     ("gpt", "build", GPT, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT_SP)),
     ("hf", "build_gpt2", HF, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT2_TP)),
     ("hf", "build_llama", HF, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=LLAMA_SP)),
+    ("gpt", "build", GPT, dict(degrees={"tp": 4}, constraints={**GPT_SP, **GPT_VOCAB}, **IGNORED)),
+    ("hf", "build_llama", HF, dict(degrees={"tp": 4}, constraints={**LLAMA_TP, **LLAMA_VOCAB}, **IGNORED)),
+    ("gpt", "build", GPT, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints={**GPT_TP, **GPT_VOCAB}, **IGNORED)),
+    (
+        "hf",
+        "build_llama",
+        HF,
+        dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints={**LLAMA_SP, **LLAMA_VOCAB}, **IGNORED),
+    ),
 ]
 
 
@@ -68,6 +86,8 @@ def _check(case, result):
         assert result["overlapped_loss_reduction"], (label, result)
     if "constraints" in options:  # a pinned tensor-parallel plan really communicates
         assert result["collectives"] > 0, (label, result)
+    if "vocab" in options.get("constraints", {}).values():  # the embedding and the loss run split
+        assert result["kernels"].count("vocab") >= 2, (label, result)
 
 
 @pytest.mark.parametrize("world, cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])

@@ -26,6 +26,10 @@ LLAMA_TP = {
     "model.layers.*.mlp.down_proj": "P",
 }
 LLAMA_SP = {**LLAMA_TP, "model.layers.*.input_layernorm": "S(1)", "model.layers.*.post_attention_layernorm": "S(1)"}
+# The vocabulary split (Megatron-LM, torchtitan): embedding rows, output projection columns, and
+# the loss over split classes (computed in the model's own forward, "<top>").
+GPT_VOCAB = {"tok_embeddings": "vocab", "output": "S(-1)", "<top>": "vocab"}
+LLAMA_VOCAB = {"model.embed_tokens": "vocab", "lm_head": "S(-1)", "<top>": "vocab"}
 GPT2_TP = {"transformer.h.*.mlp.c_fc": "S(-1)", "transformer.h.*.mlp.c_proj": "P"}
 GPT2_SP = {**GPT2_TP, "transformer.h.*.ln_[12]": "S(1)"}
 
@@ -42,6 +46,8 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     torch.manual_seed(0)
     model = builder(**kwargs)
     inputs = model.example_inputs(batch)
+    if options.pop("ignore_targets", False):
+        inputs = (*inputs[:-1], with_ignored_targets(inputs[-1]))
     options_optimizer = options.pop("optimizer", "dtensor")
     check_forward = options.pop("check_forward", False)
     pmodel = autopar.parallelize(model, options.pop("mesh", world), inputs, **options)
@@ -82,7 +88,21 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     }
 
 
-KERNEL_OPS = {"autopar.ring_attention.default": "ring", "autopar.ulysses_attention.default": "ulysses"}
+def with_ignored_targets(labels: torch.Tensor) -> torch.Tensor:
+    """Row b of the batch ignores its first b + 1 targets (-100, ``F.cross_entropy``'s ignore_index),
+    so every data-parallel shard counts another number of targets."""
+    labels = labels.clone()
+    for row in range(labels.shape[0]):
+        labels[row, : row + 1] = -100
+    return labels
+
+
+KERNEL_OPS = {
+    "autopar.ring_attention.default": "ring",
+    "autopar.ulysses_attention.default": "ulysses",
+    "autopar.vocab_embedding.default": "vocab",
+    "autopar.vocab_cross_entropy.default": "vocab",
+}
 
 
 def _kernel(node) -> str | None:

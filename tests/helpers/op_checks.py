@@ -1,4 +1,4 @@
-"""Shared by the custom-op tests: torch.library.opcheck over several ops, inside a rank."""
+"""Shared by the custom-op tests: torch.library.opcheck over several ops, and the error a call raises, inside a rank."""
 
 import torch
 
@@ -17,3 +17,12 @@ def opcheck_failures(calls: dict) -> dict:
         except Exception as error:  # reported to the parent, which asserts there is none
             failures[name] = repr(error)
     return failures
+
+
+def error_of(fn) -> str:
+    """``"Type: message"`` of the ValueError (autopar's errors included) ``fn()`` raises, else "no error"."""
+    try:
+        fn()
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"

@@ -40,14 +40,21 @@ def test_sequence_parallel_norm_output_is_gathered_once_for_q_k_and_v():
     assert qkv_input[0].args[-1] is True  # backward reduce-scatters the summed partial gradients
 
 
-def test_data_parallel_plan_only_reduces_the_loss():
+def test_data_parallel_plan_only_reduces_the_loss_and_its_target_count():
     # a GPU profile: this machine's profile times ops while planning, and on a busy machine a
     # tiny model's measured times can tip it to replicating a cheap op
     plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2}, hardware="a100-80gb")
     program = _rewritten(plan)
     collectives = [n for n in program.graph.nodes if "autopar" in str(n.target)]
-    assert [str(n.target) for n in collectives] == ["autopar.all_reduce.default"]
-    assert collectives[0].args[1:] == ("DP", "avg")
+    assert [str(n.target) for n in collectives] == ["autopar.all_reduce.default"] * 2
+    count, loss = collectives
+    assert count.args[1:] == ("DP", "avg") and loss.args[1:] == ("DP", "avg")
+    # the targets not ignored are counted over dp first thing, from the labels; the loss divides its sum by them
+    ops = [n for n in program.graph.nodes if n.op == "call_function"]
+    assert ops.index(count) < 3 and count.args[0].args[0].args[0].name == "labels"
+    divide = loss.args[0]
+    assert divide.target is torch.ops.aten.div.Tensor and divide.args[1] is count
+    assert divide.args[0].target is torch.ops.aten.cross_entropy_loss.default and divide.args[0].args[3] == 2  # sum
     assert all(p[0] == plan.params[name][0] for name, p in plan.params.items())
 
 

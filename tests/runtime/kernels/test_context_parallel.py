@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from op_checks import opcheck_failures
+from op_checks import error_of, opcheck_failures
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -134,14 +134,6 @@ def _opcheck_failures(group: str) -> dict:
     return opcheck_failures(calls)
 
 
-def _error_of(fn) -> str:
-    try:
-        fn()
-    except ValueError as error:
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 def _two_ranks(rank, world_size):
     group = group_name(build_device_mesh({"cp": 2}, "cpu"), ("cp",))
     errors = _attention_errors(group)
@@ -152,8 +144,8 @@ def _two_ranks(rank, world_size):
         "errors": errors,
         "traces": _traces(group),
         "opcheck failures": _opcheck_failures(group),
-        "uneven heads": _error_of(lambda: ops.ulysses_attention(*[three_heads] * 3, group, True, None)),
-        "odd local seq": _error_of(lambda: ops.ring_attention(*[odd_seq] * 3, group, False, None)),
+        "uneven heads": error_of(lambda: ops.ulysses_attention(*[three_heads] * 3, group, True, None)),
+        "odd local seq": error_of(lambda: ops.ring_attention(*[odd_seq] * 3, group, False, None)),
     }
 
 
