@@ -42,6 +42,11 @@ class NodeFacts:
     saved: bool = False  # autograd keeps this node's output for some backward
     consumers: int = 0  # ops that take this node's output
     layer: str | None = None  # the numbered module it belongs to (``layers.3``), None outside layers
+    # How many nodes of the captured graph this one stands for: the search folds a run of identical
+    # layers into one that counts for the middle ones (:mod:`autopar.passes.search.fold`); every sum
+    # over nodes weighs a node, and every sum over edges an edge's consumer, by it.
+    weight: int = 1
+    folded_layers: tuple[str, ...] = ()  # with a weight, the layers this node's layer stands for, in order
 
     @property
     def out_shape(self) -> tuple[int, ...]:
