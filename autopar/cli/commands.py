@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -11,6 +12,7 @@ from autopar.api import capture
 from autopar.api import plan as make_plan
 from autopar.cli.arguments import BATCH_PER_DEVICE, UsageError, default_profile_path
 from autopar.cli.models import load_model
+from autopar.cli.progress import ProgressLine
 from autopar.ir import Plan, PlanOptions, get_profile
 from autopar.passes.cost.symbolic import symbolic_cost
 from autopar.passes.rewrite.export import write_export
@@ -54,7 +56,9 @@ def _make_plan(args):
         pipeline=args.pipeline,
         stage_cuts=tuple(args.stage_cuts or ()),
     )
-    plan = make_plan(captured, args.mesh, options=options)
+    live = sys.stderr.isatty() and not getattr(args, "json", False)  # the progress line: a terminal, no --json
+    with ProgressLine(sys.stderr) if live else contextlib.nullcontext() as line:
+        plan = make_plan(captured, args.mesh, options=options, progress=line)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
     at = getattr(args, "at", None)  # only `plan` has it
     symbolic = at and symbolic_cost(

@@ -1,8 +1,10 @@
 """Pipeline planning: balanced cut points, the schedule choice, the memory ladder."""
 
+import dataclasses
+
 from planning import plan_example
 
-from autopar.ir import MemoryLimitError
+from autopar.ir import MemoryLimitError, get_profile
 from autopar.passes.search.partition import _balanced_starts
 
 LADDER_GPT = dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256)
@@ -68,3 +70,17 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     piped = next(i for i, p in enumerate(steps) if p.schedule.stages > 1)
     assert steps[zero].schedule.stages == 1 and zero < piped  # ZeRO before stages
     assert steps[-1].schedule.stages > 1 and steps[-1].degrees["tp"] > 1  # at the end tensor parallelism joins
+
+
+def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
+    """Nodes joined by a slow network: every layout fits without stages, but tensor and data
+    parallelism across nodes move more bytes than a pipeline's stage boundaries."""
+    a100 = get_profile("a100-80gb")
+    slow = dataclasses.replace(a100.links[1], bandwidth=a100.links[1].bandwidth / 1000)
+    hardware = dataclasses.replace(a100, name="a100-slow-network", links=(a100.links[0], slow))
+    plan = plan_example("gpt.py", (4, 2), batch=32, model_kwargs=LADDER_GPT, hardware=hardware)
+    flat = [entry for entry in plan.search if entry["stages"] == 1 and entry.get("feasible")]
+    assert flat, "layouts without stages fit"
+    assert plan.schedule.stages > 1
+    assert plan.cost.step_s < min(entry["step_s"] for entry in flat)
+    assert plan.cost.peak_memory < hardware.memory_bytes / 10  # no memory pressure
