@@ -214,9 +214,12 @@ class LayoutTerms:
     _starts: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: int = 0) -> LayoutTerms:
-        """The terms of ``strategies``; of ZeRO only whether it regathers weights (stage 3) matters."""
-        cost, synced, local = _layout_cost(facts, degrees, strategies, mesh, hardware, zero)
+    def of(
+        cls, facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: int = 0, memo: dict | None = None
+    ) -> LayoutTerms:
+        """The terms of ``strategies``; of ZeRO only whether it regathers weights (stage 3) matters.
+        ``memo`` keeps each axis's :func:`traffic` for layouts that share their first axes."""
+        cost, synced, local = _layout_cost(facts, degrees, strategies, mesh, hardware, zero, memo)
         return cls(facts, cost, synced, local, hardware.link(mesh.shape, mesh.size))
 
     @property
@@ -280,15 +283,17 @@ class PricedConfiguration:
         return scheduled(cost, self.layout.terms, schedule, self.split(schedule), self.layout.link)
 
 
-def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: int):
+def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: int, memo: dict | None = None):
     """(cost of one batch with everything saved on one stage, model state left out; the
     parameters whose gradients are synced; the local shapes): every sum over nodes weighs a
     node, and every sum over edges the edge's consumer, by its weight."""
     comm = sync = 0.0
     synced: set[str] = set()
     local = ShardedShapes.unsharded(facts)
+    key: tuple = ()
     for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero):
-        axis_comm, axis_sync, axis_synced = traffic(facts, ctx, chosen)
+        key += (traffic_key(ctx, chosen),)
+        axis_comm, axis_sync, axis_synced = memoized_traffic(facts, ctx, chosen, memo, key)
         comm, sync = comm + axis_comm, sync + axis_sync
         synced |= axis_synced
         local = local.after(chosen, ctx.size)
@@ -306,6 +311,21 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
     memory = {"activations": activations, "temporary": 2 * largest}
     cost = Cost(compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory, model_flops=flops)
     return cost, synced, local
+
+
+def traffic_key(ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple:
+    """What one axis's :func:`traffic` depends on besides the axes before it."""
+    return (ctx.name, ctx.size, repr(ctx.link), ctx.zero, ctx.data_parallel, ctx.overlap, id(chosen))
+
+
+def memoized_traffic(facts, ctx: AxisContext, chosen, memo: dict | None, key: tuple):
+    """:func:`traffic`, kept in ``memo`` under ``key`` (the :func:`traffic_key` of this axis and
+    of those before it); the entry holds ``chosen``, so its id is never reused while it is there."""
+    if memo is None:
+        return traffic(facts, ctx, chosen)
+    if key not in memo:
+        memo[key] = (chosen, traffic(facts, ctx, chosen))
+    return memo[key][1]
 
 
 def traffic(facts, ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple[float, float, set[str]]:

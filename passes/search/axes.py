@@ -341,7 +341,8 @@ def solve_axis(
             continue
         edge_weight[key] = edge_weight.get(key, 0) + facts[consumer].weight
     pairs = []
-    moves: dict[tuple, float] = {}
+    # an edge's time depends on the bytes, the placements and the axis: kept across the search's axes
+    moves = (memo if memo is not None else {}).setdefault(("moves", ctx.name, ctx.size, repr(ctx.link)), {})
 
     def move(fact: NodeFacts, src, dst, shape) -> float:
         key = (fact.elem_bytes, fact.needs_grad, src, dst, shape)

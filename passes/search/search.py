@@ -197,11 +197,14 @@ class _Weighing:
     def run(self, context_for, progress, started: float) -> None:
         space = self.configurations()
         bound = {i: self.bounds.step_s(self.mesh, s, d, z, b) for i, (s, d, z, b) in enumerate(space)}
-        # lowest bound first, but first per stage count the one with the most data parallelism
-        # (ZeRO-1): a good plan found early lets the bounds prune the rest
+        # lowest bound first; but first, per stage count, the most data parallelism (ZeRO-1) with
+        # tensor parallelism off and over one node (a good plan found early lets the bounds prune)
         seeds = {}
+        node = self.mesh.shape[-1]
         for i in sorted(range(len(space)), key=lambda i: (-space[i][1][Axis.DP], space[i][2] != 1, bound[i])):
-            seeds.setdefault(space[i][0], i)
+            stages, degrees, _, _ = space[i]
+            if len(degrees) == 2 and degrees[Axis.TP] in (1, node):
+                seeds.setdefault((stages, degrees[Axis.TP]), i)
         order = list(seeds.values()) + sorted(set(range(len(space))) - set(seeds.values()), key=lambda i: bound[i])
         contexts, caches, layouts = {}, {}, {}
         for done, i in enumerate(order, 1):
@@ -243,7 +246,7 @@ class _Weighing:
                 return floor <= self.fastest * (1 + TIE_TOLERANCE)
 
             strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)
-            terms = strategies and LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, solved)
+            terms = strategies and LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, solved, ctx.memo)
             layouts[zero_class] = (strategies, terms)
         strategies, terms = layouts[zero_class]
         if strategies is None:
@@ -258,6 +261,8 @@ class _Weighing:
             tried += priced
             if any(c.peak_memory <= self.limit for _, _, c in priced):
                 break  # more recomputation on this layout only adds time
+            if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less, no slower
+                continue
             bound = solve_axes(ctx, degrees, zero, base, limit=self.limit)  # the layout under the budget
             lean = PricedConfiguration.of(ctx.facts, degrees, bound, ctx.mesh, hardware, zero)
             tried += [(bound, s, c) for s, c in price(lean, schedules)]

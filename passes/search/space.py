@@ -40,7 +40,13 @@ from autopar.ir import (
     model_state_bytes,
 )
 from autopar.passes.capture.moe import EXPERTS_OP
-from autopar.passes.cost.evaluate import AxisContext, partial_gradients, stage_mesh, traffic
+from autopar.passes.cost.evaluate import (
+    AxisContext,
+    memoized_traffic,
+    partial_gradients,
+    stage_mesh,
+    traffic_key,
+)
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import optimizer_time
@@ -232,7 +238,10 @@ class LowerBounds:
         """Seconds of a step, at least, once the axes before the last sharded one are solved
         (``solved``: their (context, strategies)): their exact traffic, the last axis's
         :func:`unary_floor`, and the optimizer step, the stages balanced perfectly."""
-        before = sum(sum(traffic(self.facts, ctx, chosen)[:2]) for ctx, chosen in solved)
+        before, key = 0.0, ()
+        for ctx, chosen in solved:  # shared by the configurations with these axes first: priced once
+            key += (traffic_key(ctx, chosen),)
+            before += sum(memoized_traffic(self.facts, ctx, chosen, self.memo, key)[:2])
         floor = unary_floor(self.facts, last, self.variable, self.memo)
         dp = degrees.get(Axis.DP, 1)
         elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
