@@ -68,14 +68,22 @@ def kept_share(fact: NodeFacts, schedule: Schedule) -> float:
     share = min(1.0, in_flight(schedule) / schedule.microbatches)
     if fact.layer is None:
         return share
-    if schedule.recompute == Recompute.FULL or (
-        schedule.recompute == Recompute.SELECTIVE and not kept_by_selective(fact.node.target)
-    ):
+    if dropped(fact, schedule.recompute):
         return 0.0
     return share / schedule.stages
 
 
-def _forward_share(fact: NodeFacts) -> float:
+def dropped(fact: NodeFacts, level: str) -> bool:
+    """Whether recomputation at ``level`` drops what autograd saves for this node and runs its
+    forward again: every op inside a layer under full recomputation, under selective those
+    whose outputs it does not keep."""
+    return fact.layer is not None and (
+        level == Recompute.FULL or level == Recompute.SELECTIVE and not kept_by_selective(fact.node.target)
+    )
+
+
+def forward_share(fact: NodeFacts) -> float:
+    """The share of an op's time its forward takes (what recomputing it costs again)."""
     flops = fact.profile.forward_flops + fact.profile.backward_flops
     return fact.profile.forward_flops / flops if flops else 0.5  # memory-bound: as many bytes each way
 
@@ -113,7 +121,7 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms
         inputs.update(
             s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer
         )
-        forward_s = fact.full_time_s * local.work[name] * _forward_share(fact) * fact.weight
+        forward_s = fact.full_time_s * local.work[name] * forward_share(fact) * fact.weight
         recompute[Recompute.FULL] += forward_s
         if kept_by_selective(fact.node.target):
             kept += saved * fact.weight

@@ -47,7 +47,6 @@ from autopar.passes.cost.evaluate import (
     partial_gradients,
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
-from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.search.ilp import ChoiceProblem, solve_choices
 from autopar.passes.sharding.rules import KERNEL_RULES, MATMULS, node_strategies, pointwise, rule_for
 from autopar.passes.sharding.strategies import OpView, Strategy
@@ -78,9 +77,9 @@ def solve_axes(
 
     Without a limit an axis's solution depends only on the axes before it, their sizes, the
     devices after it and what ZeRO changes of its costs; ``cache`` (a dict) keeps it for every
-    configuration sharing that prefix. ``worth(context, solved)``, asked before the last
-    sharded axis's ILP with the (context, strategies) of the axes before it, may answer False:
-    then the layout is not solved and the result is None."""
+    configuration sharing that prefix. ``worth(solved, work, sync)``, asked before the last
+    sharded axis's ILP with the (context, strategies) of the axes before it and that axis's cost
+    floor (:func:`floor_of`), may answer False: then the layout is not solved and the result is None."""
     facts = search.facts
     axes = list(degrees)
     last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
@@ -101,11 +100,13 @@ def solve_axes(
             before += ((axis, degrees[axis], id(cache[key])),)
             continue
         ctx = _context(search, degrees, zero, schedule, index, local, experts)
-        if index == last_sharded and worth is not None and not worth(ctx, solved):
+        floor = (lambda work, sync: worth(solved, work, sync)) if index == last_sharded and worth else None
+        try:
+            chosen = solve_axis(facts, ctx, limit, search.variable, search.memo, floor) or solve_axis(
+                facts, ctx, None, search.variable, search.memo
+            )
+        except Pruned:
             return None
-        chosen = (limit is not None and solve_axis(facts, ctx, limit, search.variable, search.memo)) or solve_axis(
-            facts, ctx, None, search.variable, search.memo
-        )
         if limit is None and cache is not None:
             chosen = cache.setdefault(("solution", _fingerprint(chosen)), chosen)  # one object per distinct solution
             cache[key] = chosen
@@ -309,8 +310,12 @@ def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:
     return any(isinstance(mine, Shard) and mine == theirs for mine, theirs in pairs)
 
 
+class Pruned(Exception):
+    """An axis's ILP left unsolved: its cost floor already rules the configuration out."""
+
+
 def solve_axis(
-    facts, ctx: AxisContext, limit, variable: dict[str, str] | None = None, memo: dict | None = None
+    facts, ctx: AxisContext, limit, variable: dict[str, str] | None = None, memo: dict | None = None, worth=None
 ) -> dict[str, Strategy] | None:
     """The ILP of one axis (see the module docstring); None when ``limit`` cannot be met.
 
@@ -318,6 +323,8 @@ def solve_axis(
     the strategy of the node it maps to, and each variable's costs and memory are its nodes'
     sums, a node and an edge counted ``weight`` times (:attr:`NodeFacts.weight`). ``memo`` keeps
     each node's candidates across the axes of one search (they depend on its local shapes only).
+    ``worth(work, sync)``, given the axis's cost floor (:func:`floor_of`), may answer False: then
+    :class:`Pruned` is raised before the pairs are built.
     """
     names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
     var_of = {n: (variable or {}).get(n, n) for n in names}
@@ -329,7 +336,10 @@ def solve_axis(
     weight = dict.fromkeys(reps, 0)
     for n in names:
         weight[var_of[n]] += facts[n].weight
-    unary = [weight[r] * np.array([sum(node_terms(facts[r], s, ctx, facts)) for s in options[r]]) for r in reps]
+    terms = {r: [node_terms(facts[r], s, ctx, facts) for s in options[r]] for r in reps}
+    if worth is not None and not worth(*floor_of(facts, ctx, options, terms, weight)):
+        raise Pruned
+    unary = [weight[r] * np.array([sum(t) for t in terms[r]]) for r in reps]
     memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
     edge_weight: dict[tuple, float] = {}  # (producer variable, consumer variable or None for the output, slot, shape)
     for producer, consumer, slot_index, shape in edges(facts, ctx):
@@ -375,27 +385,28 @@ def solve_axis(
     return {n: options[var_of[n]][solution.choice[index[var_of[n]]]] for n in names}
 
 
-def unary_floor(facts, ctx: AxisContext, variable: dict[str, str] | None = None, memo: dict | None = None) -> float:
-    """Seconds the axis's ops cost at least, whatever its ILP chooses: per op the cheapest of its
-    candidates' compute, kernel traffic and partial gradients (each shared among the ops it
-    comes from, so one all-reduced once is never counted twice); edges, which cost nothing when
-    placements agree, count nothing. Parameters' optimizer steps are left to the caller."""
-    total = 0.0
-    weight: dict[str, int] = {}
-    for name, fact in facts.items():
-        if fact.kind == "op" and fact.out_shapes:
-            rep = (variable or {}).get(name, name)
-            weight[rep] = weight.get(rep, 0) + fact.weight
+def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, float]:
+    """(work, gradient sync) seconds an axis's ops cost at least, whatever its ILP chooses: per
+    op its cheapest option's compute, kernel traffic and partial gradients (each shared among
+    the ops it comes from, so one all-reduced once is never counted twice; a parameter's counts
+    as gradient sync); edges, which cost nothing when placements agree, count nothing.
+    Parameters' optimizer steps are left to the caller. ``terms``: :func:`node_terms` of each option."""
+    work = sync = 0.0
     for rep, count in weight.items():
         fact = facts[rep]
-        cheapest = math.inf
-        for strategy in _candidates(fact, ctx, memo):
-            seconds = node_terms(fact, strategy, ctx, facts)[0] + kernel_time(fact, strategy, ctx)
-            for slot, share in partial_gradients(fact, strategy, ctx, facts):
-                seconds += share / max(1, facts[slot].consumers)
-            cheapest = min(cheapest, seconds)
-        total += count * cheapest
-    return total
+        if fact.kind != "op":
+            continue
+        cheapest = (math.inf, 0.0)
+        for strategy, (compute, comm, _) in zip(options[rep], terms[rep]):
+            synced = sum(
+                share / max(1, facts[slot].consumers)
+                for slot, share in partial_gradients(fact, strategy, ctx, facts)
+                if facts[slot].kind == "param"
+            )
+            cheapest = min(cheapest, (compute + comm + synced, synced))
+        work += count * (cheapest[0] - cheapest[1])
+        sync += count * cheapest[1]
+    return work, sync
 
 
 def _candidates(fact: NodeFacts, ctx: AxisContext, memo: dict | None) -> list[Strategy]:

@@ -15,6 +15,7 @@ Exact: the same optimal objective as the ILP; among equal optima it takes the fi
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 
@@ -48,9 +49,13 @@ def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MA
 
     remaining = set(range(len(unary)))
     width = {v: sizes[v] * math.prod(sizes[w] for w in neighbours(v)) for v in remaining}
+    queue = [(width[v], v) for v in remaining]  # stale entries are skipped when popped
+    heapq.heapify(queue)
     constant = 0.0
     while remaining:
-        v = min(remaining, key=lambda w: (width[w], w))
+        entry, v = heapq.heappop(queue)
+        if v not in remaining or entry != width[v]:
+            continue
         if width[v] > max_entries:
             return None
         around = tuple(sorted(neighbours(v)))
@@ -72,6 +77,7 @@ def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MA
             constant += float(reduced)
         for w in around:
             width[w] = sizes[w] * math.prod(sizes[x] for x in neighbours(w))
+            heapq.heappush(queue, (width[w], w))
     choice = [0] * len(unary)
     for v, around, best in reversed(trace):
         choice[v] = int(best[tuple(choice[w] for w in around)]) if around else int(best)

@@ -208,7 +208,7 @@ class _Weighing:
         order = list(seeds.values()) + sorted(set(range(len(space))) - set(seeds.values()), key=lambda i: bound[i])
         contexts, caches, layouts = {}, {}, {}
         for done, i in enumerate(order, 1):
-            stages, degrees, zero, _ = space[i]
+            stages, degrees, zero, bubble = space[i]
             entry = {"stages": stages, "degrees": degrees, "zero": zero}
             state = self.bounds.model_state_bytes(stages, degrees, zero)
             if state > self.limit:
@@ -219,7 +219,9 @@ class _Weighing:
             else:
                 ctx = contexts.setdefault(stages, context_for(stages))
                 key = (stages, tuple(degrees.items()))
-                self._weigh(ctx, degrees, zero, caches.setdefault(stages, {}), layouts.setdefault(key, {}), entry)
+                self._weigh(
+                    ctx, degrees, zero, caches.setdefault(stages, {}), layouts.setdefault(key, {}), entry, bubble
+                )
             if progress is not None:
                 pruned = sum("pruned" in e for e in self.log)
                 best = min(self.candidates, key=lambda c: c.cost.step_s, default=None)
@@ -230,7 +232,9 @@ class _Weighing:
                 context_for(stages), degrees, zero, {}, {}, {"stages": stages, "degrees": degrees, "zero": zero}
             )
 
-    def _weigh(self, ctx: SearchContext, degrees, zero: int, cache: dict, layouts: dict, entry: dict) -> None:
+    def _weigh(
+        self, ctx: SearchContext, degrees, zero: int, cache: dict, layouts: dict, entry: dict, bubble: float = 0.0
+    ) -> None:
         """Solve one configuration's layout, price its schedules, keep what the tie rule could choose."""
         options, hardware = self.options, self.hardware
         local_batch = self.batch // batch_split(degrees)
@@ -241,14 +245,16 @@ class _Weighing:
         if zero_class not in layouts:
             base = leanest(options, ctx.stages, local_batch, levels(options)[0])
 
-            def worth(last, before) -> bool:  # the rule "bound", once the axes before the last are solved
-                floor = self.bounds.layout_s(ctx.stages, degrees, solved, last, before, ctx.mesh)
-                return floor <= self.fastest * (1 + TIE_TOLERANCE)
+            floors = [self.bounds.step_s(self.mesh, ctx.stages, degrees, solved, bubble)]
+
+            def worth(before, work, sync) -> bool:  # the rule "bound", once the axes before the last are solved
+                floors.append(self.bounds.layout_s(ctx.stages, degrees, solved, before, (work, sync), ctx.mesh, bubble))
+                return floors[-1] <= self.fastest * (1 + TIE_TOLERANCE)
 
             strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)
             terms = strategies and LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, solved, ctx.memo)
-            layouts[zero_class] = (strategies, terms)
-        strategies, terms = layouts[zero_class]
+            layouts[zero_class] = (strategies, terms, max(floors))
+        strategies, terms, floor = layouts[zero_class]
         if strategies is None:
             self.log.append({**entry, "pruned": BOUND})
             return
@@ -263,6 +269,8 @@ class _Weighing:
                 break  # more recomputation on this layout only adds time
             if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less, no slower
                 continue
+            if floor + self.bounds.recompute_s(ctx.stages, degrees, level) > self.fastest * (1 + TIE_TOLERANCE):
+                continue  # the rule "bound": no layout recomputing this much can win
             bound = solve_axes(ctx, degrees, zero, base, limit=self.limit)  # the layout under the budget
             lean = PricedConfiguration.of(ctx.facts, degrees, bound, ctx.mesh, hardware, zero)
             tried += [(bound, s, c) for s, c in price(lean, schedules)]

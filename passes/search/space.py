@@ -50,7 +50,8 @@ from autopar.passes.cost.evaluate import (
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import optimizer_time
-from autopar.passes.search.axes import chunks_per_rank, expert_params, unary_floor
+from autopar.passes.cost.schedule import dropped, forward_share
+from autopar.passes.search.axes import chunks_per_rank, expert_params
 from autopar.passes.search.ranking import TIE_TOLERANCE
 from autopar.passes.sharding.rules import node_strategies
 from autopar.passes.sharding.strategies import OpView, Strategy, numel, work_fraction
@@ -145,7 +146,7 @@ class LowerBounds:
 
     :meth:`layout_s`, once the axes before the last sharded one are solved (they are shared by
     many configurations), is tighter: their exact traffic, and per op of the last axis its
-    cheapest candidate (:func:`~autopar.passes.search.axes.unary_floor`).
+    cheapest candidate (:func:`~autopar.passes.search.axes.floor_of`).
 
     >>> bounds = LowerBounds(facts, hardware, limit=80e9)        # doctest: +SKIP
     >>> bounds.step_s(mesh, 2, {"dp": 4, "tp": 8}, zero=1)         # doctest: +SKIP
@@ -232,21 +233,31 @@ class LowerBounds:
         optimizer = optimizer_time(elements, hardware, hardware.contention(stage.shape))
         return busiest * (1 + bubble) + (optimizer + self._gradients_s(stage, degrees, zero)) / stages
 
-    def layout_s(
-        self, stages: int, degrees: dict[str, int], zero: int, last: AxisContext, solved, stage: Mesh
-    ) -> float:
+    def recompute_s(self, stages: int, degrees: dict[str, int], level: str) -> float:
+        """Seconds of forward that recomputation at ``level`` runs again, at least (the ops it
+        drops, each split as far as its shapes allow, the stages balanced perfectly)."""
+        total = 0.0
+        for name, fact in self.facts.items():
+            if fact.kind == "op" and fact.layer is not None and dropped(fact, level):
+                total += fact.full_time_s * fact.weight * forward_share(fact) * self._work(name, degrees)
+        return total / stages
+
+    def layout_s(self, stages: int, degrees: dict[str, int], zero: int, solved, floor, stage: Mesh, bubble: float):
         """Seconds of a step, at least, once the axes before the last sharded one are solved
         (``solved``: their (context, strategies)): their exact traffic, the last axis's
-        :func:`unary_floor`, and the optimizer step, the stages balanced perfectly."""
-        before, key = 0.0, ()
+        ``floor`` ((work, gradient sync): :func:`~autopar.passes.search.axes.floor_of`), the
+        least pipeline ``bubble`` on the work, and the optimizer step, the stages balanced perfectly."""
+        comm = sync = 0.0
+        key: tuple = ()
         for ctx, chosen in solved:  # shared by the configurations with these axes first: priced once
             key += (traffic_key(ctx, chosen),)
-            before += sum(memoized_traffic(self.facts, ctx, chosen, self.memo, key)[:2])
-        floor = unary_floor(self.facts, last, self.variable, self.memo)
+            axis_comm, axis_sync, _ = memoized_traffic(self.facts, ctx, chosen, self.memo, key)
+            comm, sync = comm + axis_comm, sync + axis_sync
+        work, last_sync = floor
         dp = degrees.get(Axis.DP, 1)
         elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
         optimizer = optimizer_time(elements, self.hardware, self.hardware.contention(stage.shape))
-        return (before + floor + optimizer) / stages
+        return ((comm + work) * (1 + bubble) + sync + last_sync + optimizer) / stages
 
     def _gradients_s(self, stage: Mesh, degrees: dict[str, int], zero: int) -> float:
         dp = degrees.get(Axis.DP, 1)
