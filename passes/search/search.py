@@ -5,18 +5,19 @@ Identical layers are folded first (:mod:`fold`): the search runs on a reduced gr
 and sums do not grow with depth, and the chosen plan is expanded to every node and priced on
 the whole graph. Outer loop: every configuration of :mod:`space` — pipeline stages over the
 outermost mesh dimension, degrees of one stage, ZeRO stage —, weighed on predicted step time
-unless a rule of :mod:`space` proves it cannot be chosen, configurations with the lowest bound
-first. Per configuration, the layout (per mesh axis, outermost first, the ILP of :mod:`axes`)
-is solved without the memory budget once per ZeRO class (stage 0; 1-2; 3: what ZeRO changes of
-its costs), sharing each axis's solution with the configurations that have the same axes
-before it; every schedule of :mod:`schedule` is priced on it. Only at a recomputation level
-where that layout fits no schedule is it solved again under the budget. The tie rule
-(:mod:`ranking`) chooses among every fitting (configuration, schedule).
+unless one of :mod:`space`'s rules proves it cannot be chosen; the lowest bounds first, after a
+few seeds likely to be good (a fast plan found early lets the bounds prune the rest). Per
+configuration the layout (per mesh axis, outermost first, the ILP of :mod:`axes`) is solved
+without the memory budget once per ZeRO class (see :mod:`space`), sharing each axis's solution
+with the configurations that have the same axes before it, and every schedule of :mod:`schedule`
+is priced on it. Only at a recomputation level where that layout fits no schedule is it solved
+again under the budget. The tie rule (:mod:`ranking`) chooses among every fitting
+(configuration, schedule).
 
 Pre: a :class:`CapturedGraph` and :class:`PlanOptions`. Post: a :class:`Plan` naming a
 placement per node and parameter, the cost model's prediction, and the search log (each
 configuration tried, with its fastest fitting schedule, or pruned, with its rule); or
-:class:`MemoryLimitError` with the per-device breakdown of the leanest configuration.
+:class:`MemoryLimitError` with the per-device breakdown of the leanest configuration weighed.
 """
 
 from __future__ import annotations
@@ -235,12 +236,11 @@ class _Weighing:
     def _weigh(
         self, ctx: SearchContext, degrees, zero: int, cache: dict, layouts: dict, entry: dict, bubble: float = 0.0
     ) -> None:
-        """Solve one configuration's layout, price its schedules, keep what the tie rule could choose."""
+        """Solve one configuration's layout, price its schedules, keep what the tie rule could choose
+        (the rules named here are :mod:`space`'s)."""
         options, hardware = self.options, self.hardware
         local_batch = self.batch // batch_split(degrees)
-        # ZeRO-1 and -2 cost a layout alike; unpinned, ZeRO-0 is priced on ZeRO-1's layout (it is
-        # never faster on any layout: the same traffic, the whole optimizer step), for the tie rule
-        solved = zero if options.zero is not None or degrees[Axis.DP] == 1 else max(zero, 1)
+        solved = zero if options.zero is not None or degrees[Axis.DP] == 1 else max(zero, 1)  # ZeRO-0 on ZeRO-1's
         zero_class = 3 if solved == 3 else min(solved, 1)
         if zero_class not in layouts:
             base = leanest(options, ctx.stages, local_batch, levels(options)[0])

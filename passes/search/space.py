@@ -1,25 +1,39 @@
-"""The configurations a search weighs, and the rules that prune them before an ILP runs.
+"""The configurations a search weighs, and the rules that spare it work.
 
 A configuration is a number of pipeline stages p (over the outermost mesh dimension), the
 degrees inside one stage (dp × ep × cp × tp over its devices) and a ZeRO stage; its schedules
 (recomputation, microbatches, pipeline kind, stage cuts) are priced on its solved layout
 (:mod:`schedule`). The space: every p dividing the outermost mesh dimension and at most the
-layer count, every split of a stage's devices whose batch and sequence splits divide the
-inputs (cp only up to :func:`useful_cp`), every ZeRO stage with dp > 1. Pins narrow it.
+layer count that some schedule runs, every split of a stage's devices whose batch and sequence
+splits divide the inputs (cp only up to :func:`useful_cp`), every ZeRO stage with dp > 1. Pins
+narrow it.
 
-Every configuration is weighed unless a rule proves it cannot be chosen (the plan's search log
-names the rule of each one pruned):
+Every configuration is weighed unless a rule proves it cannot be chosen; the search log names
+the rule of each one pruned:
 
 - ``memory``: its model state alone — weights, gradients and optimizer state, split at best
   over tp (and ep for experts) and over the stages, ZeRO-sharded over dp — exceeds the memory
   limit, so no layout and no schedule of it fits.
-- ``bound``: a lower bound on its step time (:meth:`LowerBounds.step_s` from the graph alone,
-  else :meth:`LowerBounds.layout_s` before its last axis's ILP) exceeds the fastest fitting plan
-  found so far by more than :data:`TIE_TOLERANCE`, so neither it nor a plan the tie rule would
-  prefer to the fastest can come from it.
+- ``bound``: a lower bound on its step time exceeds the fastest fitting plan found so far by
+  more than :data:`TIE_TOLERANCE`, so neither it nor a plan the tie rule would prefer to the
+  fastest can come from it: :meth:`LowerBounds.step_s` from the graph alone, else
+  :meth:`LowerBounds.layout_s` once the axes before its last are solved (they are shared by
+  many configurations), before that axis's ILP.
 
-Pre: the (folded) facts of a graph. Post: the configurations in the order the search weighs
-them, and their bounds.
+And within a configuration (:mod:`search`), what cannot change the choice is not computed:
+
+- a layout costs alike under ZeRO-1 and -2 (they differ in memory and in how often gradients
+  are reduced, which pricing counts), so one is solved for both; unpinned, ZeRO-0 is priced on
+  that layout too and never solved under the memory budget, since on any layout it moves the
+  same bytes and steps the whole optimizer, no faster than ZeRO-1 and in more memory (it stays a
+  candidate for the tie rule);
+- more recomputation on the same layout and schedule only adds time, so a level is priced only
+  where the ones below it fit no schedule;
+- a layout is solved under the memory budget only where the free one fits no schedule at that
+  recomputation level, and only when the level's forward recomputed (:meth:`LowerBounds.recompute_s`)
+  on top of the configuration's bound can still win.
+
+Pre: the (folded) facts of a graph. Post: the configurations to weigh, and their bounds.
 """
 
 from __future__ import annotations
