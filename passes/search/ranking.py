@@ -52,9 +52,14 @@ class Candidate:
         )
 
 
+def within_reach(step_s: float, fastest: float) -> bool:
+    """Whether a plan of ``step_s`` (or at least that: a lower bound) counts as fast as ``fastest``."""
+    return step_s <= fastest * (1 + TIE_TOLERANCE)
+
+
 def near(candidates: Iterable[Candidate], fastest: float) -> list[Candidate]:
     """The candidates the tie rule counts as fast as ``fastest``."""
-    return [c for c in candidates if c.cost.step_s <= fastest * (1 + TIE_TOLERANCE)]
+    return [c for c in candidates if within_reach(c.cost.step_s, fastest)]
 
 
 def choose(candidates: list[Candidate], key: Callable[[Candidate], tuple] = Candidate.simplicity) -> Candidate:

@@ -48,7 +48,7 @@ from autopar.passes.cost.schedule import bubble_share
 from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.search.axes import solve_axes, split_dims, user_pins
 from autopar.passes.search.fold import LayerFolding, fold_layers
-from autopar.passes.search.ranking import TIE_TOLERANCE, Candidate, choose, near
+from autopar.passes.search.ranking import Candidate, choose, near, within_reach
 from autopar.passes.search.schedule import leanest, levels, price, variants
 from autopar.passes.search.space import BOUND, MEMORY, LowerBounds, configurations, optional_dims
 from autopar.passes.sharding.rules import rule_for
@@ -215,7 +215,7 @@ class _Weighing:
             if state > self.limit:
                 self.log.append({**entry, "pruned": MEMORY, "bound_bytes": state})
                 self.memory_pruned.append((state, stages, degrees, zero))
-            elif len(space) > 1 and bound[i] > self.fastest * (1 + TIE_TOLERANCE):
+            elif len(space) > 1 and not within_reach(bound[i], self.fastest):
                 self.log.append({**entry, "pruned": BOUND, "bound_s": bound[i]})
             else:
                 ctx = contexts.setdefault(stages, context_for(stages))
@@ -249,7 +249,7 @@ class _Weighing:
 
             def worth(before, work, sync) -> bool:  # the rule "bound", once the axes before the last are solved
                 floors.append(self.bounds.layout_s(ctx.stages, degrees, solved, before, (work, sync), ctx.mesh, bubble))
-                return floors[-1] <= self.fastest * (1 + TIE_TOLERANCE)
+                return within_reach(floors[-1], self.fastest)
 
             strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)
             terms = strategies and LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, solved, ctx.memo)
@@ -269,7 +269,7 @@ class _Weighing:
                 break  # more recomputation on this layout only adds time
             if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less, no slower
                 continue
-            if floor + self.bounds.recompute_s(ctx.stages, degrees, level) > self.fastest * (1 + TIE_TOLERANCE):
+            if not within_reach(floor + self.bounds.recompute_s(ctx.stages, degrees, level), self.fastest):
                 continue  # the rule "bound": no layout recomputing this much can win
             bound = solve_axes(ctx, degrees, zero, base, limit=self.limit)  # the layout under the budget
             lean = PricedConfiguration.of(ctx.facts, degrees, bound, ctx.mesh, hardware, zero)

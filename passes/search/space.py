@@ -14,11 +14,11 @@ the rule of each one pruned:
 - ``memory``: its model state alone — weights, gradients and optimizer state, split at best
   over tp (and ep for experts) and over the stages, ZeRO-sharded over dp — exceeds the memory
   limit, so no layout and no schedule of it fits.
-- ``bound``: a lower bound on its step time exceeds the fastest fitting plan found so far by
-  more than :data:`TIE_TOLERANCE`, so neither it nor a plan the tie rule would prefer to the
-  fastest can come from it: :meth:`LowerBounds.step_s` from the graph alone, else
-  :meth:`LowerBounds.layout_s` once the axes before its last are solved (they are shared by
-  many configurations), before that axis's ILP.
+- ``bound``: a lower bound on its step time is out of the tie rule's reach of the fastest
+  fitting plan found so far (:func:`~autopar.passes.search.ranking.within_reach`), so neither it
+  nor a plan the tie rule would prefer to the fastest can come from it. The bound:
+  :meth:`LowerBounds.step_s` from the graph alone, else :meth:`LowerBounds.layout_s` once the
+  axes before its last are solved (they are shared by many configurations), before that axis's ILP.
 
 And within a configuration (:mod:`search`), what cannot change the choice is not computed:
 
@@ -66,12 +66,10 @@ from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import optimizer_time
 from autopar.passes.cost.schedule import dropped, forward_share
 from autopar.passes.search.axes import chunks_per_rank, expert_params
-from autopar.passes.search.ranking import TIE_TOLERANCE
 from autopar.passes.sharding.rules import node_strategies
 from autopar.passes.sharding.strategies import OpView, Strategy, numel, work_fraction
 
 MEMORY, BOUND = "memory", "bound"  # the prune rules, as the search log names them
-__all__ = ["BOUND", "MEMORY", "TIE_TOLERANCE", "LowerBounds", "configurations", "optional_dims"]
 
 
 def configurations(
