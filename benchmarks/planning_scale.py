@@ -8,9 +8,10 @@ Each row runs in a fresh subprocess (so peak RSS, ``resource.getrusage`` maxrss,
 own): the model is built on the meta device in bfloat16 and captured (timed apart: tracing is
 not the search), then planned twice with ``precision="bf16-mixed"``: free (no pins) and with the
 published configuration pinned — its degrees and what the publication fixes (recomputation,
-ZeRO); the rest searched. TFLOP/s per GPU = the model's forward + backward FLOPs per step (the
-cost model's own count, no recomputation) / GPUs / predicted step, so free / expert is the
-inverse ratio of the predicted steps. Writes the "planning-scale" section of BENCHMARKS.md.
+ZeRO; without stages, the fewest microbatches that fit: gradient accumulation); the rest
+searched. TFLOP/s per GPU = the model's forward + backward FLOPs per step (the cost model's
+own count, no recomputation) / GPUs / predicted step, so free / expert is the inverse ratio of
+the predicted steps. Writes the "planning-scale" section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -159,12 +160,28 @@ def measure(row: dict) -> dict:
         "free": _summary(free, flops, row["gpus"]),
     }
     if "expert" in row:
-        try:
-            result["expert"] = _summary(autopar.plan(captured, mesh, **options, **row["expert"]), flops, row["gpus"])
-        except autopar.MemoryLimitError as error:
-            result["expert"] = {"error": str(error).split(". ")[0]}
+        result["expert"] = _expert(captured, mesh, options, row, flops)
     result["rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return result
+
+
+def _expert(captured, mesh, options: dict, row: dict, flops: float) -> dict:
+    """The published configuration pinned; without stages, with the fewest microbatches
+    (gradient accumulation, as Megatron's runs use) that fit."""
+    import autopar
+
+    pins = row["expert"]
+    local_batch = row["batch"] // pins["degrees"]["dp"]
+    counts = (
+        [None] if pins["degrees"].get("pp", 1) > 1 else [m for m in range(1, local_batch + 1) if local_batch % m == 0]
+    )
+    for microbatches in counts:
+        try:
+            plan = autopar.plan(captured, mesh, **options, **pins, microbatches=microbatches)
+            return _summary(plan, flops, row["gpus"])
+        except autopar.MemoryLimitError as error:
+            refusal = str(error).split(". ")[0]
+    return {"error": refusal}
 
 
 def _summary(plan, flops: float, gpus: int) -> dict:
@@ -216,9 +233,7 @@ def _plan_text(summary: dict) -> str:
 
 def _why(free: dict, expert: dict) -> str:
     """The cost terms that differ most between the two plans (free minus expert)."""
-    deltas = sorted(
-        ((free["terms"][k] - expert["terms"][k], k) for k in free["terms"]), key=lambda d: -abs(d[0])
-    )
+    deltas = sorted(((free["terms"][k] - expert["terms"][k], k) for k in free["terms"]), key=lambda d: -abs(d[0]))
     return ", ".join(f"{k} {d:+.2f} s" for d, k in deltas[:3] if abs(d) > 0.005 * expert["step_s"]) or "same"
 
 
@@ -228,7 +243,7 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
         "",
         f"- command: `flock /work/cpu.lock python benchmarks/planning_scale.py` ({elapsed:.0f} s); date "
         f"{datetime.date.today()}; this machine: 2 shared CPU cores (other work ran beside it); planning only "
-        "(meta-device models in bfloat16, `precision=\"bf16-mixed\"`, simulated meshes (GPUs/8)x8)",
+        '(meta-device models in bfloat16, `precision="bf16-mixed"`, simulated meshes (GPUs/8)x8)',
         "- search s: `autopar.plan` on the captured graph (capture s: tracing it, apart); peak RSS: the row's own "
         "process (a fresh one per row: capture and both plans). TFLOP/s per GPU: the model's forward + backward "
         "FLOPs (the cost model's count, no recomputation) / GPUs / predicted step. Expert: the published "
