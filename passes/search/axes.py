@@ -75,9 +75,9 @@ def solve_axes(
     ``search`` is the :class:`~autopar.passes.search.search.SearchContext`; its ``variable``
     ties nodes of identical layers to one variable.
 
-    Without a limit an axis's solution depends only on the axes before it, their sizes, the
-    devices after it and what ZeRO changes of its costs; ``cache`` (a dict) keeps it for every
-    configuration sharing that prefix. ``worth(solved, work, sync)``, asked before the last
+    Where the budget does not bind, an axis's solution depends only on the axes before it, their
+    sizes, the devices after it and what ZeRO changes of its costs; ``cache`` (a dict) keeps it
+    for every configuration sharing that prefix. ``worth(solved, work, sync)``, asked before the last
     sharded axis's ILP with the (context, strategies) of the axes before it and that axis's cost
     floor (:func:`floor_of`), may answer False: then the layout is not solved and the result is None."""
     facts = search.facts
@@ -93,7 +93,8 @@ def solve_axes(
         # ZeRO changes a dp axis's costs at stage 3 (weights regathered), the others' from stage 1 (optimizer share)
         zero_key = zero == 3 if axis == Axis.DP else zero > 0 and degrees[Axis.DP] > 1
         key = (axis, degrees[axis], later, zero_key, degrees[Axis.DP], before)
-        if limit is None and cache is not None and key in cache:
+        free = limit is None or index != last_sharded  # the budget binds on the last sharded axis only
+        if free and cache is not None and key in cache:
             strategies[axis] = cache[key]
             solved.append((_context(search, degrees, zero, schedule, index, local, experts), cache[key]))
             local = local.after(cache[key], degrees[axis])
@@ -102,12 +103,13 @@ def solve_axes(
         ctx = _context(search, degrees, zero, schedule, index, local, experts)
         floor = (lambda work, sync: worth(solved, work, sync)) if index == last_sharded and worth else None
         try:
-            chosen = solve_axis(facts, ctx, limit, search.variable, search.memo, floor) or solve_axis(
-                facts, ctx, None, search.variable, search.memo
-            )
+            chosen = None if free else solve_axis(facts, ctx, limit, search.variable, search.memo, floor)
+            if chosen is None and not free and cache is not None and key in cache:
+                chosen = cache[key]  # nothing keeps the budget: the layout without it, solved before
+            chosen = chosen or solve_axis(facts, ctx, None, search.variable, search.memo, floor)
         except Pruned:
             return None
-        if limit is None and cache is not None:
+        if free and cache is not None:
             chosen = cache.setdefault(("solution", _fingerprint(chosen)), chosen)  # one object per distinct solution
             cache[key] = chosen
         strategies[axis] = chosen
@@ -336,11 +338,16 @@ def solve_axis(
     weight = dict.fromkeys(reps, 0)
     for n in names:
         weight[var_of[n]] += facts[n].weight
+    if ctx.bind_memory and limit is not None:
+        memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
+        if sum(float(m.min()) for m in memory) > limit:
+            return None  # not even the leanest option of every node keeps the budget
     terms = {r: [node_terms(facts[r], s, ctx, facts) for s in options[r]] for r in reps}
     if worth is not None and not worth(*floor_of(facts, ctx, options, terms, weight)):
         raise Pruned
     unary = [weight[r] * np.array([sum(t) for t in terms[r]]) for r in reps]
-    memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
+    if not (ctx.bind_memory and limit is not None):
+        memory = None
     edge_weight: dict[tuple, float] = {}  # (producer variable, consumer variable or None for the output, slot, shape)
     for producer, consumer, slot_index, shape in edges(facts, ctx):
         if facts[consumer].kind == "output":
@@ -372,13 +379,7 @@ def solve_axis(
             class_v = np.array([wanted.index(s.inputs[slot_index]) for s in options[consumer]])
             pairs.append((index[producer], index[consumer], matrix, class_u, class_v))
     leaders, penalties = followers(facts, options, index, var_of)
-    problem = ChoiceProblem(
-        unary,
-        pairs + penalties,
-        memory if ctx.bind_memory else None,
-        limit if ctx.bind_memory else None,
-        leaders,
-    )
+    problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
     solution = solve_choices(problem)
     if solution is None:
         return None

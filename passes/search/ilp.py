@@ -105,11 +105,17 @@ def fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
 
 
 def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceSolution | None:
-    """Minimize the objective; ``None`` when the memory budget cannot be met. Without a budget,
-    by variable elimination where its tables stay small (:mod:`elimination`), else with HiGHS."""
+    """Minimize the objective; ``None`` when the memory budget cannot be met. By variable
+    elimination where its tables stay small (:mod:`elimination`), when there is no budget or its
+    optimum keeps it; else with HiGHS."""
     merged, root = merge_followers(problem)
     folded = fold_fixed(merged)
-    found = None if problem.memory_limit is not None else eliminate(folded.unary, folded.pairs)
+    budget = folded.memory_limit if folded.memory is not None else None
+    if budget is not None and sum(float(m.min()) for m in folded.memory) > budget:
+        return None  # not even the leanest option of every variable fits
+    found = eliminate(folded.unary, folded.pairs)
+    if found is not None and budget is not None:  # the optimum without the budget, if it keeps it
+        found = found if sum(float(m[c]) for m, c in zip(folded.memory, found[0])) <= budget else None
     solution = ChoiceSolution(*found) if found is not None else _solve(folded, time_limit_s)
     if solution is None:
         return None

@@ -271,7 +271,7 @@ class _Weighing:
                 continue
             if not within_reach(floor + self.bounds.recompute_s(ctx.stages, degrees, level), self.fastest):
                 continue  # the rule "bound": no layout recomputing this much can win
-            bound = solve_axes(ctx, degrees, zero, base, limit=self.limit)  # the layout under the budget
+            bound = solve_axes(ctx, degrees, zero, base, limit=self.limit, cache=cache)  # the layout under the budget
             lean = PricedConfiguration.of(ctx.facts, degrees, bound, ctx.mesh, hardware, zero)
             tried += [(bound, s, c) for s, c in price(lean, schedules)]
         fitting = [Candidate(degrees, zero, s, c, layout) for layout, s, c in tried if c.peak_memory <= self.limit]
