@@ -160,25 +160,39 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     return saved * kept_share(fact, ctx.schedule)
 
 
-def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
-    """(context, chosen strategies) per axis, each context with the local shapes before its axis."""
+def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0, memo: dict | None = None):
+    """(context, chosen strategies, what the axis moves: :func:`traffic`) per axis, each context
+    with the local shapes before its axis; then (None, None, local shapes after every axis).
+    ``memo`` keeps each axis's traffic and shapes after it for the layouts that share the axes
+    before it (keyed by :func:`traffic_key`; an entry holds its strategies, so their id is never
+    reused while it is there)."""
     spans = axis_spans(degrees)
-    local = ShardedShapes.unsharded(facts)
+    local = (memo if memo is not None else {}).get(("unsharded", id(facts)), (None, None))[1]
+    if local is None:
+        local = ShardedShapes.unsharded(facts)
+        if memo is not None:
+            memo[("unsharded", id(facts))] = (facts, local)
+    key: tuple = ()
     for axis, chosen in strategies.items():
-        yield (
-            AxisContext(
-                axis,
-                degrees[axis],
-                hardware.link(mesh.shape, spans[axis], degrees[axis]),
-                {},
-                local,
-                hardware.overlap,
-                data_parallel=degrees.get(Axis.DP, 1),
-                zero=zero,
-            ),
-            chosen,
+        ctx = AxisContext(
+            axis,
+            degrees[axis],
+            hardware.link(mesh.shape, spans[axis], degrees[axis]),
+            {},
+            local,
+            hardware.overlap,
+            data_parallel=degrees.get(Axis.DP, 1),
+            zero=zero,
         )
-        local = local.after(chosen, degrees[axis])
+        key += (traffic_key(ctx, chosen),)
+        if memo is not None and key in memo:
+            _, moved, local = memo[key]
+        else:
+            moved, local = traffic(facts, ctx, chosen), local.after(chosen, degrees[axis])
+            if memo is not None:
+                memo[key] = (chosen, moved, local)
+        yield ctx, chosen, moved
+    yield None, None, local
 
 
 def evaluate(
@@ -212,6 +226,7 @@ class LayoutTerms:
     _terms: LayerTerms | None = None
     _rows: list | None = None
     _starts: dict = field(default_factory=dict)
+    _splits: dict = field(default_factory=dict)
 
     @classmethod
     def of(
@@ -234,10 +249,14 @@ class LayoutTerms:
             return None
         if self._rows is None:
             self._rows = layer_costs(self.facts, self.local)
+        # the cuts depend on the modules and microbatches; the shares also on which device runs which module
         key = (schedule.modules, schedule.microbatches)
-        if not schedule.cuts and key not in self._starts and len(self._rows) >= schedule.modules:
-            self._starts[key] = balanced_starts(self._rows, schedule.modules, schedule.microbatches, self.link)
-        return split_rows(self._rows, schedule, self.link, self._starts.get(key))
+        split_key = (key, schedule.stages, tuple(map(tuple, schedule.device_modules())), schedule.cuts)
+        if split_key not in self._splits:
+            if not schedule.cuts and key not in self._starts and len(self._rows) >= schedule.modules:
+                self._starts[key] = balanced_starts(self._rows, schedule.modules, schedule.microbatches, self.link)
+            self._splits[split_key] = split_rows(self._rows, schedule, self.link, self._starts.get(key))
+        return self._splits[split_key]
 
 
 @dataclass
@@ -289,14 +308,12 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
     node, and every sum over edges the edge's consumer, by its weight."""
     comm = sync = 0.0
     synced: set[str] = set()
-    local = ShardedShapes.unsharded(facts)
-    key: tuple = ()
-    for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero):
-        key += (traffic_key(ctx, chosen),)
-        axis_comm, axis_sync, axis_synced = memoized_traffic(facts, ctx, chosen, memo, key)
-        comm, sync = comm + axis_comm, sync + axis_sync
-        synced |= axis_synced
-        local = local.after(chosen, ctx.size)
+    for ctx, _, moved in axis_contexts(facts, degrees, strategies, mesh, hardware, zero, memo):
+        if ctx is None:
+            local = moved  # the shapes after every axis
+            break
+        comm, sync = comm + moved[0], sync + moved[1]
+        synced |= moved[2]
     compute = sum(f.full_time_s * local.work[n] * f.weight for n, f in facts.items())
     flops = sum(
         (f.profile.forward_flops + (f.profile.backward_flops if f.needs_grad else 0.0)) * local.work[n] * f.weight
@@ -314,18 +331,8 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
 
 
 def traffic_key(ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple:
-    """What one axis's :func:`traffic` depends on besides the axes before it."""
+    """What one axis's :func:`traffic` and the shapes after it depend on besides the axes before it."""
     return (ctx.name, ctx.size, repr(ctx.link), ctx.zero, ctx.data_parallel, ctx.overlap, id(chosen))
-
-
-def memoized_traffic(facts, ctx: AxisContext, chosen, memo: dict | None, key: tuple):
-    """:func:`traffic`, kept in ``memo`` under ``key`` (the :func:`traffic_key` of this axis and
-    of those before it); the entry holds ``chosen``, so its id is never reused while it is there."""
-    if memo is None:
-        return traffic(facts, ctx, chosen)
-    if key not in memo:
-        memo[key] = (chosen, traffic(facts, ctx, chosen))
-    return memo[key][1]
 
 
 def traffic(facts, ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple[float, float, set[str]]:

@@ -54,13 +54,7 @@ from autopar.ir import (
     model_state_bytes,
 )
 from autopar.passes.capture.moe import EXPERTS_OP
-from autopar.passes.cost.evaluate import (
-    AxisContext,
-    memoized_traffic,
-    partial_gradients,
-    stage_mesh,
-    traffic_key,
-)
+from autopar.passes.cost.evaluate import AxisContext, axis_contexts, partial_gradients, stage_mesh
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import optimizer_time
@@ -167,6 +161,9 @@ class LowerBounds:
     def __init__(self, facts: dict[str, NodeFacts], hardware: HardwareProfile, variable=None, memo=None):
         self.facts, self.hardware, self.variable, self.memo = facts, hardware, variable, memo
         self._splits: dict[tuple[str, int], bool] = {}
+        self._sync: dict[tuple, dict[str, float]] = {}
+        self._works: dict[tuple, float] = {}
+        self.unsharded = ShardedShapes.unsharded(facts)
         self.experts = expert_params(facts)
         self.params = [n for n, f in facts.items() if f.kind == "param"]
         # each op that uses parameters counts for the largest of them
@@ -193,7 +190,10 @@ class LowerBounds:
         return self._splits[key]
 
     def _work(self, name: str, degrees: dict[str, int], skip: str | None = None) -> float:
-        return math.prod(1 / s for a, s in degrees.items() if a != skip and self.splits(name, s))
+        key = (name, tuple(degrees.items()), skip)
+        if key not in self._works:
+            self._works[key] = math.prod(1 / s for a, s in degrees.items() if a != skip and self.splits(name, s))
+        return self._works[key]
 
     def _param_elements(self, name: str, degrees: dict[str, int]) -> float:
         fact = self.facts[name]
@@ -260,11 +260,10 @@ class LowerBounds:
         ``floor`` ((work, gradient sync): :func:`~autopar.passes.search.axes.floor_of`), the
         least pipeline ``bubble`` on the work, and the optimizer step, the stages balanced perfectly."""
         comm = sync = 0.0
-        key: tuple = ()
-        for ctx, chosen in solved:  # shared by the configurations with these axes first: priced once
-            key += (traffic_key(ctx, chosen),)
-            axis_comm, axis_sync, _ = memoized_traffic(self.facts, ctx, chosen, self.memo, key)
-            comm, sync = comm + axis_comm, sync + axis_sync
+        before = {ctx.name: chosen for ctx, chosen in solved}
+        for ctx, _, moved in axis_contexts(self.facts, degrees, before, stage, self.hardware, zero, self.memo):
+            if ctx is not None:  # shared by the configurations with these axes first: priced once
+                comm, sync = comm + moved[0], sync + moved[1]
         work, last_sync = floor
         dp = degrees.get(Axis.DP, 1)
         elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
@@ -275,28 +274,40 @@ class LowerBounds:
         dp = degrees.get(Axis.DP, 1)
         if dp == 1:
             return 0.0
-        facts, hardware = self.facts, self.hardware
-        ctx = AxisContext(
-            name=Axis.DP,
-            size=dp,
-            link=hardware.link(stage.shape, stage.size, dp),
-            pins={},
-            local=ShardedShapes.unsharded(facts),
-            overlap=hardware.overlap,
-            data_parallel=dp,
-            zero=zero,
-            hardware=hardware,
-        )
-        sync: dict[str, float] = {}
+        facts = self.facts
+        sync = self._syncs(stage, dp, zero)
         unsplit: dict[str, float] = {}
         for name, param in self.owner.items():
-            if not self.splits(name, dp):
-                continue  # it never splits over dp, so it never leaves a partial gradient
-            fact = facts[name]
-            split = Strategy(tuple(Replicate() for _ in fact.slots), Shard(0))
-            for slot, seconds in partial_gradients(fact, split, ctx, facts):
-                if facts[slot].kind == "param":
-                    sync[slot] = max(sync.get(slot, 0.0), seconds)
-            work = fact.full_time_s * fact.weight * self._work(name, degrees, skip=Axis.DP)
-            unsplit[param] = unsplit.get(param, 0.0) + work * (1 - 1 / dp)
+            if self.splits(name, dp):  # else it never splits over dp and never leaves a partial gradient
+                work = facts[name].full_time_s * facts[name].weight * self._work(name, degrees, skip=Axis.DP)
+                unsplit[param] = unsplit.get(param, 0.0) + work * (1 - 1 / dp)
         return sum(min(seconds * facts[p].weight, unsplit.get(p, 0.0)) for p, seconds in sync.items())
+
+    def _syncs(self, stage: Mesh, dp: int, zero: int) -> dict[str, float]:
+        """Per parameter, the seconds of its gradient's sync over dp (ZeRO-3 regathers it too)."""
+        hardware = self.hardware
+        link = hardware.link(stage.shape, stage.size, dp)
+        key = (repr(link), dp, zero == 3)
+        if key not in self._sync:
+            facts = self.facts
+            ctx = AxisContext(
+                name=Axis.DP,
+                size=dp,
+                link=link,
+                pins={},
+                local=self.unsharded,
+                overlap=hardware.overlap,
+                data_parallel=dp,
+                zero=zero,
+                hardware=hardware,
+            )
+            sync: dict[str, float] = {}
+            for name in self.owner:
+                if self.splits(name, dp):
+                    fact = facts[name]
+                    split = Strategy(tuple(Replicate() for _ in fact.slots), Shard(0))
+                    for slot, seconds in partial_gradients(fact, split, ctx, facts):
+                        if facts[slot].kind == "param":
+                            sync[slot] = max(sync.get(slot, 0.0), seconds)
+            self._sync[key] = sync
+        return self._sync[key]
