@@ -190,7 +190,7 @@ def search_text(plan: Plan) -> str:
 def _schedule_text(schedule: dict) -> str:
     if schedule["stages"] == 1:
         return f"m={schedule['microbatches']}, {schedule['recompute']}"
-    virtual = f"x{schedule['virtual']}" if schedule["virtual"] > 1 else ""
+    virtual = f" x{schedule['virtual']}" if schedule["virtual"] > 1 else ""
     return f"{schedule['kind']}{virtual}, m={schedule['microbatches']}, {schedule['recompute']}"
 
 

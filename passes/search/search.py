@@ -111,7 +111,7 @@ def search(
     sequence_dims = (
         split_dims(facts, hardware, Axis.CP, batch_dims, folding.variable) if Axis.CP in optional_dims(facts) else {}
     )
-    memo: dict = {}  # each node's candidates, shared by every axis of the search
+    memo: dict = {}  # what the search computes once: candidates, edge times, each axis's traffic and shapes after it
     bounds = LowerBounds(facts, hardware, folding.variable, memo)
     weighed = _Weighing(facts, mesh, hardware, options, limit, batch, bounds)
     weighed.run(
@@ -171,16 +171,17 @@ class _Weighing:
     def configurations(self) -> list[tuple[int, dict[str, int], int, float]]:
         """(stages, degrees, ZeRO stage, the least pipeline bubble of its schedules) of every
         configuration; unpinned stage counts that no schedule runs are left out."""
-        found = []
+        found, refusal = [], None
         for stages, degrees in configurations(self.facts, self.mesh, self.options, self.hardware, self.batch):
             local_batch = self.batch // batch_split(degrees)
             try:
                 runnable = variants(
                     leanest(self.options, stages, local_batch, Recompute.NONE), self.options, local_batch, self.layers
                 )
-            except ConfigError:
+            except ConfigError as error:
                 if self.options.stages:
                     raise
+                refusal = refusal or error
                 continue
             bubble = min(bubble_share(schedule) for schedule in runnable)
             dp = degrees[Axis.DP]
@@ -189,10 +190,12 @@ class _Weighing:
             else:
                 zeros = [0, 1, 2, 3] if dp > 1 else [0]
             found += [(stages, degrees, zero, bubble) for zero in zeros]
-        if not found:
+        if not found and self.options.zero:
             raise ConfigError(
                 f"zero={self.options.zero} shards model state over the data-parallel axis: pin a dp degree above 1"
             )
+        if not found:
+            raise refusal
         return found
 
     def run(self, context_for, progress, started: float) -> None:
