@@ -6,6 +6,7 @@ This is, with the CLI, the only place that imports both ``passes`` and ``runtime
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
@@ -17,7 +18,7 @@ from autopar.passes.rewrite.recompute import apply_recompute
 from autopar.passes.rewrite.rewrite import rewrite
 from autopar.passes.rewrite.stages import split_stages
 from autopar.passes.runner import PassLog, verify_graph
-from autopar.passes.search.search import search
+from autopar.passes.search.search import SearchProgress, search
 
 
 def capture(model: nn.Module, example_inputs: tuple) -> CapturedGraph:
@@ -35,6 +36,8 @@ def plan(
     mesh,
     example_inputs: tuple | None = None,
     options: PlanOptions | None = None,
+    *,
+    progress: Callable[[SearchProgress], None] | None = None,
     **pins,
 ) -> Plan:
     """Find how to run ``model`` on ``mesh``; needs no process group and works on meta models.
@@ -45,6 +48,8 @@ def plan(
     ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
     "S(1)"}``), ``hardware``, ``memory_limit``, ``zero`` (0-3), ``recompute`` ("none",
     "selective", "full"), ``microbatches``, ``pipeline`` (the schedule) and ``stage_cuts``.
+    ``progress`` is called after each configuration the search weighs (a
+    :class:`~autopar.passes.search.search.SearchProgress`; ``autopar plan`` draws it on a terminal).
 
     >>> p = plan(model, "2x2", model.example_inputs(8), zero=1)   # doctest: +SKIP
     >>> print(p)                                                  # doctest: +SKIP
@@ -53,7 +58,7 @@ def plan(
         if example_inputs is None:
             raise ConfigError("plan needs example_inputs for a module (or a graph from autopar.capture)")
         model = _capture(model, example_inputs)
-    return _search(model, Mesh.of(mesh), PlanOptions.of(options, **pins))
+    return _search(model, Mesh.of(mesh), PlanOptions.of(options, **pins), progress=progress)
 
 
 def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> CapturedGraph:
@@ -64,8 +69,10 @@ def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> Ca
     )
 
 
-def _search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions, log: PassLog | None = None) -> Plan:
-    return (log or PassLog()).run("search", search, captured, mesh, options)
+def _search(
+    captured: CapturedGraph, mesh: Mesh, options: PlanOptions, log: PassLog | None = None, progress=None
+) -> Plan:
+    return (log or PassLog()).run("search", search, captured, mesh, options, progress=progress)
 
 
 def parallelize(

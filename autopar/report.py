@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 from tabulate import tabulate
 
-from autopar.ir import KERNEL_DIMS, Plan, Shard
+from autopar.ir import KERNEL_DIMS, Plan, Shard, layer_of, module_label
 from autopar.passes.capture.graph import module_path
 from autopar.passes.rewrite.export import collective_calls, placeholders
 
@@ -150,27 +150,95 @@ def summary_text(plan: Plan) -> str:
     )
 
 
+SEARCH_ROWS = 12  # configurations the search table shows: the chosen one and the fastest others
+
+
 def search_text(plan: Plan) -> str:
+    """How many configurations the search weighed, tried and pruned (by rule), and the fastest tried."""
+    tried = [entry for entry in plan.search if "pruned" not in entry]
+    pruned = Counter(entry["pruned"] for entry in plan.search if "pruned" in entry)
+
+    def chosen(entry: dict) -> bool:
+        same = (entry["degrees"], entry.get("zero", 0), entry.get("stages", 1))
+        return same == (plan.degrees, plan.zero, plan.schedule.stages)
+
+    shown = sorted(tried, key=lambda e: (not chosen(e), not e["feasible"], e["step_s"]))[:SEARCH_ROWS]
     rows = [
         [
+            entry.get("stages", 1),
             degrees_text(entry["degrees"]),
             entry.get("zero", 0),
+            _schedule_text(entry["schedule"]),
             f"{entry['step_s'] * 1e3:.2f} ms",
             _size(entry["peak_memory"]),
             "yes" if entry["feasible"] else "no",
-            "<- chosen" if (entry["degrees"], entry.get("zero", 0)) == (plan.degrees, plan.zero) else "",
+            "<- chosen" if chosen(entry) else "",
         ]
-        for entry in plan.search
+        for entry in sorted(shown, key=lambda e: (not e["feasible"], e["step_s"]))
     ]
-    table = tabulate(rows, headers=["degrees", "ZeRO", "predicted step", "peak memory", "fits", ""])
+    table = tabulate(rows, headers=["pp", "degrees", "ZeRO", "schedule", "predicted step", "peak memory", "fits", ""])
     plural = "s" if len(plan.search) != 1 else ""
-    return f"search: {len(plan.search)} configuration{plural} in {plan.search_time_s:.2f} s\n{table}"
+    head = f"search: {len(plan.search)} configuration{plural} in {plan.search_time_s:.2f} s"
+    if pruned:
+        rules = ", ".join(f"{count} by {rule}" for rule, count in sorted(pruned.items()))
+        head += f": {len(tried)} tried, {sum(pruned.values())} pruned ({rules})"
+    if len(tried) > len(shown):
+        head += f"; the {len(shown)} fastest tried"
+    return f"{head}\n{table}"
+
+
+def _schedule_text(schedule: dict) -> str:
+    if schedule["stages"] == 1:
+        return f"m={schedule['microbatches']}, {schedule['recompute']}"
+    virtual = f" x{schedule['virtual']}" if schedule["virtual"] > 1 else ""
+    return f"{schedule['kind']}{virtual}, m={schedule['microbatches']}, {schedule['recompute']}"
+
+
+def fold_rows(rows: list[dict]) -> list[dict]:
+    """The rows of :func:`module_rows` with each run of consecutive identical layers shown once:
+    ``layers.0-95 x96`` and its modules as ``layers.0-95.attn.wq``, with one layer's numbers."""
+    blocks: list[tuple[str | None, list[dict]]] = []  # (layer, its rows), in order
+    for row in rows:
+        layer = layer_of(row["module"])
+        if blocks and blocks[-1][0] == layer and layer is not None:
+            blocks[-1][1].append(row)
+        else:
+            blocks.append((layer, [row]))
+
+    def shape(layer: str, block: list[dict]) -> tuple:
+        return tuple(
+            (row["module"][len(layer) :], *(repr(v) for k, v in row.items() if k != "module")) for row in block
+        )
+
+    out: list[dict] = []
+    index = 0
+    while index < len(blocks):
+        layer, block = blocks[index]
+        run = 1
+        if layer is not None:
+            prefix, _, first = layer.rpartition(".")
+            while index + run < len(blocks):
+                other, other_block = blocks[index + run]
+                if other != f"{prefix}.{int(first) + run}" or shape(other, other_block) != shape(layer, block):
+                    break
+                run += 1
+        if run == 1:
+            out += block
+        else:
+            span = f"{prefix}.{first}-{int(first) + run - 1}"
+            for row in block:
+                rest = row["module"][len(layer) :]
+                out.append({**row, "module": span + rest if rest else f"{span} x{run}"})
+        index += run
+    return out
 
 
 def modules_text(rows: list[dict]) -> str:
+    """The module table; runs of identical layers are shown once (:func:`fold_rows`)."""
+    rows = fold_rows(rows)
     table = [
         [
-            row["module"] or "<top>",
+            module_label(row["module"]),
             "; ".join(f"{name} {placement}" for name, placement in row["params"].items()) or "-",
             row["output"] or "-",
             ", ".join(f"{name} x{count}" for name, count in row["collectives"].items()) or "-",
@@ -184,7 +252,8 @@ def modules_text(rows: list[dict]) -> str:
     note = (
         "collective bytes: the local size of each collective's input tensor on one rank, summed over the forward\n"
         "graph (backward runs each collective's dual on a gradient of the same size); grad sum: axes the runtime\n"
-        "all-reduces the module's parameter gradients over after backward (not counted in collective bytes)."
+        "all-reduces the module's parameter gradients over after backward (not counted in collective bytes).\n"
+        "layers.0-95 x96: 96 identical layers, shown once with one layer's numbers (--json lists every one)."
     )
     return tabulate(table, headers=headers) + "\n" + note
 
@@ -207,7 +276,7 @@ def decisions_text(plan: Plan) -> str:
                 if decision.kernel
                 else decision.op
             )
-            rows.append([(module or "<top>") if index == 0 else "", name, op, inputs, output, comm])
+            rows.append([module_label(module) if index == 0 else "", name, op, inputs, output, comm])
     axes = ", ".join(plan.degrees)
     return f"node decisions by module (placements over {axes}):\n" + tabulate(
         rows, headers=["module", "node", "op", "inputs", "output", "comm"]

@@ -24,7 +24,7 @@ import inspect
 import math
 from dataclasses import dataclass
 
-from autopar.ir import KERNEL_DIMS, Axis, Plan, PlanOptions, batch_split
+from autopar.ir import KERNEL_DIMS, Axis, Plan, PlanOptions, batch_split, module_label
 
 SIZES = {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 2, "ffn": 128, "vocab": 256, "seq": 32, "experts": 4}
 SMALL_DEGREE = 2
@@ -114,7 +114,7 @@ def pattern_options(plan: Plan, degrees: dict[str, int], *, params: set[str], mo
         constraints.update({name: str(p[tp]) for name, p in plan.params.items() if name in params})
     for node in plan.nodes.values():
         if node.kernel and node.module in modules and degrees.get(KERNEL_DIMS[node.kernel], 1) > 1:
-            constraints[node.module] = str(node.kernel)
+            constraints[module_label(node.module)] = str(node.kernel)
     stages = degrees.get(Axis.PP, 1)
     same = degrees == full_degrees(plan)
     microbatches = plan.schedule.microbatches if same else min(plan.schedule.microbatches, 2 * stages)

@@ -163,25 +163,31 @@ def build_llama(
     return CausalLM(LlamaForCausalLM(config), seq=seq)
 
 
-def build_llama70b_shaped(*, layers: int = 2, seq: int = 4096) -> CausalLM:
-    """A Llama-3-70B-shaped model with ``layers`` layers, always on the meta device (for planning).
+# Llama 3's published shapes (Dubey et al., "The Llama 3 Herd of Models", 2024, Table 3)
+LLAMA3 = {
+    "8b": dict(hidden=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
+    "70b": dict(hidden=8192, layers=80, heads=64, kv_heads=8, ffn=28672),
+    "405b": dict(hidden=16384, layers=126, heads=128, kv_heads=8, ffn=53248),
+}
 
-    Shapes of the real model: hidden 8192, 64 heads, 8 KV heads, ffn 28672, vocab 128256,
-    RMSNorm eps 1e-5, RoPE theta 500000 (the long-context RoPE scaling is left out: it only
-    changes the values of a buffer). One layer is about 0.86e9 parameters, the embedding and
-    head 1.05e9 each, far too much to materialize here, so the model is built on "meta".
+
+def build_llama3(size: str = "8b", *, layers: int | None = None, seq: int = 8192) -> CausalLM:
+    """A Llama-3-shaped model (``size``: "8b", "70b" or "405b"), always on the meta device (for planning).
+
+    Vocabulary 128256, RMSNorm eps 1e-5, RoPE theta 500000 (the long-context RoPE scaling is left
+    out: it only changes the values of a buffer); ``layers`` overrides the depth. Far too large to
+    materialize here (the 8B model's embedding alone is 0.5e9 parameters), so it is built on "meta".
 
     Example::
 
-        model = build_llama70b_shaped(layers=2)
-        tokens, labels = model.example_inputs(1)  # meta tensors of shape [1, 4096]
+        model = build_llama3("405b", layers=2)
+        tokens, labels = model.example_inputs(1)  # meta tensors of shape [1, 8192]
     """
+    if size not in LLAMA3:
+        raise ValueError(f"size={size!r}: choose one of {sorted(LLAMA3)}")
+    shape = {**LLAMA3[size], **({"layers": layers} if layers is not None else {})}
     config = _llama_config(
-        hidden=8192,
-        layers=layers,
-        heads=64,
-        kv_heads=8,
-        ffn=28672,
+        **shape,
         vocab=128256,
         seq=seq,
         rms_norm_eps=1e-5,
@@ -190,6 +196,17 @@ def build_llama70b_shaped(*, layers: int = 2, seq: int = 4096) -> CausalLM:
     )
     with torch.device("meta"):
         return CausalLM(LlamaForCausalLM(config), seq=seq)
+
+
+def build_llama70b_shaped(*, layers: int = 2, seq: int = 4096) -> CausalLM:
+    """A Llama-3-70B-shaped model with ``layers`` layers on the meta device (:func:`build_llama3`).
+
+    Example::
+
+        model = build_llama70b_shaped(layers=2)
+        tokens, labels = model.example_inputs(1)  # meta tensors of shape [1, 4096]
+    """
+    return build_llama3("70b", layers=layers, seq=seq)
 
 
 def build_mixtral(

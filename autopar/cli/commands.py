@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -11,6 +12,7 @@ from autopar.api import capture
 from autopar.api import plan as make_plan
 from autopar.cli.arguments import BATCH_PER_DEVICE, VERIFY_MISMATCH, UsageError, VerifyFailed, default_profile_path
 from autopar.cli.models import load_model, model_factory
+from autopar.cli.progress import ProgressLine
 from autopar.ir import InvalidPlanError, Plan, PlanOptions, get_profile
 from autopar.passes.cost.symbolic import symbolic_cost
 from autopar.passes.rewrite.export import write_export
@@ -43,7 +45,9 @@ def _make_plan(args):
     batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
     inputs = model.example_inputs(batch, device="meta")
     captured = capture(model, inputs)
-    plan = make_plan(captured, args.mesh, options=_options(args, hardware))
+    live = sys.stderr.isatty() and not getattr(args, "json", False)  # the progress line: a terminal, no --json
+    with ProgressLine(sys.stderr) if live else contextlib.nullcontext() as line:
+        plan = make_plan(captured, args.mesh, options=_options(args, hardware), progress=line)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
     at = getattr(args, "at", None)  # only `plan` has it
     symbolic = at and symbolic_cost(

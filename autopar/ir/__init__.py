@@ -16,7 +16,7 @@ from autopar.ir.errors import (
 )
 from autopar.ir.hardware import PROFILES, HardwareProfile, LinkTier, get_profile
 from autopar.ir.mesh import BATCH_DIMS, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
-from autopar.ir.names import OP_NAMESPACE, Axis, Kernel, PipelineKind, Precision, Recompute, layer_of
+from autopar.ir.names import OP_NAMESPACE, Axis, Kernel, PipelineKind, Precision, Recompute, layer_of, module_label
 from autopar.ir.options import PlanOptions
 from autopar.ir.placement import Partial, Placement, Replicate, Shard, format_placements, parse_placement
 from autopar.ir.plan import (
@@ -36,6 +36,7 @@ __all__ = [
     "BATCH_DIMS",
     "KERNEL_DIMS",
     "OP_NAMESPACE",
+    "module_label",
     "PARALLEL_DIMS",
     "PIPELINES",
     "PROFILES",

@@ -62,6 +62,12 @@ class Precision(StrEnum):
 
 OP_NAMESPACE = "autopar"  # torch.ops.autopar.*: the collectives and kernels rewritten graphs call
 
+
+def module_label(path: str) -> str:
+    """A module as plans print it and constraints match it: its path, ``"<top>"`` for the model's own forward."""
+    return path or "<top>"
+
+
 _LAYER = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 

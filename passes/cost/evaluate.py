@@ -7,6 +7,7 @@ made, and :func:`evaluate_plan` does so for any plan, searched or pinned.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from autopar.ir import (
@@ -35,7 +36,8 @@ from autopar.passes.cost.ops import (
     optimizer_time,
     reshard_time,
 )
-from autopar.passes.cost.schedule import kept_share, schedule_cost
+from autopar.passes.cost.schedule import LayerTerms, kept_share, layer_terms, scheduled
+from autopar.passes.search.partition import StageSplit, balanced_starts, layer_costs, split_rows
 from autopar.passes.sharding.strategies import Strategy, numel, work_fraction
 
 R = Replicate()
@@ -158,25 +160,39 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     return saved * kept_share(fact, ctx.schedule)
 
 
-def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
-    """(context, chosen strategies) per axis, each context with the local shapes before its axis."""
+def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0, memo: dict | None = None):
+    """(context, chosen strategies, what the axis moves: :func:`traffic`) per axis, each context
+    with the local shapes before its axis; then (None, None, local shapes after every axis).
+    ``memo`` keeps each axis's traffic and shapes after it for the layouts that share the axes
+    before it (keyed by :func:`traffic_key`; an entry holds its strategies, so their id is never
+    reused while it is there)."""
     spans = axis_spans(degrees)
-    local = ShardedShapes.unsharded(facts)
+    local = (memo if memo is not None else {}).get(("unsharded", id(facts)), (None, None))[1]
+    if local is None:
+        local = ShardedShapes.unsharded(facts)
+        if memo is not None:
+            memo[("unsharded", id(facts))] = (facts, local)
+    key: tuple = ()
     for axis, chosen in strategies.items():
-        yield (
-            AxisContext(
-                axis,
-                degrees[axis],
-                hardware.link(mesh.shape, spans[axis], degrees[axis]),
-                {},
-                local,
-                hardware.overlap,
-                data_parallel=degrees.get(Axis.DP, 1),
-                zero=zero,
-            ),
-            chosen,
+        ctx = AxisContext(
+            axis,
+            degrees[axis],
+            hardware.link(mesh.shape, spans[axis], degrees[axis]),
+            {},
+            local,
+            hardware.overlap,
+            data_parallel=degrees.get(Axis.DP, 1),
+            zero=zero,
         )
-        local = local.after(chosen, degrees[axis])
+        key += (traffic_key(ctx, chosen),)
+        if memo is not None and key in memo:
+            _, moved, local = memo[key]
+        else:
+            moved, local = traffic(facts, ctx, chosen), local.after(chosen, degrees[axis])
+            if memo is not None:
+                memo[key] = (chosen, moved, local)
+        yield ctx, chosen, moved
+    yield None, None, local
 
 
 def evaluate(
@@ -190,70 +206,183 @@ def evaluate(
     it: model state (ZeRO-sharded), gradient-sync buckets (a flat copy of every synced gradient),
     the activations autograd saves and, at the start of backward, about two tensors of the largest
     activation (the loss's gradient chain); gradients grow as activations are freed (see :attr:`Cost.peak_memory`).
+    Then the ``schedule``'s recomputation, microbatches and pipeline (:mod:`autopar.passes.cost.schedule`).
     """
+    return PricedConfiguration.of(facts, degrees, strategies, mesh, hardware, zero).under(schedule)
+
+
+@dataclass
+class LayoutTerms:
+    """What any schedule and any ZeRO stage of the same weight regathering need of one solved
+    layout, each computed once: its cost as one batch with the model state left out
+    (:func:`_layout_cost`), the sums over layers (:func:`layer_terms`), the layer rows and, per
+    (stage modules, microbatches), the balanced cut points."""
+
+    facts: dict[str, NodeFacts]
+    cost: Cost  # compute, communication, gradient sync, activations: not the model state
+    synced: set[str]  # parameters whose gradients are synchronized
+    local: ShardedShapes  # every node's local shapes once all axes are solved
+    link: LinkTier  # the tier a pipeline's stage boundaries cross
+    _terms: LayerTerms | None = None
+    _rows: list | None = None
+    _starts: dict = field(default_factory=dict)
+    _splits: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(
+        cls, facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: int = 0, memo: dict | None = None
+    ) -> LayoutTerms:
+        """The terms of ``strategies``; of ZeRO only whether it regathers weights (stage 3) matters.
+        ``memo`` keeps each axis's :func:`traffic` for layouts that share their first axes."""
+        cost, synced, local = _layout_cost(facts, degrees, strategies, mesh, hardware, zero, memo)
+        return cls(facts, cost, synced, local, hardware.link(mesh.shape, mesh.size))
+
+    @property
+    def terms(self) -> LayerTerms:
+        if self._terms is None:
+            self._terms = layer_terms(self.facts, self.local)
+        return self._terms
+
+    def split(self, schedule: Schedule) -> StageSplit | None:
+        """Where ``schedule``'s stage modules cut the layers (its pinned cuts, else balanced)."""
+        if schedule.stages == 1:
+            return None
+        if self._rows is None:
+            self._rows = layer_costs(self.facts, self.local)
+        # the cuts depend on the modules and microbatches; the shares also on which device runs which module
+        key = (schedule.modules, schedule.microbatches)
+        split_key = (key, schedule.stages, tuple(map(tuple, schedule.device_modules())), schedule.cuts)
+        if split_key not in self._splits:
+            if not schedule.cuts and key not in self._starts and len(self._rows) >= schedule.modules:
+                self._starts[key] = balanced_starts(self._rows, schedule.modules, schedule.microbatches, self.link)
+            self._splits[split_key] = split_rows(self._rows, schedule, self.link, self._starts.get(key))
+        return self._splits[split_key]
+
+
+@dataclass
+class PricedConfiguration:
+    """One configuration's cost as one batch (everything saved, one stage), ready to price any
+    schedule on: :meth:`under` reuses the sums over nodes and the stage cuts of its layout, so
+    the search prices every schedule of a configuration for the cost of one pass over the graph.
+
+    >>> priced = PricedConfiguration.of(facts, degrees, strategies, mesh, hardware)   # doctest: +SKIP
+    >>> priced.under(Schedule(stages=2, microbatches=8)).step_s                         # doctest: +SKIP
+    """
+
+    cost: Cost
+    zero: int
+    layout: LayoutTerms
+
+    @classmethod
+    def of(
+        cls,
+        facts,
+        degrees,
+        strategies,
+        mesh,
+        hardware: HardwareProfile,
+        zero: int = 0,
+        layout: LayoutTerms | None = None,
+    ) -> PricedConfiguration:
+        """Price ``strategies`` at ``zero``; ``layout``: their terms, from another ZeRO stage
+        that regathers weights alike (both 3, or neither)."""
+        layout = layout or LayoutTerms.of(facts, degrees, strategies, mesh, hardware, zero)
+        memory, optimizer_s = _model_state(facts, layout, degrees, mesh, hardware, zero)
+        cost = dataclasses.replace(layout.cost, memory={**memory, **layout.cost.memory}, optimizer_s=optimizer_s)
+        return cls(cost, zero, layout)
+
+    def split(self, schedule: Schedule) -> StageSplit | None:
+        return self.layout.split(schedule)
+
+    def under(self, schedule: Schedule) -> Cost:
+        """The cost under ``schedule`` (as :func:`evaluate`)."""
+        cost = self.cost
+        if self.zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
+            cost = dataclasses.replace(cost, grad_sync_s=cost.grad_sync_s * schedule.microbatches)
+        return scheduled(cost, self.layout.terms, schedule, self.split(schedule), self.layout.link)
+
+
+def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: int, memo: dict | None = None):
+    """(cost of one batch with everything saved on one stage, model state left out; the
+    parameters whose gradients are synced; the local shapes): every sum over nodes weighs a
+    node, and every sum over edges the edge's consumer, by its weight."""
     comm = sync = 0.0
     synced: set[str] = set()
-    local = ShardedShapes.unsharded(facts)
-    for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero):
-        partial: dict[str, float] = {}
-        for name, s in chosen.items():
-            for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
-                partial[slot] = maximum(partial.get(slot, 0.0), seconds)
-        comm += sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
-        for slot, seconds in partial.items():
-            if facts[slot].kind == "param":
-                sync += seconds
-                synced.add(slot)
-            else:
-                comm += seconds
-        moves = set()  # (value, destination, scope): moved once
-        for producer, consumer, slot_index, shape in edges(facts, ctx):
-            dst = (
-                R
-                if facts[consumer].kind == "output"
-                else chosen[consumer].inputs[slot_index]
-                if consumer in chosen
-                else None
-            )
-            move = (producer, dst, move_scope(facts[consumer].node))
-            if producer in chosen and dst is not None and move not in moves:
-                moves.add(move)
-                comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
-        local = local.after(chosen, ctx.size)
-    contention = hardware.contention(mesh.shape)
-    compute = sum(f.full_time_s * local.work[n] for n, f in facts.items())
+    for ctx, _, moved in axis_contexts(facts, degrees, strategies, mesh, hardware, zero, memo):
+        if ctx is None:
+            local = moved  # the shapes after every axis
+            break
+        comm, sync = comm + moved[0], sync + moved[1]
+        synced |= moved[2]
+    compute = sum(f.full_time_s * local.work[n] * f.weight for n, f in facts.items())
     flops = sum(
-        (f.profile.forward_flops + (f.profile.backward_flops if f.needs_grad else 0.0)) * local.work[n]
+        (f.profile.forward_flops + (f.profile.backward_flops if f.needs_grad else 0.0)) * local.work[n] * f.weight
         for n, f in facts.items()
     )
-    memory = dict.fromkeys(("params", "grads", "optimizer", "grad_buckets", "activations", "temporary"), 0.0)
-    optimizer_elements = largest = 0.0
+    activations = largest = 0.0
     for name, fact in facts.items():
-        elements = sum(numel(s) for s in local.shapes[name])
-        if fact.kind == "param":
-            state = model_state_bytes(
-                elements, data_parallel=degrees.get(Axis.DP, 1), zero_stage=zero, precision=fact.precision
-            )
-            for category, nbytes in state.items():
-                memory[category] += nbytes
-            memory["grad_buckets"] += elements * fact.elem_bytes if name in synced else 0.0
-            optimizer_elements += elements / (degrees.get(Axis.DP, 1) if zero else 1)
-        else:
-            memory["activations"] += activation_bytes(fact, local.shapes[name], local.work[name])
+        if fact.kind != "param":
+            activations += activation_bytes(fact, local.shapes[name], local.work[name]) * fact.weight
             if fact.kind == "op" and fact.needs_grad:
-                largest = maximum(largest, elements * fact.elem_bytes)
-    memory["temporary"] = 2 * largest
-    if zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
-        sync *= schedule.microbatches
-    cost = Cost(
-        compute_s=compute,
-        comm_s=comm,
-        grad_sync_s=sync,
-        memory=memory,
-        optimizer_s=optimizer_time(optimizer_elements, hardware, contention),
-        model_flops=flops,
-    )
-    return schedule_cost(cost, facts, local, schedule, hardware, hardware.link(mesh.shape, mesh.size))
+                largest = maximum(largest, sum(numel(s) for s in local.shapes[name]) * fact.elem_bytes)
+    memory = {"activations": activations, "temporary": 2 * largest}
+    cost = Cost(compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory, model_flops=flops)
+    return cost, synced, local
+
+
+def traffic_key(ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple:
+    """What one axis's :func:`traffic` and the shapes after it depend on besides the axes before it."""
+    return (ctx.name, ctx.size, repr(ctx.link), ctx.zero, ctx.data_parallel, ctx.overlap, id(chosen))
+
+
+def traffic(facts, ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple[float, float, set[str]]:
+    """(exposed communication, exposed gradient sync, the parameters synced) of one solved axis:
+    parallel kernels, each partial gradient once, each value moved once per destination and scope."""
+    comm = sync = 0.0
+    synced: set[str] = set()
+    partial: dict[str, float] = {}
+    for name, s in chosen.items():
+        for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
+            partial[slot] = maximum(partial.get(slot, 0.0), seconds)
+    comm += sum(kernel_time(facts[name], s, ctx) * facts[name].weight for name, s in chosen.items() if s.kernel)
+    for slot, seconds in partial.items():
+        if facts[slot].kind == "param":
+            sync += seconds * facts[slot].weight
+            synced.add(slot)
+        else:
+            comm += seconds * facts[slot].weight
+    moves = set()  # (value, destination, scope): moved once
+    for producer, consumer, slot_index, shape in edges(facts, ctx):
+        dst = (
+            R
+            if facts[consumer].kind == "output"
+            else chosen[consumer].inputs[slot_index]
+            if consumer in chosen
+            else None
+        )
+        move = (producer, dst, move_scope(facts[consumer].node))
+        if producer in chosen and dst is not None and move not in moves:
+            moves.add(move)
+            comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx) * facts[consumer].weight
+    return comm, sync, synced
+
+
+def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwareProfile, zero: int):
+    """(memory by category of weights, gradients, optimizer state and gradient-sync buckets;
+    the optimizer step's seconds) under ZeRO ``zero``."""
+    dp = degrees.get(Axis.DP, 1)
+    memory = dict.fromkeys(("params", "grads", "optimizer", "grad_buckets"), 0.0)
+    optimizer_elements = 0.0
+    for name, fact in facts.items():
+        if fact.kind != "param":
+            continue
+        elements = numel(layout.local.shapes[name][0]) * fact.weight
+        state = model_state_bytes(elements, data_parallel=dp, zero_stage=zero, precision=fact.precision)
+        for category, nbytes in state.items():
+            memory[category] += nbytes
+        memory["grad_buckets"] += elements * fact.elem_bytes if name in layout.synced else 0.0
+        optimizer_elements += elements / (dp if zero else 1)
+    return memory, optimizer_time(optimizer_elements, hardware, hardware.contention(mesh.shape))
 
 
 def strategies_from_plan(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, dict[str, Strategy]]:

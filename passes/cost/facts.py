@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from autopar.ir import HardwareProfile, Precision
+from autopar.ir import HardwareProfile, Precision, Shard
 from autopar.passes.capture.graph import CapturedGraph, node_layer
 from autopar.passes.cost.ops import OpProfile, compute_time, measured_time, op_profile
 from autopar.passes.sharding.strategies import (
@@ -42,6 +42,11 @@ class NodeFacts:
     saved: bool = False  # autograd keeps this node's output for some backward
     consumers: int = 0  # ops that take this node's output
     layer: str | None = None  # the numbered module it belongs to (``layers.3``), None outside layers
+    # How many nodes of the captured graph this one stands for: the search folds a run of identical
+    # layers into one that counts for the middle ones (:mod:`autopar.passes.search.fold`); every sum
+    # over nodes weighs a node, and every sum over edges an edge's consumer, by it.
+    weight: int = 1
+    folded_layers: tuple[str, ...] = ()  # with a weight, the layers this node's layer stands for, in order
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -74,26 +79,21 @@ class ShardedShapes:
 
     def after(self, chosen: dict[str, Strategy], size: int) -> ShardedShapes:
         """The shapes once every node in ``chosen`` is placed on an axis of ``size``."""
-
-        def out(n, shapes):
-            return [local_shape(x, chosen[n].output, size) for x in shapes] if n in chosen else shapes
-
-        def ins(n, shapes):
-            return [local_shape(x, p, size) for x, p in zip(shapes, chosen[n].inputs)] if n in chosen else shapes
-
-        moved = {  # the rewrite redistributes an input whose placement differs from its producer's
-            (n, index)
-            for n, s in chosen.items()
-            for index, (producer, wanted) in enumerate(zip(self.producers.get(n, ()), s.inputs))
-            if size > 1 and wanted is not None and producer in chosen and wanted != chosen[producer].output
-        }
-        return ShardedShapes(
-            {n: out(n, shp) for n, shp in self.shapes.items()},
-            {n: ins(n, shp) for n, shp in self.slot_shapes.items()},
-            {n: w * (work_fraction(chosen[n], size) if n in chosen else 1.0) for n, w in self.work.items()},
-            self.producers,
-            self.moved | moved,
-        )
+        if size == 1:  # nothing is split, nothing moves
+            return self
+        shapes, slot_shapes, work = dict(self.shapes), dict(self.slot_shapes), dict(self.work)
+        moved = set()
+        for n, s in chosen.items():
+            placements = (s.output, *s.inputs)
+            if any(isinstance(p, Shard) for p in placements):
+                shapes[n] = [local_shape(x, s.output, size) for x in shapes[n]]
+                slot_shapes[n] = [local_shape(x, p, size) for x, p in zip(slot_shapes[n], s.inputs)]
+            work[n] *= work_fraction(s, size)
+            # the rewrite redistributes an input whose placement differs from its producer's
+            for index, (producer, wanted) in enumerate(zip(self.producers.get(n, ()), s.inputs)):
+                if wanted is not None and producer in chosen and wanted != chosen[producer].output:
+                    moved.add((n, index))
+        return ShardedShapes(shapes, slot_shapes, work, self.producers, self.moved | moved)
 
 
 def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: float = 1.0) -> dict[str, NodeFacts]:

@@ -22,12 +22,13 @@ shapes it was computed from. Post: the same configuration's cost under a :class:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from autopar.ir import Cost, HardwareProfile, PipelineKind, Recompute, Schedule
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, saved_bytes
 from autopar.passes.cost.ops import collective_time, maximum
 from autopar.passes.rewrite.recompute import kept_by_selective
-from autopar.passes.search.partition import partition
+from autopar.passes.search.partition import StageSplit, partition
 from autopar.passes.sharding.strategies import numel
 
 BUBBLE_FACTOR = {
@@ -67,16 +68,75 @@ def kept_share(fact: NodeFacts, schedule: Schedule) -> float:
     share = min(1.0, in_flight(schedule) / schedule.microbatches)
     if fact.layer is None:
         return share
-    if schedule.recompute == Recompute.FULL or (
-        schedule.recompute == Recompute.SELECTIVE and not kept_by_selective(fact.node.target)
-    ):
+    if dropped(fact, schedule.recompute):
         return 0.0
     return share / schedule.stages
 
 
-def _forward_share(fact: NodeFacts) -> float:
+def dropped(fact: NodeFacts, level: str) -> bool:
+    """Whether recomputation at ``level`` drops what autograd saves for this node and runs its
+    forward again: every op inside a layer under full recomputation, under selective those
+    whose outputs it does not keep."""
+    return fact.layer is not None and (
+        level == Recompute.FULL or level == Recompute.SELECTIVE and not kept_by_selective(fact.node.target)
+    )
+
+
+def forward_share(fact: NodeFacts) -> float:
+    """The share of an op's time its forward takes (what recomputing it costs again)."""
     flops = fact.profile.forward_flops + fact.profile.backward_flops
     return fact.profile.forward_flops / flops if flops else 0.5  # memory-bound: as many bytes each way
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """What a schedule's cost needs of one solved configuration, summed once over its nodes
+    (each weighed by :attr:`NodeFacts.weight`) for every schedule priced on it."""
+
+    outside: float  # bytes autograd saves outside layers
+    in_layers: dict[str, float]  # recomputation level → bytes a device keeps inside layers (one stage, one batch)
+    recompute_s: dict[str, float]  # recomputation level → the forward it runs again
+    boundary: float  # the largest layer input: what a stage boundary sends per batch
+
+
+def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms:
+    """:class:`LayerTerms` of the configuration whose local shapes are ``local``."""
+    outside = kept = 0.0
+    recompute = dict.fromkeys(Recompute, 0.0)
+    layer_saved: dict[str, float] = {}
+    layer_weight: dict[str, int] = {}
+    layer_inputs: dict[str, set[str]] = {}
+    saved_by_node = saved_bytes(facts, local)  # moved inputs an op saves count as the copies they are
+    for name, fact in facts.items():
+        if fact.kind not in ("op", "input"):
+            continue
+        saved = saved_by_node[name]
+        layer = fact.layer
+        if layer is None:
+            outside += saved * fact.weight
+            continue
+        layer_saved[layer] = layer_saved.get(layer, 0.0) + saved
+        layer_weight[layer] = fact.weight
+        inputs = layer_inputs.setdefault(layer, set())
+        inputs.update(
+            s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer
+        )
+        forward_s = fact.full_time_s * local.work[name] * forward_share(fact) * fact.weight
+        recompute[Recompute.FULL] += forward_s
+        if kept_by_selective(fact.node.target):
+            kept += saved * fact.weight
+        else:
+            recompute[Recompute.SELECTIVE] += forward_s
+    checkpoints = {
+        layer: sum(_bytes(facts[n], local.shapes[n]) for n in names) for layer, names in layer_inputs.items()
+    }
+    in_layers = {
+        Recompute.NONE: sum(saved * layer_weight[layer] for layer, saved in layer_saved.items()),
+        Recompute.SELECTIVE: kept,
+        Recompute.FULL: sum(nbytes * layer_weight[layer] for layer, nbytes in checkpoints.items())
+        + maximum(0.0, *layer_saved.values()),
+    }
+    return LayerTerms(outside, in_layers, recompute, maximum(0.0, *checkpoints.values()))
 
 
 def schedule_cost(
@@ -90,52 +150,27 @@ def schedule_cost(
     idles :func:`bubble_share` of its step and sends each microbatch's boundary activation
     forward and its gradient back over ``link``.
     """
+    split = partition(facts, local, schedule, link) if schedule.stages > 1 else None
+    return scheduled(cost, layer_terms(facts, local), schedule, split, link)
+
+
+def scheduled(cost: Cost, terms: LayerTerms, schedule: Schedule, split: StageSplit | None, link) -> Cost:
+    """:func:`schedule_cost` from the configuration's :class:`LayerTerms` and, with stages, its stage split."""
     stages, micro = schedule.stages, schedule.microbatches
-    kept = outside = recompute_s = 0.0
-    layer_saved: dict[str, float] = {}
-    layer_inputs: dict[str, set[str]] = {}
-    saved_by_node = saved_bytes(facts, local)  # moved inputs an op saves count as the copies they are
-    for name, fact in facts.items():
-        if fact.kind not in ("op", "input"):
-            continue
-        saved = saved_by_node[name]
-        layer = fact.layer
-        if layer is None:
-            outside += saved
-            continue
-        layer_saved[layer] = layer_saved.get(layer, 0.0) + saved
-        inputs = layer_inputs.setdefault(layer, set())
-        inputs.update(
-            s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer
-        )
-        forward_s = fact.full_time_s * local.work[name] * _forward_share(fact)
-        if schedule.recompute == Recompute.FULL or (
-            schedule.recompute == Recompute.SELECTIVE and not kept_by_selective(fact.node.target)
-        ):
-            recompute_s += forward_s
-        if schedule.recompute == Recompute.SELECTIVE and kept_by_selective(fact.node.target):
-            kept += saved
-    checkpoints = {
-        layer: sum(_bytes(facts[n], local.shapes[n]) for n in names) for layer, names in layer_inputs.items()
-    }
-    if schedule.recompute == Recompute.FULL:
-        in_layers = sum(checkpoints.values()) + maximum(0.0, *layer_saved.values())
-    elif schedule.recompute == Recompute.SELECTIVE:
-        in_layers = kept
-    else:
-        in_layers = sum(layer_saved.values())
-    split = partition(facts, local, schedule, link) if stages > 1 else None
     time_share, param_share = (split.time_share, split.param_share) if split else (1.0, 1.0)
     memory = dict(cost.memory)
-    memory["activations"] = (in_layers / stages + outside) / micro * min(in_flight(schedule), micro)
+    memory["activations"] = (
+        (terms.in_layers[schedule.recompute] / stages + terms.outside) / micro * min(in_flight(schedule), micro)
+    )
     memory["temporary"] = cost.memory.get("temporary", 0.0) / micro
     for category in ("params", "grads", "optimizer", "grad_buckets"):
         memory[category] = cost.memory.get(category, 0.0) * param_share
     # full recomputation runs each layer's forward again, its collectives too: about half the step's
     recompute_comm = cost.comm_s / 2 if schedule.recompute == Recompute.FULL else 0.0
+    recompute_s = terms.recompute_s[schedule.recompute]
     comm = cost.comm_s + recompute_comm
     work = (cost.compute_s + recompute_s + comm) * time_share
-    boundary = maximum(0.0, *checkpoints.values()) / micro
+    boundary = terms.boundary / micro
     messages = 2 * (schedule.virtual * micro + stages - 2)
     transfers = messages * collective_time("send_recv", boundary, 2, link) if stages > 1 else 0.0
     return dataclasses.replace(

@@ -1,3 +1,4 @@
-"""The search: degrees, ZeRO and schedules (``search``), one ILP per mesh axis (``axes`` builds it,
-``ilp`` solves it), pipeline schedules and microbatches (``schedule``) and stage cuts
-(``partition``, Alpa's inter-op dynamic program)."""
+"""The search: configurations and their prune rules (``space``), degrees, ZeRO and schedules
+(``search``), identical layers solved once (``fold``), one ILP per mesh axis (``axes`` builds it,
+``elimination`` or ``ilp`` solves it), pipeline schedules and microbatches (``schedule``), stage
+cuts (``partition``, Alpa's inter-op dynamic program) and the tie rule (``ranking``)."""

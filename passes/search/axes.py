@@ -32,11 +32,21 @@ from autopar.ir import (
     Schedule,
     Shard,
     ShardingRuleError,
+    module_label,
     parse_placement,
 )
 from autopar.passes.capture.graph import module_path
 from autopar.passes.capture.moe import EXPERTS_OP
-from autopar.passes.cost.evaluate import AxisContext, axis_spans, edge_time, edges, node_memory, node_terms
+from autopar.passes.cost.evaluate import (
+    IMPOSSIBLE_S,
+    AxisContext,
+    axis_spans,
+    edge_time,
+    edges,
+    node_memory,
+    node_terms,
+    partial_gradients,
+)
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.search.ilp import ChoiceProblem, solve_choices
 from autopar.passes.sharding.rules import KERNEL_RULES, MATMULS, node_strategies, pointwise, rule_for
@@ -52,40 +62,91 @@ def chunks_per_rank(axis: str) -> int:
     return 2 if axis == Axis.CP else 1
 
 
-def solve_axes(search, degrees: dict[str, int], zero: int, schedule: Schedule) -> dict[str, dict[str, Strategy]]:
-    """One ILP per axis, outermost first; the memory budget binds on the last sharded axis
-    (the leanest layout when nothing fits, which ``evaluate`` then reports). ``search`` is the
-    :class:`~autopar.passes.search.search.SearchContext`."""
-    facts, hardware, mesh = search.facts, search.hardware, search.mesh
+def solve_axes(
+    search,
+    degrees: dict[str, int],
+    zero: int,
+    schedule: Schedule,
+    limit: float | None = None,
+    cache=None,
+    worth=None,
+) -> dict[str, dict[str, Strategy]] | None:
+    """One ILP per axis, outermost first. With a ``limit``, the memory budget binds on the last
+    sharded axis (the leanest layout when nothing fits, which ``evaluate`` then reports).
+    ``search`` is the :class:`~autopar.passes.search.search.SearchContext`; its ``variable``
+    ties nodes of identical layers to one variable.
+
+    Where the budget does not bind, an axis's solution depends only on the axes before it, their
+    sizes, the devices after it and what ZeRO changes of its costs; ``cache`` (a dict) keeps it
+    for every configuration sharing that prefix. ``worth(solved, work, sync)``, asked before the last
+    sharded axis's ILP with the (context, strategies) of the axes before it and that axis's cost
+    floor (:func:`floor_of`), may answer False: then the layout is not solved and the result is None."""
+    facts = search.facts
     axes = list(degrees)
     last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
     experts = expert_params(facts)
-    spans = axis_spans(degrees)
     local = ShardedShapes.unsharded(facts)
     strategies: dict[str, dict[str, Strategy]] = {}
+    solved: list[tuple[AxisContext, dict[str, Strategy]]] = []
+    before: tuple = ()  # the axes solved so far and their solutions: what the next axis starts from
     for index, axis in enumerate(axes):
-        ctx = AxisContext(
-            name=axis,
-            size=degrees[axis],
-            link=hardware.link(mesh.shape, spans[axis], degrees[axis]),
-            pins=axis_pins(facts, axis, degrees[axis], search.options.constraints or {}, experts),
-            kernels=kernel_pins(facts, search.options.constraints or {}) if axis in KERNEL_DIMS.values() else {},
-            local=local,
-            overlap=hardware.overlap,
-            bind_memory=index == last_sharded,
-            batch=None if axis in BATCH_DIMS else search.batch_dims,
-            sequence=None if axis == Axis.CP else search.sequence_dims,
-            data_parallel=degrees[Axis.DP],
-            zero=zero,
-            hardware=hardware,
-            contention=hardware.contention(mesh.shape),
-            schedule=schedule,
-            later=math.prod(degrees[a] for a in axes[index + 1 :]),
-        )
-        chosen = solve_axis(facts, ctx, search.limit) or solve_axis(facts, ctx, None)
+        later = math.prod(degrees[a] for a in axes[index + 1 :])
+        # ZeRO changes a dp axis's costs at stage 3 (weights regathered), the others' from stage 1 (optimizer share)
+        zero_key = zero == 3 if axis == Axis.DP else zero > 0 and degrees[Axis.DP] > 1
+        key = (axis, degrees[axis], later, zero_key, degrees[Axis.DP], before)
+        free = limit is None or index != last_sharded  # the budget binds on the last sharded axis only
+        if free and cache is not None and key in cache:
+            strategies[axis] = cache[key]
+            solved.append((_context(search, degrees, zero, schedule, index, local, experts), cache[key]))
+            local = local.after(cache[key], degrees[axis])
+            before += ((axis, degrees[axis], id(cache[key])),)
+            continue
+        ctx = _context(search, degrees, zero, schedule, index, local, experts)
+        floor = (lambda work, sync: worth(solved, work, sync)) if index == last_sharded and worth else None
+        try:
+            chosen = None if free else solve_axis(facts, ctx, limit, search.variable, search.memo, floor)
+            if chosen is None and not free and cache is not None and key in cache:
+                chosen = cache[key]  # nothing keeps the budget: the layout without it, solved before
+            chosen = chosen or solve_axis(facts, ctx, None, search.variable, search.memo, floor)
+        except Pruned:
+            return None
+        if free and cache is not None:
+            chosen = cache.setdefault(("solution", _fingerprint(chosen)), chosen)  # one object per distinct solution
+            cache[key] = chosen
         strategies[axis] = chosen
+        solved.append((ctx, chosen))
         local = local.after(chosen, ctx.size)
+        before += ((axis, degrees[axis], id(chosen)),)
     return strategies
+
+
+def _context(search, degrees, zero: int, schedule: Schedule, index: int, local, experts) -> AxisContext:
+    """The AxisContext of the ``index``-th axis of ``degrees``, starting from ``local``."""
+    facts, hardware, mesh = search.facts, search.hardware, search.mesh
+    axes = list(degrees)
+    axis = axes[index]
+    return AxisContext(
+        name=axis,
+        size=degrees[axis],
+        link=hardware.link(mesh.shape, axis_spans(degrees)[axis], degrees[axis]),
+        pins=axis_pins(facts, axis, degrees[axis], search.options.constraints or {}, experts),
+        kernels=kernel_pins(facts, search.options.constraints or {}) if axis in KERNEL_DIMS.values() else {},
+        local=local,
+        overlap=hardware.overlap,
+        bind_memory=index == max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1),
+        batch=None if axis in BATCH_DIMS else search.batch_dims,
+        sequence=None if axis == Axis.CP else search.sequence_dims,
+        data_parallel=degrees[Axis.DP],
+        zero=zero,
+        hardware=hardware,
+        contention=hardware.contention(mesh.shape),
+        schedule=schedule,
+        later=math.prod(degrees[a] for a in axes[index + 1 :]),
+    )
+
+
+def _fingerprint(chosen: dict[str, Strategy]) -> tuple:
+    return tuple(chosen.items())
 
 
 def axis_pins(facts, axis: str, size: int, constraints, experts: frozenset[str] = frozenset()) -> dict[str, Placement]:
@@ -108,6 +169,13 @@ def axis_pins(facts, axis: str, size: int, constraints, experts: frozenset[str] 
     return pins
 
 
+def user_pins(facts, constraints) -> dict[str, tuple]:
+    """Node → (placement pinned on the tensor-parallel axis, kernel pinned), for every node a
+    constraint names (:func:`axis_pins`, :func:`kernel_pins`; a constraint matching nothing is an error)."""
+    placements, kernels = _constraint_pins(facts, constraints), kernel_pins(facts, constraints)
+    return {name: (placements.get(name), kernels.get(name)) for name in {*placements, *kernels}}
+
+
 def kernel_pins(facts, constraints) -> dict[str, str]:
     """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by :func:`module_name`)."""
     pins = {}
@@ -127,7 +195,7 @@ def kernel_pins(facts, constraints) -> dict[str, str]:
 def module_name(node) -> str:
     """The module a constraint pattern matches a node by: its module path, or ``"<top>"`` for
     the model's own forward (where a loss is usually computed), as plans print it."""
-    return module_path(node) or "<top>"
+    return module_label(module_path(node))
 
 
 def _has_kernel(fact: NodeFacts, kernel: str) -> bool:
@@ -249,7 +317,7 @@ def _no_kernel(fact: NodeFacts, ctx: AxisContext):
 
 
 def split_dims(
-    facts, hardware: HardwareProfile, axis: str, batch: dict[str, Strategy] | None = None
+    facts, hardware: HardwareProfile, axis: str, batch: dict[str, Strategy] | None = None, variable=None
 ) -> dict[str, Strategy]:
     """Where the batch (axis "dp") or sequence (axis "cp", never splitting the ``batch`` dim)
     dim of every tensor is: that axis's solution on a virtual axis where gradient sync is
@@ -270,7 +338,7 @@ def split_dims(
         overlap=1.0,
         batch=batch,
     )
-    chosen = solve_axis(facts, ctx, None)
+    chosen = solve_axis(facts, ctx, None, variable)
     return {name: s for name, s in chosen.items() if not _splits_a_weight(facts[name], s, facts)}
 
 
@@ -287,56 +355,144 @@ def _shards_batch(strategy: Strategy, batch: Strategy) -> bool:
     return any(isinstance(mine, Shard) and mine == theirs for mine, theirs in pairs)
 
 
-def solve_axis(facts, ctx: AxisContext, limit) -> dict[str, Strategy] | None:
-    """The ILP of one axis (see the module docstring); None when ``limit`` cannot be met."""
+class Pruned(Exception):
+    """An axis's ILP left unsolved: its cost floor already rules the configuration out."""
+
+
+def solve_axis(
+    facts, ctx: AxisContext, limit, variable: dict[str, str] | None = None, memo: dict | None = None, worth=None
+) -> dict[str, Strategy] | None:
+    """The ILP of one axis (see the module docstring); None when ``limit`` cannot be met.
+
+    ``variable`` ties nodes to one ILP variable (identical layers, :mod:`fold`): a node takes
+    the strategy of the node it maps to, and each variable's costs and memory are its nodes'
+    sums, a node and an edge counted ``weight`` times (:attr:`NodeFacts.weight`). ``memo`` keeps
+    each node's candidates across the axes of one search (they depend on its local shapes only).
+    ``worth(work, sync)``, given the axis's cost floor (:func:`floor_of`), may answer False: then
+    :class:`Pruned` is raised before the pairs are built.
+    """
     names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
-    index = {n: i for i, n in enumerate(names)}
-    options = {n: candidates(facts[n], ctx) for n in names}
-    unary = [np.array([sum(node_terms(facts[n], s, ctx, facts)) for s in options[n]]) for n in names]
-    memory = [np.array([node_memory(facts[n], s, ctx) for s in options[n]]) for n in names]
-    pairs = []
+    var_of = {n: (variable or {}).get(n, n) for n in names}
+    reps = list(dict.fromkeys(var_of.values()))
+    index = {rep: i for i, rep in enumerate(reps)}
+    options = {rep: _candidates(facts[rep], ctx, memo) for rep in reps}
+    if ctx.size == 1:  # every strategy of a node is the same on one device
+        return {n: options[var_of[n]][0] for n in names}
+    weight = dict.fromkeys(reps, 0)
+    for n in names:
+        weight[var_of[n]] += facts[n].weight
+    if ctx.bind_memory and limit is not None:
+        memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
+        if sum(float(m.min()) for m in memory) > limit:
+            return None  # not even the leanest option of every node keeps the budget
+    terms = {r: [node_terms(facts[r], s, ctx, facts) for s in options[r]] for r in reps}
+    if worth is not None and not worth(*floor_of(facts, ctx, options, terms, weight)):
+        raise Pruned
+    unary = [weight[r] * np.array([sum(t) for t in terms[r]]) for r in reps]
+    if not (ctx.bind_memory and limit is not None):
+        memory = None
+    edge_weight: dict[tuple, float] = {}  # (producer variable, consumer variable or None for the output, slot, shape)
     for producer, consumer, slot_index, shape in edges(facts, ctx):
         if facts[consumer].kind == "output":
-            wanted = [R]
-        elif consumer in index:
-            wanted = [s.inputs[slot_index] for s in options[consumer]]
+            key = (var_of[producer], None, 0, shape)
+        elif consumer in var_of:
+            key = (var_of[producer], var_of[consumer], slot_index, shape)
         else:
             continue
-        matrix = np.array(
-            [[edge_time(facts[producer], s.output, dst, shape, ctx) for dst in wanted] for s in options[producer]]
-        )
-        if facts[consumer].kind == "output":
-            unary[index[producer]] = unary[index[producer]] + matrix[:, 0]
+        edge_weight[key] = edge_weight.get(key, 0) + facts[consumer].weight
+    pairs = []
+    # an edge's time depends on the bytes, the placements and the axis: kept across the search's axes
+    moves = (memo if memo is not None else {}).setdefault(("moves", ctx.name, ctx.size, repr(ctx.link)), {})
+
+    def move(fact: NodeFacts, src, dst, shape) -> float:
+        key = (fact.elem_bytes, fact.needs_grad, src, dst, shape)
+        if key not in moves:
+            moves[key] = edge_time(fact, src, dst, shape, ctx)
+        return moves[key]
+
+    for (producer, consumer, slot_index, shape), count in edge_weight.items():
+        # an edge costs by the producer's output placement and the one the consumer wants: classes of options
+        sources = list(dict.fromkeys(s.output for s in options[producer]))
+        wanted = [R] if consumer is None else list(dict.fromkeys(s.inputs[slot_index] for s in options[consumer]))
+        matrix = count * np.array([[move(facts[producer], a, b, shape) for b in wanted] for a in sources])
+        class_u = np.array([sources.index(s.output) for s in options[producer]])
+        if consumer is None:
+            unary[index[producer]] = unary[index[producer]] + matrix[class_u, 0]
         else:
-            pairs.append((index[producer], index[consumer], matrix))
-    problem = ChoiceProblem(
-        unary,
-        pairs,
-        memory if ctx.bind_memory else None,
-        limit if ctx.bind_memory else None,
-        followers(facts, options, index),
-    )
+            class_v = np.array([wanted.index(s.inputs[slot_index]) for s in options[consumer]])
+            pairs.append((index[producer], index[consumer], matrix, class_u, class_v))
+    leaders, penalties = followers(facts, options, index, var_of)
+    problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
     solution = solve_choices(problem)
     if solution is None:
         return None
-    return {n: options[n][solution.choice[index[n]]] for n in names}
+    return {n: options[var_of[n]][solution.choice[index[var_of[n]]]] for n in names}
 
 
-def followers(facts, options, index) -> dict[int, tuple[int, list[int]]]:
+def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, float]:
+    """(work, gradient sync) seconds an axis's ops cost at least, whatever its ILP chooses: per
+    op its cheapest option's compute, kernel traffic and partial gradients (each shared among
+    the ops it comes from, so one all-reduced once is never counted twice; a parameter's counts
+    as gradient sync); edges, which cost nothing when placements agree, count nothing.
+    Parameters' optimizer steps are left to the caller. ``terms``: :func:`node_terms` of each option."""
+    work = sync = 0.0
+    for rep, count in weight.items():
+        fact = facts[rep]
+        if fact.kind != "op":
+            continue
+        cheapest = (math.inf, 0.0)
+        for strategy, (compute, comm, _) in zip(options[rep], terms[rep]):
+            synced = sum(
+                share / max(1, facts[slot].consumers)
+                for slot, share in partial_gradients(fact, strategy, ctx, facts)
+                if facts[slot].kind == "param"
+            )
+            cheapest = min(cheapest, (compute + comm + synced, synced))
+        work += count * (cheapest[0] - cheapest[1])
+        sync += count * cheapest[1]
+    return work, sync
+
+
+def _candidates(fact: NodeFacts, ctx: AxisContext, memo: dict | None) -> list[Strategy]:
+    if memo is None:
+        return candidates(fact, ctx)
+    name = fact.node.name
+    key = (name, ctx.name, ctx.size, ctx.later, tuple(ctx.local.slot_shapes[name]), tuple(ctx.local.shapes[name]))
+    if key not in memo:
+        memo[key] = candidates(fact, ctx)
+    return memo[key]
+
+
+def followers(facts, options, index, var_of) -> tuple[dict[int, tuple[int, list[int]]], list]:
     """Elementwise ops with one tensor input follow their producer: for each of its options,
-    the candidate that takes its output as it is (Alpa's merge of followers)."""
-    out = {}
-    for name, i in index.items():
+    the candidate that takes its output as it is (Alpa's merge of followers).
+
+    Returns variable → (leader variable, tie), from the node that is the variable itself (its
+    leader comes earlier in the graph, so chains end), and the pairs that forbid a tied node's
+    other options where it follows another variable (a folded layer's first op follows the
+    previous layer where the first layer's follows the embedding).
+    """
+    own: dict[str, tuple[str, list[int]]] = {}
+    tied: dict[tuple[str, str], list[int]] = {}
+    for name, rep in var_of.items():
         fact = facts[name]
         if fact.kind != "op" or len(fact.slots) != 1 or rule_for(fact.node.target) is not pointwise:
             continue
-        leader = fact.slots[0].name
-        if leader not in index:
+        if fact.slots[0].name not in var_of:
             continue
-        tie = [
-            next((t for t, s in enumerate(options[name]) if s.inputs[0] == lead.output), None)
-            for lead in options[leader]
-        ]
-        if None not in tie:
-            out[i] = (index[leader], tie)
-    return out
+        lead = var_of[fact.slots[0].name]
+        tie = [next((t for t, s in enumerate(options[rep]) if s.inputs[0] == o.output), None) for o in options[lead]]
+        if None in tie:
+            continue
+        if name == rep and lead != rep:
+            own[rep] = (lead, tie)
+        else:
+            tied[(rep, lead)] = tie
+    penalties = []
+    for (rep, lead), tie in tied.items():
+        if own.get(rep, (None,))[0] == lead:
+            continue
+        forbid = np.full((len(options[lead]), len(options[rep])), IMPOSSIBLE_S)
+        forbid[np.arange(len(tie)), tie] = 0.0
+        penalties.append((index[lead], index[rep], forbid))
+    return {index[rep]: (index[lead], tie) for rep, (lead, tie) in own.items()}, penalties

@@ -8,6 +8,11 @@ Memory:     Σ memory[v][s]·x[v, s] ≤ limit
 With x integral the marginal constraints force y to the product x[u, s]·x[v, t], so y
 needs no integrality. Solved with HiGHS; infeasibility is reported, never hidden.
 
+A pair may group options into classes that cost alike (an edge's cost depends only on the
+producer's output placement and the placement the consumer wants): ``(u, v, cost[a, b],
+class_u, class_v)``, option s of u in row ``class_u[s]``. Then y runs over classes, Σ_b y[a, b]
+= Σ_{s: class_u[s] = a} x[u, s] (and alike for v): the same optimum with far fewer columns.
+
 Followers (Alpa's merge of elementwise followers) are presolved away: a follower v of
 leader u takes option ``tie[s]`` whenever u takes s, so its costs, memory and edges fold
 into u's and it needs no variable of its own (:func:`merge_followers`).
@@ -22,11 +27,14 @@ from dataclasses import dataclass, field
 import highspy
 import numpy as np
 
+from autopar.passes.search.elimination import eliminate
+
 
 @dataclass
 class ChoiceProblem:
     unary: list[np.ndarray]  # per variable: cost of each option
-    pairs: list[tuple[int, int, np.ndarray]] = field(default_factory=list)  # (u, v, cost[s_u, s_v])
+    # (u, v, cost[s_u, s_v]), or (u, v, cost[a, b], class of each option of u, class of each option of v)
+    pairs: list[tuple] = field(default_factory=list)
     memory: list[np.ndarray] | None = None  # per variable: bytes of each option
     memory_limit: float | None = None
     followers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # v → (leader u, tie[s_u] = s_v)
@@ -66,32 +74,49 @@ def merge_followers(problem: ChoiceProblem) -> tuple[ChoiceProblem, list[tuple[i
                 memory[r] += problem.memory[v][tie]
                 memory[v] = np.zeros(1)
     pairs = []
-    for u, v, matrix in problem.pairs:
+    for u, v, matrix, class_u, class_v in map(_classed, problem.pairs):
         (ru, tie_u), (rv, tie_v) = root[u], root[v]
-        pairs.append((ru, rv, matrix[np.ix_(tie_u, tie_v)]))
+        pairs.append((ru, rv, matrix, class_u[tie_u], class_v[tie_v]))
     return ChoiceProblem(unary, pairs, memory, problem.memory_limit), root
+
+
+def _classed(pair: tuple) -> tuple:
+    """A pair with its option classes (each option its own class where none are given)."""
+    if len(pair) == 5:
+        return pair
+    u, v, matrix = pair
+    return u, v, matrix, np.arange(matrix.shape[0]), np.arange(matrix.shape[1])
 
 
 def fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
     """Fold edges touching a variable with a single option (and self-edges) into unary costs."""
     unary = [u.copy() for u in problem.unary]
     pairs = []
-    for u, v, matrix in problem.pairs:
+    for u, v, matrix, class_u, class_v in map(_classed, problem.pairs):
         if len(unary[u]) == 1:
-            unary[v] = unary[v] + matrix[0, :]
+            unary[v] = unary[v] + matrix[class_u[0], class_v]
         elif len(unary[v]) == 1:
-            unary[u] = unary[u] + matrix[:, 0]
+            unary[u] = unary[u] + matrix[class_u, class_v[0]]
         elif u == v:
-            unary[u] = unary[u] + np.diag(matrix)
+            unary[u] = unary[u] + matrix[class_u, class_v]
         else:
-            pairs.append((u, v, matrix))
+            pairs.append((u, v, matrix, class_u, class_v))
     return ChoiceProblem(unary, pairs, problem.memory, problem.memory_limit)
 
 
 def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceSolution | None:
-    """Minimize the objective; ``None`` when the memory budget cannot be met."""
+    """Minimize the objective; ``None`` when the memory budget cannot be met. By variable
+    elimination where its tables stay small (:mod:`elimination`), when there is no budget or its
+    optimum keeps it; else with HiGHS."""
     merged, root = merge_followers(problem)
-    solution = _solve(fold_fixed(merged), time_limit_s)
+    folded = fold_fixed(merged)
+    budget = folded.memory_limit if folded.memory is not None else None
+    if budget is not None and sum(float(m.min()) for m in folded.memory) > budget:
+        return None  # not even the leanest option of every variable fits
+    found = eliminate(folded.unary, folded.pairs)
+    if found is not None and budget is not None:  # the optimum without the budget, if it keeps it
+        found = found if sum(float(m[c]) for m, c in zip(folded.memory, found[0])) <= budget else None
+    solution = ChoiceSolution(*found) if found is not None else _solve(folded, time_limit_s)
     if solution is None:
         return None
     return ChoiceSolution(tuple(tie[solution.choice[r]] for r, tie in root), solution.objective)
@@ -105,15 +130,21 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
     for v, options in enumerate(problem.unary):
         rows.append((1.0, 1.0, list(range(offsets[v], offsets[v + 1])), [1.0] * len(options)))
     n_cols = n_x
-    for u, v, matrix in problem.pairs:
+    for u, v, matrix, class_u, class_v in map(_classed, problem.pairs):
         su, sv = matrix.shape
         base = n_cols
         n_cols += su * sv
         costs.append(matrix.reshape(-1))
-        for s in range(su):  # Σ_t y[s, t] = x[u, s]
-            rows.append((0.0, 0.0, [base + s * sv + t for t in range(sv)] + [offsets[u] + s], [1.0] * sv + [-1.0]))
-        for t in range(sv):  # Σ_s y[s, t] = x[v, t]
-            rows.append((0.0, 0.0, [base + s * sv + t for s in range(su)] + [offsets[v] + t], [1.0] * su + [-1.0]))
+        for a in range(su):  # Σ_b y[a, b] = Σ_{s in class a} x[u, s]
+            members = [offsets[u] + s for s in np.flatnonzero(class_u == a)]
+            rows.append(
+                (0.0, 0.0, [base + a * sv + b for b in range(sv)] + members, [1.0] * sv + [-1.0] * len(members))
+            )
+        for b in range(sv):  # Σ_a y[a, b] = Σ_{t in class b} x[v, t]
+            members = [offsets[v] + t for t in np.flatnonzero(class_v == b)]
+            rows.append(
+                (0.0, 0.0, [base + a * sv + b for a in range(su)] + members, [1.0] * su + [-1.0] * len(members))
+            )
     if problem.memory is not None and problem.memory_limit is not None:
         memory = np.concatenate(problem.memory)
         rows.append((-highspy.kHighsInf, float(problem.memory_limit), list(range(n_x)), list(memory)))

@@ -6,7 +6,7 @@ S: ``best[k][j]`` is the smallest possible slowest-module time when modules 0..k
 after the intra-op plan) plus sending its boundary activation and receiving the gradient.
 Ops outside the layers go with the first layer (those before it: embeddings) or the last (the
 head and the loss), as the stage split does at run time. Ties go to the cut whose boundary
-activation is smaller. O(S·L²) for L layers.
+activation is smaller. O(S·L²) for L layers, as S array operations over L² pairs.
 
 Pre: per-node facts and the local shapes of a solved configuration. Post: a
 :class:`StageSplit`: the cut points (the layer each module after the first starts with) and
@@ -16,6 +16,8 @@ the busiest device's share of the step's compute and of the parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from autopar.ir import ConfigError, Schedule
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
@@ -30,12 +32,22 @@ class StageSplit:
     param_share: float  # of all parameters, what the busiest device holds
 
 
-def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes):
-    """Per layer in execution order: (name, compute seconds, parameter elements, bytes of its inputs)."""
+@dataclass(frozen=True)
+class LayerRow:
+    name: str
+    time_s: float  # compute, forward + backward, on one rank of the stage
+    params: float  # parameter elements on one rank
+    boundary: float  # bytes of the activations entering the layer
+
+
+def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes) -> list[LayerRow]:
+    """Per layer in execution order: compute seconds, parameter elements, bytes of its inputs.
+    A folded layer (:attr:`NodeFacts.folded_layers`) gives one row per layer it stands for."""
     order: list[str] = []
     time: dict[str, float] = {}
     params: dict[str, float] = {}
     inputs: dict[str, set[str]] = {}
+    stands_for: dict[str, tuple[str, ...]] = {}
     position = "prefix"
     for name, fact in facts.items():
         if fact.kind != "op":
@@ -43,6 +55,7 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes):
         layer = fact.layer
         if layer is not None and layer not in time:
             order.append(layer)
+            stands_for[layer] = fact.folded_layers or (layer,)
         key = layer or (position if not order else "suffix")
         time[key] = time.get(key, 0.0) + fact.full_time_s * local.work[name]
         for slot in fact.slots:
@@ -55,36 +68,41 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes):
         layer: sum(numel(s) * facts[n].elem_bytes for n in names for s in local.shapes[n])
         for layer, names in inputs.items()
     }
-    rows = [[layer, time.get(layer, 0.0), params.get(layer, 0.0), boundary.get(layer, 0.0)] for layer in order]
+    rows = [
+        [name, time.get(layer, 0.0), params.get(layer, 0.0), boundary.get(layer, 0.0)]
+        for layer in order
+        for name in stands_for[layer]
+    ]
     if rows:
         for key, row in (("prefix", rows[0]), ("suffix", rows[-1])):
             row[1] += time.get(key, 0.0)
             row[2] += params.get(key, 0.0)
-    return [tuple(row) for row in rows]
+    return [LayerRow(*row) for row in rows]
 
 
 def partition(facts: dict[str, NodeFacts], local: ShardedShapes, schedule: Schedule, link) -> StageSplit:
     """The balanced cut points for ``schedule.modules`` stage modules (see the module docstring);
     pinned cuts (``schedule.cuts``) are only measured."""
-    rows = layer_costs(facts, local)
+    return split_rows(layer_costs(facts, local), schedule, link)
+
+
+def split_rows(rows: list[LayerRow], schedule: Schedule, link, starts: list[int] | None = None) -> StageSplit:
+    """:func:`partition` on the rows of :func:`layer_costs`; ``starts`` (each module's first
+    row, from :func:`balanced_starts`) when already known."""
     modules = schedule.modules
     if len(rows) < modules:
         raise ConfigError(
             f"{modules} pipeline stage modules need at least as many layers (numbered modules such as layers.0); "
             f"the model has {len(rows)}: lower pp or the virtual stages"
         )
-    names = [row[0] for row in rows]
-    micro = max(1, schedule.microbatches)
-    send = [
-        2 * collective_time("send_recv", row[3] / micro, 2, link) * micro for row in rows
-    ]  # into layer i, both ways
+    names = [row.name for row in rows]
     if schedule.cuts:
         starts = [0] + [names.index(cut) for cut in schedule.cuts if cut in names]
-    else:
-        starts = _balanced_starts([row[1] for row in rows], send, [row[3] for row in rows], modules)
+    elif starts is None:
+        starts = balanced_starts(rows, modules, max(1, schedule.microbatches), link)
     bounds = list(zip(starts, starts[1:] + [len(rows)]))
-    module_time = [sum(row[1] for row in rows[a:b]) for a, b in bounds]
-    module_params = [sum(row[2] for row in rows[a:b]) for a, b in bounds]
+    module_time = [sum(row.time_s for row in rows[a:b]) for a, b in bounds]
+    module_params = [sum(row.params for row in rows[a:b]) for a, b in bounds]
     devices = schedule.device_modules()
     total_time, total_params = sum(module_time) or 1.0, sum(module_params) or 1.0
     return StageSplit(
@@ -94,29 +112,39 @@ def partition(facts: dict[str, NodeFacts], local: ShardedShapes, schedule: Sched
     )
 
 
+def balanced_starts(rows: list[LayerRow], modules: int, microbatches: int, link) -> list[int]:
+    """The first row of each of ``modules`` stage modules: the dynamic program of the module docstring."""
+    # into layer i, the boundary activation forward and its gradient back, per microbatch
+    send = [2 * collective_time("send_recv", row.boundary / microbatches, 2, link) * microbatches for row in rows]
+    return _balanced_starts([row.time_s for row in rows], send, [row.boundary for row in rows], modules)
+
+
 def _balanced_starts(times: list[float], send: list[float], boundary: list[float], modules: int) -> list[int]:
-    """First layer of each module minimizing (slowest module, then boundary bytes)."""
+    """First layer of each module minimizing (slowest module, then boundary bytes); among equal
+    candidates the earliest cut. One array operation per module over every (start, end) pair."""
     count = len(times)
-    prefix = [0.0]
-    for t in times:
-        prefix.append(prefix[-1] + t)
-    inf = (float("inf"), float("inf"))
-    # best[k][j]: (slowest module time, boundary bytes) with modules 0..k on layers 0..j-1
-    best = [[inf] * (count + 1) for _ in range(modules)]
-    choice = [[0] * (count + 1) for _ in range(modules)]
-    for j in range(1, count + 1):
-        best[0][j] = (prefix[j] + (send[j] if j < count else 0.0), 0.0)
+    prefix = np.concatenate([[0.0], np.cumsum(times)])
+    send_in = np.array(list(send) + [0.0])  # into layer i; nothing after the last
+    send_out = np.where(np.arange(count + 1) < count, send_in, 0.0)  # out of a module ending before layer j
+    starts_at, ends_at = np.arange(count + 1)[:, None], np.arange(count + 1)[None, :]
+    # own[i, j]: a module running layers i..j-1, with its sends at both ends
+    own = prefix[None, :] - prefix[:, None] + send_in[:, None] + send_out[None, :]
+    best_time = np.where(np.arange(count + 1) >= 1, prefix + send_out, np.inf)  # the first module receives nothing
+    best_bytes = np.zeros(count + 1)
+    choices = []
+    boundary_in = np.array(list(boundary) + [0.0])
     for k in range(1, modules):
-        for j in range(k + 1, count + 1):
-            for i in range(k, j):  # module k runs layers i..j-1
-                if best[k - 1][i] == inf:
-                    continue
-                own = prefix[j] - prefix[i] + send[i] + (send[j] if j < count else 0.0)
-                candidate = (max(best[k - 1][i][0], own), best[k - 1][i][1] + boundary[i])
-                if candidate < best[k][j]:
-                    best[k][j], choice[k][j] = candidate, i
+        valid = (starts_at >= k) & (starts_at < ends_at) & np.isfinite(best_time)[:, None]
+        time = np.where(valid, np.maximum(best_time[:, None], own), np.inf)
+        nbytes = np.where(valid, best_bytes[:, None] + boundary_in[:, None], np.inf)
+        fastest = time.min(axis=0)
+        tied = (time == fastest[None, :]) & np.isfinite(time)
+        leanest = np.where(tied, nbytes, np.inf).min(axis=0)
+        choice = np.argmax(tied & (nbytes == leanest[None, :]), axis=0)
+        best_time, best_bytes = fastest, np.where(np.isfinite(fastest), leanest, 0.0)
+        choices.append(choice)
     starts, j = [], count
-    for k in range(modules - 1, 0, -1):
-        j = choice[k][j]
+    for choice in reversed(choices):
+        j = int(choice[j])
         starts.append(j)
     return [0] + starts[::-1]

@@ -1,37 +1,35 @@
 """The schedule part of the search: recomputation, microbatches, the pipeline schedule and
 its cut points, for one configuration of degrees.
 
-The per-axis ILPs run once per recomputation level, for a base schedule (the pinned kind, or
-1F1B, with the pinned or the largest microbatch count: the leanest in activations). Every
-runnable (kind, microbatches) variant is then priced on those strategies by ``evaluate``
-with cut points from :func:`autopar.passes.search.partition.partition`, and the fastest that fits the memory limit wins;
-within :data:`TIE_TOLERANCE` the simpler schedule (earlier in :data:`SIMPLEST_FIRST`, fewer
-microbatches) wins. Recomputation is tried only when nothing fits without it.
+A configuration's layout is solved once (per ZeRO class, :mod:`search`); every runnable
+schedule is then priced on it by :class:`~autopar.passes.cost.evaluate.PricedConfiguration`,
+with cut points from Alpa's dynamic program (:mod:`partition`). Per recomputation level, the
+runnable (kind, microbatches) variants: every kind (or the pinned one) and every microbatch
+count dividing the local batch that the kind runs (:func:`variants`); without stages, the
+pinned microbatch count (gradient accumulation: the user's to choose) or one. More
+recomputation on the same layout and schedule only adds time, so a level is priced only where
+the ones below it fit nothing. The tie rule among all of them is :mod:`ranking`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from autopar.ir import RECOMPUTE, VIRTUAL_PIPELINES, ConfigError, PipelineKind, PlanOptions, Schedule
-from autopar.passes.cost.evaluate import evaluate
-from autopar.passes.cost.facts import ShardedShapes
-from autopar.passes.search.partition import layer_costs, partition
+from autopar.ir import RECOMPUTE, VIRTUAL_PIPELINES, ConfigError, Cost, PipelineKind, PlanOptions, Recompute, Schedule
+from autopar.passes.cost.evaluate import PricedConfiguration
+from autopar.passes.search.ranking import SIMPLEST_FIRST
 
-TIE_TOLERANCE = 0.05  # configurations (and schedules) this close in predicted time count as equally fast
-# 1F1B before GPipe: the same bubble in less memory; zero-bubble last: a backward split in two
-SIMPLEST_FIRST = (
-    PipelineKind.ONE_F_ONE_B,
-    PipelineKind.GPIPE,
-    PipelineKind.INTERLEAVED_1F1B,
-    PipelineKind.INTERLEAVED_ZB,
-    PipelineKind.ZBV,
-)
 VIRTUAL_STAGES = 2  # stage modules per device for the interleaved schedules (zbv always runs 2)
 
 
-def base_schedules(options: PlanOptions, stages: int, local_batch: int) -> list[Schedule]:
-    """One schedule per recomputation level to try, least recomputation first."""
+def levels(options: PlanOptions) -> list[Recompute]:
+    """The recomputation levels to try, least first."""
+    return [options.recompute] if options.recompute else list(RECOMPUTE)
+
+
+def leanest(options: PlanOptions, stages: int, local_batch: int, level: Recompute) -> Schedule:
+    """The schedule holding the fewest activations at ``level``: the pinned kind, or 1F1B, with
+    the pinned or the largest microbatch count (the one the ILP's memory budget is set for)."""
     if options.microbatches is not None and not 1 <= options.microbatches <= local_batch:
         raise ConfigError(
             f"microbatches={options.microbatches}: choose between 1 and the local batch size {local_batch}"
@@ -39,8 +37,7 @@ def base_schedules(options: PlanOptions, stages: int, local_batch: int) -> list[
     micro = options.microbatches or (max(1, local_batch) if stages > 1 else 1)
     kind = options.pipeline or PipelineKind.ONE_F_ONE_B
     virtual = VIRTUAL_STAGES if kind in VIRTUAL_PIPELINES else 1
-    levels = [options.recompute] if options.recompute else RECOMPUTE
-    return [Schedule(stages, micro, level, kind, virtual, options.stage_cuts) for level in levels]
+    return Schedule(stages, micro, level, kind, virtual, options.stage_cuts)
 
 
 def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int) -> list[Schedule]:
@@ -74,21 +71,12 @@ def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int
     return out
 
 
-def best_schedule(search, degrees, strategies, zero: int, base: Schedule, local_batch: int):
-    """(schedule, cost) of the fastest variant that fits the memory budget, else of the leanest
-    one. ``search`` is the :class:`~autopar.passes.search.search.SearchContext`."""
-    facts, mesh, hardware = search.facts, search.mesh, search.hardware
-    local = ShardedShapes.unsharded(facts)
-    for axis, chosen in strategies.items():
-        local = local.after(chosen, degrees[axis])
-    link = hardware.link(mesh.shape, mesh.size)
-    priced = []
-    for schedule in variants(base, search.options, local_batch, len(layer_costs(facts, local))):
-        if schedule.stages > 1 and not search.options.stage_cuts:
-            schedule = dataclasses.replace(schedule, cuts=partition(facts, local, schedule, link).cuts)
-        priced.append((schedule, evaluate(facts, degrees, strategies, mesh, hardware, zero, schedule)))
-    fitting = [(s, c) for s, c in priced if c.peak_memory <= search.limit]
-    if not fitting:
-        return min(priced, key=lambda sc: sc[1].peak_memory)
-    fastest = min(c.step_s for _, c in fitting)
-    return next((s, c) for s, c in fitting if c.step_s <= fastest * (1 + TIE_TOLERANCE))
+def price(configuration: PricedConfiguration, schedules: list[Schedule]) -> list[tuple[Schedule, Cost]]:
+    """(schedule with its cut points, cost) of each schedule on one solved configuration."""
+    out = []
+    for schedule in schedules:
+        split = configuration.split(schedule)
+        if split is not None and not schedule.cuts:
+            schedule = dataclasses.replace(schedule, cuts=split.cuts)
+        out.append((schedule, configuration.under(schedule)))
+    return out

@@ -1,46 +1,56 @@
-"""Search: choose the parallel degrees and every node's placement with the cost model.
+"""Search: choose the pipeline stages, the parallel degrees, ZeRO, the schedule and every
+node's placement with the cost model.
 
-Outer loop: every split of the devices into data × tensor (× context × expert) parallel
-degrees (or the pinned one), first without pipeline stages and, only when nothing fits, with
-the fewest stages that do (or the pinned ``pp``); per split, ZeRO stages and the schedule
-(:mod:`schedule`: recomputation, microbatches, pipeline kind and cut points). Inner loop,
-per mesh axis, outermost first: the ILP of :mod:`axes` picks one strategy per node.
+Identical layers are folded first (:mod:`fold`): the search runs on a reduced graph whose ILPs
+and sums do not grow with depth, and the chosen plan is expanded to every node and priced on
+the whole graph. Outer loop: every configuration of :mod:`space` — pipeline stages over the
+outermost mesh dimension, degrees of one stage, ZeRO stage —, weighed on predicted step time
+unless one of :mod:`space`'s rules proves it cannot be chosen; the lowest bounds first, after a
+few seeds likely to be good (a fast plan found early lets the bounds prune the rest). Per
+configuration the layout (per mesh axis, outermost first, the ILP of :mod:`axes`) is solved
+without the memory budget once per ZeRO class (see :mod:`space`), sharing each axis's solution
+with the configurations that have the same axes before it, and every schedule of :mod:`schedule`
+is priced on it. Only at a recomputation level where that layout fits no schedule is it solved
+again under the budget. The tie rule (:mod:`ranking`) chooses among every fitting
+(configuration, schedule).
 
 Pre: a :class:`CapturedGraph` and :class:`PlanOptions`. Post: a :class:`Plan` naming a
-placement per node and parameter, and the cost model's prediction; or
-:class:`MemoryLimitError` with the per-device breakdown of the leanest configuration.
+placement per node and parameter, the cost model's prediction, and the search log (each
+configuration tried, with its fastest fitting schedule, or pruned, with its rule); or
+:class:`MemoryLimitError` with the per-device breakdown of the leanest configuration weighed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.ir import (
     Axis,
     ConfigError,
-    Cost,
     HardwareProfile,
     MemoryLimitError,
     Mesh,
     NodeDecision,
     Plan,
     PlanOptions,
+    Recompute,
     Replicate,
-    Schedule,
     batch_split,
-    check_degrees,
-    degree_choices,
 )
 from autopar.passes.capture.graph import CapturedGraph, module_path
-from autopar.passes.capture.moe import EXPERTS_OP
-from autopar.passes.cost.evaluate import stage_mesh
+from autopar.passes.cost.evaluate import LayoutTerms, PricedConfiguration, evaluate, stage_mesh
 from autopar.passes.cost.facts import NodeFacts, analyze
-from autopar.passes.cost.kernels import ring_hideable_block
+from autopar.passes.cost.schedule import bubble_share
 from autopar.passes.rewrite.gradients import plan_gradients
-from autopar.passes.search.axes import chunks_per_rank, solve_axes, split_dims
-from autopar.passes.search.schedule import TIE_TOLERANCE, base_schedules, best_schedule
+from autopar.passes.search.axes import solve_axes, split_dims, user_pins
+from autopar.passes.search.fold import LayerFolding, fold_layers
+from autopar.passes.search.ranking import Candidate, choose, near, within_reach
+from autopar.passes.search.schedule import leanest, levels, price, variants
+from autopar.passes.search.space import BOUND, MEMORY, LowerBounds, configurations, optional_dims
 from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.strategies import Strategy
 
@@ -49,8 +59,8 @@ R = Replicate()
 
 @dataclass(frozen=True)
 class SearchContext:
-    """What every configuration of one search shares: the graph's facts, the devices of one
-    pipeline stage, the hardware, the user's options and the memory budget."""
+    """What every configuration with one number of pipeline stages shares: the (folded)
+    graph's facts, the devices of one stage, the hardware, the user's options and the budget."""
 
     facts: dict[str, NodeFacts]
     mesh: Mesh  # one pipeline stage's devices (the whole mesh without stages)
@@ -60,172 +70,245 @@ class SearchContext:
     stages: int
     batch_dims: dict[str, Strategy]  # node → where its batch dim is (never split by other axes)
     sequence_dims: dict[str, Strategy]  # node → where its sequence dim is (matmuls split it only on cp)
+    variable: dict[str, str]  # node → the node whose ILP variable it shares (identical layers)
+    memo: dict = field(default_factory=dict)  # each node's candidates per axis and local shapes
 
 
-@dataclass
-class ConfigResult:
-    degrees: dict[str, int]
-    strategies: dict[str, dict[str, Strategy]]  # axis → node → strategy
-    cost: Cost
-    feasible: bool = True
-    zero: int = 0
-    replicated_ops: set[str] = field(default_factory=set)
-    schedule: Schedule = Schedule()
+@dataclass(frozen=True)
+class SearchProgress:
+    """Where a running search stands (for ``autopar plan``'s progress line)."""
+
+    done: int  # configurations weighed so far, tried or pruned
+    total: int
+    pruned: int
+    best: Candidate | None  # the fastest fitting plan so far
+    elapsed_s: float
 
 
-def search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions = PlanOptions()) -> Plan:
+def search(
+    captured: CapturedGraph,
+    mesh: Mesh,
+    options: PlanOptions = PlanOptions(),
+    *,
+    fold: bool = True,
+    progress: Callable[[SearchProgress], None] | None = None,
+) -> Plan:
     """Find the cheapest plan for ``captured`` on ``mesh`` (see the module docstring).
 
-    ``options.degrees`` may pin ``pp``, the pipeline stages: the stages split the outermost
-    mesh dimension, and the intra-op search runs on one stage's devices with its share of the work.
+    ``fold=False`` solves every node on its own (the same plan where identical layers are laid
+    out alike, which the folded search assumes; for comparison). ``progress`` is called after
+    each configuration is weighed.
     """
     started = time.perf_counter()
     hardware = options.profile
-    facts = analyze(captured, hardware, hardware.contention(mesh.shape))
+    whole = analyze(captured, hardware, hardware.contention(mesh.shape))
+    folding = fold_layers(whole, user_pins(whole, options.constraints or {})) if fold else LayerFolding.unfolded(whole)
+    facts = folding.facts
     batch = _batch_size(captured, facts)
-    degrees = options.intra_stage_degrees
     limit = options.memory_limit if options.memory_limit is not None else hardware.memory_bytes
-    optional = _optional_dims(facts)
     # the sequence is a dim of its own only where attention mixes it
-    batch_dims = split_dims(facts, hardware, Axis.DP)
-    sequence_dims = split_dims(facts, hardware, Axis.CP, batch_dims) if Axis.CP in optional else {}
-    # Without a pin, stages only when nothing fits without them (the fewest that do).
-    layers = len({f.layer for f in facts.values() if f.layer is not None})
-    pinned_pp = options.stages
-    ladder = (
-        [pinned_pp]
-        if pinned_pp
-        else [1] + [p for p in range(2, min(mesh.shape[0], layers) + 1) if mesh.shape[0] % p == 0]
+    batch_dims = split_dims(facts, hardware, Axis.DP, variable=folding.variable)
+    sequence_dims = (
+        split_dims(facts, hardware, Axis.CP, batch_dims, folding.variable) if Axis.CP in optional_dims(facts) else {}
     )
-    results = []
-    for pp in ladder:
-        ctx = SearchContext(facts, stage_mesh(mesh, pp), hardware, options, limit, pp, batch_dims, sequence_dims)
-        configs = [check_degrees(degrees, ctx.mesh.size)] if degrees else degree_choices(ctx.mesh.size, optional)
-        if degrees:
-            _check_pinned_split(facts, configs[0], batch)
-        configs = [
-            c for c in configs if batch % batch_split(c) == 0 and _sequence_splits(facts, c.get(Axis.CP, 1))
-        ] or configs
-        if not degrees:
-            configs = [c for c in configs if c.get(Axis.CP, 1) <= _useful_cp(facts, hardware)]
-        for cfg, zero_stages in _with_zero(configs, options.zero):
-            local_batch = batch // batch_split(cfg)
-            results += _lowest_fitting_zero(
-                lambda zero, cfg=cfg: _solve_config(ctx, cfg, zero, local_batch), zero_stages
+    memo: dict = {}  # what the search computes once: candidates, edge times, each axis's traffic and shapes after it
+    bounds = LowerBounds(facts, hardware, folding.variable, memo)
+    weighed = _Weighing(facts, mesh, hardware, options, limit, batch, bounds)
+    weighed.run(
+        lambda stages: SearchContext(
+            facts,
+            stage_mesh(mesh, stages),
+            hardware,
+            options,
+            limit,
+            stages,
+            batch_dims,
+            sequence_dims,
+            folding.variable,
+            memo,
+        ),
+        progress,
+        started,
+    )
+    best = weighed.best()
+    stage = stage_mesh(mesh, best.schedule.stages)
+    strategies = folding.expand(best.layout)
+    cost = evaluate(whole, best.degrees, strategies, stage, hardware, best.zero, best.schedule)
+    replicated = sorted(
+        {
+            str(f.node.target)
+            for f in whole.values()
+            if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None
+        }
+    )
+    precision = options.precision or hardware.precision  # recorded; priced by the cost model
+    plan = _to_plan(captured, whole, strategies, dataclasses.replace(best, cost=cost), mesh, hardware)
+    return dataclasses.replace(
+        plan,
+        batch_size=batch,
+        search=tuple(weighed.log),
+        search_time_s=time.perf_counter() - started,
+        replicated_ops=tuple(replicated),
+        precision=precision,
+    )
+
+
+class _Weighing:
+    """The outer loop's state: the configurations, what was tried and pruned, the fitting plans."""
+
+    def __init__(self, facts, mesh: Mesh, hardware, options: PlanOptions, limit: float, batch: int, bounds):
+        self.facts, self.mesh, self.hardware, self.options = facts, mesh, hardware, options
+        self.limit, self.batch, self.bounds = limit, batch, bounds
+        self.layers = len(
+            {f.layer for f in facts.values() if f.layer} | {x for f in facts.values() for x in f.folded_layers}
+        )
+        self.log: list[dict] = []
+        self.candidates: list[Candidate] = []
+        self.fastest = math.inf
+        self.leanest: tuple[float, dict, str] | None = None  # (peak memory, log entry, breakdown) of the leanest tried
+        self.memory_pruned: list[tuple[float, int, dict[str, int], int]] = []
+
+    def configurations(self) -> list[tuple[int, dict[str, int], int, float]]:
+        """(stages, degrees, ZeRO stage, the least pipeline bubble of its schedules) of every
+        configuration; unpinned stage counts that no schedule runs are left out."""
+        found, refusal = [], None
+        for stages, degrees in configurations(self.facts, self.mesh, self.options, self.hardware, self.batch):
+            local_batch = self.batch // batch_split(degrees)
+            try:
+                runnable = variants(
+                    leanest(self.options, stages, local_batch, Recompute.NONE), self.options, local_batch, self.layers
+                )
+            except ConfigError as error:
+                if self.options.stages:
+                    raise
+                refusal = refusal or error
+                continue
+            bubble = min(bubble_share(schedule) for schedule in runnable)
+            dp = degrees[Axis.DP]
+            if self.options.zero is not None:
+                zeros = [self.options.zero] if self.options.zero == 0 or dp > 1 else []
+            else:
+                zeros = [0, 1, 2, 3] if dp > 1 else [0]
+            found += [(stages, degrees, zero, bubble) for zero in zeros]
+        if not found and self.options.zero:
+            raise ConfigError(
+                f"zero={self.options.zero} shards model state over the data-parallel axis: pin a dp degree above 1"
             )
-        if any(r.feasible for r in results):
-            break
-    feasible = [r for r in results if r.feasible]
-    if not feasible:
-        leanest = min(results, key=lambda r: r.cost.peak_memory)
-        breakdown = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in leanest.cost.memory.items())
+        if not found:
+            raise refusal
+        return found
+
+    def run(self, context_for, progress, started: float) -> None:
+        space = self.configurations()
+        bound = {i: self.bounds.step_s(self.mesh, s, d, z, b) for i, (s, d, z, b) in enumerate(space)}
+        # lowest bound first; but first, per stage count, the most data parallelism (ZeRO-1) with
+        # tensor parallelism off and over one node (a good plan found early lets the bounds prune)
+        seeds = {}
+        node = self.mesh.shape[-1]
+        for i in sorted(range(len(space)), key=lambda i: (-space[i][1][Axis.DP], space[i][2] != 1, bound[i])):
+            stages, degrees, _, _ = space[i]
+            if len(degrees) == 2 and degrees[Axis.TP] in (1, node):
+                seeds.setdefault((stages, degrees[Axis.TP]), i)
+        order = list(seeds.values()) + sorted(set(range(len(space))) - set(seeds.values()), key=lambda i: bound[i])
+        contexts, caches, layouts = {}, {}, {}
+        for done, i in enumerate(order, 1):
+            stages, degrees, zero, bubble = space[i]
+            entry = {"stages": stages, "degrees": degrees, "zero": zero}
+            state = self.bounds.model_state_bytes(stages, degrees, zero)
+            if state > self.limit:
+                self.log.append({**entry, "pruned": MEMORY, "bound_bytes": state})
+                self.memory_pruned.append((state, stages, degrees, zero))
+            elif len(space) > 1 and not within_reach(bound[i], self.fastest):
+                self.log.append({**entry, "pruned": BOUND, "bound_s": bound[i]})
+            else:
+                ctx = contexts.setdefault(stages, context_for(stages))
+                key = (stages, tuple(degrees.items()))
+                self._weigh(
+                    ctx, degrees, zero, caches.setdefault(stages, {}), layouts.setdefault(key, {}), entry, bubble
+                )
+            if progress is not None:
+                pruned = sum("pruned" in e for e in self.log)
+                best = min(self.candidates, key=lambda c: c.cost.step_s, default=None)
+                progress(SearchProgress(done, len(space), pruned, best, time.perf_counter() - started))
+        if not self.candidates and self.leanest is None and self.memory_pruned:
+            _, stages, degrees, zero = min(self.memory_pruned, key=lambda m: m[0])  # for its breakdown
+            self._weigh(
+                context_for(stages), degrees, zero, {}, {}, {"stages": stages, "degrees": degrees, "zero": zero}
+            )
+
+    def _weigh(
+        self, ctx: SearchContext, degrees, zero: int, cache: dict, layouts: dict, entry: dict, bubble: float = 0.0
+    ) -> None:
+        """Solve one configuration's layout, price its schedules, keep what the tie rule could choose
+        (the rules named here are :mod:`space`'s)."""
+        options, hardware = self.options, self.hardware
+        local_batch = self.batch // batch_split(degrees)
+        solved = zero if options.zero is not None or degrees[Axis.DP] == 1 else max(zero, 1)  # ZeRO-0 on ZeRO-1's
+        zero_class = 3 if solved == 3 else min(solved, 1)
+        if zero_class not in layouts:
+            base = leanest(options, ctx.stages, local_batch, levels(options)[0])
+
+            floors = [self.bounds.step_s(self.mesh, ctx.stages, degrees, solved, bubble)]
+
+            def worth(before, work, sync) -> bool:  # the rule "bound", once the axes before the last are solved
+                floors.append(self.bounds.layout_s(ctx.stages, degrees, solved, before, (work, sync), ctx.mesh, bubble))
+                return within_reach(floors[-1], self.fastest)
+
+            strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)
+            terms = strategies and LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, solved, ctx.memo)
+            layouts[zero_class] = (strategies, terms, max(floors))
+        strategies, terms, floor = layouts[zero_class]
+        if strategies is None:
+            self.log.append({**entry, "pruned": BOUND})
+            return
+        free = PricedConfiguration.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, zero, layout=terms)
+        tried = []
+        for level in levels(options):
+            base = leanest(options, ctx.stages, local_batch, level)
+            schedules = variants(base, options, local_batch, self.layers)
+            priced = [(strategies, s, c) for s, c in price(free, schedules)]
+            tried += priced
+            if any(c.peak_memory <= self.limit for _, _, c in priced):
+                break  # more recomputation on this layout only adds time
+            if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less, no slower
+                continue
+            if not within_reach(floor + self.bounds.recompute_s(ctx.stages, degrees, level), self.fastest):
+                continue  # the rule "bound": no layout recomputing this much can win
+            bound = solve_axes(ctx, degrees, zero, base, limit=self.limit, cache=cache)  # the layout under the budget
+            lean = PricedConfiguration.of(ctx.facts, degrees, bound, ctx.mesh, hardware, zero)
+            tried += [(bound, s, c) for s, c in price(lean, schedules)]
+        fitting = [Candidate(degrees, zero, s, c, layout) for layout, s, c in tried if c.peak_memory <= self.limit]
+        if fitting:
+            fastest = min(c.cost.step_s for c in fitting)
+            self.fastest = min(self.fastest, fastest)
+            self.candidates += near(fitting, fastest)
+            shown = min(fitting, key=lambda c: c.cost.step_s)
+            schedule, cost = shown.schedule, shown.cost
+        else:
+            _, schedule, cost = min(tried, key=lambda t: t[2].peak_memory)
+            breakdown = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in cost.memory.items())
+            if self.leanest is None or cost.peak_memory < self.leanest[0]:
+                self.leanest = (cost.peak_memory, entry, breakdown)
+        self.log.append(
+            {
+                **entry,
+                "schedule": {**dataclasses.asdict(schedule), "cuts": list(schedule.cuts)},
+                "step_s": cost.step_s,
+                "peak_memory": cost.peak_memory,
+                "feasible": bool(fitting),
+            }
+        )
+
+    def best(self) -> Candidate:
+        if self.candidates:
+            return choose(self.candidates)
+        peak, entry, breakdown = self.leanest
         raise MemoryLimitError(
-            f"no plan fits the memory limit of {limit / 2**20:.1f} MiB per device on mesh {mesh}. "
-            f"The leanest configuration ({_degrees_str(leanest.degrees)}) needs {leanest.cost.peak_memory / 2**20:.1f} "
-            "MiB: "
-            f"{breakdown}. Raise memory_limit, use more devices, accumulate gradients (microbatches=N), "
+            f"no plan fits the memory limit of {self.limit / 2**20:.1f} MiB per device on mesh {self.mesh}. "
+            f"The leanest configuration weighed ({_degrees_str(entry)}) needs {peak / 2**20:.1f} MiB: {breakdown}. "
+            "Raise memory_limit, use more devices, accumulate gradients (microbatches=N), "
             "or shrink the batch or model."
         )
-    fastest = min(r.cost.step_s for r in feasible)
-    # Within the model's resolution, prefer the simplest plan: the most data parallelism.
-    near = [r for r in feasible if r.cost.step_s <= fastest * (1 + TIE_TOLERANCE)]
-    best = max(near, key=lambda r: (r.degrees[Axis.DP], -r.zero, -r.cost.step_s))
-    precision = options.precision or hardware.precision  # recorded; priced by the cost model
-    return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started, precision)
-
-
-def _lowest_fitting_zero(solve, zero_stages: list[int]) -> list[ConfigResult]:
-    """Results up to the lowest ZeRO stage that fits: a higher stage only saves memory, at no
-    less time. When the lowest does not fit, the highest is tried next: if even that does
-    not fit, neither do the ones between."""
-    results = [solve(zero_stages[0])]
-    if results[-1].feasible or len(zero_stages) == 1:
-        return results
-    highest = solve(zero_stages[-1])
-    if highest.feasible:
-        for zero_stage in zero_stages[1:-1]:
-            results.append(solve(zero_stage))
-            if results[-1].feasible:
-                break
-    return results + [highest]
-
-
-def _with_zero(configs: list[dict[str, int]], zero: int | None) -> list[tuple[dict[str, int], list[int]]]:
-    """Each configuration with the ZeRO stages to try, lowest first (ZeRO needs dp > 1)."""
-    if zero:
-        configs = [c for c in configs if c[Axis.DP] > 1]
-        if not configs:
-            raise ConfigError(f"zero={zero} shards model state over the data-parallel axis: pin a dp degree above 1")
-    return [(c, [zero] if zero is not None else [0, 1, 2, 3] if c[Axis.DP] > 1 else [0]) for c in configs]
-
-
-def _solve_config(ctx: SearchContext, degrees: dict[str, int], zero: int, local_batch: int) -> ConfigResult:
-    """Solve every axis for the first recomputation level whose best schedule fits the budget."""
-    for base in base_schedules(ctx.options, ctx.stages, local_batch):
-        strategies = solve_axes(ctx, degrees, zero, base)
-        schedule, cost = best_schedule(ctx, degrees, strategies, zero, base, local_batch)
-        if cost.peak_memory <= ctx.limit:
-            break
-    facts = ctx.facts
-    replicated = {
-        str(f.node.target)
-        for f in facts.values()
-        if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None
-    }
-    return ConfigResult(degrees, strategies, cost, cost.peak_memory <= ctx.limit, zero, replicated, schedule)
-
-
-def _optional_dims(facts: dict[str, NodeFacts]) -> tuple[str, ...]:
-    """The dimensions worth searching for this graph: cp where attention can run on a split
-    sequence, ep where there are experts to split."""
-    targets = {str(f.node.target) for f in facts.values() if f.kind == "op"}
-    dims = []
-    if any("scaled_dot_product_attention" in t for t in targets) and _sequence_splits(facts, 2):
-        dims.append(Axis.CP)
-    if any(t.startswith(EXPERTS_OP) for t in targets):
-        dims.append(Axis.EP)
-    return tuple(dims)
-
-
-def _useful_cp(facts: dict[str, NodeFacts], hardware: HardwareProfile) -> int:
-    """The largest cp degree worth searching: each rank's sequence chunk at least the block
-    whose ring attention hides its K/V transfer on the innermost link (smaller chunks only add
-    communication). Pinned degrees are not limited."""
-    attention = [f for f in facts.values() if f.kind == "op" and "scaled_dot_product_attention" in str(f.node.target)]
-    if not attention:
-        return 1
-    fact = attention[0]
-    q, k = (tuple(slot.meta["val"].shape) for slot in fact.slots[:2])
-    flops = hardware.flops_per_s("float32" if fact.elem_bytes == 4 else "bfloat16")
-    causal = bool(fact.node.kwargs.get("is_causal", fact.node.args[5] if len(fact.node.args) > 5 else False))
-    block = ring_hideable_block(q[1], k[1], fact.elem_bytes, flops, hardware.links[0].bandwidth, causal=causal)
-    return max(1, q[2] // max(block, 1))
-
-
-def _check_pinned_split(facts: dict[str, NodeFacts], degrees: dict[str, int], batch: int) -> None:
-    """Pinned degrees must split what they split: dp x ep the global batch, cp the sequence."""
-    ranks = batch_split(degrees)
-    if batch % ranks:
-        raise ConfigError(
-            f"degrees {_degrees_str(degrees)}: {ranks} ranks split the global batch of {batch}, which {ranks} does "
-            f"not divide: pass a batch that is a multiple of {ranks}, or other degrees"
-        )
-    cp = degrees.get(Axis.CP, 1)
-    if not _sequence_splits(facts, cp):
-        lengths = sorted({f.out_shape[1] for f in facts.values() if f.kind == "input" and len(f.out_shape) > 1})
-        raise ConfigError(
-            f"degrees {_degrees_str(degrees)}: cp={cp} splits the sequence into {chunks_per_rank(Axis.CP) * cp} chunks "
-            f"(a head and a tail per rank), which the inputs' sequence length(s) {lengths} do not divide: pass a "
-            f"multiple of {chunks_per_rank(Axis.CP) * cp}, or another cp"
-        )
-
-
-def _sequence_splits(facts: dict[str, NodeFacts], cp: int) -> bool:
-    """Whether the user inputs' sequence dim (dim 1) splits into 2·cp chunks (a head and a
-    tail chunk per rank, which balances causal attention)."""
-    shapes = [f.out_shape for f in facts.values() if f.kind == "input" and f.out_shape]
-    multiple = chunks_per_rank(Axis.CP) * cp
-    return cp == 1 or bool(shapes) and all(len(s) >= 2 and s[1] % multiple == 0 for s in shapes)
 
 
 def _batch_size(captured: CapturedGraph, facts: dict[str, NodeFacts]) -> int:
@@ -233,15 +316,16 @@ def _batch_size(captured: CapturedGraph, facts: dict[str, NodeFacts]) -> int:
     return shapes[0][0] if shapes else 1
 
 
-def _degrees_str(degrees: dict[str, int]) -> str:
-    return " x ".join(f"{k}={v}" for k, v in degrees.items())
+def _degrees_str(entry: dict) -> str:
+    stages = f"pp={entry['stages']} x " if entry["stages"] > 1 else ""
+    return stages + " x ".join(f"{k}={v}" for k, v in entry["degrees"].items()) + f", ZeRO-{entry['zero']}"
 
 
-def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch, elapsed, precision) -> Plan:
+def _to_plan(captured, facts, strategies, best: Candidate, mesh, hardware) -> Plan:
     axes = list(best.degrees)
     nodes, params, inputs = {}, {}, {}
     for name, fact in facts.items():
-        per_axis = [best.strategies[a].get(name) for a in axes]
+        per_axis = [strategies[a].get(name) for a in axes]
         if fact.kind == "op" or fact.kind == "output":
             if fact.kind == "output":
                 slot_pl = tuple(tuple(R for _ in axes) for _ in fact.slots)
@@ -259,17 +343,6 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
             params[fact.name] = tuple(s.output for s in per_axis)
         elif fact.kind == "input":
             inputs[name] = tuple(s.output for s in per_axis)
-    search_log = tuple(
-        {
-            "degrees": r.degrees,
-            "zero": r.zero,
-            "schedule": {**dataclasses.asdict(r.schedule), "cuts": list(r.schedule.cuts)},
-            "step_s": r.cost.step_s,
-            "peak_memory": r.cost.peak_memory,
-            "feasible": r.feasible,
-        }
-        for r in results
-    )
     plan = Plan(
         mesh=mesh,
         degrees=dict(best.degrees),
@@ -280,13 +353,9 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
         cost=best.cost,
         fingerprint=captured.fingerprint,
         hardware=hardware.name,
-        batch_size=batch,
-        search=search_log,
-        search_time_s=elapsed,
-        replicated_ops=tuple(sorted(best.replicated_ops)),
+        batch_size=0,
         zero=best.zero,
         schedule=best.schedule,
-        precision=precision,
     )
     gradients = plan_gradients(captured.graph, plan, captured.params, captured.user_inputs)
     grad_sync = {captured.params[name]: axes for name, axes in gradients.synced_params.items()}

@@ -22,7 +22,8 @@ PINNED_TP = ["--degrees", "dp=1,tp=4", "--constraint", "layers.*.mlp.fc1=S(-1)",
 def test_plan_prints_module_table_and_predicted_step(capsys):
     assert main(["plan", "gpt", *MESH]) == 0
     out = capsys.readouterr().out
-    assert "layers.0.attn.wq" in out and "weight (" in out
+    assert "layers.0-1 x2" in out and "layers.0-1.attn.wq" in out and "weight (" in out  # identical layers once
+    assert "layers.1.attn" not in out
     assert "predicted step time:" in out and " ms" in out
     assert "peak memory per device:" in out and "<- chosen" in out
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from planning import plan_example
 
-from autopar.ir import ConfigError, Cost, LinkTier, Schedule, get_profile
+from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, Schedule, get_profile
 from autopar.passes.cost.ops import OPTIMIZER_BYTES_PER_PARAM, collective_time, optimizer_time
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
@@ -91,8 +91,15 @@ def test_a_pipeline_must_split_the_outer_mesh_dimension_and_does_not_run_yet():
 
 
 def test_a_tight_memory_limit_turns_recomputation_on():
-    free = _plan(degrees={"dp": 8, "tp": 1}, zero=3)
+    pins = dict(degrees={"dp": 8, "tp": 1}, zero=3)
+    free = _plan(**pins)
     assert free.schedule.recompute == "none"
-    limit = free.cost.peak_memory - free.cost.memory["activations"] / 2
-    tight = _plan(degrees={"dp": 8, "tp": 1}, zero=3, memory_limit=limit)
+    limit = free.cost.peak_memory
+    while True:  # down to where no layout fits without recomputation
+        limit *= 0.9
+        try:
+            _plan(**pins, recompute="none", memory_limit=limit)
+        except MemoryLimitError:
+            break
+    tight = _plan(**pins, memory_limit=limit)
     assert tight.schedule.recompute != "none" and tight.cost.peak_memory <= limit

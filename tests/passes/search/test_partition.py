@@ -1,8 +1,10 @@
 """Pipeline planning: balanced cut points, the schedule choice, the memory ladder."""
 
+import dataclasses
+
 from planning import plan_example
 
-from autopar.ir import MemoryLimitError
+from autopar.ir import MemoryLimitError, get_profile
 from autopar.passes.search.partition import _balanced_starts
 
 LADDER_GPT = dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256)
@@ -44,7 +46,7 @@ def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
 
 def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     """The issue's ladder on 4 devices (recomputation pinned off): each step is what the
-    previous plan's 80 % no longer fits."""
+    previous plan's 80 % no longer fits. (ZeRO-1 comes first: it also shortens the optimizer step.)"""
     limit, steps = None, []
     for _ in range(8):
         try:
@@ -62,11 +64,23 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
         assert limit is None or plan.cost.peak_memory <= limit
         steps.append(plan)
         limit = plan.cost.peak_memory * 0.8
-    first, *rest = steps
-    assert first.degrees == {"dp": 4, "tp": 1} and first.zero == 0 and first.schedule.stages == 1
-    zero = next(i for i, p in enumerate(rest) if p.zero)
-    piped = next(i for i, p in enumerate(rest) if p.schedule.stages > 1)
-    assert rest[zero].schedule.stages == 1 and zero < piped  # ZeRO before stages
-    assert (
-        rest[-1].schedule.stages > 1 and rest[-1].degrees["tp"] > 1
-    )  # at the end tensor parallelism joins the pipeline
+    first = steps[0]
+    assert first.degrees == {"dp": 4, "tp": 1} and first.schedule.stages == 1
+    zero = next(i for i, p in enumerate(steps) if p.zero)
+    piped = next(i for i, p in enumerate(steps) if p.schedule.stages > 1)
+    assert steps[zero].schedule.stages == 1 and zero < piped  # ZeRO before stages
+    assert steps[-1].schedule.stages > 1 and steps[-1].degrees["tp"] > 1  # at the end tensor parallelism joins
+
+
+def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
+    """Nodes joined by a slow network: every layout fits without stages, but tensor and data
+    parallelism across nodes move more bytes than a pipeline's stage boundaries."""
+    a100 = get_profile("a100-80gb")
+    slow = dataclasses.replace(a100.links[1], bandwidth=a100.links[1].bandwidth / 1000)
+    hardware = dataclasses.replace(a100, name="a100-slow-network", links=(a100.links[0], slow))
+    plan = plan_example("gpt.py", (4, 2), batch=32, model_kwargs=LADDER_GPT, hardware=hardware)
+    flat = [entry for entry in plan.search if entry["stages"] == 1 and entry.get("feasible")]
+    assert flat, "layouts without stages fit"
+    assert plan.schedule.stages > 1
+    assert plan.cost.step_s < min(entry["step_s"] for entry in flat)
+    assert plan.cost.peak_memory < hardware.memory_bytes / 10  # no memory pressure

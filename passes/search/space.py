@@ -1,0 +1,332 @@
+"""The configurations a search weighs, and the rules that spare it work.
+
+A configuration is a number of pipeline stages p (over the outermost mesh dimension), the
+degrees inside one stage (dp × ep × cp × tp over its devices) and a ZeRO stage; its schedules
+(recomputation, microbatches, pipeline kind, stage cuts) are priced on its solved layout
+(:mod:`schedule`). The space: every p dividing the outermost mesh dimension and at most the
+layer count that some schedule runs, every split of a stage's devices whose batch and sequence
+splits divide the inputs (cp only up to :func:`useful_cp`), every ZeRO stage with dp > 1. Pins
+narrow it.
+
+Every configuration is weighed unless a rule proves it cannot be chosen; the search log names
+the rule of each one pruned:
+
+- ``memory``: its model state alone — weights, gradients and optimizer state, split at best
+  over tp (and ep for experts) and over the stages, ZeRO-sharded over dp — exceeds the memory
+  limit, so no layout and no schedule of it fits.
+- ``bound``: a lower bound on its step time is out of the tie rule's reach of the fastest
+  fitting plan found so far (:func:`~autopar.passes.search.ranking.within_reach`), so neither it
+  nor a plan the tie rule would prefer to the fastest can come from it. The bound:
+  :meth:`LowerBounds.step_s` from the graph alone, else :meth:`LowerBounds.layout_s` once the
+  axes before its last are solved (they are shared by many configurations), before that axis's ILP.
+
+And within a configuration (:mod:`search`), what cannot change the choice is not computed:
+
+- a layout costs alike under ZeRO-1 and -2 (they differ in memory and in how often gradients
+  are reduced, which pricing counts), so one is solved for both; unpinned, ZeRO-0 is priced on
+  that layout too and never solved under the memory budget, since on any layout it moves the
+  same bytes and steps the whole optimizer, no faster than ZeRO-1 and in more memory (it stays a
+  candidate for the tie rule);
+- more recomputation on the same layout and schedule only adds time, so a level is priced only
+  where the ones below it fit no schedule;
+- a layout is solved under the memory budget only where the free one fits no schedule at that
+  recomputation level, and only when the level's forward recomputed (:meth:`LowerBounds.recompute_s`)
+  on top of the configuration's bound can still win.
+
+Pre: the (folded) facts of a graph. Post: the configurations to weigh, and their bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.ir import (
+    Axis,
+    ConfigError,
+    HardwareProfile,
+    Mesh,
+    PlanOptions,
+    Replicate,
+    Shard,
+    batch_split,
+    check_degrees,
+    degree_choices,
+    model_state_bytes,
+)
+from autopar.passes.capture.moe import EXPERTS_OP
+from autopar.passes.cost.evaluate import AxisContext, axis_contexts, partial_gradients, stage_mesh
+from autopar.passes.cost.facts import NodeFacts, ShardedShapes
+from autopar.passes.cost.kernels import ring_hideable_block
+from autopar.passes.cost.ops import optimizer_time
+from autopar.passes.cost.schedule import dropped, forward_share
+from autopar.passes.search.axes import chunks_per_rank, expert_params
+from autopar.passes.sharding.rules import node_strategies
+from autopar.passes.sharding.strategies import OpView, Strategy, numel, work_fraction
+
+MEMORY, BOUND = "memory", "bound"  # the prune rules, as the search log names them
+
+
+def configurations(
+    facts: dict[str, NodeFacts], mesh: Mesh, options: PlanOptions, hardware: HardwareProfile, batch: int
+) -> list[tuple[int, dict[str, int]]]:
+    """(pipeline stages, degrees of one stage) of every configuration to weigh (see the module docstring)."""
+    layers = len({f.layer for f in facts.values() if f.layer is not None} | _folded(facts))
+    pinned = options.intra_stage_degrees
+    if options.stages:
+        counts = [options.stages]
+    else:
+        counts = [p for p in range(1, min(mesh.shape[0], max(1, layers)) + 1) if mesh.shape[0] % p == 0]
+    optional = optional_dims(facts)
+    found, refusal = [], None
+    for stages in counts:
+        devices = stage_mesh(mesh, stages).size
+        if pinned:
+            try:
+                configs = [check_degrees(pinned, devices)]
+            except ConfigError as error:  # the pinned degrees need another number of stages
+                refusal = refusal or error
+                continue
+            _check_pinned_split(facts, configs[0], batch)
+        else:
+            configs = degree_choices(devices, optional)
+        runnable = [c for c in configs if batch % batch_split(c) == 0 and _sequence_splits(facts, c.get(Axis.CP, 1))]
+        configs = runnable or configs
+        if not pinned:
+            configs = [c for c in configs if c.get(Axis.CP, 1) <= useful_cp(facts, hardware)]
+        found += [(stages, c) for c in configs]
+    if not found:
+        raise refusal
+    return found
+
+
+def _check_pinned_split(facts: dict[str, NodeFacts], degrees: dict[str, int], batch: int) -> None:
+    """Pinned degrees must split what they split: dp x ep the global batch, cp the sequence."""
+    ranks, shown = batch_split(degrees), " x ".join(f"{k}={v}" for k, v in degrees.items())
+    if batch % ranks:
+        raise ConfigError(
+            f"degrees {shown}: {ranks} ranks split the global batch of {batch}, which {ranks} does "
+            f"not divide: pass a batch that is a multiple of {ranks}, or other degrees"
+        )
+    cp = degrees.get(Axis.CP, 1)
+    if not _sequence_splits(facts, cp):
+        lengths = sorted({f.out_shape[1] for f in facts.values() if f.kind == "input" and len(f.out_shape) > 1})
+        raise ConfigError(
+            f"degrees {shown}: cp={cp} splits the sequence into {chunks_per_rank(Axis.CP) * cp} chunks "
+            f"(a head and a tail per rank), which the inputs' sequence length(s) {lengths} do not divide: pass a "
+            f"multiple of {chunks_per_rank(Axis.CP) * cp}, or another cp"
+        )
+
+
+def _folded(facts) -> set[str]:
+    return {layer for f in facts.values() for layer in f.folded_layers}
+
+
+def optional_dims(facts: dict[str, NodeFacts]) -> tuple[str, ...]:
+    """The dimensions worth searching for this graph: cp where attention can run on a split
+    sequence, ep where there are experts to split."""
+    targets = {str(f.node.target) for f in facts.values() if f.kind == "op"}
+    dims = []
+    if any("scaled_dot_product_attention" in t for t in targets) and _sequence_splits(facts, 2):
+        dims.append(Axis.CP)
+    if any(t.startswith(EXPERTS_OP) for t in targets):
+        dims.append(Axis.EP)
+    return tuple(dims)
+
+
+def useful_cp(facts: dict[str, NodeFacts], hardware: HardwareProfile) -> int:
+    """The largest cp degree worth searching: each rank's sequence chunk at least the block
+    whose ring attention hides its K/V transfer on the innermost link (smaller chunks only add
+    communication). Pinned degrees are not limited."""
+    attention = [f for f in facts.values() if f.kind == "op" and "scaled_dot_product_attention" in str(f.node.target)]
+    if not attention:
+        return 1
+    fact = attention[0]
+    q, k = (tuple(slot.meta["val"].shape) for slot in fact.slots[:2])
+    flops = hardware.flops_per_s("float32" if fact.elem_bytes == 4 else "bfloat16")
+    causal = bool(fact.node.kwargs.get("is_causal", fact.node.args[5] if len(fact.node.args) > 5 else False))
+    block = ring_hideable_block(q[1], k[1], fact.elem_bytes, flops, hardware.links[0].bandwidth, causal=causal)
+    return max(1, q[2] // max(block, 1))
+
+
+def _sequence_splits(facts: dict[str, NodeFacts], cp: int) -> bool:
+    """Whether the user inputs' sequence dim (dim 1) splits into 2·cp chunks (a head and a
+    tail chunk per rank, which balances causal attention)."""
+    shapes = [f.out_shape for f in facts.values() if f.kind == "input" and f.out_shape]
+    multiple = chunks_per_rank(Axis.CP) * cp
+    return cp == 1 or bool(shapes) and all(len(s) >= 2 and s[1] % multiple == 0 for s in shapes)
+
+
+class LowerBounds:
+    """Bounds no layout of a configuration can beat, from the graph alone (no ILP).
+
+    - compute: every op's work split over every axis whose size divides some dim of its
+      shapes (its rule's strategies there), the layers balanced perfectly over the stages, but
+      a device running at least the biggest layer (with the embeddings or the head, where they
+      go); and the least pipeline bubble of the schedules the configuration runs;
+    - optimizer: the AdamW step over each parameter split over tp (ep for experts) where its
+      shape allows, ZeRO-sharded over dp, its stage's share 1/p;
+    - gradients, with dp > 1: per parameter, the cheaper of syncing its gradient over dp (the
+      cost model's own :func:`partial_gradients`) and running the ops that use it, each
+      counted for one parameter, unsplit over dp.
+
+    :meth:`layout_s`, once the axes before the last sharded one are solved (they are shared by
+    many configurations), is tighter: their exact traffic, and per op of the last axis its
+    cheapest candidate (:func:`~autopar.passes.search.axes.floor_of`).
+
+    >>> bounds = LowerBounds(facts, hardware, limit=80e9)        # doctest: +SKIP
+    >>> bounds.step_s(mesh, 2, {"dp": 4, "tp": 8}, zero=1)         # doctest: +SKIP
+    """
+
+    def __init__(self, facts: dict[str, NodeFacts], hardware: HardwareProfile, variable=None, memo=None):
+        self.facts, self.hardware, self.variable, self.memo = facts, hardware, variable, memo
+        self._splits: dict[tuple[str, int], bool] = {}
+        self._sync: dict[tuple, dict[str, float]] = {}
+        self._works: dict[tuple, float] = {}
+        self.unsharded = ShardedShapes.unsharded(facts)
+        self.experts = expert_params(facts)
+        self.params = [n for n, f in facts.items() if f.kind == "param"]
+        # each op that uses parameters counts for the largest of them
+        self.owner: dict[str, str] = {}
+        for name, fact in facts.items():
+            used = [s.name for s in fact.slots if facts[s.name].kind == "param"]
+            if fact.kind == "op" and used:
+                self.owner[name] = max(used, key=lambda p: numel(facts[p].out_shape))
+
+    def splits(self, name: str, size: int) -> bool:
+        """Whether some strategy of the node does 1/size of its work on an axis of ``size``
+        (for a parameter: whether some dim of it divides)."""
+        key = (name, size)
+        if key not in self._splits:
+            fact = self.facts[name]
+            if size == 1:
+                found = False
+            elif fact.kind == "op":
+                view = OpView(fact.node, tuple(fact.slot_shapes), fact.out_shape)
+                found = any(work_fraction(s, size) < 1 for s in node_strategies(view, size)[0])
+            else:
+                found = any(d % size == 0 for d in fact.out_shape)
+            self._splits[key] = found
+        return self._splits[key]
+
+    def _work(self, name: str, degrees: dict[str, int], skip: str | None = None) -> float:
+        key = (name, tuple(degrees.items()), skip)
+        if key not in self._works:
+            self._works[key] = math.prod(1 / s for a, s in degrees.items() if a != skip and self.splits(name, s))
+        return self._works[key]
+
+    def _param_elements(self, name: str, degrees: dict[str, int]) -> float:
+        fact = self.facts[name]
+        split = [Axis.TP] + ([Axis.EP] if name in self.experts else [])
+        return numel(fact.out_shape) * fact.weight * self._work(name, {a: degrees.get(a, 1) for a in split})
+
+    def model_state_bytes(self, stages: int, degrees: dict[str, int], zero: int) -> float:
+        """Weights, gradients and optimizer state of the busiest device, at least."""
+        dp = degrees.get(Axis.DP, 1)
+        return (
+            sum(
+                sum(
+                    model_state_bytes(
+                        self._param_elements(p, degrees),
+                        data_parallel=dp,
+                        zero_stage=zero,
+                        precision=self.facts[p].precision,
+                    ).values()
+                )
+                for p in self.params
+            )
+            / stages
+        )
+
+    def step_s(self, mesh: Mesh, stages: int, degrees: dict[str, int], zero: int, bubble: float = 0.0) -> float:
+        """Seconds of a step, at least, on ``mesh`` (the whole mesh) under any layout and any
+        schedule whose pipeline bubble is at least ``bubble`` (a share of the busiest device's work)."""
+        facts, hardware = self.facts, self.hardware
+        stage = stage_mesh(mesh, stages)
+        rows: dict[str, float] = {}  # per layer, what its ops cost at least (ops outside layers: first or last)
+        layers: list[str] = []
+        for name, fact in facts.items():
+            if fact.kind != "op":
+                continue
+            if fact.layer is not None and fact.layer not in rows:
+                layers.append(fact.layer)
+            key = fact.layer or ("prefix" if not layers else "suffix")
+            work = fact.full_time_s * self._work(name, degrees)
+            for layer in fact.folded_layers or (key,):
+                rows[layer] = rows.get(layer, 0.0) + work
+        total = sum(rows.values())
+        biggest = 0.0
+        if layers:  # a device runs whole layers: at least the biggest, with the embeddings or the head
+            ends = {layers[0]: rows.get("prefix", 0.0), layers[-1]: rows.get("suffix", 0.0)}
+            biggest = max(rows[layer] + ends.get(layer, 0.0) for layer in rows if layer not in ("prefix", "suffix"))
+        busiest = max(total / stages, biggest if stages > 1 else 0.0)
+        dp = degrees.get(Axis.DP, 1)
+        elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
+        optimizer = optimizer_time(elements, hardware, hardware.contention(stage.shape))
+        return busiest * (1 + bubble) + (optimizer + self._gradients_s(stage, degrees, zero)) / stages
+
+    def recompute_s(self, stages: int, degrees: dict[str, int], level: str) -> float:
+        """Seconds of forward that recomputation at ``level`` runs again, at least (the ops it
+        drops, each split as far as its shapes allow, the stages balanced perfectly)."""
+        total = 0.0
+        for name, fact in self.facts.items():
+            if fact.kind == "op" and fact.layer is not None and dropped(fact, level):
+                total += fact.full_time_s * fact.weight * forward_share(fact) * self._work(name, degrees)
+        return total / stages
+
+    def layout_s(self, stages: int, degrees: dict[str, int], zero: int, solved, floor, stage: Mesh, bubble: float):
+        """Seconds of a step, at least, once the axes before the last sharded one are solved
+        (``solved``: their (context, strategies)): their exact traffic, the last axis's
+        ``floor`` ((work, gradient sync): :func:`~autopar.passes.search.axes.floor_of`), the
+        least pipeline ``bubble`` on the work, and the optimizer step, the stages balanced perfectly."""
+        comm = sync = 0.0
+        before = {ctx.name: chosen for ctx, chosen in solved}
+        for ctx, _, moved in axis_contexts(self.facts, degrees, before, stage, self.hardware, zero, self.memo):
+            if ctx is not None:  # shared by the configurations with these axes first: priced once
+                comm, sync = comm + moved[0], sync + moved[1]
+        work, last_sync = floor
+        dp = degrees.get(Axis.DP, 1)
+        elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
+        optimizer = optimizer_time(elements, self.hardware, self.hardware.contention(stage.shape))
+        return ((comm + work) * (1 + bubble) + sync + last_sync + optimizer) / stages
+
+    def _gradients_s(self, stage: Mesh, degrees: dict[str, int], zero: int) -> float:
+        dp = degrees.get(Axis.DP, 1)
+        if dp == 1:
+            return 0.0
+        facts = self.facts
+        sync = self._syncs(stage, dp, zero)
+        unsplit: dict[str, float] = {}
+        for name, param in self.owner.items():
+            if self.splits(name, dp):  # else it never splits over dp and never leaves a partial gradient
+                work = facts[name].full_time_s * facts[name].weight * self._work(name, degrees, skip=Axis.DP)
+                unsplit[param] = unsplit.get(param, 0.0) + work * (1 - 1 / dp)
+        return sum(min(seconds * facts[p].weight, unsplit.get(p, 0.0)) for p, seconds in sync.items())
+
+    def _syncs(self, stage: Mesh, dp: int, zero: int) -> dict[str, float]:
+        """Per parameter, the seconds of its gradient's sync over dp (ZeRO-3 regathers it too)."""
+        hardware = self.hardware
+        link = hardware.link(stage.shape, stage.size, dp)
+        key = (repr(link), dp, zero == 3)
+        if key not in self._sync:
+            facts = self.facts
+            ctx = AxisContext(
+                name=Axis.DP,
+                size=dp,
+                link=link,
+                pins={},
+                local=self.unsharded,
+                overlap=hardware.overlap,
+                data_parallel=dp,
+                zero=zero,
+                hardware=hardware,
+            )
+            sync: dict[str, float] = {}
+            for name in self.owner:
+                if self.splits(name, dp):
+                    fact = facts[name]
+                    split = Strategy(tuple(Replicate() for _ in fact.slots), Shard(0))
+                    for slot, seconds in partial_gradients(fact, split, ctx, facts):
+                        if facts[slot].kind == "param":
+                            sync[slot] = max(sync.get(slot, 0.0), seconds)
+            self._sync[key] = sync
+        return self._sync[key]

@@ -1,0 +1,59 @@
+"""What `autopar plan` shows at scale: identical layers once, the search's progress on a terminal."""
+
+import io
+
+from planning import meta_model
+
+import autopar
+from autopar.cli.progress import ProgressLine
+from autopar.report import fold_rows
+
+
+def _row(module: str, output: str = "(S(0), R)", param_bytes: int = 64) -> dict:
+    return {
+        "module": module,
+        "params": {"weight": "(R, R)"} if param_bytes else {},
+        "output": output,
+        "collectives": {},
+        "collective_bytes": 0,
+        "param_bytes": param_bytes,
+        "grad_sum": ["dp"],
+    }
+
+
+def _layer(index: int, output: str = "(S(0), R)") -> list[dict]:
+    return [_row(f"layers.{index}", param_bytes=0), _row(f"layers.{index}.fc", output)]
+
+
+def test_identical_consecutive_layers_fold_and_a_differing_one_breaks_the_run():
+    rows = [_row("embed"), *_layer(0), *_layer(1), *_layer(2), *_layer(3, output="(R, R)"), *_layer(4), _row("head")]
+    modules = [row["module"] for row in fold_rows(rows)]
+    assert modules == [
+        "embed",
+        "layers.0-2 x3",
+        "layers.0-2.fc",
+        "layers.3",
+        "layers.3.fc",
+        "layers.4",
+        "layers.4.fc",
+        "head",
+    ]
+    assert fold_rows(rows)[2]["param_bytes"] == 64  # one layer's numbers
+
+
+def test_the_search_reports_progress_and_the_line_shows_the_best_so_far():
+    model = meta_model("gpt.py", layers=4)
+    seen = []
+    plan = autopar.plan(model, "2x2", model.example_inputs(8, device="meta"), progress=seen.append)
+    assert seen and seen[-1].done == seen[-1].total == len(plan.search)
+    assert [p.done for p in seen] == sorted(p.done for p in seen)
+    assert seen[-1].best is not None and seen[-1].best.cost.step_s <= min(
+        e["step_s"] for e in plan.search if e.get("feasible")
+    ) * (1 + 1e-9)
+    stream = io.StringIO()
+    with ProgressLine(stream, interval_s=0.0) as line:
+        for progress in seen:
+            line(progress)
+    text = stream.getvalue()
+    assert text.endswith("\n") and f"{len(plan.search)}/{len(plan.search)} configurations" in text
+    assert "best " in text and "ms/step" in text

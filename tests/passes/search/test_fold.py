@@ -1,0 +1,117 @@
+"""Identical layers are solved once: the folded search gives the plan and the cost of the
+unfolded one, a layer that differs is not folded, and the ILP does not grow with depth."""
+
+import pytest
+import torch
+from planning import meta_model
+
+import autopar
+from autopar.ir import Mesh, PlanOptions, get_profile
+from autopar.passes.cost.evaluate import PricedConfiguration, evaluate, stage_mesh
+from autopar.passes.cost.facts import analyze
+from autopar.passes.search.fold import fold_layers
+from autopar.passes.search.search import search
+from autopar.passes.sharding.strategies import Strategy
+
+HARDWARE = "a100-80gb"
+MEGATRON = {
+    "layers.*.attn.w[qkv]": "S(-1)",
+    "layers.*.attn.wo": "P",
+    "layers.*.mlp.fc1": "S(-1)",
+    "layers.*.mlp.fc2": "P",
+}
+CASES = {
+    "gpt-2-layers": (dict(layers=2), "2x2", {}),
+    "gpt-6-layers": (dict(layers=6), "2x2", {}),
+    "gpt-6-layers-megatron-pins": (dict(layers=6), "2x2", dict(degrees={"dp": 1, "tp": 4}, constraints=MEGATRON)),
+    "gpt-5-layers-pipeline": (dict(layers=5), "2x2", dict(degrees={"pp": 2, "dp": 1, "tp": 2})),
+}
+
+
+def _captured(layers: int = 4, wider: int | None = None, batch: int = 8):
+    model = meta_model("gpt.py", hidden=64, heads=4, vocab=256, seq=32, layers=layers)
+    if wider is not None:  # one layer with a wider MLP
+        with torch.device("meta"):
+            model.layers[wider].mlp.fc1 = torch.nn.Linear(64, 512, bias=False)
+            model.layers[wider].mlp.fc2 = torch.nn.Linear(512, 64, bias=False)
+    return autopar.capture(model, model.example_inputs(batch, device="meta"))
+
+
+def _same_plan(folded, unfolded):
+    assert folded.degrees == unfolded.degrees and folded.zero == unfolded.zero
+    assert folded.schedule == unfolded.schedule
+    assert folded.nodes == unfolded.nodes and folded.params == unfolded.params and folded.inputs == unfolded.inputs
+    assert folded.cost.step_s == pytest.approx(unfolded.cost.step_s, rel=1e-9)
+    assert folded.cost.peak_memory == pytest.approx(unfolded.cost.peak_memory, rel=1e-9)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_folding_gives_the_plan_and_cost_of_the_unfolded_search(case):
+    model_kwargs, mesh, pins = CASES[case]
+    captured = _captured(**model_kwargs)
+    options = PlanOptions(hardware=HARDWARE, **pins)
+    _same_plan(search(captured, Mesh.of(mesh), options), search(captured, Mesh.of(mesh), options, fold=False))
+
+
+def test_folding_gives_the_unfolded_plan_under_a_binding_memory_limit():
+    captured = _captured(layers=6, batch=64)
+    pins = dict(hardware=HARDWARE, degrees={"dp": 2, "tp": 2})
+    free = search(captured, Mesh((2, 2)), PlanOptions(**pins))
+    options = PlanOptions(**pins, memory_limit=free.cost.peak_memory / 2)
+    folded = search(captured, Mesh((2, 2)), options)
+    assert folded.cost.peak_memory <= options.memory_limit < free.cost.peak_memory
+    _same_plan(folded, search(captured, Mesh((2, 2)), options, fold=False))
+
+
+def test_a_layer_that_differs_is_not_folded_with_the_others():
+    hardware = get_profile(HARDWARE)
+    wide = analyze(_captured(layers=5, wider=2), hardware)
+    assert fold_layers(wide, pins={}).classes == (("layers.0", "layers.1", "layers.3", "layers.4"),)
+    plain = analyze(_captured(layers=5), hardware)
+    pinned = {name: ("S(0)", None) for name, fact in plain.items() if fact.name == "layers.1.mlp.fc1.weight"}
+    assert fold_layers(plain, pins=pinned).classes == (("layers.0", "layers.2", "layers.3", "layers.4"),)
+    captured = _captured(layers=5, wider=2)
+    options = PlanOptions(hardware=HARDWARE, degrees={"dp": 2, "tp": 2})
+    _same_plan(search(captured, Mesh((2, 2)), options), search(captured, Mesh((2, 2)), options, fold=False))
+
+
+def test_the_folded_graph_and_its_ilp_do_not_grow_with_depth():
+    hardware = get_profile(HARDWARE)
+    sizes = []
+    for layers in (4, 12):
+        whole = analyze(_captured(layers=layers), hardware)
+        folding = fold_layers(whole, pins={})
+        sizes.append((len(folding.facts), len(set(folding.variable.values()))))
+        in_layers = [f for f in whole.values() if f.kind == "op" and f.layer]
+        assert sum(f.weight for f in folding.facts.values() if f.kind == "op" and f.layer) == len(in_layers)
+    assert sizes[0] == sizes[1]  # nodes of the reduced graph, ILP variables
+
+
+def test_the_folded_graph_prices_a_layout_as_the_whole_graph_does():
+    """Every sum of the cost model over the reduced graph (weights on nodes and edges, folded
+    stage cuts) equals the sum over every node, pipeline and memory included."""
+    hardware = get_profile(HARDWARE)
+    captured = _captured(layers=8)
+    whole = analyze(captured, hardware)
+    folding = fold_layers(whole, pins={})
+    plan = autopar.plan(captured, "2x2", hardware=HARDWARE, degrees={"pp": 2, "dp": 1, "tp": 2}, recompute="full")
+    mesh = stage_mesh(plan.mesh, plan.schedule.stages)
+    strategies = {axis: {} for axis in plan.degrees}
+    for index, axis in enumerate(plan.degrees):
+        for name, fact in whole.items():
+            if name in plan.nodes and plan.nodes[name].output is not None:
+                decision = plan.nodes[name]
+                strategies[axis][name] = Strategy(
+                    tuple(p and p[index] for p in decision.inputs), decision.output[index]
+                )
+            elif fact.kind == "param":
+                strategies[axis][name] = Strategy((), plan.params[fact.name][index])
+            elif fact.kind == "input":
+                strategies[axis][name] = Strategy((), plan.inputs[name][index])
+    reduced = {axis: {n: s for n, s in chosen.items() if n in folding.facts} for axis, chosen in strategies.items()}
+    for schedule in (plan.schedule, plan.schedule.__class__(2, 4, "none")):
+        full = evaluate(whole, plan.degrees, strategies, mesh, hardware, plan.zero, schedule)
+        folded = PricedConfiguration.of(folding.facts, plan.degrees, reduced, mesh, hardware, plan.zero).under(schedule)
+        assert folded.step_s == pytest.approx(full.step_s, rel=1e-9)
+        assert folded.memory == pytest.approx(full.memory, rel=1e-9)
+        assert folded.pipeline_s == pytest.approx(full.pipeline_s, rel=1e-9)
