@@ -6,7 +6,10 @@
   its dual as backward; ``kernels/``: context-parallel attention (ring, Ulysses, the zigzag
   sequence layout) and the expert-parallel mixture of experts;
 - ``grad_sync``: bucketed gradient all-reduce overlapped with backward; ``zero/``: ZeRO 1-3
-  (sharded layout and optimizer, parameter gathers, gradient reduce-scatters);
+  (sharded layout and optimizer, parameter gathers, gradient reduce-scatters; ``zero/compiled``:
+  ZeRO-3's per-layer gather op of compiled programs);
+- ``compile``: programs through ``torch.compile``; ``functional``: each collective as torch's
+  functional collectives (issue, then wait), which compiled programs run;
 - ``module`` (``ParallelModule``, ``AccumulatingModule``) and ``pipeline`` (``PipelineModule``):
   the trainable module ``autopar.parallelize`` returns; ``checkpoint``: the logical state on disk;
 - ``measure``: what ``autopar calibrate`` times on this machine.
@@ -31,6 +34,7 @@ from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import free_port, init_from_env, launch_local
 from autopar.runtime.process_groups import build_device_mesh, group_name
 from autopar.runtime.spawn import run_local
+from autopar.runtime.zero.compiled import zero_gather_layer, zero_reduce_scatter_layer
 from autopar.runtime.zero.gather import zero_gather
 
 __all__ = [
@@ -54,5 +58,7 @@ __all__ = [
     "save_checkpoint",
     "ulysses_attention",
     "zero_gather",
+    "zero_gather_layer",
+    "zero_reduce_scatter_layer",
     "zigzag",
 ]

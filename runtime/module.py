@@ -29,6 +29,7 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
 from autopar.ir import Axis, Plan, Replicate, Shard
+from autopar.runtime.compile import Compiler
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.zigzag import zigzag_order
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -72,9 +73,11 @@ class ParallelModule(nn.Module):
         buffer_order: list[str],
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
+        compiler: Compiler | None = None,
     ):
         super().__init__()
         self.program = program
+        self._compiler = compiler  # compile=True: runs each program compiled (autopar.runtime.compile)
         self.plan = plan
         self.device_mesh = mesh
         self._param_order = param_order
@@ -108,10 +111,11 @@ class ParallelModule(nn.Module):
         entries = [
             self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk)
             for name, axes in plan.grad_sync.items()
+            if compiler is None or name not in compiler.synced_in_program
         ]
         self._grad_sync = GradSync([entry for entry in entries if entry is not None], auto_finish=False)
         self._zero3 = None  # ZeRO-3: per-layer gathers and gradient reduce-scatters (zero/gather.py)
-        if self.zero.stage == 3 and self.zero.dims:
+        if self.zero.stage == 3 and self.zero.dims and compiler is None:  # compiled: the program gathers
             sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in plan.grad_sync.items()}
             self._zero3 = Zero3Runtime(
                 program,
@@ -159,6 +163,7 @@ class ParallelModule(nn.Module):
 
     def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
         self._follow_zeroed_grads()
+        program = self._compiler(program) if self._compiler is not None else program
         params = [self._locals[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
         if self._zero3 is None:

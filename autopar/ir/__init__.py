@@ -5,6 +5,7 @@ This package imports nothing else of autopar; everything else imports it.
 
 from autopar.ir.errors import (
     AutoparError,
+    CompileError,
     ConfigError,
     MemoryLimitError,
     MeshError,
@@ -41,6 +42,7 @@ __all__ = [
     "VIRTUAL_PIPELINES",
     "ZERO_BUBBLE_PIPELINES",
     "AutoparError",
+    "CompileError",
     "Axis",
     "ConfigError",
     "Cost",

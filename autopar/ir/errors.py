@@ -27,3 +27,7 @@ class StalePlanError(AutoparError):
 
 class ConfigError(AutoparError):
     """An option has a value autopar cannot use (unknown hardware profile, bad degrees, ...)."""
+
+
+class CompileError(AutoparError):
+    """``torch.compile`` cannot compile a per-rank program in one graph (names the node)."""

@@ -88,7 +88,10 @@ class Schedule:
     attention save (the rest is recomputed in backward), "full" only each layer's input;
     ``kind``: the pipeline schedule (one of :data:`PIPELINES`); ``virtual``: stage modules
     per device (2+ for the interleaved and V schedules); ``cuts``: the layer each stage module
-    after the first starts with (``("layers.4",)``), empty for an even split of the layers.
+    after the first starts with (``("layers.4",)``), empty for an even split of the layers;
+    ``compiled``: each program runs through ``torch.compile`` with its communication scheduled
+    for overlap (issued early, waited for late, bucketed: ``parallelize(..., compile=True)``),
+    which the cost model prices (:mod:`autopar.passes.cost.overlap`).
     """
 
     stages: int = 1
@@ -97,6 +100,7 @@ class Schedule:
     kind: PipelineKind = PipelineKind.ONE_F_ONE_B
     virtual: int = 1
     cuts: tuple[str, ...] = ()
+    compiled: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -139,6 +143,8 @@ class Schedule:
         if self.stages > 1:
             virtual = f" x {self.virtual} virtual" if self.virtual > 1 else ""
             parts.insert(0, f"{self.stages} stages{virtual}, {self.kind}")
+        if self.compiled:
+            parts.append("compiled")
         return ", ".join(parts)
 
 

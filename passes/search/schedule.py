@@ -40,7 +40,7 @@ def base_schedules(options: PlanOptions, stages: int, local_batch: int) -> list[
     kind = options.pipeline or PipelineKind.ONE_F_ONE_B
     virtual = VIRTUAL_STAGES if kind in VIRTUAL_PIPELINES else 1
     levels = [options.recompute] if options.recompute else RECOMPUTE
-    return [Schedule(stages, micro, level, kind, virtual, options.stage_cuts) for level in levels]
+    return [Schedule(stages, micro, level, kind, virtual, options.stage_cuts, options.compile) for level in levels]
 
 
 def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int) -> list[Schedule]:
