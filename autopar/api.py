@@ -11,9 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.ir import Axis, ConfigError, Mesh, MeshError, Plan, PlanOptions, StalePlanError, batch_split
+from autopar.ir.zero import syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
-from autopar.passes.rewrite.compiled import sync_in_program, syncs_whole_in_program
+from autopar.passes.rewrite.compiled import sync_in_program
 from autopar.passes.rewrite.overlap import schedule_communication
 from autopar.passes.rewrite.recompute import apply_recompute
 from autopar.passes.rewrite.rewrite import rewrite
@@ -178,7 +179,7 @@ def _compiling(programs: list, plan: Plan, params: dict[str, str], group_of, log
     """The programs summing their own gradients, and the compiler that schedules their communication."""
     from autopar.runtime.compile import Compiler
 
-    whole, synced, out = syncs_whole_in_program(plan), frozenset(), []
+    whole, synced, out = syncs_whole_in_program(plan.zero, plan.schedule), frozenset(), []
     for program in programs:
         program, names = log.run(
             "sync in program",

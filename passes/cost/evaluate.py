@@ -24,6 +24,7 @@ from autopar.ir import (
     Shard,
     model_state_bytes,
 )
+from autopar.ir.zero import syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze, move_scope
 from autopar.passes.cost.kernels import kernel_time
@@ -35,6 +36,7 @@ from autopar.passes.cost.ops import (
     optimizer_time,
     reshard_time,
 )
+from autopar.passes.cost.overlap import CompiledStep
 from autopar.passes.cost.schedule import kept_share, schedule_cost
 from autopar.passes.sharding.strategies import Strategy, numel, work_fraction
 
@@ -120,14 +122,21 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
 
 
 def edge_time(
-    producer: NodeFacts, src: Placement, dst: Placement, local_shape: tuple[int, ...], ctx: AxisContext
+    producer: NodeFacts,
+    src: Placement,
+    dst: Placement,
+    local_shape: tuple[int, ...],
+    ctx: AxisContext,
+    backward: bool = True,
 ) -> float:
-    """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd)."""
+    """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd; fwd
+    alone when not ``backward``)."""
     nbytes = numel(local_shape) * producer.elem_bytes
+    needs_grad = producer.needs_grad and backward
     if ctx.name == Axis.CP and isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
         # cp chunks are head-and-tail pairs, not rank-ordered runs: no all-to-all, gather then chunk
-        return minimum(reshard_time(src, R, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
-    return minimum(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
+        return minimum(reshard_time(src, R, nbytes, ctx.size, ctx.link, needs_grad), IMPOSSIBLE_S)
+    return minimum(reshard_time(src, dst, nbytes, ctx.size, ctx.link, needs_grad), IMPOSSIBLE_S)
 
 
 def edges(facts, ctx: AxisContext):
@@ -158,8 +167,9 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     return saved * kept_share(fact, ctx.schedule)
 
 
-def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
-    """(context, chosen strategies) per axis, each context with the local shapes before its axis."""
+def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0, overlap: float | None = None):
+    """(context, chosen strategies) per axis, each context with the local shapes before its axis;
+    gradient sync hidden by ``overlap`` (default: the profile's share)."""
     spans = axis_spans(degrees)
     local = ShardedShapes.unsharded(facts)
     for axis, chosen in strategies.items():
@@ -170,7 +180,7 @@ def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
                 hardware.link(mesh.shape, spans[axis], degrees[axis]),
                 {},
                 local,
-                hardware.overlap,
+                hardware.overlap if overlap is None else overlap,
                 data_parallel=degrees.get(Axis.DP, 1),
                 zero=zero,
             ),
@@ -191,21 +201,30 @@ def evaluate(
     the activations autograd saves and, at the start of backward, about two tensors of the largest
     activation (the loss's gradient chain); gradients grow as activations are freed (see :attr:`Cost.peak_memory`).
     """
-    comm = sync = 0.0
+    comm = sync = kernel_s = 0.0
     synced: set[str] = set()
     local = ShardedShapes.unsharded(facts)
-    for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero):
+    # compiled: the collectives are noted, and what the schedule does not hide is priced at the end
+    step = CompiledStep() if schedule.compiled else None
+    overlap = 0.0 if step is not None else None
+    for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero, overlap):
         partial: dict[str, float] = {}
         for name, s in chosen.items():
             for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
                 partial[slot] = maximum(partial.get(slot, 0.0), seconds)
-        comm += sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
+        kernels = sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
+        comm += kernels
+        kernel_s += kernels
         for slot, seconds in partial.items():
             if facts[slot].kind == "param":
                 sync += seconds
                 synced.add(slot)
+                if step is not None:
+                    step.syncs.append((slot, seconds, numel(ctx.local.shapes[slot][0]) * facts[slot].elem_bytes))
             else:
                 comm += seconds
+                if step is not None:
+                    step.partials.append((slot, seconds))
         moves = set()  # (value, destination, scope): moved once
         for producer, consumer, slot_index, shape in edges(facts, ctx):
             dst = (
@@ -218,7 +237,11 @@ def evaluate(
             move = (producer, dst, move_scope(facts[consumer].node))
             if producer in chosen and dst is not None and move not in moves:
                 moves.add(move)
-                comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+                seconds = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+                comm += seconds
+                if step is not None and seconds:
+                    forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
+                    step.moves.append((producer, consumer, forward, seconds - forward))
         local = local.after(chosen, ctx.size)
     contention = hardware.contention(mesh.shape)
     compute = sum(f.full_time_s * local.work[n] for n, f in facts.items())
@@ -243,6 +266,9 @@ def evaluate(
             if fact.kind == "op" and fact.needs_grad:
                 largest = maximum(largest, elements * fact.elem_bytes)
     memory["temporary"] = 2 * largest
+    if step is not None:  # what the compiled schedule leaves exposed; a kernel's own overlap is in its time
+        comm, sync = step.exposed(facts, local.work, syncs_whole_in_program(zero, schedule), per_layer=zero == 3)
+        comm += kernel_s
     if zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
         sync *= schedule.microbatches
     cost = Cost(

@@ -13,7 +13,7 @@ gradient sync becomes part of the program, as in SimpleFSDP and Meta's autoparal
   one collective per layer, whose backward reduce-scatters the layer's gradients in one
   collective (:mod:`autopar.runtime.zero.compiled`). A parameter whose gradient is also summed
   over other axes (:attr:`Plan.grad_sync`) takes a ``grad_all_reduce`` over those first;
-- whole parameters (:func:`syncs_whole_in_program`): each synced parameter passes through
+- whole parameters (:func:`autopar.ir.zero.syncs_whole_in_program`): each synced parameter passes through
   ``grad_all_reduce`` over its gradient axes (identity in forward, the all-reduce in backward,
   right where backward completes the gradient).
 
@@ -35,14 +35,6 @@ import torch
 import torch.fx as fx
 
 from autopar.ir import OP_NAMESPACE, Axis, Plan, layer_of
-
-
-def syncs_whole_in_program(plan: Plan) -> bool:
-    """Whether a compiled program also sums the gradients of parameters ZeRO does not split:
-    without ZeRO in a single-pass step (no microbatches, no stages: their runtime sums the
-    accumulated gradient once), and always under ZeRO-3 (which syncs every microbatch anyway)."""
-    single_pass = plan.schedule.microbatches == 1 and plan.schedule.stages == 1
-    return plan.zero == 3 or (plan.zero == 0 and single_pass)
 
 
 def sync_in_program(

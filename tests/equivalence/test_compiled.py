@@ -2,7 +2,7 @@
 after AdamW (fp32), for DP, TP+SP, ZeRO-3, PP2, CP2 (ring attention) and EP2 on 2 gloo ranks,
 in one spawn. Each case also shows that its programs really ran compiled (one graph each:
 ``fullgraph=True`` raises on a break) and that a program sums its own gradients where
-:func:`autopar.passes.rewrite.compiled.syncs_whole_in_program` says so.
+:func:`autopar.ir.zero.syncs_whole_in_program` says so.
 
 First compiles take tens of seconds here; inductor's cache (shared by the ranks, and by
 later runs) makes the models tiny and the compiles few.
