@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -40,10 +41,12 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _ComputationType
 
 from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
-from autopar.runtime.compile import Compiler
 from autopar.runtime.module import ParallelModule, whole_leaves
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
+
+if TYPE_CHECKING:  # a type only: compiling imports inductor, which eager runs do not need
+    from autopar.runtime.compile import Compiler
 
 SCHEDULES = {
     PipelineKind.GPIPE: ScheduleGPipe,
