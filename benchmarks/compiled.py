@@ -97,10 +97,10 @@ FULL = Settings(
     },
     world_sizes=(2, 4),
     batch=8,
-    warmup_steps=2,
-    rounds=8,
+    warmup_steps=1,
+    rounds=5,
     steps_per_round=2,
-    timeout_s=2400,
+    timeout_s=1200,
 )
 QUICK = dataclasses.replace(
     FULL, sizes={"S": FULL.sizes["S"]}, world_sizes=(2,), warmup_steps=1, rounds=2, timeout_s=1200
