@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             results[(size, world_size)] = run_local(
                 bench_rank, world_size, settings, size, timeout_s=settings.timeout_s
             )[0]
-    publish(SECTION, render_section(results, settings, command, time.monotonic() - start), args.quick)
+            # written after each spawn: a run cut short still leaves the rows it measured
+            publish(SECTION, render_section(results, settings, command, time.monotonic() - start), args.quick)
     return 0
 
 

@@ -195,8 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                 step, twin = statistics.median(result["step_s"]), statistics.median(result["twin_s"])
                 measured[mode] = {"plan": plan, "measured": step - twin, "step": step, "twin": twin}
             rows.append({"case": case, **measured})
-    load_text = ", ".join(f"{w} ranks: {load}" for w, load in loads.items())
-    publish(SECTION, render_section(rows, command, time.monotonic() - start, load_text), args.quick)
+        # written after each world size: a run cut short still leaves the rows it measured
+        load_text = ", ".join(f"{w} ranks: {load}" for w, load in loads.items())
+        publish(SECTION, render_section(rows, command, time.monotonic() - start, load_text), args.quick)
     return 0
 
 
