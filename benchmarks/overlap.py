@@ -133,14 +133,19 @@ def bench_rank(rank: int, world: int, planned: list, settings: Settings) -> list
     return [{"step_s": _slowest_rank(step), "twin_s": _slowest_rank(twin)} for step, twin in times]
 
 
-def render_section(rows: list[dict], command: str, elapsed_s: float, loads: str) -> str:
+def render_section(rows: list[dict], settings: Settings, command: str, elapsed_s: float, loads: str) -> str:
     lines = [
         "## Cost model: exposed communication before and after scheduling",
         "",
         f"- command: `{command}` ({elapsed_s:.0f} s in all, compiles included); date "
         f"{datetime.datetime.now().astimezone().isoformat(timespec='seconds')}",
-        f"- machine: {os.cpu_count()} cores, shared (load average {loads}); CPU, gloo, one torch thread per rank; "
-        f"torch {torch.__version__}, Python {platform.python_version()}; hardware profile `{PROFILE}`.",
+        f"- machine: {os.cpu_count()} cores, shared with other jobs (load average {loads}); 4 ranks oversubscribe "
+        "them (2 processes per core), so communication hides behind compute only when a core is free for gloo; "
+        f"CPU, gloo, one torch thread per rank; torch {torch.__version__}, Python {platform.python_version()}; "
+        f"hardware profile `{PROFILE}`.",
+        f"- steps: forward + backward + AdamW; {settings.warmup_steps} warm-up step(s) per plan and mode (the first "
+        f"compiles, twins included), then {settings.rounds} rounds of {settings.steps_per_round} steps of each "
+        "step and each twin, the plans' order alternating.",
         "- predicted exposed = `plan.cost.comm_s + plan.cost.grad_sync_s`; eager: the plan as searched "
         "(gradient sync hidden by the profile's overlap share); compiled: the same plan with `schedule.compiled` "
         "(each collective's window in the replayed schedule). Measured exposed = step − no-communication twin "
@@ -197,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"case": case, **measured})
         # written after each world size: a run cut short still leaves the rows it measured
         load_text = ", ".join(f"{w} ranks: {load}" for w, load in loads.items())
-        publish(SECTION, render_section(rows, command, time.monotonic() - start, load_text), args.quick)
+        publish(SECTION, render_section(rows, settings, command, time.monotonic() - start, load_text), args.quick)
     return 0
 
 
