@@ -4,6 +4,7 @@ from autopar import runtime  # noqa: F401, I001  (registers torch.ops.autopar.*,
 from autopar.api import capture, parallelize, plan
 from autopar.ir import (
     AutoparError,
+    CompileError,
     ConfigError,
     InputError,
     InvalidPlanError,
@@ -22,6 +23,7 @@ from autopar.ir import (
 
 __all__ = [
     "AutoparError",
+    "CompileError",
     "ConfigError",
     "InputError",
     "InvalidPlanError",

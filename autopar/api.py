@@ -12,8 +12,11 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.ir import Axis, ConfigError, Mesh, MeshError, Plan, PlanOptions, StalePlanError, batch_split
+from autopar.ir.zero import syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
+from autopar.passes.rewrite.compiled import sync_in_program
+from autopar.passes.rewrite.overlap import schedule_communication
 from autopar.passes.rewrite.recompute import apply_recompute
 from autopar.passes.rewrite.rewrite import rewrite
 from autopar.passes.rewrite.stages import split_stages
@@ -124,6 +127,8 @@ def parallelize(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
             "re-run autopar.plan for this model and these input shapes"
         )
+    if "compile" in pins:  # a given plan runs compiled or not, as asked
+        plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, compiled=pins["compile"]))
     _check_runnable(plan)
     schedule = plan.schedule
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -145,8 +150,12 @@ def parallelize(
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
     }
+    compiler, group_of = None, lambda axes: group_name(device_mesh, tuple(axes))
     if schedule.stages > 1:
         stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
+        if schedule.compiled:
+            programs, compiler = _compiling([s.graph_module for s in stages], plan, captured.params, group_of, log)
+            stages = [dataclasses.replace(s, graph_module=p) for s, p in zip(stages, programs)]
         module = PipelineModule(
             stages,
             plan,
@@ -156,8 +165,11 @@ def parallelize(
             input_names=captured.user_inputs,
             state=state,
             tied=captured.tied,
+            compiler=compiler,
         )
     else:
+        if schedule.compiled:
+            (program,), compiler = _compiling([program], plan, captured.params, group_of, log)
         module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
         module = module_class(
             program,
@@ -167,9 +179,31 @@ def parallelize(
             buffer_order=[captured.buffers[n] for n in captured.buffers],
             state=state,
             tied=captured.tied,
+            compiler=compiler,
         )
     module.expect_inputs(example_inputs)  # forward and train_step refuse inputs unlike these
     return module
+
+
+def _compiling(programs: list, plan: Plan, params: dict[str, str], group_of, log: PassLog):
+    """The programs summing their own gradients, and the compiler that schedules their communication."""
+    from autopar.runtime.compile import Compiler
+
+    whole, synced, out = syncs_whole_in_program(plan.zero, plan.schedule), frozenset(), []
+    for program in programs:
+        program, names = log.run(
+            "sync in program",
+            sync_in_program,
+            program,
+            plan,
+            params,
+            group_of,
+            whole=whole,
+            verify=lambda result: verify_graph(result[0]),
+        )
+        out.append(program)
+        synced |= names
+    return out, Compiler(schedule=schedule_communication, synced_in_program=synced)
 
 
 def _check_runnable(plan: Plan) -> None:

@@ -10,7 +10,11 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from autopar.passes.rewrite.overlap import schedule_communication
+from autopar.runtime.collectives import _chunks_from_front, _chunks_to_front, _normalize_dim
 
 # --------------------------------------------------------------------------- memory
 
@@ -241,3 +245,45 @@ def model_state_bytes(competitor) -> int:
     tensors += [t for state in inner.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
     local = [t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
+
+
+def _stand_in_forms() -> dict:
+    """The ``autopar::`` collectives as local stand-ins for a compiled twin: the shapes and the
+    memory traffic of their functional forms, no communication (see :mod:`autopar.runtime.functional`)."""
+
+    def size(group_name):
+        return _resolve_process_group(group_name).size()
+
+    def gathered(x, group_name, dim, *_):
+        return torch.cat([x] * size(group_name), dim=_normalize_dim(x, dim))
+
+    def scattered(x, group_name, dim, *_):
+        dim = _normalize_dim(x, dim)
+        return x.narrow(dim, 0, x.shape[dim] // size(group_name)).clone()
+
+    def exchanged(x, group_name, split_dim, concat_dim):
+        rows = _chunks_to_front(x, _normalize_dim(x, split_dim), size(group_name))
+        return _chunks_from_front(rows, _normalize_dim(x, concat_dim))
+
+    ops = torch.ops.autopar
+    return {
+        ops.all_reduce.default: lambda x, group_name, reduce_op: x.clone(),
+        ops.grad_all_reduce.default: lambda x, group_name: x,
+        ops.all_gather.default: gathered,
+        ops.zero_gather.default: gathered,
+        ops.reduce_scatter.default: scattered,
+        ops.all_to_all.default: exchanged,
+        ops.zero_gather_layer.default: lambda shards, group_name, dims, reduce: [
+            gathered(shard, group_name, dim) for shard, dim in zip(shards, dims)
+        ],
+        ops.zero_reduce_scatter_layer.default: lambda grads, group_name, dims, reduce: [
+            scattered(grad, group_name, dim) for grad, dim in zip(grads, dims)
+        ],
+    }
+
+
+def schedule_without_communication(graph, forms) -> None:
+    """A compiled twin's scheduling pass: every collective lowered to its local stand-in
+    (``forms``, the real ones, ignored); the program's opaque kernels communicate through
+    ``torch.distributed``, which :func:`no_communication` replaces."""
+    schedule_communication(graph, _stand_in_forms())

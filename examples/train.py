@@ -1,6 +1,7 @@
 """Train the GPT example on local processes with the plan autopar finds for them.
 
     autopar run examples/train.py --nproc 2 -- --steps 30
+    autopar run examples/train.py --nproc 2 -- --steps 30 --compile   # compiled, communication overlapped
     torchrun --nproc-per-node 2 examples/train.py --steps 30
 
 Every rank builds the same model (same seed), autopar plans it for the world it finds, and
@@ -42,6 +43,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--compile", action="store_true", help="run the per-rank program through torch.compile")
     args = parser.parse_args()
 
     init_from_env()
@@ -49,7 +51,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = gpt.build(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq)
     example = arithmetic_batch(0, args.batch, args.seq, args.vocab)
-    pmodel = autopar.parallelize(model, world, example)
+    pmodel = autopar.parallelize(model, world, example, compile=args.compile)
     if rank == 0:
         print(pmodel.plan, flush=True)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
@@ -60,7 +62,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:3d}  loss {loss.item():.4f}  {1e3 * (time.perf_counter() - started):.0f} ms", flush=True)
+            what = " (compiling)" if args.compile and step == 0 else ""
+            elapsed_ms = 1e3 * (time.perf_counter() - started)
+            print(f"step {step:3d}  loss {loss.item():.4f}  {elapsed_ms:.0f} ms{what}", flush=True)
     dist.destroy_process_group()
 
 

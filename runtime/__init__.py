@@ -7,7 +7,10 @@
   sequence layout), the expert-parallel mixture of experts, the vocabulary-parallel embedding
   and cross-entropy;
 - ``grad_sync``: bucketed gradient all-reduce overlapped with backward; ``zero/``: ZeRO 1-3
-  (sharded layout and optimizer, parameter gathers, gradient reduce-scatters);
+  (sharded layout and optimizer, parameter gathers, gradient reduce-scatters; ``zero/compiled``:
+  ZeRO-3's per-layer gather op of compiled programs);
+- ``compile``: programs through ``torch.compile``; ``functional``: each collective as torch's
+  functional collectives (issue, then wait), which compiled programs run;
 - ``module`` (``ParallelModule``, ``AccumulatingModule``) and ``pipeline`` (``PipelineModule``):
   the trainable module ``autopar.parallelize`` returns; ``checkpoint``: the logical state on disk;
 - ``measure``: what ``autopar calibrate`` times on this machine.
@@ -33,6 +36,7 @@ from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import free_port, init_from_env, launch_local
 from autopar.runtime.process_groups import build_device_mesh, group_name
 from autopar.runtime.spawn import run_local
+from autopar.runtime.zero.compiled import zero_gather_layer, zero_reduce_scatter_layer
 from autopar.runtime.zero.gather import zero_gather
 
 __all__ = [
@@ -58,5 +62,7 @@ __all__ = [
     "vocab_cross_entropy",
     "vocab_embedding",
     "zero_gather",
+    "zero_gather_layer",
+    "zero_reduce_scatter_layer",
     "zigzag",
 ]

@@ -29,11 +29,9 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
+from autopar.ir.buckets import BUCKET_BYTES as DEFAULT_BUCKET_SIZE_BYTES
+from autopar.ir.buckets import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
 from autopar.runtime.collectives import _chunks_to_front
-
-DEFAULT_BUCKET_SIZE_BYTES = 25 * 2**20
-# Like DDP: a small first bucket starts communication early in backward.
-DEFAULT_FIRST_BUCKET_BYTES = 2**20
 
 
 def _local(tensor: Tensor) -> Tensor:

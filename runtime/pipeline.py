@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,9 @@ from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, P
 from autopar.runtime.module import ParallelModule, whole_leaves
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
+
+if TYPE_CHECKING:  # a type only: compiling imports inductor, which eager runs do not need
+    from autopar.runtime.compile import Compiler
 
 SCHEDULES = {
     PipelineKind.GPIPE: ScheduleGPipe,
@@ -70,9 +74,11 @@ class _StageModule(nn.Module):
         last: bool,
         zero3: Zero3Runtime | None = None,
         shards: dict[str, torch.Tensor] | None = None,
+        compiler: Compiler | None = None,
     ):
         super().__init__()
         self.program = stage.graph_module
+        self._run = compiler(stage.graph_module) if compiler is not None else stage.graph_module
         for index, leaf in enumerate(leaves):
             self._parameters[f"param_{index}"] = leaf
         self._leaves, self._buffer_values = leaves, buffers
@@ -83,7 +89,7 @@ class _StageModule(nn.Module):
         received = () if self._first else received  # the first stage reads the inputs by name
         inputs = [user_inputs[_keyword(name)] for name in self._input_names]
         with self._zero3.forward(self._shards) if self._zero3 is not None else contextlib.nullcontext():
-            outputs = self.program(*self._leaves, *self._buffer_values, *inputs, *received)
+            outputs = self._run(*self._leaves, *self._buffer_values, *inputs, *received)
         # zero-bubble schedules detach outputs in place, which views do not allow: copy those
         outputs = [out.clone() if out._is_view() else out for out in outputs]
         if self._last:  # the loss, as a 1-element tensor so the schedule can merge microbatches
@@ -130,6 +136,7 @@ class PipelineModule(ParallelModule):
         input_names: tuple[str, ...],
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
+        compiler: Compiler | None = None,
     ):
         schedule = plan.schedule
         pp_rank = mesh.get_local_rank(Axis.PP)
@@ -146,6 +153,7 @@ class PipelineModule(ParallelModule):
             buffer_order=buffers,
             state=state,
             tied={alias: name for alias, name in (tied or {}).items() if name in names},
+            compiler=compiler,
         )
         self.plan = plan
         self.pipeline_mesh = mesh
@@ -172,6 +180,7 @@ class PipelineModule(ParallelModule):
                     last=stage.index == schedule.modules - 1,
                     zero3=zero3.get(stage.index),
                     shards=self._locals,
+                    compiler=compiler,
                 ),
                 stage.index,
                 schedule.modules,

@@ -5,6 +5,7 @@ This package imports nothing else of autopar; everything else imports it.
 
 from autopar.ir.errors import (
     AutoparError,
+    CompileError,
     ConfigError,
     InputError,
     InvalidPlanError,
@@ -44,6 +45,7 @@ __all__ = [
     "VIRTUAL_PIPELINES",
     "ZERO_BUBBLE_PIPELINES",
     "AutoparError",
+    "CompileError",
     "Axis",
     "ConfigError",
     "InputError",

@@ -35,3 +35,7 @@ class InvalidPlanError(AutoparError):
 
 class InputError(AutoparError):
     """Inputs of another count, dtype, rank or shape than the plan was made for."""
+
+
+class CompileError(AutoparError):
+    """``torch.compile`` cannot compile a per-rank program in one graph (names the node)."""

@@ -38,6 +38,8 @@ class PlanOptions:
       (``("layers.6",)``; default: Alpa's balanced split).
     - ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (default: the hardware profile's
       natural choice, ``HardwareProfile.precision``); see :mod:`autopar.ir.precision`.
+    - ``compile``: run each program through ``torch.compile`` with its communication scheduled
+      for overlap (:attr:`Schedule.compiled`); the cost model prices that schedule.
 
     >>> PlanOptions(degrees={"dp": 2, "tp": 2}, zero=1).zero
     1
@@ -53,6 +55,7 @@ class PlanOptions:
     pipeline: PipelineKind | None = None
     stage_cuts: tuple[str, ...] = ()
     precision: Precision | None = None
+    compile: bool = False
 
     def __post_init__(self):
         known = {*PARALLEL_DIMS, Axis.PP}
@@ -75,6 +78,8 @@ class PlanOptions:
             raise ConfigError(f"microbatches={self.microbatches!r}: pass a positive integer")
         if self.memory_limit is not None and self.memory_limit <= 0:
             raise ConfigError(f"memory_limit={self.memory_limit!r}: pass a positive number of bytes")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile={self.compile!r}: pass True or False")
         object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts or ()))
 
     @classmethod

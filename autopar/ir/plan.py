@@ -20,7 +20,7 @@ from autopar.ir.names import Axis, Kernel, PipelineKind, Recompute
 from autopar.ir.placement import Placement, format_placements, parse_placement
 from autopar.ir.plan_schema import check_plan_json
 
-PLAN_FORMAT = 5  # 3: the schedule's pipeline kind, virtual stages and cut points; 4: kernels (cp, ep); 5: precision
+PLAN_FORMAT = 6  # 3: pipeline kind, virtual stages, cut points; 4: kernels (cp, ep); 5: precision; 6: compiled
 
 # The mesh dimension each parallel kernel runs over (see :class:`Kernel`).
 KERNEL_DIMS = {Kernel.RING: Axis.CP, Kernel.ULYSSES: Axis.CP, Kernel.EXPERTS: Axis.EP, Kernel.VOCAB: Axis.TP}
@@ -89,7 +89,10 @@ class Schedule:
     attention save (the rest is recomputed in backward), "full" only each layer's input;
     ``kind``: the pipeline schedule (one of :data:`PIPELINES`); ``virtual``: stage modules
     per device (2+ for the interleaved and V schedules); ``cuts``: the layer each stage module
-    after the first starts with (``("layers.4",)``), empty for an even split of the layers.
+    after the first starts with (``("layers.4",)``), empty for an even split of the layers;
+    ``compiled``: each program runs through ``torch.compile`` with its communication scheduled
+    for overlap (issued early, waited for late, bucketed: ``parallelize(..., compile=True)``),
+    which the cost model prices (:mod:`autopar.passes.cost.replay`).
     """
 
     stages: int = 1
@@ -98,6 +101,7 @@ class Schedule:
     kind: PipelineKind = PipelineKind.ONE_F_ONE_B
     virtual: int = 1
     cuts: tuple[str, ...] = ()
+    compiled: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -140,6 +144,8 @@ class Schedule:
         if self.stages > 1:
             virtual = f" x {self.virtual} virtual" if self.virtual > 1 else ""
             parts.insert(0, f"{self.stages} stages{virtual}, {self.kind}")
+        if self.compiled:
+            parts.append("compiled")
         return ", ".join(parts)
 
 

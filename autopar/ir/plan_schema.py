@@ -53,7 +53,15 @@ COST_FIELDS = {
     "pipeline_s": Real,
     "model_flops": Real,
 }
-SCHEDULE_FIELDS = {"stages": int, "microbatches": int, "recompute": str, "kind": str, "virtual": int, "cuts": LIST}
+SCHEDULE_FIELDS = {
+    "stages": int,
+    "microbatches": int,
+    "recompute": str,
+    "kind": str,
+    "virtual": int,
+    "cuts": LIST,
+    "compiled": bool,
+}
 
 
 def check_plan_json(data) -> None:

@@ -1,11 +1,12 @@
 """Which dim of a parameter ZeRO splits over the data-parallel axis: one rule for the rewrite
-(ZeRO-3 gathers) and the runtime (sharded storage, gradients and optimizer state)."""
+(ZeRO-3 gathers) and the runtime (sharded storage, gradients and optimizer state); and which
+gradients a compiled program sums itself: one rule for the rewrite and the cost model."""
 
 from __future__ import annotations
 
 from autopar.ir.names import Axis
 from autopar.ir.placement import Replicate, Shard
-from autopar.ir.plan import Plan
+from autopar.ir.plan import Plan, Schedule
 
 
 def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
@@ -33,3 +34,17 @@ def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
             local[dim] //= plan.degrees[axis]
             split.add(dim)
     return next((dim for dim, size in enumerate(local) if dim not in split and size % dp == 0), None)
+
+
+def syncs_whole_in_program(zero: int, schedule: Schedule) -> bool:
+    """Whether a compiled program (``schedule.compiled``) sums the gradients of the parameters
+    ZeRO does not split itself (:mod:`autopar.passes.rewrite.compiled`): without ZeRO in a
+    single-pass step (no microbatches, no stages: their runtime sums the accumulated gradient
+    once, after the last backward), and always under ZeRO-3, which syncs every microbatch
+    anyway. ZeRO-3's split parameters are always summed in the program.
+
+    >>> syncs_whole_in_program(0, Schedule(compiled=True)), syncs_whole_in_program(1, Schedule(compiled=True))
+    (True, False)
+    """
+    single_pass = schedule.microbatches == 1 and schedule.stages == 1
+    return zero == 3 or (zero == 0 and single_pass)

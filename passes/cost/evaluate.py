@@ -25,6 +25,7 @@ from autopar.ir import (
     Shard,
     model_state_bytes,
 )
+from autopar.ir.zero import syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze, move_scope
 from autopar.passes.cost.kernels import kernel_time
@@ -36,6 +37,7 @@ from autopar.passes.cost.ops import (
     optimizer_time,
     reshard_time,
 )
+from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import LayerTerms, kept_share, layer_terms, scheduled
 from autopar.passes.search.partition import StageSplit, balanced_starts, layer_costs, split_rows
 from autopar.passes.sharding.strategies import Strategy, numel, work_fraction
@@ -122,14 +124,21 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
 
 
 def edge_time(
-    producer: NodeFacts, src: Placement, dst: Placement, local_shape: tuple[int, ...], ctx: AxisContext
+    producer: NodeFacts,
+    src: Placement,
+    dst: Placement,
+    local_shape: tuple[int, ...],
+    ctx: AxisContext,
+    backward: bool = True,
 ) -> float:
-    """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd)."""
+    """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd; fwd
+    alone when not ``backward``)."""
     nbytes = numel(local_shape) * producer.elem_bytes
+    needs_grad = producer.needs_grad and backward
     if ctx.name == Axis.CP and isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
         # cp chunks are head-and-tail pairs, not rank-ordered runs: no all-to-all, gather then chunk
-        return minimum(reshard_time(src, R, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
-    return minimum(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
+        return minimum(reshard_time(src, R, nbytes, ctx.size, ctx.link, needs_grad), IMPOSSIBLE_S)
+    return minimum(reshard_time(src, dst, nbytes, ctx.size, ctx.link, needs_grad), IMPOSSIBLE_S)
 
 
 def edges(facts, ctx: AxisContext):
@@ -160,12 +169,23 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     return saved * kept_share(fact, ctx.schedule)
 
 
-def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0, memo: dict | None = None):
+def axis_contexts(
+    facts,
+    degrees,
+    strategies,
+    mesh,
+    hardware,
+    zero: int = 0,
+    memo: dict | None = None,
+    step: CompiledStep | None = None,
+):
     """(context, chosen strategies, what the axis moves: :func:`traffic`) per axis, each context
     with the local shapes before its axis; then (None, None, local shapes after every axis).
     ``memo`` keeps each axis's traffic and shapes after it for the layouts that share the axes
     before it (keyed by :func:`traffic_key`; an entry holds its strategies, so their id is never
-    reused while it is there)."""
+    reused while it is there). ``step`` notes every collective for a compiled step's replay
+    (no profile overlap then: the replay places what hides)."""
+    memo = None if step is not None else memo
     spans = axis_spans(degrees)
     local = (memo if memo is not None else {}).get(("unsharded", id(facts)), (None, None))[1]
     if local is None:
@@ -180,7 +200,7 @@ def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0, mem
             hardware.link(mesh.shape, spans[axis], degrees[axis]),
             {},
             local,
-            hardware.overlap,
+            hardware.overlap if step is None else 0.0,
             data_parallel=degrees.get(Axis.DP, 1),
             zero=zero,
         )
@@ -188,7 +208,7 @@ def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0, mem
         if memo is not None and key in memo:
             _, moved, local = memo[key]
         else:
-            moved, local = traffic(facts, ctx, chosen), local.after(chosen, degrees[axis])
+            moved, local = traffic(facts, ctx, chosen, step), local.after(chosen, degrees[axis])
             if memo is not None:
                 memo[key] = (chosen, moved, local)
         yield ctx, chosen, moved
@@ -223,6 +243,7 @@ class LayoutTerms:
     synced: set[str]  # parameters whose gradients are synchronized
     local: ShardedShapes  # every node's local shapes once all axes are solved
     link: LinkTier  # the tier a pipeline's stage boundaries cross
+    made_of: tuple = ()  # (degrees, strategies, mesh, hardware, zero): for :meth:`compiled_traffic`
     _terms: LayerTerms | None = None
     _rows: list | None = None
     _starts: dict = field(default_factory=dict)
@@ -235,7 +256,20 @@ class LayoutTerms:
         """The terms of ``strategies``; of ZeRO only whether it regathers weights (stage 3) matters.
         ``memo`` keeps each axis's :func:`traffic` for layouts that share their first axes."""
         cost, synced, local = _layout_cost(facts, degrees, strategies, mesh, hardware, zero, memo)
-        return cls(facts, cost, synced, local, hardware.link(mesh.shape, mesh.size))
+        made_of = (degrees, strategies, mesh, hardware, zero)
+        return cls(facts, cost, synced, local, hardware.link(mesh.shape, mesh.size), made_of)
+
+    def compiled_traffic(self, zero: int, schedule: Schedule) -> tuple[float, float]:
+        """(exposed communication, exposed gradient sync) of the compiled step (:mod:`replay`):
+        every collective noted, then replayed against the compute it can hide behind. A folded
+        graph replays its kept layers only (:attr:`NodeFacts.weight` is not applied here)."""
+        degrees, strategies, mesh, hardware, _ = self.made_of
+        step = CompiledStep()
+        for ctx, _, _ in axis_contexts(self.facts, degrees, strategies, mesh, hardware, zero, step=step):
+            if ctx is None:
+                break
+        comm, sync = step.exposed(self.facts, self.local.work, syncs_whole_in_program(zero, schedule), zero == 3)
+        return comm + step.kernel_s, sync
 
     @property
     def terms(self) -> LayerTerms:
@@ -297,6 +331,9 @@ class PricedConfiguration:
     def under(self, schedule: Schedule) -> Cost:
         """The cost under ``schedule`` (as :func:`evaluate`)."""
         cost = self.cost
+        if schedule.compiled:  # what the compiled schedule leaves exposed replaces the profile's overlap
+            comm, sync = self.layout.compiled_traffic(self.zero, schedule)
+            cost = dataclasses.replace(cost, comm_s=comm, grad_sync_s=sync)
         if self.zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
             cost = dataclasses.replace(cost, grad_sync_s=cost.grad_sync_s * schedule.microbatches)
         return scheduled(cost, self.layout.terms, schedule, self.split(schedule), self.layout.link)
@@ -335,22 +372,30 @@ def traffic_key(ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple:
     return (ctx.name, ctx.size, repr(ctx.link), ctx.zero, ctx.data_parallel, ctx.overlap, id(chosen))
 
 
-def traffic(facts, ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple[float, float, set[str]]:
+def traffic(
+    facts, ctx: AxisContext, chosen: dict[str, Strategy], step: CompiledStep | None = None
+) -> tuple[float, float, set[str]]:
     """(exposed communication, exposed gradient sync, the parameters synced) of one solved axis:
-    parallel kernels, each partial gradient once, each value moved once per destination and scope."""
+    parallel kernels, each partial gradient once, each value moved once per destination and scope;
+    each noted in ``step`` when given (a compiled step, :mod:`replay`)."""
     comm = sync = 0.0
     synced: set[str] = set()
     partial: dict[str, float] = {}
     for name, s in chosen.items():
         for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
             partial[slot] = maximum(partial.get(slot, 0.0), seconds)
-    comm += sum(kernel_time(facts[name], s, ctx) * facts[name].weight for name, s in chosen.items() if s.kernel)
+    kernels = sum(kernel_time(facts[name], s, ctx) * facts[name].weight for name, s in chosen.items() if s.kernel)
+    comm += kernels
     for slot, seconds in partial.items():
         if facts[slot].kind == "param":
             sync += seconds * facts[slot].weight
             synced.add(slot)
         else:
             comm += seconds * facts[slot].weight
+        if step is not None:
+            step.note_gradient(slot, seconds, numel(ctx.local.shapes[slot][0]) * facts[slot].elem_bytes, facts[slot])
+    if step is not None:
+        step.kernel_s += kernels
     moves = set()  # (value, destination, scope): moved once
     for producer, consumer, slot_index, shape in edges(facts, ctx):
         dst = (
@@ -363,7 +408,11 @@ def traffic(facts, ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple[float
         move = (producer, dst, move_scope(facts[consumer].node))
         if producer in chosen and dst is not None and move not in moves:
             moves.add(move)
-            comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx) * facts[consumer].weight
+            seconds = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+            comm += seconds * facts[consumer].weight
+            if step is not None and seconds:
+                forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
+                step.moves.append((producer, consumer, forward, seconds - forward))
     return comm, sync, synced
 
 

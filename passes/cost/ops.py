@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.ir import OP_NAMESPACE, HardwareProfile, LinkTier, Partial, Placement, Replicate, Shard
+from autopar.ir.buckets import BUCKET_BYTES
 
 
 def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
@@ -84,7 +85,7 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
     raise ValueError(f"unknown collective {kind}")
 
 
-GRAD_BUCKET_BYTES = 25 * 2**20
+GRAD_BUCKET_BYTES = BUCKET_BYTES
 
 
 def grad_sync_time(nbytes: float, ranks: int, link: LinkTier, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:

@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.ir import OP_NAMESPACE, RECOMPUTE, ConfigError, Recompute
 from autopar.passes.capture.graph import node_layer
@@ -153,6 +153,14 @@ def _selective_contexts() -> tuple[_KeptOutputs, _KeptOutputs]:
     return _KeptOutputs(kept, recomputing=False), _KeptOutputs(kept, recomputing=True)
 
 
+def _keep_or_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _compiled_selective_contexts():
+    return create_selective_checkpoint_contexts(_keep_or_recompute)
+
+
 class CheckpointedLayer:
     """A layer's ops as one call of the program: ``graph_module(*inputs)`` under
     ``torch.utils.checkpoint`` (non-reentrant), selective or full. fx calls it like a function
@@ -164,7 +172,9 @@ class CheckpointedLayer:
 
     def __call__(self, *inputs):
         if self.mode == Recompute.SELECTIVE:
-            return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=_selective_contexts)
+            # torch.compile traces only torch's own selective contexts; it recomputes once per backward
+            contexts = _compiled_selective_contexts if torch.compiler.is_compiling() else _selective_contexts
+            return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=contexts)
         return checkpoint(self.graph_module, *inputs, use_reentrant=False)
 
     def __repr__(self) -> str:

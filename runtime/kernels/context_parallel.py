@@ -114,7 +114,7 @@ def _(q, k, v, group_name, causal, scale):
     batch, heads, local_seq, head_dim = q.shape
     kv_heads = k.shape[1] * repeats // world
     return (
-        torch.empty_like(q),
+        q.new_empty(q.shape),  # contiguous, as the real output (q may be a transposed view)
         q.new_empty(batch, heads // world, local_seq * world, head_dim),
         *(k.new_empty(batch, kv_heads, local_seq * world, head_dim) for _ in range(2)),
     )
@@ -294,7 +294,8 @@ def _ring_attention(
 @_ring_attention.register_fake
 def _(q, k, v, group_name, causal, scale):
     _check_inputs(q, k, v, "ring_attention")
-    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    # contiguous, as the real outputs (q may be a transposed view): compiled code checks strides
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 def _ring_setup(ctx, inputs, output):
@@ -348,7 +349,7 @@ def _ring_attention_backward(
 
 @_ring_attention_backward.register_fake
 def _(grad_out, q, k, v, out, lse, group_name, causal, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the real ones
 
 
 def _ring_backward(ctx, grad_out, _):

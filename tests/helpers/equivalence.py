@@ -41,8 +41,9 @@ def load_example(file: str):
     return module
 
 
-def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dict) -> dict:
-    """Single-process reference vs autopar on this rank; returns the worst relative errors."""
+def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dict, inspect=None) -> dict:
+    """Single-process reference vs autopar on this rank; returns the worst relative errors
+    (and what ``inspect(pmodel)`` returns, after the step)."""
     torch.manual_seed(0)
     model = builder(**kwargs)
     inputs = model.example_inputs(batch)
@@ -85,6 +86,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         "held": sorted(grads),
         "forward": _rel(forward, ref_loss) if check_forward else None,
         "schedule": pmodel.plan.schedule,
+        **(inspect(pmodel) if inspect is not None else {}),
     }
 
 

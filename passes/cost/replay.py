@@ -1,0 +1,199 @@
+"""Overlap: how much of each collective a compiled program's schedule hides behind compute.
+
+A compiled program issues each collective as soon as its input is ready and waits for it
+right before its first use (:mod:`autopar.passes.rewrite.overlap`); what runs in between hides
+it. :func:`exposed_time` replays one step of that schedule on a rank:
+
+- the step's compute is a list of items in the order they run: every op's forward in graph
+  order, then every op's backward in reverse order (:func:`step_order`);
+- a :class:`Transfer` is issued once item ``ready`` is done (``-1``: at the start) and waited
+  for right before item ``needed`` runs (``len(items)``: at the end of the step);
+- a rank runs its collectives one at a time, in the order it issues them (one communication
+  stream), while it computes;
+- an item starts when the item before it is done and every transfer it waits for has arrived.
+
+The step then takes ``sum(compute) + exposed``; each transfer's ``hidden`` share is its time
+minus the stall its wait caused. This replaces the hardware profile's single overlap fraction
+for compiled plans (:attr:`autopar.ir.Schedule.compiled`): the cost model builds the transfers from
+the planned graph (:func:`scheduled_communication`) with the same rules the scheduling pass applies.
+
+>>> exposed_time([1.0, 1.0], [Transfer(ready=-1, needed=1, seconds=1.5)]).exposed
+0.5
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.ir.buckets import bucket_cap
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One collective of a step: issued after item ``ready``, waited for before item ``needed``."""
+
+    ready: int
+    needed: int
+    seconds: float
+    nbytes: float = 0.0
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """The replayed step: communication time not hidden (``exposed``), and per transfer label
+    the seconds it stalled the step."""
+
+    exposed: float
+    stalls: dict[str, float] = field(default_factory=dict)
+
+
+def exposed_time(compute: list[float], transfers: list[Transfer]) -> Exposure:
+    """Replay a step (see the module docstring)."""
+    issued: dict[int, list[Transfer]] = {}
+    waited: dict[int, list[Transfer]] = {}
+    for transfer in transfers:
+        issued.setdefault(transfer.ready, []).append(transfer)
+        waited.setdefault(min(transfer.needed, len(compute)), []).append(transfer)
+    now, stream_free, arrival, stalls = 0.0, 0.0, {}, {}
+
+    def issue(index: int) -> None:
+        nonlocal stream_free
+        for transfer in issued.get(index, ()):
+            stream_free = max(now, stream_free) + transfer.seconds
+            arrival[id(transfer)] = stream_free
+
+    def wait(index: int) -> None:
+        nonlocal now
+        for transfer in waited.get(index, ()):
+            stall = max(0.0, arrival[id(transfer)] - now)
+            stalls[transfer.label] = stalls.get(transfer.label, 0.0) + stall
+            now += stall
+
+    issue(-1)
+    for index, seconds in enumerate(compute):
+        wait(index)
+        now += seconds
+        issue(index)
+    wait(len(compute))
+    return Exposure(now - sum(compute), stalls)
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """Where each node's forward and backward run among a step's compute items."""
+
+    compute: list[float]
+    forward: dict[str, int]  # node → index of its forward item
+    backward: dict[str, int]  # node → index of its backward item (nodes a gradient flows through)
+
+    @property
+    def end(self) -> int:
+        return len(self.compute)
+
+
+def step_order(facts: dict, work: dict[str, float]) -> StepOrder:
+    """The compute items of one step: each op's forward in graph order, then each op's backward
+    in reverse order, each its share of the op's time (``full_time_s``, the share ``work`` of
+    it this rank does): the forward's share of the FLOPs, a third where FLOPs are not counted
+    (a backward moves about twice what a forward does)."""
+    ops = [(name, fact) for name, fact in facts.items() if fact.kind == "op"]
+    compute, forward, backward = [], {}, {}
+    for name, fact in ops:
+        forward[name] = len(compute)
+        compute.append(fact.full_time_s * work[name] * _forward_share(fact))
+    for name, fact in reversed(ops):
+        if fact.needs_grad:
+            backward[name] = len(compute)
+            compute.append(fact.full_time_s * work[name] * (1 - _forward_share(fact)))
+    return StepOrder(compute, forward, backward)
+
+
+def _forward_share(fact) -> float:
+    if not fact.needs_grad:
+        return 1.0
+    flops = fact.profile.forward_flops + fact.profile.backward_flops
+    return fact.profile.forward_flops / flops if flops else 1 / 3
+
+
+def bucketed(transfers: list[Transfer], layers: dict[int, str] | None = None) -> list[Transfer]:
+    """Gradient transfers merged as the compiled program merges them: by layer where ``layers``
+    names one per transfer (ZeRO-3's reduce-scatter per layer), else in order of readiness, a
+    bucket closing at DDP's sizes (the scheduling pass's all-reduce buckets); each issued when
+    its last member is ready."""
+    groups: dict[str, list[list[Transfer]]] = {}
+    for index, transfer in sorted(enumerate(transfers), key=lambda item: item[1].ready):
+        key = layers.get(index, "") if layers is not None else ""
+        buckets = groups.setdefault(key, [[]])
+        buckets[-1].append(transfer)
+        if layers is None and sum(t.nbytes for t in buckets[-1]) >= bucket_cap(len(buckets) - 1):
+            buckets.append([])
+    return [
+        Transfer(
+            max(t.ready for t in bucket),
+            min(t.needed for t in bucket),
+            sum(t.seconds for t in bucket),
+            sum(t.nbytes for t in bucket),
+            SYNC,
+        )
+        for buckets in groups.values()
+        for bucket in buckets
+        if bucket
+    ]
+
+
+SYNC = "gradient sync"
+
+
+@dataclass
+class CompiledStep:
+    """The collectives of a compiled step, noted while :func:`autopar.passes.cost.evaluate.traffic`
+    sums a layout's terms: value moves (forward seconds at the move, backward seconds at its dual),
+    partial gradients of activations, and gradient syncs of parameters."""
+
+    moves: list[tuple[str, str, float, float]] = field(default_factory=list)  # producer, first consumer, fwd, bwd
+    partials: list[tuple[str, float]] = field(default_factory=list)  # activation, backward all-reduce seconds
+    syncs: list[tuple[str, float, float]] = field(default_factory=list)  # parameter, seconds, bytes
+    kernel_s: float = 0.0  # parallel kernels (ring attention, experts...): their own overlap is in their time
+
+    def note_gradient(self, slot: str, seconds: float, nbytes: float, fact) -> None:
+        """A partial gradient: a parameter's is synced, an activation's all-reduced in backward."""
+        if fact.kind == "param":
+            self.syncs.append((slot, seconds, nbytes))
+        else:
+            self.partials.append((slot, seconds))
+
+    def exposed(
+        self, facts: dict, work: dict[str, float], syncs_in_program: bool, per_layer: bool = False
+    ) -> tuple[float, float]:
+        """(exposed communication, exposed gradient sync) seconds of the scheduled step.
+
+        A gradient synced in the program is bucketed (``per_layer``: ZeRO-3's one reduce-scatter,
+        and regather, per layer) and waited for at the end of backward; otherwise the runtime
+        syncs after the compiled backward returns, with nothing to hide behind.
+        """
+        order = step_order(facts, work)
+        consumers: dict[str, list[str]] = {}
+        for name, fact in facts.items():
+            for slot in fact.slots:
+                consumers.setdefault(slot.name, []).append(name)
+
+        def gradient_ready(name: str) -> int:  # the last backward item adding to ``name``'s gradient
+            return max((order.backward[c] for c in consumers.get(name, ()) if c in order.backward), default=-1)
+
+        transfers = []
+        for producer, consumer, forward, backward in self.moves:
+            label = f"{producer} -> {consumer}"
+            needed = order.forward.get(consumer, order.end)
+            transfers.append(Transfer(order.forward.get(producer, -1), needed, forward, label=label))
+            if backward and consumer in order.backward:
+                dual_needed = order.backward.get(producer, order.end)
+                transfers.append(Transfer(order.backward[consumer], dual_needed, backward, label=label))
+        for activation, seconds in self.partials:
+            needed = order.backward.get(activation, order.end)
+            transfers.append(Transfer(gradient_ready(activation), needed, seconds, label=f"{activation} gradient"))
+        syncs = [Transfer(gradient_ready(p), order.end, seconds, nbytes, SYNC) for p, seconds, nbytes in self.syncs]
+        layers = {i: facts[p].layer or "" for i, (p, _, _) in enumerate(self.syncs)} if per_layer else None
+        exposure = exposed_time(order.compute, transfers + (bucketed(syncs, layers) if syncs_in_program else []))
+        sync = exposure.stalls.get(SYNC, 0.0) + (0.0 if syncs_in_program else sum(t.seconds for t in syncs))
+        return exposure.exposed - exposure.stalls.get(SYNC, 0.0), sync

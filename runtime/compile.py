@@ -1,0 +1,183 @@
+"""Compiled per-rank programs: the rewritten program through ``torch.compile`` (inductor).
+
+:class:`Compiler` turns a program (or a pipeline stage's, or a recomputed layer's, which go
+with the program that calls them) into a callable that runs the same computation, compiled:
+
+- Dynamo traces the program with ``fullgraph=True``: the ``autopar::`` ops are custom ops with
+  fake kernels, so the whole program is one graph. A graph break is an error that names the
+  program's node it happened at (:class:`~autopar.ir.CompileError`), not a silent slowdown.
+- AOTAutograd splits forward and backward; the duals of autopar's collectives are in the
+  backward graph, the gradient sync a program does itself too (see
+  :func:`autopar.passes.rewrite.compiled.sync_in_program`). Before the split, ZeRO-3's layer gathers are marked
+  for recomputation, so backward gathers each layer again instead of keeping its weights.
+- After the split, the scheduling pass given to the compiler (``schedule``, e.g.
+  :func:`autopar.passes.rewrite.overlap.schedule_communication`) replaces every collective by
+  its functional form (:mod:`autopar.runtime.functional`) and places issues and waits;
+  inductor's own reordering for peak memory is switched off so it keeps that order.
+- Inductor's caches (the FX graph cache and AOTAutograd's, on by default) keep compiled
+  graphs on disk, keyed by the graph and the passes' source; local ranks whose programs are
+  the same compile one at a time under a file lock, so the first fills the cache and the others
+  load from it (on 2 cores, 4 ranks compiling the same graph at once would take 4 times as long).
+
+Example::
+
+    compiler = Compiler(schedule=schedule_communication)
+    run = compiler(program)             # compiles on the first call
+    loss = run(*params, *buffers, *inputs)[0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.utils.checkpoint import CheckpointPolicy
+
+from autopar.ir import CompileError
+from autopar.runtime.functional import FUNCTIONAL_FORMS
+
+# Ops a compiled program recomputes in backward rather than keeping their outputs (ZeRO-3's gathers).
+RECOMPUTED_OPS = (torch.ops.autopar.zero_gather_layer.default,)
+
+
+@dataclass(frozen=True)
+class Compiler:
+    """How this module's programs are compiled.
+
+    ``schedule(graph, forms)`` is the pass that places communication in each compiled forward
+    and backward graph (``forms``: :data:`autopar.runtime.functional.FUNCTIONAL_FORMS`), None to
+    leave autopar's collectives as blocking ops. ``synced_in_program``: the parameters whose
+    gradient sync the program does itself; the module's bucketed sync leaves them out.
+    """
+
+    schedule: Callable[[fx.Graph, dict], None] | None = None
+    synced_in_program: frozenset[str] = frozenset()
+    _compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def __call__(self, program: fx.GraphModule) -> CompiledProgram:
+        """The compiled form of ``program`` (the same object for the same program)."""
+        if id(program) not in self._compiled:
+            self._compiled[id(program)] = CompiledProgram(program, self.schedule)
+        return self._compiled[id(program)]
+
+
+class CompiledProgram:
+    """A program compiled on its first call; ``compile_s`` is how long that call took
+    (tracing, compiling or loading from the cache, and running once)."""
+
+    def __init__(self, program: fx.GraphModule, schedule: Callable | None):
+        self.program = program
+        self.compile_s: float | None = None
+        options = {
+            "joint_custom_pre_pass": _RecomputeGathers(),
+            "reorder_for_peak_memory": schedule is None,
+        }
+        if schedule is not None:
+            options["post_grad_custom_post_pass"] = _SchedulePass(schedule)
+        backend = functools.partial(_locked_inductor, config_patches=options)
+        self._run = torch.compile(program, backend=backend, fullgraph=True, dynamic=False)
+
+    def __call__(self, *args):
+        if self.compile_s is not None:
+            return self._run(*args)
+        start = time.perf_counter()
+        try:
+            outputs = self._run(*args)
+        except torch._dynamo.exc.Unsupported as error:
+            failure = error.__context__
+            if failure is not None and not isinstance(failure, torch._dynamo.exc.Unsupported):
+                # the compiled program failed and fx's error report (a generator) could not be traced
+                raise failure from None
+            raise CompileError(_graph_break_message(self.program, error)) from error
+        self.compile_s = time.perf_counter() - start
+        return outputs
+
+
+def _locked_inductor(graph_module: fx.GraphModule, example_inputs, *, config_patches: dict):
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    return compile_fx(
+        graph_module, example_inputs, inner_compile=_one_rank_at_a_time(compile_fx_inner), config_patches=config_patches
+    )
+
+
+def _one_rank_at_a_time(inner_compile):
+    """``inner_compile`` under a file lock named by the graph: local ranks compiling the same
+    graph take turns, and all but the first find it in inductor's cache."""
+
+    @functools.wraps(inner_compile)
+    def compile_locked(graph_module, example_inputs, *args, **kwargs):
+        key = hashlib.sha256(graph_module.code.encode()).hexdigest()[:24]
+        with _file_lock(Path(torch._inductor.runtime.cache_dir_utils.cache_dir()) / "autopar-locks" / key):
+            return inner_compile(graph_module, example_inputs, *args, **kwargs)
+
+    return compile_locked
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class _SchedulePass(CustomGraphPass):
+    """Inductor's hook for the scheduling pass; its uuid (part of the cache key) hashes the
+    source of the pass and of the functional forms, so editing either recompiles."""
+
+    def __init__(self, schedule: Callable[[fx.Graph, dict], None]):
+        self.schedule = schedule
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.schedule(graph, FUNCTIONAL_FORMS)
+
+    def uuid(self) -> bytes:
+        files = (inspect.getfile(self.schedule), inspect.getfile(FUNCTIONAL_FORMS[RECOMPUTED_OPS[0]]), __file__)
+        return get_hash_for_files(files, extra=self.schedule.__qualname__)
+
+
+class _RecomputeGathers(CustomGraphPass):
+    """Marks :data:`RECOMPUTED_OPS` (and the items taken from their outputs) for recomputation
+    in AOTAutograd's joint graph, as activation checkpointing would."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for node in graph.find_nodes(op="call_function", target=RECOMPUTED_OPS[0]):
+            for marked in (node, *node.users):
+                marked.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                marked.meta["ac_graph_id"] = 0
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,))
+
+
+def _graph_break_message(program: fx.GraphModule, error: Exception) -> str:
+    """Name the program's node Dynamo stopped at: the frame of the program's generated code in
+    the error's user stack holds the node's assignment (``linear_3 = torch.ops.aten...``)."""
+    frames = getattr(error, "real_stack", None) or []
+    names = {node.name: node for node in program.graph.nodes}
+    for frame in reversed(list(frames)):
+        target = (frame.line or "").split("=")[0].strip()
+        if target in names:
+            return (
+                f"torch.compile cannot compile node {target} ({names[target].format_node()}) of the per-rank program "
+                f"without a graph break: {str(error).splitlines()[0]}. Run it uncompiled (compile=False) or make the "
+                "op traceable (a custom op with a fake kernel)"
+            )
+    return (
+        f"torch.compile cannot compile the per-rank program without a graph break: {str(error).splitlines()[0]}. "
+        "Run it uncompiled (compile=False)"
+    )

@@ -1,0 +1,61 @@
+"""Sync in program: a program about to be compiled sums its own gradients (one grad_all_reduce
+per synced parameter) and gathers ZeRO-3 weights one layer per op."""
+
+import dataclasses
+
+import torch
+from planning import meta_model, plan_example
+
+import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
+from autopar.passes.capture.graph import capture
+from autopar.passes.rewrite.compiled import sync_in_program
+from autopar.passes.rewrite.rewrite import rewrite
+
+GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
+ops = torch.ops.autopar
+
+
+def _program(plan):
+    model = meta_model("gpt.py", **GPT)
+    captured = capture(model, model.example_inputs(8, device="meta"))
+    program = rewrite(captured, plan, groups={"dp": "dp", "tp": "tp"}, device="cpu")
+    return program, captured.params
+
+
+def _group_of(axes):
+    return "+".join(axes)
+
+
+def test_each_synced_parameter_sums_its_gradient_in_the_program():
+    plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2, "tp": 1})
+    program, params = _program(plan)
+    program, synced = sync_in_program(program, plan, params, _group_of, whole=True)
+    assert synced == set(plan.grad_sync)
+    markers = program.graph.find_nodes(op="call_function", target=ops.grad_all_reduce.default)
+    marked = {params[node.args[0].name]: node.args[1] for node in markers if node.args[0].op == "placeholder"}
+    assert marked == {name: _group_of(axes) for name, axes in plan.grad_sync.items()}
+    for node in program.graph.find_nodes(op="placeholder"):  # every use goes through the marker
+        if params.get(node.name) in synced:
+            assert [user.target for user in node.users] == [ops.grad_all_reduce.default]
+
+
+def test_zero3_gathers_one_layer_per_op_and_sums_its_gradients():
+    base = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2, "tp": 1}, zero=0)
+    plan = dataclasses.replace(base, zero=3)
+    program, params = _program(plan)
+    per_parameter = len(program.graph.find_nodes(op="call_function", target=ops.zero_gather.default))
+    program, synced = sync_in_program(program, plan, params, _group_of, whole=True)
+    assert not program.graph.find_nodes(op="call_function", target=ops.zero_gather.default)
+    layers = program.graph.find_nodes(op="call_function", target=ops.zero_gather_layer.default)
+    assert len(layers) == 3  # the root's (embeddings, final norm, head), layers.0's, layers.1's
+    gathered = [params[shard.name] for layer in layers for shard in layer.args[0]]
+    assert len(gathered) == per_parameter and all(all(layer.args[3]) for layer in layers)  # summed over dp
+    assert {name.split(".")[1] for name in (params[s.name] for s in layers[1].args[0])} == {"0"}
+    assert synced == set(plan.grad_sync)
+
+
+def test_without_whole_parameters_the_runtime_keeps_their_sync():
+    plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2, "tp": 1})
+    program, params = _program(plan)
+    program, synced = sync_in_program(program, plan, params, _group_of, whole=False)
+    assert not synced and not program.graph.find_nodes(op="call_function", target=ops.grad_all_reduce.default)
