@@ -65,7 +65,7 @@ class Calls:
 
     def __init__(
         self, bind: Callable, compile: Callable, mesh: DeviceMesh, planned: dict[str, tuple], local_batches: bool
-    ):
+    ):  # fmt: skip
         self._bind, self._compile, self._planned = bind, compile, planned
         self.mesh, self.local_batches = mesh, local_batches
         self._programs: dict[tuple, CallProgram] = {}
@@ -76,29 +76,38 @@ class Calls:
     def bind(self, args: tuple, kwargs: dict) -> dict:
         return self._bind(args, kwargs)
 
-    def prepare(self, args: tuple, kwargs: dict, *, local: bool) -> tuple[CallProgram, list[torch.Tensor]]:
+    def prepare(self, args: tuple, kwargs: dict, *, split: tuple[str, ...] = ()) -> tuple[CallProgram, list]:
         """The call's program and this rank's shards of its tensor inputs, in placeholder order.
-        ``local``: the inputs are this rank's share of the batch (the program is the one for
-        the whole batch they are a share of)."""
+        ``split``: the mesh axes the inputs are already split along (:attr:`batch_axes` for a
+        per-rank loader's share, :attr:`axes` for ``shard_batch``'s output): the program is the
+        one for the whole batch they are a share of."""
         bound = self._bind(args, kwargs)
-        scale = self._scale(bound) if local else {}
+        scale = self._scale(bound, split)
         signature = self.signature(bound, scale)
         program = self._programs.get(signature)
         if program is None:
             program = self._compile({name: _repeated(value, scale.get(name, {})) for name, value in bound.items()})
             self._programs[signature] = program
         tensors = [leaf for leaf in tree_flatten(bound)[0] if isinstance(leaf, torch.Tensor)]
-        skip = self.batch_axes if local else ()
         return program, [
-            local_chunk(value, placements, self.mesh, skip)
+            local_chunk(value, placements, self.mesh, split)
             for value, placements in zip(tensors, program.inputs.values(), strict=True)
         ]
 
-    def _scale(self, bound: dict) -> dict[str, dict[int, int]]:
+    def given(self, *, shards: bool = False) -> tuple[str, ...]:
+        """The axes a call's inputs come split along: none (the global batch), the batch axes
+        (``local_batches``), or every axis (``shards``: what ``shard_batch`` gives)."""
+        if shards:
+            return self.axes
+        return self.batch_axes if self.local_batches else ()
+
+    def _scale(self, bound: dict, split: tuple[str, ...]) -> dict[str, dict[int, int]]:
         """How many times each top-level input of a rank's share repeats along each dim in the
-        whole batch: the batch axes' sizes where the plan splits it (an input the plan does
-        not know: along dim 0 when it is as long as the others)."""
-        names = self.mesh.mesh_dim_names or ()
+        whole batch: the sizes of the ``split`` axes where the plan splits it (an input the plan
+        does not know: the batch axes along dim 0, when it is as long as the others)."""
+        if not split:
+            return {}
+        names = self.axes
         tensors = [value for value in bound.values() if isinstance(value, torch.Tensor) and value.dim()]
         batch = tensors[0].shape[0] if tensors else None
         scale = {}
@@ -110,7 +119,7 @@ class Calls:
                 placements = tuple(Shard(0) if axis in BATCH_DIMS else None for axis in names)
             factors: dict[int, int] = {}
             for axis, placement in zip(names, placements or ()):
-                if axis in BATCH_DIMS and isinstance(placement, Shard):
+                if axis in split and isinstance(placement, Shard):
                     factors[placement.dim] = factors.get(placement.dim, 1) * self.mesh.size(names.index(axis))
             scale[name] = factors
         return scale
@@ -139,9 +148,12 @@ class Calls:
         return tree_unflatten(list(outputs), program.out_spec)
 
     @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(self.mesh.mesh_dim_names or ())
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
-        names = self.mesh.mesh_dim_names or ()
-        return tuple(axis for axis in BATCH_DIMS if axis in names)
+        return tuple(axis for axis in self.axes if axis in BATCH_DIMS)
 
     @property
     def dp_size(self) -> int:

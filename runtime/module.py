@@ -108,7 +108,7 @@ class ParallelModule(nn.Module):
         ``local_batches=True``; see :mod:`autopar.runtime.calls`); returns what the model returns
         (a tensor, a tuple, a ``ModelOutput``), autograd connected: ``out.loss.backward()``
         completes every gradient and syncs it, as :meth:`train_step` does."""
-        call, inputs = self._calls.prepare(args, kwargs, local=self._calls.local_batches)
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
         return self._calls.result(call, self._run(call.program, inputs))
 
     def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
@@ -119,7 +119,7 @@ class ParallelModule(nn.Module):
         end, that reduction runs asynchronously, overlapped with backward: backward starts
         from this rank's share, which is exactly what the reduction's backward would give.
         """
-        call, inputs = self._calls.prepare(local_inputs, local_kwargs, local=True)
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
         program, group, reduce_op = self._loss_program(call)
         (partial,) = self._run(program, inputs)
         if group is None:
@@ -214,7 +214,7 @@ class ParallelModule(nn.Module):
         positional inputs, a dict for keyword ones (``train_step(**pmodel.shard_batch(**batch))``)."""
         if global_inputs and global_kwargs:
             raise ConfigError("shard_batch takes positional or keyword inputs, not both: pass them all one way")
-        _, shards = self._calls.prepare(global_inputs, global_kwargs, local=False)
+        _, shards = self._calls.prepare(global_inputs, global_kwargs)
         if not global_kwargs:
             return tuple(shards)
         names = [name for name, value in self._calls.bind((), global_kwargs).items() if torch.is_tensor(value)]
@@ -306,7 +306,7 @@ class AccumulatingModule(ParallelModule):
         return list(zip(*(value.tensor_split(count) for value in local_inputs)))
 
     def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
-        call, inputs = self._calls.prepare(local_inputs, local_kwargs, local=True)
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
         program, _, _ = self._loss_program(call)  # a piece's loss, reduced (backward runs per piece)
         pieces = self._pieces(inputs)
         losses = []
@@ -327,7 +327,7 @@ class AccumulatingModule(ParallelModule):
     def forward(self, *args, **kwargs):
         """The pieces one after another (one backward through all of them: no memory saved,
         use ``train_step`` for that); scalar outputs (the loss) averaged, others concatenated."""
-        call, inputs = self._calls.prepare(args, kwargs, local=self._calls.local_batches)
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
         runs = [self._run(call.program, piece) for piece in self._pieces(inputs)]
         return self._calls.result(call, tuple(self._merge(values) for values in zip(*runs)))
 

@@ -230,7 +230,7 @@ class PipelineModule(ParallelModule):
         (summed over dp and over the stages sharing a weight, averaged over microbatches) on
         every rank's own parameters. Returns the global loss on every rank."""
         self._drop_pending()
-        call, inputs = self._calls.prepare(local_inputs, local_kwargs, local=True)
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
         loss = self._step(call, inputs)
         self._after_backward()
         return loss
@@ -239,7 +239,7 @@ class PipelineModule(ParallelModule):
         """The model's result with its loss only (every rank gets it). With gradients enabled,
         the schedule's forward and backward run now; ``loss.backward()`` publishes the gradients."""
         self._drop_pending()
-        call, inputs = self._calls.prepare(args, kwargs, local=self._calls.local_batches)
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
         if torch.is_grad_enabled() and any(leaf.requires_grad for leaf in self._locals.values()):
             loss = self._deferred(call, inputs)
         else:

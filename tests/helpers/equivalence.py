@@ -81,7 +81,9 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         "loss": _rel(loss, ref_loss),
         "grad": max((_rel(grads[n], ref_grads[n]), n) for n in grads),
         "param": max((_rel(params[n], ref_params[n]), n) for n in params),
-        "overlapped_loss_reduction": pmodel._loss_program(pmodel._calls.prepare(local_inputs, {}, local=True)[0])[1]
+        "overlapped_loss_reduction": pmodel._loss_program(
+            pmodel._calls.prepare(local_inputs, {}, split=pmodel._calls.axes)[0]
+        )[1]
         is not None,
         "collectives": sum(1 for node in pmodel.program.graph.nodes if "autopar" in str(node.target)),
         "kernels": sorted(kernel for node in pmodel.program.graph.nodes if (kernel := _kernel(node))),
