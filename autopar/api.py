@@ -160,6 +160,7 @@ def parallelize(
     state = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
+        **captured.constants,
     }
     common = dict(state=state, tied=captured.tied, calls=calls)
     if schedule.stages > 1:

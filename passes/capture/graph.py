@@ -27,6 +27,7 @@ import autopar.ir
 from autopar.ir import TraceError, layer_of
 from autopar.passes.capture.attention_pattern import buffer_values, fuse_eager_attention
 from autopar.passes.capture.calls import capture_settings
+from autopar.passes.capture.mean_loss import split_mean_cross_entropy
 from autopar.passes.capture.moe import EXPERTS_OP, composite_moe, record_expert_load
 
 
@@ -41,6 +42,7 @@ class CapturedGraph:
     tied: dict[str, str] = field(default_factory=dict)  # parameter name → the name it shares storage with
     in_spec: TreeSpec | None = None  # of (args, kwargs): its tensor leaves are ``user_inputs``
     out_spec: TreeSpec | None = None  # of the forward's result: rebuilds it from the user outputs
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # buffer name → tensor the forward made
 
     @property
     def graph(self) -> fx.Graph:
@@ -76,8 +78,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
             "forward traces."
         ) from error
     fuse_eager_attention(exported.graph_module, buffer_values(exported))  # one sdpa node, causal masks as is_causal
+    split_mean_cross_entropy(exported.graph_module)  # a sum over a count: exact however the batch is split
     signature = exported.graph_signature
-    params, buffers, user_inputs = {}, {}, []
+    params, buffers, user_inputs, constants = {}, {}, [], {}
     placeholders = {node.name: node for node in exported.graph_module.graph.nodes if node.op == "placeholder"}
     for spec in signature.input_specs:
         name = spec.arg.name
@@ -90,6 +93,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
                 exported.graph_module.graph.erase_node(placeholders[name])
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:  # a tensor the forward makes itself: a buffer of its own
+            buffers[name] = spec.target
+            constants[spec.target] = exported.constants[spec.target]
         else:
             raise TraceError(
                 f"input {name!r} of kind {spec.kind.name} (e.g. a tensor constant captured from a closure) "
@@ -102,7 +108,8 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     tied = _merge_tied_parameters(graph_module.graph, params, model)
     graph_module.recompile()
     leaves, in_spec = tree_flatten((example_inputs, example_kwargs))
-    _measure_experts(graph_module, params, buffers, model, [x for x in leaves if isinstance(x, torch.Tensor)])
+    state = {**{p: model.get_parameter(n) for p, n in params.items()}, **_buffer_values(model, buffers, constants)}
+    _measure_experts(graph_module, state, [x for x in leaves if isinstance(x, torch.Tensor)])
     return CapturedGraph(
         graph_module=graph_module,
         params=params,
@@ -113,6 +120,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
         tied=tied,
         in_spec=in_spec,
         out_spec=exported.call_spec.out_spec,
+        constants=constants,
     )
 
 
@@ -129,15 +137,15 @@ def _user_line(error: BaseException | None) -> str:
     return ""
 
 
-def _measure_experts(graph_module: fx.GraphModule, params, buffers, model, example_inputs) -> None:
+def _buffer_values(model: torch.nn.Module, buffers: dict[str, str], constants: dict) -> dict[str, torch.Tensor]:
+    return {b: constants[n] if n in constants else model.get_buffer(n) for b, n in buffers.items()}
+
+
+def _measure_experts(graph_module: fx.GraphModule, state: dict, example_inputs) -> None:
     """Routing depends on the data: with real weights and inputs, run the graph once and note
     how the example's tokens spread over the experts (for the cost model's load imbalance)."""
     if not any(str(node.target) == f"{EXPERTS_OP}.default" for node in graph_module.graph.nodes):
         return
-    state = {
-        **{p: model.get_parameter(n) for p, n in params.items()},
-        **{b: model.get_buffer(n) for b, n in buffers.items()},
-    }
     inputs = iter(example_inputs)
     args = [
         state[node.name] if node.name in state else next(inputs)

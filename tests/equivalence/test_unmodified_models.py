@@ -84,8 +84,9 @@ def _other_calls() -> dict:
     results = {}
     longer = _batch(2, batch=16, seq=8)  # other sizes: captured again, the same plan
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[1, :5] = 0  # left padding, as a tokenizer pads
-    padded = dict(_batch(3), attention_mask=mask)  # another graph: planned again, parameters where they were
+    mask[1, :5] = 0  # left padding, as a tokenizer pads, labelled -100: ranks count unequal targets
+    padded = _batch(3)  # with a mask, another graph: planned again, the parameters where they were
+    padded.update(attention_mask=mask, labels=padded["labels"].masked_fill(mask == 0, -100))
     for name, batch in (("sizes", longer), ("padding", padded)):
         model.zero_grad()
         reference = model(**batch)
