@@ -6,12 +6,14 @@ the whole batch's logits); autopar keeps each rank's share of every input, as th
 it. With ``local_batches=True`` each rank passes its own data-parallel share instead, which a
 per-rank loader draws as ``DistributedSampler(num_replicas=pmodel.dp_size, rank=pmodel.dp_rank)``
 would (torchtitan's dp_degree/dp_rank): autopar then only splits what the batch axes do not
-(the sequence over cp). ``train_step`` always takes local inputs.
+(the sequence over cp). ``train_step`` takes this rank's shards on every axis, as
+``shard_batch`` gives them. Outputs are the whole batch's in every case.
 
 A call is bound by name (the API's ``bind``) and keyed by its signature: the arguments'
-structure, each tensor's shape and dtype, each constant. The first call with a new signature
-asks the API's ``compile`` for its :class:`CallProgram` (capture at these shapes, check that
-the plan still holds, rewrite) and keeps it; later calls reuse it.
+structure, each tensor's shape (of the whole batch it is a share of) and dtype, each
+constant. The first call with a new signature asks the API's ``compile`` for its
+:class:`CallProgram` (capture at these shapes, check that the plan still holds, rewrite) and
+keeps it; later calls reuse it.
 """
 
 from __future__ import annotations

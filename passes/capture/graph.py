@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
-from torch.utils._pytree import TreeSpec, tree_flatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
 import autopar.ir
 from autopar.ir import TraceError, layer_of
@@ -59,7 +59,7 @@ def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: 
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
-    example_kwargs = dict(example_kwargs or {})
+    example_inputs, example_kwargs = _distinct(example_inputs, dict(example_kwargs or {}))
     try:
         # An empty decomposition table keeps ops like linear and sdpa whole but functionalizes
         # in-place ops, whose aliasing would not survive a redistribution placed between them.
@@ -135,6 +135,23 @@ def _user_line(error: BaseException | None) -> str:
             return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})"
         error = error.__cause__ or error.__context__
     return ""
+
+
+def _distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs with every tensor passed twice (``input_ids=t, labels=t``) copied: export gives
+    one tensor one placeholder, and the graph would read the other input from it whatever is
+    passed later."""
+    seen: set[int] = set()
+
+    def once(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.clone()
+        seen.add(id(leaf))
+        return leaf
+
+    return tree_map(once, (args, kwargs))
 
 
 def _buffer_values(model: torch.nn.Module, buffers: dict[str, str], constants: dict) -> dict[str, torch.Tensor]:

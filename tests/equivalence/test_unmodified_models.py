@@ -38,7 +38,7 @@ CASES = [
 
 def _batch(seed: int, batch: int = BATCH, seq: int = SEQ) -> dict:
     tokens = torch.randint(0, SIZES["vocab"], (batch, seq), generator=torch.Generator().manual_seed(seed))
-    return {"input_ids": tokens, "labels": tokens}
+    return {"input_ids": tokens, "labels": tokens.roll(1, 0)}  # a graph mixing them up would show
 
 
 def _one_step(family: str, sizes: dict, options: dict) -> dict:
