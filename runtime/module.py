@@ -120,7 +120,7 @@ class ParallelModule(nn.Module):
         from this rank's share, which is exactly what the reduction's backward would give.
         """
         call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
-        program, group, reduce_op = self._loss_program(call)
+        program, group, reduce_op = self._peeled_loss_program(call)
         (partial,) = self._run(program, inputs)
         if group is None:
             partial.backward()
@@ -137,16 +137,21 @@ class ParallelModule(nn.Module):
         work.wait()
         return loss
 
-    def _loss_program(self, call: CallProgram) -> tuple[fx.GraphModule, str | None, str | None]:
-        """The call's program computing only its loss, without its final loss reduction where
-        there is one to overlap with backward."""
+    def _loss_program(self, call: CallProgram) -> fx.GraphModule:
+        """The call's program computing only its loss (what ``train_step`` needs)."""
         if call.loss_program is None:
             raise ConfigError(
                 f"{type(self).__name__}.train_step needs a model whose first output is its scalar loss; this one "
                 "returns something else first (logits?). Call out = pmodel(...) instead, compute the loss from "
                 "out, and call loss.backward(): gradients are completed and synced as backward runs"
             )
-        return self._derived(call.loss_program, "peeled", lambda: _peel_loss_reduction(call.loss_program))
+        return call.loss_program
+
+    def _peeled_loss_program(self, call: CallProgram) -> tuple[fx.GraphModule, str | None, str | None]:
+        """The loss program without its final loss reduction where there is one to overlap with
+        backward, with that reduction's group and op (else None, None)."""
+        program = self._loss_program(call)
+        return self._derived(program, "peeled", lambda: _peel_loss_reduction(program))
 
     def _derived(self, program: fx.GraphModule, what: str, build):
         key = (id(program), what)
@@ -307,7 +312,7 @@ class AccumulatingModule(ParallelModule):
 
     def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
         call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
-        program, _, _ = self._loss_program(call)  # a piece's loss, reduced (backward runs per piece)
+        program = self._loss_program(call)  # a piece's whole loss, reduced (backward runs per piece)
         pieces = self._pieces(inputs)
         losses = []
         for index, piece in enumerate(pieces):

@@ -81,7 +81,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         "loss": _rel(loss, ref_loss),
         "grad": max((_rel(grads[n], ref_grads[n]), n) for n in grads),
         "param": max((_rel(params[n], ref_params[n]), n) for n in params),
-        "overlapped_loss_reduction": pmodel._loss_program(
+        "overlapped_loss_reduction": pmodel._peeled_loss_program(
             pmodel._calls.prepare(local_inputs, {}, split=pmodel._calls.axes)[0]
         )[1]
         is not None,
