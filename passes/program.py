@@ -9,9 +9,10 @@ its own graph; :func:`build_programs` decides whether the plan still holds for i
 - the graph differs (an ``attention_mask`` given now, not then): ``replan`` searches it
   again with everything that decides where the parameters live pinned (degrees, ZeRO, the
   schedule, each parameter's tensor-parallel placement); if the search still places every
-  parameter and gradient as before, that plan runs; if not, the call needs a new plan and
-  :class:`ConfigError` says so (parameters and optimizer state cannot move under a model
-  already training).
+  parameter as before, that plan runs (a gradient it completes otherwise than the runtime
+  sums is completed in the graph, :func:`complete_gradients_as_synced`); if not, the call
+  needs a new plan and :class:`ConfigError` says so (parameters and optimizer state cannot
+  move under a model already training).
 
 Either way every split the plan makes must divide the call's sizes: an input the mesh
 cannot split is a :class:`ConfigError` naming the input, its dim and the divisor. Then the
@@ -70,6 +71,7 @@ def build_programs(
     its graph, when the caller has it already (the planning call without microbatches)."""
     log = log or PassLog()
     check_inputs(bound, plan)
+    synced = plan.grad_sync  # what the runtime sums, whatever plan this call runs
     count = plan.schedule.microbatches
     micro = captured if captured is not None and count == 1 else _capture(model, microbatch(bound, count), log)
     if _nodes(micro) != _nodes(planned):
@@ -83,6 +85,7 @@ def build_programs(
     plan = dataclasses.replace(plan, fingerprint=micro.fingerprint)
     check_splits(micro, plan)
     program = log.run("rewrite", rewrite, micro, plan, groups=groups, device=device, verify=verify_graph)
+    complete_gradients_as_synced(program, micro, plan, synced, groups)
     program = log.run("recompute", apply_recompute, program, plan.schedule.recompute, verify=verify_graph)
     stages = None
     if plan.schedule.stages > 1:
@@ -161,8 +164,39 @@ def pinned_options(plan: Plan) -> PlanOptions:
     )
 
 
+def complete_gradients_as_synced(
+    program: fx.GraphModule, captured: CapturedGraph, plan: Plan, synced: dict[str, tuple[str, ...]], groups: dict
+) -> None:
+    """Make ``program`` (rewritten with ``plan``) fit a runtime that sums each parameter's
+    gradient over the axes ``synced`` names: where the plan leaves a gradient partial over an
+    axis the runtime does not sum, it is summed in the graph (``grad_all_reduce``, Megatron's f);
+    where the plan makes it whole on every rank of an axis the runtime sums over, each rank's
+    share is divided by the axis size (``all_reduce(avg)``: the same value forward, grad / p
+    backward). A call planned again (another graph) may place a head replicated where the
+    planning call split it by batch, or the other way round."""
+    graph = program.graph
+    by_name = {node.name: node for node in graph.nodes}
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    for placeholder, name in captured.params.items():
+        wanted, given = set(plan.grad_sync.get(name, ())), set(synced.get(name, ()))
+        node = by_name.get(placeholder)
+        if wanted == given or node is None or not node.users:
+            continue
+        users = list(node.users)
+        value = node
+        with graph.inserting_before(min(users, key=position.__getitem__)):
+            for axis in sorted(wanted - given):
+                value = graph.call_function(torch.ops.autopar.grad_all_reduce.default, (value, groups[axis]))
+            for axis in sorted(given - wanted):
+                value = graph.call_function(torch.ops.autopar.all_reduce.default, (value, groups[axis], "avg"))
+        for user in users:
+            user.replace_input_with(node, value)
+    graph.lint()
+    program.recompile()
+
+
 def _same_placements(old: Plan, new: Plan) -> Plan:
-    if (new.params, new.grad_sync, new.zero, new.schedule) != (old.params, old.grad_sync, old.zero, old.schedule):
+    if (new.params, new.zero, new.schedule) != (old.params, old.zero, old.schedule):
         moved = sorted(name for name in old.params if new.params.get(name) != old.params[name])
         what = ", ".join(moved[:3]) + (", ..." if len(moved) > 3 else "") if moved else "the schedule or ZeRO"
         raise ConfigError(

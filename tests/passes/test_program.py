@@ -6,7 +6,7 @@ import torch
 from planning import plan_example
 
 from autopar.ir import Axis, ConfigError
-from autopar.passes.program import check_inputs, microbatch, pinned_options
+from autopar.passes.program import _same_placements, check_inputs, microbatch, pinned_options
 
 GPT = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 
@@ -37,3 +37,11 @@ def test_planning_again_pins_what_places_the_parameters():
     assert options.degrees == plan.degrees and options.zero == 1
     tp = list(plan.degrees).index(Axis.TP)
     assert options.constraints == {name: str(p[tp]) for name, p in plan.params.items()}
+
+
+def test_a_call_whose_graph_needs_the_parameters_elsewhere_needs_a_new_plan():
+    dp = plan_example("gpt.py", "4", 8, model_kwargs=GPT, degrees={"dp": 4})
+    tp = plan_example("gpt.py", "4", 8, model_kwargs=GPT, degrees={"tp": 4})
+    assert _same_placements(dp, dp) is dp
+    with pytest.raises(ConfigError, match="places the parameters otherwise .*it needs a new plan"):
+        _same_placements(dp, tp)
