@@ -5,30 +5,29 @@ This is, with the CLI, the only place that imports both ``passes`` and ``runtime
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
 
 from autopar.ir import Axis, ConfigError, Mesh, MeshError, Plan, PlanOptions, StalePlanError, batch_split
+from autopar.passes.capture.calls import bind_call, example_call
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
-from autopar.passes.rewrite.recompute import apply_recompute
-from autopar.passes.rewrite.rewrite import rewrite
-from autopar.passes.rewrite.stages import split_stages
+from autopar.passes.program import build_programs
 from autopar.passes.runner import PassLog, verify_graph
 from autopar.passes.search.search import SearchProgress, search
 
 
-def capture(model: nn.Module, example_inputs: tuple) -> CapturedGraph:
-    """Capture ``model`` on ``example_inputs`` (the GLOBAL batch; real, fake or meta tensors) as
-    an aten-level graph: the first stage of :func:`plan`, for planning one model several ways.
+def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> CapturedGraph:
+    """Capture ``model`` on ``example_inputs``/``example_kwargs`` (the GLOBAL batch; real, fake
+    or meta tensors) as an aten-level graph: the first stage of :func:`plan`, for planning one
+    model several ways.
 
     >>> captured = capture(model, model.example_inputs(8, device="meta"))   # doctest: +SKIP
     >>> plan(captured, "2x2", zero=1)                                        # doctest: +SKIP
     """
-    return _capture(model, example_inputs)
+    return _capture(model, (), None, bind_call(model, tuple(example_inputs), dict(example_kwargs or {})))
 
 
 def plan(
@@ -37,12 +36,14 @@ def plan(
     example_inputs: tuple | None = None,
     options: PlanOptions | None = None,
     *,
+    example_kwargs: dict | None = None,
     progress: Callable[[SearchProgress], None] | None = None,
     **pins,
 ) -> Plan:
     """Find how to run ``model`` on ``mesh``; needs no process group and works on meta models.
 
-    ``model`` is a module with ``example_inputs`` describing the GLOBAL batch, or a graph from
+    ``model`` is a module called on ``example_inputs``/``example_kwargs`` (the GLOBAL batch;
+    when neither is given, what :func:`parallelize` would plan with), or a graph from
     :func:`capture`. What the search may not choose is :class:`PlanOptions` — ``options``, or
     its fields as keywords: ``degrees`` (``{"dp": 2, "tp": 2}``, ``"pp"`` for pipeline stages),
     ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
@@ -54,18 +55,22 @@ def plan(
     >>> p = plan(model, "2x2", model.example_inputs(8), zero=1)   # doctest: +SKIP
     >>> print(p)                                                  # doctest: +SKIP
     """
+    mesh = Mesh.of(mesh)
     if not isinstance(model, CapturedGraph):
-        if example_inputs is None:
-            raise ConfigError("plan needs example_inputs for a module (or a graph from autopar.capture)")
-        model = _capture(model, example_inputs)
-    return _search(model, Mesh.of(mesh), PlanOptions.of(options, **pins), progress=progress)
+        model = _capture(model, (), None, _example_call(model, mesh, example_inputs, example_kwargs))
+    return _search(model, mesh, PlanOptions.of(options, **pins), progress=progress)
 
 
-def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> CapturedGraph:
+def _capture(model: nn.Module, example_inputs, log: PassLog | None = None, example_kwargs=None) -> CapturedGraph:
     if not isinstance(model, nn.Module):
         raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
     return (log or PassLog()).run(
-        "capture", capture_graph, model, tuple(example_inputs), verify=lambda c: verify_graph(c.graph_module)
+        "capture",
+        capture_graph,
+        model,
+        tuple(example_inputs),
+        example_kwargs,
+        verify=lambda c: verify_graph(c.graph_module),
     )
 
 
@@ -78,30 +83,114 @@ def _search(
 def parallelize(
     model: nn.Module,
     mesh,
-    example_inputs: tuple,
+    example_inputs: tuple | None = None,
     *,
+    example_kwargs: dict | None = None,
     plan: Plan | str | None = None,
     options: PlanOptions | None = None,
+    local_batches: bool = False,
     **pins,
 ):
     """Plan (or load ``plan``) and build this rank's trainable module. Call on every rank.
 
     The default process group must be initialized with ``mesh.size`` ranks (torchrun or
-    ``autopar run``). The returned module's ``train_step(*local_inputs)`` runs forward and
-    backward; ``shard_batch(*global_inputs)`` gives this rank's slice. With ``degrees={"pp": p,
-    ...}`` the layers run in p pipeline stages over the outermost mesh dimension (``pipeline``
-    picks the schedule, ``stage_cuts`` the stage boundaries); ``recompute`` pins activation
-    recomputation, as for :func:`plan`; ``microbatches`` splits the local
-    batch (gradient accumulation, and the pipeline's microbatches).
+    ``autopar run``). The returned module is called like ``model`` and returns what it returns
+    (a Hugging Face ``ModelOutput``, a tuple, a tensor), autograd connected; its parameters are
+    the planned DTensors from the start, so an optimizer over ``pmodel.parameters()`` is built
+    as usual. Every rank passes the same GLOBAL batch and gets the one-process result; with
+    ``local_batches=True`` each passes its share (``pmodel.dp_rank`` of ``pmodel.dp_size``).
 
-    >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
-    >>> loss = pmodel.train_step(*pmodel.shard_batch(*batch))         # doctest: +SKIP
+    The plan is made for one call: ``example_inputs``/``example_kwargs`` (the global batch), else
+    ``model.example_inputs(batch)``, else, for a Hugging Face causal LM, ``input_ids`` and
+    ``labels`` from its config. Calls of other sizes run the same plan when it divides them
+    (their graph is captured once per new signature, see :mod:`autopar.passes.program`); a call
+    whose graph would need the parameters placed otherwise raises :class:`ConfigError`.
+    ``pins`` and ``options`` are :func:`plan`'s (``degrees={"pp": p, ...}`` for pipeline stages).
+
+    >>> pmodel = parallelize(AutoModelForCausalLM.from_config(config), "2x2")   # doctest: +SKIP
+    >>> optimizer = torch.optim.AdamW(pmodel.parameters())                     # doctest: +SKIP
+    >>> pmodel(input_ids=ids, labels=ids).loss.backward(); optimizer.step()    # doctest: +SKIP
     """
+    from autopar.runtime.calls import CallProgram, Calls
     from autopar.runtime.module import AccumulatingModule, ParallelModule
     from autopar.runtime.pipeline import PipelineModule
     from autopar.runtime.process_groups import build_device_mesh, group_name
 
     mesh = Mesh.of(mesh)
+    _check_world(mesh)
+    log = PassLog()
+    example = _example_call(model, mesh, example_inputs, example_kwargs)
+    captured = _capture(model, (), log, example)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    if plan is None:
+        options = PlanOptions.of(options, **pins)
+        plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
+    elif plan.fingerprint != captured.fingerprint:
+        raise StalePlanError(
+            f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
+            "re-run autopar.plan for this model and these input shapes (or pass the example inputs it was made with)"
+        )
+    _check_runnable(plan)
+    schedule = plan.schedule
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    layout = {Axis.PP: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
+    device_mesh = build_device_mesh(layout, device_type)
+    groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
+
+    def compile_call(bound: dict, known: CapturedGraph | None = None) -> CallProgram:
+        built = build_programs(
+            model,
+            bound,
+            captured,
+            plan,
+            groups=groups,
+            device=device_type,
+            replan=lambda graph, pinned: _plan_on_rank_zero(lambda: _search(graph, mesh, pinned, log)),
+            log=log,
+            captured=known,
+        )
+        return CallProgram(
+            program=built.stages if built.stages is not None else built.program,
+            loss_program=built.loss_program,
+            inputs={name: built.plan.inputs[name] for name in built.captured.user_inputs},
+            out_spec=built.captured.out_spec,
+            signature=Calls.signature(bound),
+        )
+
+    first = compile_call(example, captured)
+    stage_mesh = device_mesh[tuple(plan.degrees)] if schedule.stages > 1 else device_mesh
+    calls = Calls(
+        lambda args, kwargs: bind_call(model, args, kwargs), compile_call, stage_mesh, plan.inputs, local_batches
+    )
+    calls.add(first)
+    state = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+        **captured.constants,
+    }
+    common = dict(state=state, tied=captured.tied, calls=calls)
+    if schedule.stages > 1:
+        return PipelineModule(
+            first.program,
+            plan,
+            device_mesh,
+            param_names=captured.params,
+            buffer_names=captured.buffers,
+            **common,
+        )
+    module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
+    return module_class(
+        first.program,
+        plan,
+        device_mesh,
+        param_order=[captured.params[n] for n in captured.params],
+        buffer_order=[captured.buffers[n] for n in captured.buffers],
+        **common,
+    )
+
+
+def _check_world(mesh: Mesh) -> None:
     if not dist.is_initialized():
         raise MeshError(
             f"parallelize needs a process group of {mesh.size} ranks: launch with torchrun or "
@@ -112,64 +201,22 @@ def parallelize(
             f"mesh {mesh} has {mesh.size} devices but the world has {dist.get_world_size()} ranks: "
             f"launch {mesh.size} processes or pass a mesh of {dist.get_world_size()} devices"
         )
-    log = PassLog()
-    captured = _capture(model, example_inputs, log)
-    if isinstance(plan, str):
-        plan = Plan.load(plan)
-    if plan is None:
-        options = PlanOptions.of(options, **pins)
-        plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
-    elif plan.fingerprint != captured.fingerprint:
-        raise StalePlanError(
-            f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
-            "re-run autopar.plan for this model and these input shapes"
-        )
-    _check_runnable(plan)
-    schedule = plan.schedule
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    layout = {Axis.PP: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
-    device_mesh = build_device_mesh(layout, device_type)
-    groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
-    running = _microbatch_capture(model, example_inputs, captured, plan, log)
-    program = log.run(
-        "rewrite",
-        rewrite,
-        running,
-        dataclasses.replace(plan, fingerprint=running.fingerprint),
-        groups=groups,
-        device=device_type,
-        verify=verify_graph,
-    )
-    program = log.run("recompute", apply_recompute, program, schedule.recompute, verify=verify_graph)
-    state = {
-        **dict(model.named_parameters(remove_duplicate=False)),
-        **dict(model.named_buffers(remove_duplicate=False)),
-    }
-    if schedule.stages > 1:
-        stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
-        module = PipelineModule(
-            stages,
-            plan,
-            device_mesh,
-            param_names=captured.params,
-            buffer_names=captured.buffers,
-            input_names=captured.user_inputs,
-            state=state,
-            tied=captured.tied,
-        )
-    else:
-        module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
-        module = module_class(
-            program,
-            plan,
-            device_mesh,
-            param_order=[captured.params[n] for n in captured.params],
-            buffer_order=[captured.buffers[n] for n in captured.buffers],
-            state=state,
-            tied=captured.tied,
-        )
-    module.expect_inputs(example_inputs)  # forward and train_step refuse inputs unlike these
-    return module
+
+
+# The call autopar plans with when given none: a global batch every degree divides and, for
+# Hugging Face models, this many tokens per sequence (or the model's maximum if shorter).
+EXAMPLE_BATCH_PER_DEVICE, EXAMPLE_MIN_BATCH, EXAMPLE_SEQ = 2, 8, 256
+
+
+def _example_call(model: nn.Module, mesh: Mesh, example_inputs, example_kwargs) -> dict:
+    """The planning call, its arguments by name (see :func:`parallelize`)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
+    if example_inputs is not None or example_kwargs is not None:
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        return bind_call(model, tuple(args) if example_inputs is not None else (), dict(example_kwargs or {}))
+    batch = max(EXAMPLE_MIN_BATCH, EXAMPLE_BATCH_PER_DEVICE * mesh.size)
+    return example_call(model, batch, EXAMPLE_SEQ)
 
 
 def _check_runnable(plan: Plan) -> None:
@@ -179,23 +226,6 @@ def _check_runnable(plan: Plan) -> None:
         raise ConfigError(
             f"{schedule.microbatches} microbatches must divide the local batch of {local_batch}: pick a divisor"
         )
-
-
-def _microbatch_capture(model, example_inputs, captured: CapturedGraph, plan: Plan, log: PassLog) -> CapturedGraph:
-    """The graph one microbatch runs: the model captured at the microbatch's global size
-    (views in an exported graph name their batch size), checked to be the planned graph."""
-    count = plan.schedule.microbatches
-    if count == 1:
-        return captured
-    pieces = tuple(value[: value.shape[0] // count] for value in example_inputs)
-    micro = _capture(model, pieces, log)
-    shape = [(n.name, n.op, str(n.target)) for n in micro.graph.nodes]
-    if shape != [(n.name, n.op, str(n.target)) for n in captured.graph.nodes]:
-        raise ConfigError(
-            f"the model captures another graph at the microbatch size {pieces[0].shape[0]} than at the batch size "
-            f"{example_inputs[0].shape[0]}: run it without microbatches"
-        )
-    return micro
 
 
 def _plan_on_rank_zero(search):

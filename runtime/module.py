@@ -28,9 +28,9 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from autopar.ir import Axis, InputError, Plan, Replicate, Shard, format_placements
+from autopar.ir import ConfigError, Plan, Replicate, Shard
+from autopar.runtime.calls import CallProgram, Calls, local_chunk
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.kernels.zigzag import zigzag_order
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import ZeroLayout, ZeroOptimizer, add_grad, synced_alone
 
@@ -41,22 +41,6 @@ def to_dtensor_placement(placement):
     if isinstance(placement, Replicate):
         return DReplicate()
     return DPartial(placement.reduce_op)
-
-
-def local_chunk(full: torch.Tensor, placements, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's shard of a full tensor (outer mesh dims split first, as DTensor does; on
-    the context-parallel dim a head and a tail chunk, see :mod:`autopar.runtime.kernels.zigzag`)."""
-    local = full
-    names = mesh.mesh_dim_names or ()
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            size = mesh.size(mesh_dim)
-            if mesh_dim < len(names) and names[mesh_dim] == Axis.CP:
-                local = local.index_select(
-                    placement.dim, zigzag_order(local.shape[placement.dim], size).to(local.device)
-                )
-            local = local.chunk(size, dim=placement.dim)[mesh.get_local_rank(mesh_dim)]
-    return local.contiguous()
 
 
 class ParallelModule(nn.Module):
@@ -72,6 +56,7 @@ class ParallelModule(nn.Module):
         buffer_order: list[str],
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
+        calls: Calls,
     ):
         super().__init__()
         self.program = program
@@ -110,43 +95,36 @@ class ParallelModule(nn.Module):
             for name, axes in plan.grad_sync.items()
         ]
         self._grad_sync = GradSync([entry for entry in entries if entry is not None], auto_finish=False)
-        self._zero3 = None  # ZeRO-3: per-layer gathers and gradient reduce-scatters (zero/gather.py)
-        if self.zero.stage == 3 and self.zero.dims:
-            sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in plan.grad_sync.items()}
-            self._zero3 = Zero3Runtime(
-                program,
-                param_order,
-                self._locals,
-                sum_over,
-                syncing=lambda: self._grad_sync.syncing,
-                on_first_grad=lambda: self._on_grad_accumulated(None),
-            )
-        self._local_loss = _peel_loss_reduction(program)
+        self._calls = calls
+        self._zero3 = None  # ZeRO-3 (zero/gather.py): the runtime of the program that ran last; backward finishes it
+        self._per_program: dict[int, tuple] = {}  # id(program) → (program, what is derived from it)
         self._callback_queued = False
         for local in self._locals.values():
             if local.requires_grad:
                 local.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
-    def forward(self, *local_inputs):
-        """Forward on this rank's slice of the batch; returns what the model returns (the loss)."""
-        self.check_inputs(local_inputs)
-        outputs = self._run(self.program, local_inputs)
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    def forward(self, *args, **kwargs):
+        """Called as the model is, with the GLOBAL batch (or this rank's share, built with
+        ``local_batches=True``; see :mod:`autopar.runtime.calls`); returns what the model returns
+        (a tensor, a tuple, a ``ModelOutput``), autograd connected: ``out.loss.backward()``
+        completes every gradient and syncs it, as :meth:`train_step` does."""
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
+        return self._calls.result(call, self._run(call.program, inputs))
 
-    def train_step(self, *local_inputs) -> torch.Tensor:
-        """Forward and backward; gradients are complete (and synced) when this returns.
+    def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
+        """Forward and backward of this rank's inputs (``shard_batch``); gradients are complete
+        (and synced) when this returns. Needs a model whose first output is its loss.
 
         Returns the global loss. Where the plan reduces the loss over one axis at the very
         end, that reduction runs asynchronously, overlapped with backward: backward starts
         from this rank's share, which is exactly what the reduction's backward would give.
         """
-        self.check_inputs(local_inputs)
-        if self._local_loss is None:
-            loss = self(*local_inputs)
-            loss.backward()
-            return loss.detach()
-        program, group, reduce_op = self._local_loss
-        (partial,) = self._run(program, local_inputs)
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
+        program, group, reduce_op = self._peeled_loss_program(call)
+        (partial,) = self._run(program, inputs)
+        if group is None:
+            partial.backward()
+            return partial.detach()
         loss = partial.detach().clone()
         work = dist.all_reduce(
             loss,
@@ -159,14 +137,62 @@ class ParallelModule(nn.Module):
         work.wait()
         return loss
 
+    def _loss_program(self, call: CallProgram) -> fx.GraphModule:
+        """The call's program computing only its loss (what ``train_step`` needs)."""
+        if call.loss_program is None:
+            raise ConfigError(
+                f"{type(self).__name__}.train_step needs a model whose first output is its scalar loss; this one "
+                "returns something else first (logits?). Call out = pmodel(...) instead, compute the loss from "
+                "out, and call loss.backward(): gradients are completed and synced as backward runs"
+            )
+        return call.loss_program
+
+    def _peeled_loss_program(self, call: CallProgram) -> tuple[fx.GraphModule, str | None, str | None]:
+        """The loss program without its final loss reduction where there is one to overlap with
+        backward, with that reduction's group and op (else None, None)."""
+        program = self._loss_program(call)
+        return self._derived(program, "peeled", lambda: _peel_loss_reduction(program))
+
+    def _derived(self, program: fx.GraphModule, what: str, build):
+        key = (id(program), what)
+        if key not in self._per_program:
+            self._per_program[key] = (program, build())  # the program is kept: its id stays its own
+        return self._per_program[key][1]
+
     def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
         self._follow_zeroed_grads()
         params = [self._locals[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
+        self._zero3 = self._derived(program, "zero3", lambda: self._zero3_runtime(program))
         if self._zero3 is None:
             return tuple(program(*params, *buffers, *local_inputs))
         with self._zero3.forward(self._locals):  # gathered per layer; regathered for backward
             return tuple(program(*params, *buffers, *local_inputs))
+
+    def _zero3_runtime(self, program: fx.GraphModule, **kwargs) -> Zero3Runtime | None:
+        """ZeRO-3's per-layer gathers and gradient reduce-scatters for one program, or None."""
+        if self.zero.stage != 3 or not self.zero.dims:
+            return None
+        sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in self.plan.grad_sync.items()}
+        return Zero3Runtime(
+            program,
+            kwargs.pop("param_order", self._param_order),
+            self._locals,
+            sum_over,
+            syncing=kwargs.pop("syncing", lambda: self._grad_sync.syncing),
+            on_first_grad=kwargs.pop("on_first_grad", lambda: self._on_grad_accumulated(None)),
+            **kwargs,
+        )
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks a per-rank loader serves (the batch splits this many ways)."""
+        return self._calls.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of the batch for a per-rank loader, ``0 <= dp_rank < dp_size``."""
+        return self._calls.dp_rank
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """An optimizer stepping this rank's shards as plain tensors (no DTensor dispatch).
@@ -188,46 +214,18 @@ class ParallelModule(nn.Module):
         """Accumulate gradients locally over several backward passes (like DDP's no_sync)."""
         return self._grad_sync.no_sync()
 
-    def shard_batch(self, *global_inputs):
-        """This rank's slice of a global batch, as ``forward`` expects it."""
-        return tuple(
-            local_chunk(value, self.plan.inputs[name], self.device_mesh)
-            for name, value in zip(self.plan.inputs, global_inputs)
-        )
-
-    def expect_inputs(self, global_inputs) -> None:
-        """Remember what ``shard_batch`` makes of a global batch like ``global_inputs`` (the example
-        inputs the plan was made for): ``forward`` and ``train_step`` then take only inputs of
-        those dtypes and local shapes (:meth:`check_inputs`)."""
-        if not all(isinstance(value, torch.Tensor) for value in global_inputs):
-            return  # only tensors have a layout to check
-        meta = [torch.empty(value.shape, dtype=value.dtype, device="meta") for value in global_inputs]
-        local = self.shard_batch(*meta)
-        self._expected_inputs = [
-            (name, tuple(whole.shape), tuple(value.shape), value.dtype)
-            for name, whole, value in zip(self.plan.inputs, meta, local)
-        ]
-
-    def check_inputs(self, local_inputs) -> None:
-        """Raise :class:`InputError` naming the first input whose count, dtype, rank or shape is not
-        what the plan was made for (a global batch where a local one belongs, another dtype ...)."""
-        expected = getattr(self, "_expected_inputs", None)
-        if expected is None:
-            return
-        if len(local_inputs) != len(expected):
-            raise InputError(
-                f"the plan takes {len(expected)} inputs ({', '.join(e[0] for e in expected)}), got {len(local_inputs)}"
-            )
-        for index, ((name, whole, shape, dtype), value) in enumerate(zip(expected, local_inputs), 1):
-            got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-            if got != (shape, dtype):
-                found = f"{str(got[1]).removeprefix('torch.')} {list(got[0])}" if got else type(value).__name__
-                raise InputError(
-                    f"input {name!r} (argument {index}) is {found}, but the plan takes "
-                    f"{str(dtype).removeprefix('torch.')} {list(shape)} on this rank (the global {list(whole)} split "
-                    f"{format_placements(self.plan.inputs[name])}): pass pmodel.shard_batch(*global_batch) of that "
-                    "dtype, or plan again for inputs like these"
-                )
+    def shard_batch(self, *global_inputs, **global_kwargs):
+        """This rank's share of a global batch, as ``train_step`` takes it: a tuple for
+        positional inputs, a dict for keyword ones (``train_step(**pmodel.shard_batch(**batch))``)."""
+        if global_inputs and global_kwargs:
+            raise ConfigError("shard_batch takes positional or keyword inputs, not both: pass them all one way")
+        _, shards = self._calls.prepare(global_inputs, global_kwargs)
+        if not global_kwargs:
+            return tuple(shards)
+        names = [name for name, value in self._calls.bind((), global_kwargs).items() if torch.is_tensor(value)]
+        if len(names) != len(shards):
+            raise ConfigError("shard_batch(**inputs) takes tensors only: pass nested inputs positionally")
+        return dict(zip(names, shards))
 
     def _on_grad_accumulated(self, _local: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -275,22 +273,16 @@ class ParallelModule(nn.Module):
                 param.grad = None
 
 
-def _peel_loss_reduction(program: fx.GraphModule) -> tuple[fx.GraphModule, str, str] | None:
-    """The program without its final loss all-reduce, with that reduction's group and op.
-
-    Only for a single scalar output reduced once (the usual data-parallel loss); otherwise
-    None and ``train_step`` runs the program as it is.
-    """
+def _peel_loss_reduction(program: fx.GraphModule) -> tuple[fx.GraphModule, str | None, str | None]:
+    """The loss program without its final all-reduce, with that reduction's group and op; as it
+    is, with None and None, when its loss is not reduced once at the very end."""
     graph = fx.Graph()
-    outputs = graph.graph_copy(program.graph, {})
-    if not isinstance(outputs, (tuple, list)) or len(outputs) != 1:
-        return None
-    reduced = outputs[0]
+    (reduced,) = graph.graph_copy(program.graph, {})
     if reduced.target is not torch.ops.autopar.all_reduce.default or len(reduced.users) != 0:
-        return None
+        return program, None, None
     partial, group, reduce_op = reduced.args
     if isinstance(partial, fx.Node) and partial.target is torch.ops.autopar.all_reduce.default:
-        return None  # reduced over several axes in turn: keep it simple and synchronous
+        return program, None, None  # reduced over several axes in turn: keep it simple and synchronous
     graph.output((partial,))
     graph.erase_node(reduced)
     return fx.GraphModule(program, graph), group, reduce_op
@@ -318,12 +310,13 @@ class AccumulatingModule(ParallelModule):
         count = self.plan.schedule.microbatches
         return list(zip(*(value.tensor_split(count) for value in local_inputs)))
 
-    def train_step(self, *local_inputs) -> torch.Tensor:
-        self.check_inputs(local_inputs)
-        pieces = self._pieces(local_inputs)
+    def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
+        program = self._loss_program(call)  # a piece's whole loss, reduced (backward runs per piece)
+        pieces = self._pieces(inputs)
         losses = []
         for index, piece in enumerate(pieces):
-            (loss,) = self._run(self.program, piece)
+            (loss,) = self._run(program, piece)
             with self._accumulating(last=index == len(pieces) - 1):
                 (loss / len(pieces)).backward()
             losses.append(loss.detach())
@@ -336,9 +329,22 @@ class AccumulatingModule(ParallelModule):
             return synced_alone(whole_leaves(self))
         return contextlib.nullcontext() if last else self.no_sync()
 
-    def forward(self, *local_inputs):
-        self.check_inputs(local_inputs)
-        return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
+    def forward(self, *args, **kwargs):
+        """The pieces one after another (one backward through all of them: no memory saved,
+        use ``train_step`` for that); scalar outputs (the loss) averaged, others concatenated."""
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
+        runs = [self._run(call.program, piece) for piece in self._pieces(inputs)]
+        return self._calls.result(call, tuple(self._merge(values) for values in zip(*runs)))
+
+    def _merge(self, pieces: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One output of every piece as one: a scalar averaged; a batch gathered over the dp ranks
+        per piece ([rank 0's piece 0, rank 1's piece 0, rank 0's piece 1, ...]) back in batch order."""
+        if pieces[0].dim() == 0:
+            return torch.stack(pieces).mean()
+        ranks = self.dp_size
+        if pieces[0].shape[0] % ranks:
+            return torch.cat(pieces)
+        return torch.stack(pieces).unflatten(1, (ranks, -1)).transpose(0, 1).flatten(0, 2)
 
 
 def whole_leaves(module: ParallelModule) -> list[torch.Tensor]:

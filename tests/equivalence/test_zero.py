@@ -78,7 +78,7 @@ def _zero3_frees_gathered_weights(gpt) -> dict:
 
     zero_gathers.unflatten_gathered = recording_unflatten
     try:
-        loss = pmodel(*pmodel.shard_batch(*model.example_inputs(BATCH)))
+        loss = pmodel(*model.example_inputs(BATCH))
     finally:
         zero_gathers.unflatten_gathered = unflatten
     alive = sum(ref() is not None for ref in gathered)

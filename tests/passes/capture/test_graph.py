@@ -37,6 +37,25 @@ class DataDependent(torch.nn.Module):
         return -x.mean()
 
 
-def test_an_untraceable_model_is_a_clear_error():
-    with pytest.raises(TraceError, match="(?s)could not trace DataDependent.*control flow"):
+def test_an_untraceable_model_is_a_clear_error_naming_the_file_and_line():
+    line = DataDependent.forward.__code__.co_firstlineno + 1
+    with pytest.raises(TraceError, match=rf"(?s)could not trace DataDependent at {__file__}:{line} .*control flow"):
         capture(DataDependent(), (torch.randn(2, 2),))
+
+
+class Keywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=None, return_dict=True):
+        y = self.linear(x) * (1 if scale is None else scale)
+        return {"sum": y.sum(), "y": y} if return_dict else (y.sum(), y)
+
+
+def test_keyword_inputs_and_constants_and_the_output_structure():
+    captured = capture(Keywords(), (), {"x": torch.randn(2, 4), "scale": torch.ones(4), "return_dict": False})
+    assert captured.user_inputs == ("x", "scale")  # the constant is baked in: no placeholder
+    leaves, spec = torch.utils._pytree.tree_flatten(((), {"x": 0, "scale": 1, "return_dict": False}))
+    assert captured.in_spec == spec
+    assert captured.out_spec == torch.utils._pytree.tree_flatten((0, 1))[1]
