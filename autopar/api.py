@@ -7,10 +7,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir import Axis, ConfigError, Mesh, MeshError, Plan, PlanOptions, StalePlanError, batch_split
+from autopar.ir import (
+    Axis,
+    ConfigError,
+    Mesh,
+    MeshError,
+    Plan,
+    PlanOptions,
+    Precision,
+    PrecisionPolicy,
+    StalePlanError,
+    batch_split,
+)
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
 from autopar.passes.rewrite.recompute import apply_recompute
@@ -20,14 +32,16 @@ from autopar.passes.runner import PassLog, verify_graph
 from autopar.passes.search.search import search
 
 
-def capture(model: nn.Module, example_inputs: tuple) -> CapturedGraph:
+def capture(model: nn.Module, example_inputs: tuple, precision: str | None = None) -> CapturedGraph:
     """Capture ``model`` on ``example_inputs`` (the GLOBAL batch; real, fake or meta tensors) as
     an aten-level graph: the first stage of :func:`plan`, for planning one model several ways.
+    ``precision`` ("bf16-mixed", "fp16-mixed"; default: as the model is) captures the graph the
+    model computes with 16-bit copies of its parameters; plan it with the same precision.
 
     >>> captured = capture(model, model.example_inputs(8, device="meta"))   # doctest: +SKIP
     >>> plan(captured, "2x2", zero=1)                                        # doctest: +SKIP
     """
-    return _capture(model, example_inputs)
+    return _capture(model, example_inputs, PrecisionPolicy.of(precision or Precision.FP32))
 
 
 def plan(
@@ -44,24 +58,42 @@ def plan(
     its fields as keywords: ``degrees`` (``{"dp": 2, "tp": 2}``, ``"pp"`` for pipeline stages),
     ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
     "S(1)"}``), ``hardware``, ``memory_limit``, ``zero`` (0-3), ``recompute`` ("none",
-    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule) and ``stage_cuts``.
+    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule), ``stage_cuts``,
+    ``precision`` ("fp32", "bf16-mixed", "fp16-mixed") and ``reduce_dtype``.
 
     >>> p = plan(model, "2x2", model.example_inputs(8), zero=1)   # doctest: +SKIP
     >>> print(p)                                                  # doctest: +SKIP
     """
+    options = PlanOptions.of(options, **pins)
     if not isinstance(model, CapturedGraph):
         if example_inputs is None:
             raise ConfigError("plan needs example_inputs for a module (or a graph from autopar.capture)")
-        model = _capture(model, example_inputs)
-    return _search(model, Mesh.of(mesh), PlanOptions.of(options, **pins))
+        model = _capture(model, example_inputs, options.precision_policy)
+    _check_captured_precision(model, options.precision_policy)
+    return _search(model, Mesh.of(mesh), options)
 
 
-def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> CapturedGraph:
+def _capture(model: nn.Module, example_inputs, policy: PrecisionPolicy, log: PassLog | None = None) -> CapturedGraph:
+    """The graph ``model`` runs under ``policy``: in its param_dtype when mixed, else as it is."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
+    dtype = getattr(torch, policy.param_dtype) if policy.mixed else None
     return (log or PassLog()).run(
-        "capture", capture_graph, model, tuple(example_inputs), verify=lambda c: verify_graph(c.graph_module)
+        "capture", capture_graph, model, tuple(example_inputs), dtype, verify=lambda c: verify_graph(c.graph_module)
     )
+
+
+def _check_captured_precision(captured: CapturedGraph, policy: PrecisionPolicy) -> None:
+    if not policy.mixed:
+        return
+    for node in captured.graph.find_nodes(op="placeholder"):
+        dtype = node.meta["val"].dtype
+        if node.name in captured.params and dtype.is_floating_point and dtype != getattr(torch, policy.param_dtype):
+            raise ConfigError(
+                f"parameter {captured.params[node.name]!r} was captured in {dtype}, but precision={policy.precision!r} "
+                f"computes in {policy.param_dtype}: capture with autopar.capture(model, inputs, "
+                f"precision={str(policy.precision)!r})"
+            )
 
 
 def _search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions, log: PassLog | None = None) -> Plan:
@@ -85,7 +117,10 @@ def parallelize(
     ...}`` the layers run in p pipeline stages over the outermost mesh dimension (``pipeline``
     picks the schedule, ``stage_cuts`` the stage boundaries); ``recompute`` pins activation
     recomputation, as for :func:`plan`; ``microbatches`` splits the local
-    batch (gradient accumulation, and the pipeline's microbatches).
+    batch (gradient accumulation, and the pipeline's microbatches). ``precision="bf16-mixed"``
+    (or "fp16-mixed", with dynamic loss scaling; default: the hardware's natural one, fp32 on
+    CPU) trains fp32 master parameters with 16-bit compute copies, reducing gradients in
+    ``reduce_dtype`` (default "float32"); see :mod:`autopar.runtime.mixed_precision`.
 
     >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
     >>> loss = pmodel.train_step(*pmodel.shard_batch(*batch))         # doctest: +SKIP
@@ -106,12 +141,18 @@ def parallelize(
             f"launch {mesh.size} processes or pass a mesh of {dist.get_world_size()} devices"
         )
     log = PassLog()
-    captured = _capture(model, example_inputs, log)
     if isinstance(plan, str):
         plan = Plan.load(plan)
+    options = PlanOptions.of(options, **pins)
+    policy = plan.precision_policy if plan is not None else options.precision_policy
+    captured = _capture(model, example_inputs, policy, log)
     if plan is None:
-        options = PlanOptions.of(options, **pins)
         plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
+    elif {options.precision, options.reduce_dtype} - {None, plan.precision, plan.reduce_dtype}:
+        raise ConfigError(
+            f"the plan trains in precision={plan.precision!r}, reduce_dtype={plan.reduce_dtype!r}: pass "
+            "dataclasses.replace(plan, precision=..., reduce_dtype=...) or plan again with those options"
+        )
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
@@ -178,7 +219,7 @@ def _microbatch_capture(model, example_inputs, captured: CapturedGraph, plan: Pl
     if count == 1:
         return captured
     pieces = tuple(value[: value.shape[0] // count] for value in example_inputs)
-    micro = _capture(model, pieces, log)
+    micro = _capture(model, pieces, plan.precision_policy, log)
     shape = [(n.name, n.op, str(n.target)) for n in micro.graph.nodes]
     if shape != [(n.name, n.op, str(n.target)) for n in captured.graph.nodes]:
         raise ConfigError(

@@ -42,7 +42,6 @@ def _make_plan(args):
     model = load_model(args.model)
     batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
     inputs = model.example_inputs(batch, device="meta")
-    captured = capture(model, inputs)
     options = PlanOptions(
         degrees=args.degrees,
         constraints=dict(args.constraint) or None,
@@ -54,6 +53,7 @@ def _make_plan(args):
         pipeline=args.pipeline,
         stage_cuts=tuple(args.stage_cuts or ()),
     )
+    captured = capture(model, inputs, precision=options.precision_policy.precision)
     plan = make_plan(captured, args.mesh, options=options)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
     at = getattr(args, "at", None)  # only `plan` has it

@@ -18,6 +18,7 @@ from autopar.ir.errors import ConfigError, StalePlanError
 from autopar.ir.mesh import Mesh
 from autopar.ir.names import Axis, Kernel, PipelineKind, Recompute
 from autopar.ir.placement import Placement, format_placements, parse_placement
+from autopar.ir.precision import PrecisionPolicy
 
 PLAN_FORMAT = 5  # 3: the schedule's pipeline kind, virtual stages and cut points; 4: kernels (cp, ep); 5: precision
 
@@ -160,7 +161,13 @@ class Plan:
     zero: int = 0  # ZeRO stage over the data-parallel axis: 1 optimizer state, 2 + gradients, 3 + weights
     schedule: Schedule = Schedule()
     precision: str = "fp32"  # what it trains in: an autopar.ir.Precision (autopar.ir.precision)
+    reduce_dtype: str = "float32"  # the dtype gradients are reduced in
     format: int = PLAN_FORMAT
+
+    @property
+    def precision_policy(self) -> PrecisionPolicy:
+        """What the runtime computes, reduces and keeps in (:mod:`autopar.ir.precision`)."""
+        return PrecisionPolicy.of(self.precision, self.reduce_dtype)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -213,6 +220,7 @@ class Plan:
             zero=data["zero"],
             schedule=Schedule(**{**data["schedule"], "cuts": tuple(data["schedule"]["cuts"])}),
             precision=data["precision"],
+            reduce_dtype=data.get("reduce_dtype", "float32"),  # plans saved before it was recorded reduced in fp32
         )
 
     def save(self, path: str | Path) -> Path:

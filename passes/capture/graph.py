@@ -1,7 +1,10 @@
 """Capture: model + example inputs → an aten-level fx graph with shapes and module paths.
 
 Pre: ``model`` is an ``nn.Module`` whose forward takes ``example_inputs`` (real, fake or meta
-tensors) and returns a tensor (the loss) or a tuple of tensors.
+tensors) and returns a tensor (the loss) or a tuple of tensors. With ``param_dtype`` (mixed
+precision) it is captured as it computes with 16-bit copies of its floating parameters and
+floating inputs (FSDP2's ``param_dtype`` and ``cast_forward_inputs``), buffers as they are: the
+graph keeps the model's own upcasts (norms, softmax), which no cast inserted later could recover.
 Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops), whose placeholders are
 the parameters, buffers and user inputs in that order, whose every node carries
 ``meta["val"]`` (a fake tensor or a tuple of them) and whose nodes name their module path
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,15 +42,51 @@ class CapturedGraph:
         return self.graph_module.graph
 
 
-def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
-    """Export ``model`` on ``example_inputs`` (non-strict) and lift its state into placeholders.
+def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dtype | None = None) -> CapturedGraph:
+    """Export ``model`` on ``example_inputs`` (non-strict) and lift its state into placeholders;
+    with ``param_dtype``, as it computes in that dtype (the model itself is left as it is).
 
-    >>> captured = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
-    >>> list(captured.params.values())
-    ['weight', 'bias']
+    >>> captured = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),), param_dtype=torch.bfloat16)
+    >>> list(captured.params.values()), captured.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].dtype
+    (['weight', 'bias'], torch.bfloat16)
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    if param_dtype is None:
+        return _capture(model, example_inputs)
+    with computing_in(model, param_dtype):
+        return _capture(model, tuple(cast_floating(value, param_dtype) for value in example_inputs))
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """A floating tensor in ``dtype``; anything else (token ids, masks) as it is."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+@contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype):
+    """Within: ``model``'s floating parameters are ``dtype`` copies (tied ones stay tied). Example::
+
+    with computing_in(model, torch.bfloat16):
+        loss = model(tokens, labels)   # as under FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16)
+    """
+    copies, swapped = {}, []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in copies:
+                copies[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = copies[id(param)]
+            swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
+
+
+def _capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
     try:
         # An empty decomposition table keeps ops like linear and sdpa whole but functionalizes
         # in-place ops, whose aliasing would not survive a redistribution placed between them.

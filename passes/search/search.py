@@ -128,8 +128,8 @@ def search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions = PlanOptio
     # Within the model's resolution, prefer the simplest plan: the most data parallelism.
     near = [r for r in feasible if r.cost.step_s <= fastest * (1 + TIE_TOLERANCE)]
     best = max(near, key=lambda r: (r.degrees[Axis.DP], -r.zero, -r.cost.step_s))
-    precision = options.precision or hardware.precision  # recorded; priced by the cost model
-    return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started, precision)
+    policy = options.precision_policy  # recorded; the graph was captured in its param_dtype
+    return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started, policy)
 
 
 def _lowest_fitting_zero(solve, zero_stages: list[int]) -> list[ConfigResult]:
@@ -217,7 +217,7 @@ def _degrees_str(degrees: dict[str, int]) -> str:
     return " x ".join(f"{k}={v}" for k, v in degrees.items())
 
 
-def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch, elapsed, precision) -> Plan:
+def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch, elapsed, policy) -> Plan:
     axes = list(best.degrees)
     nodes, params, inputs = {}, {}, {}
     for name, fact in facts.items():
@@ -266,7 +266,8 @@ def _to_plan(captured, facts, mesh, hardware, best: ConfigResult, results, batch
         replicated_ops=tuple(sorted(best.replicated_ops)),
         zero=best.zero,
         schedule=best.schedule,
-        precision=precision,
+        precision=policy.precision,
+        reduce_dtype=policy.reduce_dtype,
     )
     gradients = plan_gradients(captured.graph, plan, captured.params, captured.user_inputs)
     grad_sync = {captured.params[name]: axes for name, axes in gradients.synced_params.items()}
