@@ -84,16 +84,12 @@ def _capture(model: nn.Module, example_inputs, policy: PrecisionPolicy, log: Pas
 
 
 def _check_captured_precision(captured: CapturedGraph, policy: PrecisionPolicy) -> None:
-    if not policy.mixed:
-        return
-    for node in captured.graph.find_nodes(op="placeholder"):
-        dtype = node.meta["val"].dtype
-        if node.name in captured.params and dtype.is_floating_point and dtype != getattr(torch, policy.param_dtype):
-            raise ConfigError(
-                f"parameter {captured.params[node.name]!r} was captured in {dtype}, but precision={policy.precision!r} "
-                f"computes in {policy.param_dtype}: capture with autopar.capture(model, inputs, "
-                f"precision={str(policy.precision)!r})"
-            )
+    if policy.mixed and captured.param_dtype != getattr(torch, policy.param_dtype):
+        raise ConfigError(
+            f"the graph's parameters were captured in {captured.param_dtype}, but precision={str(policy.precision)!r} "
+            f"computes in {policy.param_dtype}: capture with autopar.capture(model, inputs, "
+            f"precision={str(policy.precision)!r})"
+        )
 
 
 def _search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions, log: PassLog | None = None) -> Plan:

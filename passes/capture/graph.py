@@ -41,6 +41,13 @@ class CapturedGraph:
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The one dtype its floating parameters were captured in (None if none, or several)."""
+        values = [n.meta["val"] for n in self.graph.find_nodes(op="placeholder") if n.name in self.params]
+        dtypes = {value.dtype for value in values if value.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else None
+
 
 def capture(model: torch.nn.Module, example_inputs: tuple, param_dtype: torch.dtype | None = None) -> CapturedGraph:
     """Export ``model`` on ``example_inputs`` (non-strict) and lift its state into placeholders;
