@@ -179,13 +179,13 @@ def _overflow_skips_and_growth_resumes(pmodel, optimizer, inputs) -> dict:
 
 
 def _checkpoint_keeps_masters(writer, writer_optimizer, model, inputs, path) -> dict:
-    """Written under fp16-mixed DP2xTP2, read under fp32 DP4 ZeRO-3 and bf16-mixed DP4 ZeRO-1:
-    the fp32 masters and AdamW moments exactly; the bf16 reader's compute copies follow the
-    loaded masters (it cast them once before the load)."""
+    """Written under fp16-mixed DP2xTP2, read under fp32 DP4 ZeRO-3 and fp16-mixed DP4 ZeRO-1:
+    the fp32 masters exactly, the learning rate; the fp16 reader's compute copies follow the
+    loaded masters (it cast them once before the load), and its loss scale is the writer's."""
     save_checkpoint(writer, writer_optimizer, path)
     written = {n: p.full_tensor() for n, p in writer.named_parameters()}
     found = {}
-    for precision, zero in (("fp32", 3), ("bf16-mixed", 1)):
+    for precision, zero in (("fp32", 3), ("fp16-mixed", 1)):
         mesh, plan = _pinned_plan(model, inputs, precision, dict(degrees={"dp": 4}), zero)
         reader = autopar.parallelize(model, mesh, inputs, plan=plan)
         optimizer = reader.optimizer(torch.optim.AdamW, lr=1.0)
@@ -196,6 +196,7 @@ def _checkpoint_keeps_masters(writer, writer_optimizer, model, inputs, path) -> 
             "masters": all(close(p.full_tensor(), written[n]) for n, p in reader.named_parameters()),
             "copies": all(torch.equal(copies[n], m.to(copies[n].dtype)) for n, m in reader._locals.items()),
             "lr": optimizer.param_groups[0]["lr"],
+            "scale": reader.loss_scaler and (reader.loss_scaler.scale == writer.loss_scaler.scale),
         }
     return found
 
@@ -252,5 +253,6 @@ def test_fp16_skips_an_overflowing_step_and_lowers_the_scale(four_ranks):
 
 def test_checkpoints_keep_the_fp32_masters(four_ranks):
     for results in four_ranks:
-        for precision, loaded in results["fp16 DP2xTP2"]["checkpoint"].items():
-            assert loaded == {"masters": True, "copies": True, "lr": LEARNING_RATE}, (precision, loaded)
+        loaded = results["fp16 DP2xTP2"]["checkpoint"]
+        assert loaded["fp32"] == {"masters": True, "copies": True, "lr": LEARNING_RATE, "scale": None}, loaded
+        assert loaded["fp16-mixed"] == {"masters": True, "copies": True, "lr": LEARNING_RATE, "scale": True}, loaded
