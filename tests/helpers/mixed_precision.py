@@ -26,11 +26,11 @@ def reference_step(model, inputs, dtype: torch.dtype, optimizer: torch.optim.Opt
 def state_bytes(pmodel, optimizer) -> int:
     """Bytes of parameters, their 16-bit compute copies, gradients and optimizer state on this
     rank (each storage counted once)."""
-    tensors = [*pmodel._precision._copies.values()]
+    tensors = []
     for param in pmodel.parameters():
         tensors += [param.to_local(), None if param.grad is None else param.grad.to_local()]
     for group in optimizer.param_groups:
         tensors += [t for p in group["params"] for t in (p, p.grad)]
     tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
-    return sum(storages.values())
+    return sum(storages.values()) + pmodel._precision.held_bytes()
