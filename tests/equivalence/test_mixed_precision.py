@@ -87,15 +87,12 @@ def _pinned_plan(model, inputs, precision: str, options: dict, zero: int):
     return mesh, dataclasses.replace(_BASE_PLANS[key], zero=zero)
 
 
-def _case(rank: int, world: int, name: str, path: str) -> dict:
-    import time
-
-    t0 = time.perf_counter()
-    file, kwargs, precision, options, zero, extra = CASES[name]
+def _case(name: str, path: str) -> dict:
+    case = CASES[name]
     torch.manual_seed(0)
-    model = load_example(f"{file}.py").build(**kwargs)
+    model = load_example(f"{case.example}.py").build(**case.model)
     inputs = model.example_inputs(BATCH)
-    mesh, plan = _pinned_plan(model, inputs, precision, options, zero)
+    mesh, plan = _pinned_plan(model, inputs, case.precision, case.options, case.zero)
     pmodel = autopar.parallelize(model, mesh, inputs, plan=plan)
     dtype = getattr(torch, plan.precision_policy.param_dtype)
     scale = 1.0
@@ -110,12 +107,9 @@ def _case(rank: int, world: int, name: str, path: str) -> dict:
     loss = pmodel.train_step(*pmodel.shard_batch(*inputs))
     grads = {n: p.grad.full_tensor() for n, p in pmodel.named_parameters()}
     result = {"tolerance": 16 * UNIT_ROUNDING[dtype], "loss": _relative(loss, ref_loss)}
-    if "clip" in extra:
+    if "clip" in case.checks:
         norm = torch.nn.utils.clip_grad_norm_(pmodel.parameters(), max_norm=1e9)  # the norm, nothing clipped
-        result["norm"] = _relative(
-            norm.full_tensor(),
-            torch.linalg.vector_norm(torch.stack(list(map(torch.linalg.vector_norm, ref_grads.values())))),
-        )
+        result["norm"] = _relative(norm.full_tensor(), _global_norm(ref_grads.values()))
     optimizer.step()
     params, ref_params = {n: p.full_tensor() for n, p in pmodel.named_parameters()}, dict(reference.named_parameters())
     result |= {
@@ -125,20 +119,21 @@ def _case(rank: int, world: int, name: str, path: str) -> dict:
         "dtypes": _dtypes(pmodel, optimizer),
         "held": sorted(grads),
     }
-    if "memory" in extra:  # at the end of the next backward, the step's peak of model state
+    if "memory" in case.checks:  # at the end of the next backward, the step's peak of model state
         cost = evaluate_plan(capture(model, inputs, param_dtype=dtype), plan, get_profile("cpu-local"))
         optimizer.zero_grad()
         pmodel.train_step(*pmodel.shard_batch(*inputs))
-        result["memory"] = (
-            state_bytes(pmodel, optimizer),
-            sum(cost.memory[k] for k in ("params", "grads", "optimizer")),
-        )
-    if "overflow" in extra:
+        predicted = cost.memory["params"] + cost.memory["grads"] + cost.memory["optimizer"]
+        result["memory"] = (state_bytes(pmodel, optimizer), predicted)
+    if "overflow" in case.checks:
         result["overflow"] = _overflow_skips_and_growth_resumes(pmodel, optimizer, inputs)
-    if "checkpoint" in extra:
+    if "checkpoint" in case.checks:
         result["checkpoint"] = _checkpoint_keeps_masters(pmodel, optimizer, model, inputs, path)
-    result["time"] = time.perf_counter() - t0
     return result
+
+
+def _global_norm(tensors) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
 
 
 def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
