@@ -7,10 +7,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir import Axis, ConfigError, Mesh, MeshError, Plan, PlanOptions, StalePlanError, batch_split
+from autopar.ir import (
+    Axis,
+    ConfigError,
+    Mesh,
+    MeshError,
+    Plan,
+    PlanOptions,
+    Precision,
+    PrecisionPolicy,
+    StalePlanError,
+    batch_split,
+)
 from autopar.passes.capture.calls import bind_call, example_call
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
@@ -19,15 +31,20 @@ from autopar.passes.runner import PassLog, verify_graph
 from autopar.passes.search.search import SearchProgress, search
 
 
-def capture(model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> CapturedGraph:
+def capture(
+    model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None, precision: str | None = None
+) -> CapturedGraph:
     """Capture ``model`` on ``example_inputs``/``example_kwargs`` (the GLOBAL batch; real, fake
     or meta tensors) as an aten-level graph: the first stage of :func:`plan`, for planning one
-    model several ways.
+    model several ways. ``precision`` ("bf16-mixed", "fp16-mixed"; default: as the model is)
+    captures the graph the model computes with 16-bit copies of its parameters; plan it with
+    the same precision.
 
     >>> captured = capture(model, model.example_inputs(8, device="meta"))   # doctest: +SKIP
     >>> plan(captured, "2x2", zero=1)                                        # doctest: +SKIP
     """
-    return _capture(model, (), None, bind_call(model, tuple(example_inputs), dict(example_kwargs or {})))
+    policy = PrecisionPolicy.of(precision or Precision.FP32)
+    return _capture(model, (), policy, None, bind_call(model, tuple(example_inputs), dict(example_kwargs or {})))
 
 
 def plan(
@@ -48,7 +65,8 @@ def plan(
     its fields as keywords: ``degrees`` (``{"dp": 2, "tp": 2}``, ``"pp"`` for pipeline stages),
     ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
     "S(1)"}``), ``hardware``, ``memory_limit``, ``zero`` (0-3), ``recompute`` ("none",
-    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule) and ``stage_cuts``.
+    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule), ``stage_cuts``,
+    ``precision`` ("fp32", "bf16-mixed", "fp16-mixed") and ``reduce_dtype``.
     ``progress`` is called after each configuration the search weighs (a
     :class:`~autopar.passes.search.search.SearchProgress`; ``autopar plan`` draws it on a terminal).
 
@@ -56,12 +74,18 @@ def plan(
     >>> print(p)                                                  # doctest: +SKIP
     """
     mesh = Mesh.of(mesh)
+    options = PlanOptions.of(options, **pins)
     if not isinstance(model, CapturedGraph):
-        model = _capture(model, (), None, _example_call(model, mesh, example_inputs, example_kwargs))
-    return _search(model, mesh, PlanOptions.of(options, **pins), progress=progress)
+        example = _example_call(model, mesh, example_inputs, example_kwargs)
+        model = _capture(model, (), options.precision_policy, None, example)
+    _check_captured_precision(model, options.precision_policy)
+    return _search(model, mesh, options, progress=progress)
 
 
-def _capture(model: nn.Module, example_inputs, log: PassLog | None = None, example_kwargs=None) -> CapturedGraph:
+def _capture(
+    model: nn.Module, example_inputs, policy: PrecisionPolicy, log: PassLog | None = None, example_kwargs=None
+) -> CapturedGraph:
+    """The graph ``model`` runs under ``policy``: in its param_dtype when mixed, else as it is."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
     return (log or PassLog()).run(
@@ -70,8 +94,18 @@ def _capture(model: nn.Module, example_inputs, log: PassLog | None = None, examp
         model,
         tuple(example_inputs),
         example_kwargs,
+        param_dtype=getattr(torch, policy.param_dtype) if policy.mixed else None,
         verify=lambda c: verify_graph(c.graph_module),
     )
+
+
+def _check_captured_precision(captured: CapturedGraph, policy: PrecisionPolicy) -> None:
+    if policy.mixed and captured.param_dtype != getattr(torch, policy.param_dtype):
+        raise ConfigError(
+            f"the graph's parameters were captured in {captured.param_dtype}, but precision={str(policy.precision)!r} "
+            f"computes in {policy.param_dtype}: capture with autopar.capture(model, inputs, "
+            f"precision={str(policy.precision)!r})"
+        )
 
 
 def _search(
@@ -106,6 +140,10 @@ def parallelize(
     (their graph is captured once per new signature, see :mod:`autopar.passes.program`); a call
     whose graph would need the parameters placed otherwise raises :class:`ConfigError`.
     ``pins`` and ``options`` are :func:`plan`'s (``degrees={"pp": p, ...}`` for pipeline stages).
+    ``precision="bf16-mixed"`` (or "fp16-mixed", with dynamic loss scaling; default: the
+    hardware's natural one, fp32 on CPU) trains fp32 master parameters with 16-bit compute
+    copies, reducing gradients in ``reduce_dtype`` (default "float32"); see
+    :mod:`autopar.runtime.mixed_precision`.
 
     >>> pmodel = parallelize(AutoModelForCausalLM.from_config(config), "2x2")   # doctest: +SKIP
     >>> optimizer = torch.optim.AdamW(pmodel.parameters())                     # doctest: +SKIP
@@ -120,12 +158,18 @@ def parallelize(
     _check_world(mesh)
     log = PassLog()
     example = _example_call(model, mesh, example_inputs, example_kwargs)
-    captured = _capture(model, (), log, example)
     if isinstance(plan, str):
         plan = Plan.load(plan)
+    options = PlanOptions.of(options, **pins)
+    policy = plan.precision_policy if plan is not None else options.precision_policy
+    captured = _capture(model, (), policy, log, example)
     if plan is None:
-        options = PlanOptions.of(options, **pins)
         plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
+    elif {options.precision, options.reduce_dtype} - {None, plan.precision, plan.reduce_dtype}:
+        raise ConfigError(
+            f"the plan trains in precision={plan.precision!r}, reduce_dtype={plan.reduce_dtype!r}: pass "
+            "dataclasses.replace(plan, precision=..., reduce_dtype=...) or plan again with those options"
+        )
     elif plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "

@@ -73,9 +73,9 @@ def build_programs(
     check_inputs(bound, plan)
     synced = plan.grad_sync  # what the runtime sums, whatever plan this call runs
     count = plan.schedule.microbatches
-    micro = captured if captured is not None and count == 1 else _capture(model, microbatch(bound, count), log)
+    micro = captured if captured is not None and count == 1 else _capture(model, microbatch(bound, count), log, plan)
     if _nodes(micro) != _nodes(planned):
-        whole = _capture(model, bound, log) if count > 1 else micro
+        whole = _capture(model, bound, log, plan) if count > 1 else micro
         plan = _same_placements(plan, replan(whole, pinned_options(plan)))
         if _nodes(micro) != _nodes(whole):
             raise ConfigError(
@@ -213,8 +213,11 @@ def _batch(bound: dict) -> int | None:
     return tensors[0].shape[0] if tensors else None
 
 
-def _capture(model, bound: dict, log: PassLog) -> CapturedGraph:
-    return log.run("capture", capture, model, (), bound, verify=lambda c: verify_graph(c.graph_module))
+def _capture(model, bound: dict, log: PassLog, plan: Plan) -> CapturedGraph:
+    """The call's graph as the plan computes it (under mixed precision, in its param_dtype)."""
+    policy = plan.precision_policy
+    dtype = getattr(torch, policy.param_dtype) if policy.mixed else None
+    return log.run("capture", capture, model, (), bound, dtype, verify=lambda c: verify_graph(c.graph_module))
 
 
 def _nodes(captured: CapturedGraph) -> list[tuple]:

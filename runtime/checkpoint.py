@@ -4,7 +4,9 @@ under the parameter's name, saved with torch.distributed.checkpoint (DCP).
 
 Because DCP reshards DTensors on load, a checkpoint written under one plan (say DP4 with
 ZeRO-1) loads under any other of the same model (DP2×TP2 with ZeRO-3, or one process):
-nothing in it depends on the degrees or the ZeRO stage. A pipelined module's ranks each
+nothing in it depends on the degrees, the ZeRO stage or the precision (mixed precision keeps
+fp32 masters: those are the parameters written; fp16's loss scale is saved beside them and
+read back where both sides scale). A pipelined module's ranks each
 write and read the parameters of their own stages (DTensors on the stage's sub-mesh), so a
 checkpoint of PP2×DP2 with ZeRO-3 loads under PP2×DP2 with ZeRO-2 or under DP4. Each rank's
 optimizer state is wrapped, not copied: the DTensors share storage with what the optimizer
@@ -37,7 +39,10 @@ def logical_state(pmodel, optimizer: torch.optim.Optimizer) -> dict:
             for key, value in entries.items()
         }
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return {"model": model, "optimizer": moments, "param_groups": groups}
+    state = {"model": model, "optimizer": moments, "param_groups": groups}
+    if getattr(pmodel, "loss_scaler", None) is not None:
+        state["loss_scaler"] = pmodel.loss_scaler.state_dict()
+    return state
 
 
 def save_checkpoint(pmodel, optimizer: torch.optim.Optimizer, path) -> None:
@@ -52,13 +57,23 @@ def load_checkpoint(pmodel, optimizer: torch.optim.Optimizer, path) -> None:
     if not optimizer.state:
         _create_state(pmodel, optimizer)
     state = logical_state(pmodel, optimizer)
+    if "loss_scaler" in state and not _holds(path, "loss_scaler"):
+        del state["loss_scaler"]  # written without loss scaling: the scale starts afresh
     with torch.no_grad():
         dcp.load(state, checkpoint_id=str(path))
     for group, saved in zip(optimizer.param_groups, state["param_groups"]):
         group.update(saved)
+    if "loss_scaler" in state:
+        pmodel.loss_scaler.load_state_dict(state["loss_scaler"])
     with torch.no_grad():  # ZeRO-1/2 step copies of their chunks: refresh them from the loaded weights
         for name, chunk in pmodel._zero_chunks.items():
             chunk.copy_(pmodel.zero.chunk(name, pmodel._locals[name]))
+
+
+def _holds(path, key: str) -> bool:
+    """Whether the checkpoint at ``path`` has an entry under ``key``."""
+    stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return any(name == key or name.startswith(f"{key}.") for name in stored)
 
 
 def _stepped(pmodel, name: str):

@@ -11,6 +11,10 @@ runs; at the end of backward every local gradient is published as the DTensor's 
 With ZeRO (``plan.zero``, see :mod:`autopar.runtime.zero.layout`) the optimizer state (1), gradients (2) and
 parameters (3) of data-parallel replicated parameters are split over dp: ZeRO-2 gradients
 and ZeRO-3 parameters are DTensors sharded over dp, so ``full_tensor()`` still gives the whole.
+
+Under mixed precision (``plan.precision``, see :mod:`autopar.runtime.mixed_precision`) the
+parameters are the fp32 masters and the program takes their 16-bit copies, cast once per step;
+fp16's loss scale is ``pmodel.loss_scaler``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch.distributed.tensor import Shard as DShard
 from autopar.ir import ConfigError, Plan, Replicate, Shard
 from autopar.runtime.calls import CallProgram, Calls, local_chunk
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.mixed_precision import LossScaler, MixedPrecision
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import ZeroLayout, ZeroOptimizer, add_grad, synced_alone
 
@@ -68,8 +73,11 @@ class ParallelModule(nn.Module):
         self._locals: dict[str, torch.Tensor] = {}  # the leaves the program trains
         self.zero = ZeroLayout(plan, mesh, {name: state[name].shape for name in dict.fromkeys(param_order)})
         self._zero_chunks: dict[str, torch.Tensor] = {}  # ZeRO-1/2: the chunks the optimizer steps
+        policy = plan.precision_policy
         for name in dict.fromkeys(param_order):
             full = state[name]
+            if policy.mixed and full.is_floating_point():
+                full = full.float()  # the master is fp32 whatever the model holds
             placements = [to_dtensor_placement(p) for p in plan.params[name]]
             local = local_chunk(full.detach(), plan.params[name], mesh)
             if self.zero.stores_chunk(name):
@@ -89,12 +97,18 @@ class ParallelModule(nn.Module):
             _register(self, alias, self._params[name])
         for name in buffer_order:
             _register(self, name, state[name].detach().clone(), buffer=True)
+        self._precision = MixedPrecision(policy, self._locals)
+        self._finishing_later = False  # inside a step of several backward passes (AccumulatingModule)
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
         entries = [
             self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk)
             for name, axes in plan.grad_sync.items()
         ]
-        self._grad_sync = GradSync([entry for entry in entries if entry is not None], auto_finish=False)
+        self._grad_sync = GradSync(
+            [entry for entry in entries if entry is not None],
+            auto_finish=False,
+            reduce_dtype=self._precision.reduce_dtype,
+        )
         self._calls = calls
         self._zero3 = None  # ZeRO-3 (zero/gather.py): the runtime of the program that ran last; backward finishes it
         self._per_program: dict[int, tuple] = {}  # id(program) → (program, what is derived from it)
@@ -159,15 +173,22 @@ class ParallelModule(nn.Module):
             self._per_program[key] = (program, build())  # the program is kept: its id stays its own
         return self._per_program[key][1]
 
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16-mixed: the dynamic loss scale (GradScaler's rules; its attributes may be tuned). Else None."""
+        return self._precision.loss_scaler
+
     def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
         self._follow_zeroed_grads()
-        params = [self._locals[name] for name in self._param_order]
+        leaves = self._precision.leaves()
+        params = [leaves[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
         self._zero3 = self._derived(program, "zero3", lambda: self._zero3_runtime(program))
+        local_inputs = self._precision.inputs(local_inputs)
         if self._zero3 is None:
-            return tuple(program(*params, *buffers, *local_inputs))
-        with self._zero3.forward(self._locals):  # gathered per layer; regathered for backward
-            return tuple(program(*params, *buffers, *local_inputs))
+            return self._precision.outputs(program(*params, *buffers, *local_inputs))
+        with self._zero3.forward(leaves):  # gathered per layer; regathered for backward
+            return self._precision.outputs(program(*params, *buffers, *local_inputs))
 
     def _zero3_runtime(self, program: fx.GraphModule, **kwargs) -> Zero3Runtime | None:
         """ZeRO-3's per-layer gathers and gradient reduce-scatters for one program, or None."""
@@ -181,6 +202,7 @@ class ParallelModule(nn.Module):
             sum_over,
             syncing=kwargs.pop("syncing", lambda: self._grad_sync.syncing),
             on_first_grad=kwargs.pop("on_first_grad", lambda: self._on_grad_accumulated(None)),
+            reduce_dtype=self._precision.reduce_dtype,
             **kwargs,
         )
 
@@ -250,6 +272,27 @@ class ParallelModule(nn.Module):
                 param.grad = DTensor.from_local(
                     grad, param.device_mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
                 )
+        if self._grad_sync.syncing and not self._finishing_later:
+            self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Once a step's gradients are complete: fp16 unscales them, and where any rank found
+        inf or NaN drops them all (``grad = None``), so the optimizer skips the step."""
+        owners = [self._grad_owner(name) for name in self._params]
+        grads = [owner.grad for owner in owners if owner.grad is not None]
+        if self._precision.finish(grads, dist.group.WORLD):
+            for owner, param in zip(owners, self._params.values()):
+                owner.grad = param.grad = None
+
+    @contextlib.contextmanager
+    def _one_step(self):
+        """Several backward passes that make one step: finished once, after the last."""
+        self._finishing_later = True
+        try:
+            yield
+        finally:
+            self._finishing_later = False
+        self._finish_step()
 
     def _grad_is_zero_chunk(self, name: str) -> bool:
         return name in self._zero_chunks and self.zero.grad_is_chunk(name)
@@ -315,11 +358,12 @@ class AccumulatingModule(ParallelModule):
         program = self._loss_program(call)  # a piece's whole loss, reduced (backward runs per piece)
         pieces = self._pieces(inputs)
         losses = []
-        for index, piece in enumerate(pieces):
-            (loss,) = self._run(program, piece)
-            with self._accumulating(last=index == len(pieces) - 1):
-                (loss / len(pieces)).backward()
-            losses.append(loss.detach())
+        with self._one_step():
+            for index, piece in enumerate(pieces):
+                (loss,) = self._run(program, piece)
+                with self._accumulating(last=index == len(pieces) - 1):
+                    (loss / len(pieces)).backward()
+                losses.append(loss.detach())
         return torch.stack(losses).mean()
 
     def _accumulating(self, last: bool):

@@ -43,6 +43,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 
 from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
 from autopar.runtime.calls import Calls
+from autopar.runtime.mixed_precision import MixedPrecision
 from autopar.runtime.module import ParallelModule, whole_leaves
 from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -61,37 +62,46 @@ class _StageModule(nn.Module):
     """One stage program as ``PipelineStage`` calls it: ``forward(*received, **user_inputs)`` (see :func:`_keyword`).
 
     Its parameters are the ParallelModule's own leaves (plain tensors sharing storage with the
-    DTensors), put into ``_parameters`` as they are: the schedule's ``scale_grads`` and the
-    zero-bubble weight pass walk ``parameters()``, and a ``nn.Parameter`` would be a new leaf.
+    DTensors; the fp32 masters under mixed precision), put into ``_parameters`` as they are: the
+    schedule's ``scale_grads`` and the zero-bubble weight pass walk ``parameters()``, and a
+    ``nn.Parameter`` would be a new leaf. A weight shared with another stage module of this
+    device is a leaf of its own sharing the storage (``runtime/tied.py``). The program takes
+    what ``precision.leaves(...)`` gives for them (the leaves, or their 16-bit copies cast once
+    per step, whose gradients reach these leaves).
     """
 
     def __init__(
         self,
         stage,
+        names: list[str],
         leaves: list[torch.Tensor],
+        precision: MixedPrecision,
         buffers: list[torch.Tensor],
         first: bool,
         last: bool,
         zero3: Zero3Runtime | None = None,
-        shards: dict[str, torch.Tensor] | None = None,
     ):
         super().__init__()
         self.program = stage.graph_module
         for index, leaf in enumerate(leaves):
             self._parameters[f"param_{index}"] = leaf
-        self._leaves, self._buffer_values = leaves, buffers
+        self._names, self._precision, self._buffer_values = names, precision, buffers
+        self._own = {name: leaf for name, leaf in zip(names, leaves) if leaf is not precision.masters[name]}
         self._input_names, self._first, self._last = stage.inputs, first, last
-        self._zero3, self._shards = zero3, shards
+        self._zero3 = zero3
 
     def forward(self, *received, **user_inputs):
         received = () if self._first else received  # the first stage reads the inputs by name
-        inputs = [user_inputs[_keyword(name)] for name in self._input_names]
-        with self._zero3.forward(self._shards) if self._zero3 is not None else contextlib.nullcontext():
-            outputs = self.program(*self._leaves, *self._buffer_values, *inputs, *received)
+        inputs = self._precision.inputs(user_inputs[_keyword(name)] for name in self._input_names)
+        leaves = self._precision.leaves(self._own)
+        params = [leaves[name] for name in self._names]
+        with self._zero3.forward(leaves) if self._zero3 is not None else contextlib.nullcontext():
+            outputs = self.program(*params, *self._buffer_values, *inputs, *received)
         # zero-bubble schedules detach outputs in place, which views do not allow: copy those
         outputs = [out.clone() if out._is_view() else out for out in outputs]
         if self._last:  # the loss, as a 1-element tensor so the schedule can merge microbatches
-            return outputs[0].reshape(1).clone()
+            (loss,) = self._precision.outputs(outputs[:1])
+            return loss.reshape(1).clone()
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 
@@ -209,12 +219,13 @@ class PipelineModule(ParallelModule):
             made.append(zero3)
             module = _StageModule(
                 stage,
+                names,
                 [self._ties.leaf(name, index, self._locals[name]) for name in names],
+                self._precision,
                 [self.get_buffer(self._buffer_names[b]) for b in stage.buffers],
                 first=index == 0,
                 last=index == schedule.modules - 1,
                 zero3=zero3,
-                shards=self._locals,
             )
             sync_now = self._synced_microbatch if self.zero.syncs_each_microbatch else None
             group = self.pipeline_mesh.get_group(Axis.PP)
@@ -330,7 +341,7 @@ class PipelineModule(ParallelModule):
         return {_keyword(name): value for name, value in zip(call.inputs, local_inputs)}
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
-        loss = loss.contiguous()
+        loss = loss.float().contiguous()  # one dtype on every rank (the last stage's may be 16-bit)
         dist.broadcast(loss, src=self._last_rank, group=self.pipeline_mesh.get_group(Axis.PP))
         return loss
 

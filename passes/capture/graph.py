@@ -3,6 +3,10 @@
 Pre: ``model`` is an ``nn.Module`` whose forward takes ``example_inputs`` and ``example_kwargs``
 (real, fake or meta tensors, and constants) and returns a tensor, or a pytree of them (a tuple,
 a dict, a Hugging Face ``ModelOutput``).
+With ``param_dtype`` (mixed precision) it is captured as it computes with 16-bit copies of its
+floating parameters and floating inputs (FSDP2's ``param_dtype`` and ``cast_forward_inputs``),
+buffers as they are: the graph keeps the model's own upcasts (norms, softmax), which no cast
+inserted later could recover.
 Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops), whose placeholders are
 the parameters, buffers and the tensor inputs in that order (constant inputs are baked in),
 whose every node carries ``meta["val"]`` (a fake tensor or a tuple of them) and whose nodes
@@ -15,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,18 +52,67 @@ class CapturedGraph:
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The one dtype its floating parameters were captured in (None if none, or several)."""
+        values = [n.meta["val"] for n in self.graph.find_nodes(op="placeholder") if n.name in self.params]
+        dtypes = {value.dtype for value in values if value.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
-def capture(model: torch.nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None) -> CapturedGraph:
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> CapturedGraph:
     """Export ``model`` on ``example_inputs``/``example_kwargs`` (non-strict) and lift its state
     into placeholders; Hugging Face models without their KV cache (:func:`capture_settings`).
+    With ``param_dtype``, as it computes in that dtype (the model itself is left as it is).
 
-    >>> captured = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
-    >>> list(captured.params.values())
-    ['weight', 'bias']
+    >>> captured = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),), param_dtype=torch.bfloat16)
+    >>> list(captured.params.values()), captured.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].dtype
+    (['weight', 'bias'], torch.bfloat16)
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
     example_inputs, example_kwargs = _distinct(example_inputs, dict(example_kwargs or {}))
+    if param_dtype is None:
+        return _capture(model, example_inputs, example_kwargs)
+    inputs, kwargs = tree_map(lambda leaf: cast_floating(leaf, param_dtype), (example_inputs, example_kwargs))
+    with computing_in(model, param_dtype):
+        return _capture(model, inputs, kwargs)
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """A floating tensor in ``dtype``; anything else (token ids, masks) as it is."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+@contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype):
+    """Within: ``model``'s floating parameters are ``dtype`` copies (tied ones stay tied). Example::
+
+    with computing_in(model, torch.bfloat16):
+        loss = model(tokens, labels)   # as under FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16)
+    """
+    copies, swapped = {}, []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in copies:
+                copies[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = copies[id(param)]
+            swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
+
+
+def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> CapturedGraph:
     try:
         # An empty decomposition table keeps ops like linear and sdpa whole but functionalizes
         # in-place ops, whose aliasing would not survive a redistribution placed between them.

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from equivalence import GPT_TP, _rel, compare_one_step, load_example
+from mixed_precision import state_bytes
 
 import autopar
 from autopar.api import _plan_on_rank_zero
@@ -48,18 +49,6 @@ def _plan(gpt, mesh_name: str, stage: int):
         )
     )
     return dataclasses.replace(base, zero=stage)
-
-
-def _state_bytes(pmodel, optimizer) -> int:
-    """Bytes of parameters, gradients and optimizer state on this rank (each storage once)."""
-    tensors = []
-    for param in pmodel.parameters():
-        tensors += [param.to_local(), None if param.grad is None else param.grad.to_local()]
-    for group in optimizer.param_groups:
-        tensors += [t for p in group["params"] for t in (p, p.grad)]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
-    return sum(storages.values())
 
 
 def _zero3_frees_gathered_weights(gpt) -> dict:
@@ -119,7 +108,7 @@ def _memory(gpt, mesh_name: str) -> dict:
         pmodel.train_step(*pmodel.shard_batch(*model.example_inputs(BATCH)))
         optimizer.step()
         predicted = cost.memory["params"] + cost.memory["grads"] + cost.memory["optimizer"]
-        bytes_by_stage[stage] = (_state_bytes(pmodel, optimizer), predicted)
+        bytes_by_stage[stage] = (state_bytes(pmodel, optimizer), predicted)
     return bytes_by_stage
 
 

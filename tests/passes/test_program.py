@@ -42,7 +42,9 @@ def test_planning_again_pins_what_places_the_parameters():
 def test_a_call_whose_graph_needs_the_parameters_elsewhere_needs_a_new_plan():
     dp = plan_example("gpt.py", "4", 8, model_kwargs=GPT, degrees={"dp": 4})
     # pinned: a model this small runs fastest replicated, which would place everything as dp does
-    tp = plan_example("gpt.py", "4", 8, model_kwargs=GPT, degrees={"tp": 4}, constraints={"layers.*.mlp.fc1.weight": "S(0)"})
+    tp = plan_example(
+        "gpt.py", "4", 8, model_kwargs=GPT, degrees={"tp": 4}, constraints={"layers.*.mlp.fc1.weight": "S(0)"}
+    )
     assert _same_placements(dp, dp) is dp
     with pytest.raises(ConfigError, match="places the parameters otherwise .*it needs a new plan"):
         _same_placements(dp, tp)
