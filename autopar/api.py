@@ -75,6 +75,7 @@ def parallelize(
     *,
     plan: Plan | str | None = None,
     options: PlanOptions | None = None,
+    check_finite: bool = False,
     **pins,
 ):
     """Plan (or load ``plan``) and build this rank's trainable module. Call on every rank.
@@ -85,14 +86,17 @@ def parallelize(
     ...}`` the layers run in p pipeline stages over the outermost mesh dimension (``pipeline``
     picks the schedule, ``stage_cuts`` the stage boundaries); ``recompute`` pins activation
     recomputation, as for :func:`plan`; ``microbatches`` splits the local
-    batch (gradient accumulation, and the pipeline's microbatches).
+    batch (gradient accumulation, and the pipeline's microbatches). ``check_finite=True`` makes
+    every ``train_step`` raise :class:`NonFiniteError` on every rank when the loss or a gradient
+    holds a NaN or infinity, naming the parameters (one small all-reduce per step).
+
+    Post: an error on any rank, before the ranks first communicate, is raised on every rank
+    (see :mod:`autopar.runtime.faults`); a failure inside a step reaches the peers.
 
     >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
     >>> loss = pmodel.train_step(*pmodel.shard_batch(*batch))         # doctest: +SKIP
     """
-    from autopar.runtime.module import AccumulatingModule, ParallelModule
-    from autopar.runtime.pipeline import PipelineModule
-    from autopar.runtime.process_groups import build_device_mesh, group_name
+    from autopar.runtime.faults import reported
 
     mesh = Mesh.of(mesh)
     if not dist.is_initialized():
@@ -105,24 +109,51 @@ def parallelize(
             f"mesh {mesh} has {mesh.size} devices but the world has {dist.get_world_size()} ranks: "
             f"launch {mesh.size} processes or pass a mesh of {dist.get_world_size()} devices"
         )
+    with reported("parallelize"):
+        return _parallelize(model, mesh, example_inputs, plan, PlanOptions.of(options, **pins), check_finite)
+
+
+def _parallelize(model, mesh: Mesh, example_inputs, plan, options: PlanOptions, check_finite: bool):
+    """``parallelize`` once the world is known to match: every decision that can fail on some
+    ranks is shared (``faults.agree``) before the ranks next communicate."""
+    from autopar.runtime.faults import agree, from_rank_zero
+    from autopar.runtime.process_groups import build_device_mesh, group_name
+
     log = PassLog()
+    captured, plan = agree(lambda: _captured_with_plan(model, example_inputs, plan, log), "capturing the model")
+    if plan is None:
+        # one search, shared: ops timed while planning differ from rank to rank, and ranks
+        # running different plans would wait on each other forever
+        plan = from_rank_zero(lambda: _search(captured, mesh, options, log), "searching for a plan")
+    _check_runnable(plan)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    stages = plan.schedule.stages
+    device_mesh = build_device_mesh({Axis.PP: stages, **plan.degrees} if stages > 1 else plan.degrees, device_type)
+    groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
+    program = agree(
+        lambda: _rank_program(model, example_inputs, captured, plan, groups, device_type, log),
+        "rewriting the graph into this rank's program",
+    )
+    return agree(
+        lambda: _rank_module(model, captured, plan, program, device_mesh, check_finite),
+        "building this rank's module",
+    )
+
+
+def _captured_with_plan(model, example_inputs, plan: Plan | str | None, log: PassLog):
     captured = _capture(model, example_inputs, log)
     if isinstance(plan, str):
         plan = Plan.load(plan)
-    if plan is None:
-        options = PlanOptions.of(options, **pins)
-        plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
-    elif plan.fingerprint != captured.fingerprint:
+    if plan is not None and plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
             "re-run autopar.plan for this model and these input shapes"
         )
-    _check_runnable(plan)
-    schedule = plan.schedule
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    layout = {Axis.PP: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
-    device_mesh = build_device_mesh(layout, device_type)
-    groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
+    return captured, plan
+
+
+def _rank_program(model, example_inputs, captured: CapturedGraph, plan: Plan, groups, device_type: str, log: PassLog):
+    """This rank's rewritten program, or its pipeline stage programs (no communication)."""
     running = _microbatch_capture(model, example_inputs, captured, plan, log)
     program = log.run(
         "rewrite",
@@ -133,15 +164,23 @@ def parallelize(
         device=device_type,
         verify=verify_graph,
     )
-    program = log.run("recompute", apply_recompute, program, schedule.recompute, verify=verify_graph)
+    program = log.run("recompute", apply_recompute, program, plan.schedule.recompute, verify=verify_graph)
+    if plan.schedule.stages == 1:
+        return program
+    return log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), plan.schedule)
+
+
+def _rank_module(model, captured: CapturedGraph, plan: Plan, program, device_mesh, check_finite: bool):
+    from autopar.runtime.module import AccumulatingModule, ParallelModule
+    from autopar.runtime.pipeline import PipelineModule
+
     state = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
     }
-    if schedule.stages > 1:
-        stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
+    if plan.schedule.stages > 1:
         return PipelineModule(
-            stages,
+            program,
             plan,
             device_mesh,
             param_names=captured.params,
@@ -149,8 +188,9 @@ def parallelize(
             input_names=captured.user_inputs,
             state=state,
             tied=captured.tied,
+            check_finite=check_finite,
         )
-    module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
+    module_class = AccumulatingModule if plan.schedule.microbatches > 1 else ParallelModule
     return module_class(
         program,
         plan,
@@ -159,6 +199,7 @@ def parallelize(
         buffer_order=[captured.buffers[n] for n in captured.buffers],
         state=state,
         tied=captured.tied,
+        check_finite=check_finite,
     )
 
 
@@ -186,19 +227,3 @@ def _microbatch_capture(model, example_inputs, captured: CapturedGraph, plan: Pl
             f"{example_inputs[0].shape[0]}: run it without microbatches"
         )
     return micro
-
-
-def _plan_on_rank_zero(search):
-    """One search, on rank 0, shared with every rank: ops timed while planning differ from
-    rank to rank, and ranks running different plans would wait on each other forever.
-    An error on rank 0 is raised on every rank."""
-    outcome = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = search()
-        except Exception as error:  # noqa: BLE001  (re-raised below, on every rank)
-            outcome[1] = error
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[1] is not None:
-        raise outcome[1]
-    return outcome[0]

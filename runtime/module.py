@@ -16,6 +16,7 @@ and ZeRO-3 parameters are DTensors sharded over dp, so ``full_tensor()`` still g
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,8 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from autopar.ir import Axis, Plan, Replicate, Shard
+from autopar.ir import Axis, NonFiniteError, Plan, Replicate, Shard
+from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.zigzag import zigzag_order
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -59,6 +61,21 @@ def local_chunk(full: torch.Tensor, placements, mesh: DeviceMesh) -> torch.Tenso
     return local.contiguous()
 
 
+def communicating(method):
+    """Marks a ``train_step`` or ``forward``: its failure reaches the peers (``faults.reported``),
+    and with ``check_finite`` a train step's loss and gradients are checked on every rank."""
+
+    @functools.wraps(method)
+    def run(self, *local_inputs):
+        with reported(method.__name__):
+            result = method(self, *local_inputs)
+            if self.check_finite and method.__name__ == "train_step":
+                self._check_finite(result)
+        return result
+
+    return run
+
+
 class ParallelModule(nn.Module):
     """Runs a rewritten graph on this rank. Built by ``autopar.parallelize``."""
 
@@ -72,8 +89,10 @@ class ParallelModule(nn.Module):
         buffer_order: list[str],
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
+        check_finite: bool = False,
     ):
         super().__init__()
+        self.check_finite = check_finite
         self.program = program
         self.plan = plan
         self.device_mesh = mesh
@@ -127,11 +146,13 @@ class ParallelModule(nn.Module):
             if local.requires_grad:
                 local.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
+    @communicating
     def forward(self, *local_inputs):
         """Forward on this rank's slice of the batch; returns what the model returns (the loss)."""
         outputs = self._run(self.program, local_inputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
+    @communicating
     def train_step(self, *local_inputs) -> torch.Tensor:
         """Forward and backward; gradients are complete (and synced) when this returns.
 
@@ -154,7 +175,8 @@ class ParallelModule(nn.Module):
         )
         share = partial / _resolve_process_group(group).size() if reduce_op == "avg" else partial
         share.backward()
-        work.wait()
+        with collective("loss all-reduce", group):
+            work.wait()
         return loss
 
     def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
@@ -229,6 +251,31 @@ class ParallelModule(nn.Module):
         if chunk is not None:
             add_grad(self._zero_chunks[self._names_by_leaf[id(leaf)]], chunk.clone())
 
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Raise NonFiniteError on every rank if the loss or any rank's gradient shard is not finite.
+
+        Ranks hold different shards (and pipeline ranks different parameters): one MAX
+        all-reduce of a flag per parameter of the plan lets every rank name the same ones."""
+        names = list(self.plan.params)
+        flags = torch.zeros(len(names) + 1, device=loss.device)
+        flags[0] = float(not torch.isfinite(loss).all())
+        for index, name in enumerate(names, start=1):
+            grad = self._grad_owner(name).grad if name in self._params else None
+            if grad is not None and not torch.isfinite(grad).all():
+                flags[index] = 1.0
+        with collective("check_finite all-reduce"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags.any():
+            bad = [name for name, flag in zip(names, flags[1:].tolist()) if flag]
+            loss_text = f"the loss is {loss.item()}" if flags[0] else "the loss is finite"
+            raise agreed(
+                NonFiniteError(
+                    f"check_finite: {loss_text}; non-finite gradients in {len(bad)} parameter(s)"
+                    f"{': ' + ', '.join(bad[:8]) + (' ...' if len(bad) > 8 else '') if bad else ''}. "
+                    "Look for NaN or inf in the batch, lower the learning rate, or use a loss scaler"
+                )
+            )
+
     def _follow_zeroed_grads(self) -> None:
         """An optimizer over either view may have set its gradients to None: mirror that."""
         for name, param in self._params.items():
@@ -282,6 +329,7 @@ class AccumulatingModule(ParallelModule):
         count = self.plan.schedule.microbatches
         return list(zip(*(value.tensor_split(count) for value in local_inputs)))
 
+    @communicating
     def train_step(self, *local_inputs) -> torch.Tensor:
         pieces = self._pieces(local_inputs)
         losses = []
@@ -299,6 +347,7 @@ class AccumulatingModule(ParallelModule):
             return synced_alone(whole_leaves(self))
         return contextlib.nullcontext() if last else self.no_sync()
 
+    @communicating
     def forward(self, *local_inputs):
         return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
 

@@ -40,7 +40,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _ComputationType
 
 from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
-from autopar.runtime.module import ParallelModule, whole_leaves
+from autopar.runtime.module import ParallelModule, communicating, whole_leaves
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
 
@@ -130,6 +130,7 @@ class PipelineModule(ParallelModule):
         input_names: tuple[str, ...],
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
+        check_finite: bool = False,
     ):
         schedule = plan.schedule
         pp_rank = mesh.get_local_rank(Axis.PP)
@@ -146,6 +147,7 @@ class PipelineModule(ParallelModule):
             buffer_order=buffers,
             state=state,
             tied={alias: name for alias, name in (tied or {}).items() if name in names},
+            check_finite=check_finite,
         )
         self.plan = plan
         self.pipeline_mesh = mesh
@@ -194,6 +196,7 @@ class PipelineModule(ParallelModule):
         last_pp_rank = schedule.device_of(schedule.modules - 1)
         self._last_rank = dist.get_global_rank(group, last_pp_rank)  # the loss is known there
 
+    @communicating
     def train_step(self, *local_inputs) -> torch.Tensor:
         """Forward and backward of the local batch through the pipeline; gradients complete
         (summed over dp, averaged over microbatches) on every rank's own parameters.
@@ -213,6 +216,7 @@ class PipelineModule(ParallelModule):
         loss = torch.stack([loss.detach() for loss in losses]).mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
 
+    @communicating
     def forward(self, *local_inputs):
         """The loss of the local batch, forward only (every rank gets it)."""
         args = local_inputs if self._holds_first else ()

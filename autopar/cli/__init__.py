@@ -9,6 +9,7 @@ Exit codes: 0 done; 1 autopar refused (an :class:`AutoparError`, printed as ``er
     autopar explain plan.json
     autopar export gpt --mesh 2x2 --degrees tp=4 --out exported/
     autopar run train.py --nproc 4 -- --steps 10
+    autopar run train.py --nproc 4 --max-restarts 3 --collective-timeout 300 -- --checkpoint-dir ckpt
     autopar calibrate --quick      # measure this machine; plan/export then use the profile
 """
 
