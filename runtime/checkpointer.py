@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir import CheckpointError, ConfigError, IncompleteCheckpointError, Plan
-from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint, write_durably
+from autopar.runtime.checkpoint import MANIFEST, load_checkpoint, save_checkpoint, write_durably
 from autopar.runtime.faults import agree, from_rank_zero, reported
 
 _COMPLETE = re.compile(r"step-(\d+)")
@@ -105,7 +105,7 @@ class Checkpointer:
 
     def save(self, step: int, pmodel, optimizer: torch.optim.Optimizer, data=None) -> Path:
         """Write the checkpoint of ``step`` (optimizer steps taken) aside, then rename it into
-        place and drop the checkpoints beyond the newest ``keep``. When this returns on any
+        place and drop every other ``step-N`` folder but the newest ``keep`` complete ones. When this returns on any
         rank, ``step-N`` is complete on disk; a failure on any rank is raised on every rank."""
         final = self.directory / f"step-{step:08d}"
         partial = self.directory / f".{final.name}{_PARTIAL_SUFFIX}"
@@ -143,7 +143,8 @@ class Checkpointer:
             self._drop(final)
         os.replace(partial, final)
         _fsync_folder(self.directory)
-        for old in self.checkpoints()[self.keep :]:
+        complete = [path for path in self.checkpoints() if (path / MANIFEST).is_file()]
+        for old in set(self.checkpoints()) - set(complete[: self.keep]):  # a broken folder never loads: it goes too
             self._drop(old)
 
     def _drop(self, path: Path) -> None:

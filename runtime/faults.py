@@ -135,11 +135,11 @@ def reported(what: str) -> Iterator[None]:
         if getattr(error, "autopar_reported", False):  # by a step inside this one (train_step calls forward)
             raise
         if not isinstance(error, CollectiveError) and not _is_communication_failure(error):
-            _post(f"{what} raised {type(error).__name__}: {_first_line(error)}")
+            _post(f"{what} raised {_describe(error)}")
             error.autopar_reported = True
             raise
         named = getattr(error, "collective", None) or f"a collective in {_innermost_runtime_call(error)}"
-        node = _program_node(error)
+        node = program_node(error)
         reason = _reason(getattr(error, "cause", error))
         _post(f"{what}: {named} {reason}")
         message = (
@@ -191,6 +191,16 @@ def _reason(error: BaseException) -> str:
     return "failed: " + re.sub(r"^\[[^\]]*\] ", "", text)  # gloo prefixes its source file and line
 
 
+def _describe(error: BaseException) -> str:
+    """``Type: first line``, and the root cause's when the error wraps one (torch's pipeline
+    schedule re-raises a stage's error as "Failed to run stage backward")."""
+    root = error
+    while root.__cause__ is not None:
+        root = root.__cause__
+    text = f"{type(error).__name__}: {_first_line(error)}"
+    return text if root is error else f"{text} (caused by {type(root).__name__}: {_first_line(root)})"
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__
@@ -203,10 +213,12 @@ def _frames(error: BaseException):
         traceback = traceback.tb_next
 
 
-def _program_node(error: BaseException) -> str:
-    """The innermost node of a rewritten program (an fx GraphModule) that the traceback passes
-    through, with its module path where capture recorded one; "" when none does (a collective
-    that autograd runs in backward, or one inside torch's pipeline schedule)."""
+def program_node(error: BaseException) -> str:
+    """The innermost node of a rewritten program (an fx GraphModule) that ``error``'s traceback
+    passes through, with its module path where capture recorded one, e.g. ``all_reduce_3
+    (all_reduce_3 = torch.ops.autopar.all_reduce.default(mm_1, '7', 'sum')) in module
+    layers.0.mlp.fc2``; "" when none does (a collective that autograd runs in backward, or one
+    inside torch's pipeline schedule)."""
     found = ""
     for cause in (error, getattr(error, "cause", None)):
         for frame, line_number in _frames(cause) if cause is not None else ():
