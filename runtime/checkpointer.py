@@ -39,7 +39,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from autopar.ir import CheckpointError, ConfigError, IncompleteCheckpointError, Plan
+from autopar.ir import CheckpointError, ConfigError, IncompleteCheckpointError, Plan, StalePlanError
 from autopar.runtime.checkpoint import MANIFEST, load_checkpoint, save_checkpoint, write_durably
 from autopar.runtime.faults import agree, from_rank_zero, reported
 
@@ -74,7 +74,10 @@ class Checkpointer:
         def newest_plan():
             for path in self.checkpoints():
                 if (path / PLAN_FILE).is_file():
-                    plan = Plan.load(path / PLAN_FILE)
+                    try:
+                        plan = Plan.load(path / PLAN_FILE)
+                    except StalePlanError:  # written by another autopar version: plan anew
+                        return None
                     return plan if plan.mesh.size == world_size else None
             return None
 

@@ -52,7 +52,11 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
             "or `autopar run`, which set them for every rank"
         )
     if timeout_s is None:
-        timeout_s = float(os.environ.get(COLLECTIVE_TIMEOUT_VARIABLE, DEFAULT_COLLECTIVE_TIMEOUT_S))
+        text = os.environ.get(COLLECTIVE_TIMEOUT_VARIABLE, str(DEFAULT_COLLECTIVE_TIMEOUT_S))
+        try:
+            timeout_s = float(text)
+        except ValueError:
+            raise ConfigError(f"{COLLECTIVE_TIMEOUT_VARIABLE}={text!r} is not a number of seconds") from None
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
