@@ -60,7 +60,8 @@ class Checkpointer:
         self.directory, self.every, self.keep = Path(directory), every, keep
 
     def checkpoints(self) -> list[Path]:
-        """The complete checkpoints on disk, newest first (as this rank sees the folder)."""
+        """The ``step-N`` folders, newest first, as this rank sees them (complete, as the rename
+        made them, unless damaged since: loading checks)."""
         if not self.directory.is_dir():
             return []
         found = [(int(m.group(1)), p) for p in self.directory.iterdir() if (m := _COMPLETE.fullmatch(p.name))]
@@ -108,8 +109,9 @@ class Checkpointer:
 
     def save(self, step: int, pmodel, optimizer: torch.optim.Optimizer, data=None) -> Path:
         """Write the checkpoint of ``step`` (optimizer steps taken) aside, then rename it into
-        place and drop every other ``step-N`` folder but the newest ``keep`` complete ones. When this returns on any
-        rank, ``step-N`` is complete on disk; a failure on any rank is raised on every rank."""
+        place and drop every other ``step-N`` folder but the newest ``keep`` complete ones. When
+        this returns on any rank, ``step-N`` is complete on disk; a failure on any rank is raised
+        on every rank."""
         final = self.directory / f"step-{step:08d}"
         partial = self.directory / f".{final.name}{_PARTIAL_SUFFIX}"
         with reported(f"saving the checkpoint of step {step}"):
@@ -120,9 +122,9 @@ class Checkpointer:
         return final
 
     def _start(self, partial: Path) -> None:
-        """A fresh partial folder; what an interrupted save left is removed first."""
+        """A fresh partial folder; what an interrupted save or drop left is removed first."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        for leftover in self.directory.glob(f".step-*{_PARTIAL_SUFFIX}"):
+        for leftover in self.directory.glob(".step-*"):
             shutil.rmtree(leftover)
         partial.mkdir()
 

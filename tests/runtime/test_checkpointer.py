@@ -95,11 +95,13 @@ def _checkpointer_checks(rank: int, world: int, folder: str) -> dict:
     results["next_step"] = all(torch.equal(w, _weights(resumed)[n]) for n, w in _weights(pmodel).items())
     results["plan"] = (checkpointer.plan(world) == pmodel.plan, checkpointer.plan(world + 1))
 
-    # a newest checkpoint whose manifest is gone (as if its write never finished), and a partial folder
+    # a newest checkpoint whose manifest is gone (as if its write never finished), a partial folder
+    # and a half-deleted one (a crash mid-drop)
     def incomplete():
         shutil.copytree(folder / "job/step-00000006", folder / "job/step-00000010")
         os.remove(folder / "job/step-00000010/autopar.json")
         (folder / "job/.step-00000012.partial").mkdir()
+        (folder / "job/.step-00000002.deleting").mkdir()
 
     _on_rank_zero(incomplete)
     with warnings.catch_warnings(record=True) as caught:
@@ -149,7 +151,7 @@ def test_checkpoints_are_atomic_resume_everything_and_refuse_bad_input(tmp_path)
     assert results["draws"] and results["weights"] and results["next_step"]
     assert results["plan"] == (True, None)
     assert results["fallback"] == 6 and "step-00000010 has no autopar.json" in results["warned"][0]
-    assert results["after_partial"] == ["step-00000006", "step-00000012"]  # the partial and the broken 10 went
+    assert results["after_partial"] == ["step-00000006", "step-00000012"]  # leftovers and the broken 10 went
 
     refused = results["refused"]
     assert refused["truncated"][0] == "IncompleteCheckpointError"
