@@ -123,6 +123,7 @@ def parallelize(
     plan: Plan | str | None = None,
     options: PlanOptions | None = None,
     local_batches: bool = False,
+    check_finite: bool = False,
     **pins,
 ):
     """Plan (or load ``plan``) and build this rank's trainable module. Call on every rank.
@@ -143,46 +144,50 @@ def parallelize(
     ``precision="bf16-mixed"`` (or "fp16-mixed", with dynamic loss scaling; default: the
     hardware's natural one, fp32 on CPU) trains fp32 master parameters with 16-bit compute
     copies, reducing gradients in ``reduce_dtype`` (default "float32"); see
-    :mod:`autopar.runtime.mixed_precision`.
+    :mod:`autopar.runtime.mixed_precision`. ``check_finite=True`` makes every ``train_step``
+    raise :class:`NonFiniteError` on every rank when the loss or a gradient holds a NaN or
+    infinity, naming the parameters (one small all-reduce per step).
+
+    Post: an error on any rank, before the ranks first communicate, is raised on every rank
+    (see :mod:`autopar.runtime.faults`); a failure inside a step reaches the peers.
 
     >>> pmodel = parallelize(AutoModelForCausalLM.from_config(config), "2x2")   # doctest: +SKIP
     >>> optimizer = torch.optim.AdamW(pmodel.parameters())                     # doctest: +SKIP
     >>> pmodel(input_ids=ids, labels=ids).loss.backward(); optimizer.step()    # doctest: +SKIP
     """
-    from autopar.runtime.calls import CallProgram, Calls
-    from autopar.runtime.module import AccumulatingModule, ParallelModule
-    from autopar.runtime.pipeline import PipelineModule
-    from autopar.runtime.process_groups import build_device_mesh, group_name
+    from autopar.runtime.faults import reported
 
     mesh = Mesh.of(mesh)
     _check_world(mesh)
-    log = PassLog()
-    example = _example_call(model, mesh, example_inputs, example_kwargs)
-    if isinstance(plan, str):
-        plan = Plan.load(plan)
     options = PlanOptions.of(options, **pins)
-    policy = plan.precision_policy if plan is not None else options.precision_policy
-    captured = _capture(model, (), policy, log, example)
+    with reported("parallelize"):
+        call = (example_inputs, example_kwargs)
+        return _parallelize(model, mesh, call, plan, options, local_batches, check_finite)
+
+
+def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, local_batches: bool, check_finite: bool):
+    """``parallelize`` once the world is known to match: every decision that can fail on some
+    ranks is shared (``faults.agree``) before the ranks next communicate."""
+    from autopar.runtime.calls import CallProgram, Calls
+    from autopar.runtime.faults import agree, from_rank_zero
+    from autopar.runtime.process_groups import build_device_mesh, group_name
+
+    log = PassLog()
+    example, captured, plan = agree(
+        lambda: _captured_with_plan(model, mesh, call, plan, options, log), "capturing the model"
+    )
     if plan is None:
-        plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
-    elif {options.precision, options.reduce_dtype} - {None, plan.precision, plan.reduce_dtype}:
-        raise ConfigError(
-            f"the plan trains in precision={plan.precision!r}, reduce_dtype={plan.reduce_dtype!r}: pass "
-            "dataclasses.replace(plan, precision=..., reduce_dtype=...) or plan again with those options"
-        )
-    elif plan.fingerprint != captured.fingerprint:
-        raise StalePlanError(
-            f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
-            "re-run autopar.plan for this model and these input shapes (or pass the example inputs it was made with)"
-        )
+        # one search, shared: ops timed while planning differ from rank to rank, and ranks
+        # running different plans would wait on each other forever
+        plan = from_rank_zero(lambda: _search(captured, mesh, options, log), "searching for a plan")
     _check_runnable(plan)
-    schedule = plan.schedule
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    layout = {Axis.PP: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
-    device_mesh = build_device_mesh(layout, device_type)
+    stages = plan.schedule.stages
+    device_mesh = build_device_mesh({Axis.PP: stages, **plan.degrees} if stages > 1 else plan.degrees, device_type)
     groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
 
     def compile_call(bound: dict, known: CapturedGraph | None = None) -> CallProgram:
+        """This rank's programs for a call signature (no communication, but for a search again)."""
         built = build_programs(
             model,
             bound,
@@ -190,7 +195,7 @@ def parallelize(
             plan,
             groups=groups,
             device=device_type,
-            replan=lambda graph, pinned: _plan_on_rank_zero(lambda: _search(graph, mesh, pinned, log)),
+            replan=lambda graph, pinned: from_rank_zero(lambda: _search(graph, mesh, pinned, log), "planning a call"),
             log=log,
             captured=known,
         )
@@ -202,19 +207,49 @@ def parallelize(
             signature=Calls.signature(bound),
         )
 
-    first = compile_call(example, captured)
-    stage_mesh = device_mesh[tuple(plan.degrees)] if schedule.stages > 1 else device_mesh
+    first = agree(lambda: compile_call(example, captured), "rewriting the graph into this rank's program")
+    stage_mesh = device_mesh[tuple(plan.degrees)] if stages > 1 else device_mesh
     calls = Calls(
         lambda args, kwargs: bind_call(model, args, kwargs), compile_call, stage_mesh, plan.inputs, local_batches
     )
     calls.add(first)
+    return agree(
+        lambda: _rank_module(model, captured, plan, device_mesh, calls, first, check_finite),
+        "building this rank's module",
+    )
+
+
+def _captured_with_plan(model, mesh: Mesh, call: tuple, plan: Plan | str | None, options: PlanOptions, log: PassLog):
+    """The planning call, its graph (in the precision it trains in) and the plan given, checked."""
+    example = _example_call(model, mesh, *call)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    policy = plan.precision_policy if plan is not None else options.precision_policy
+    captured = _capture(model, (), policy, log, example)
+    if plan is not None and {options.precision, options.reduce_dtype} - {None, plan.precision, plan.reduce_dtype}:
+        raise ConfigError(
+            f"the plan trains in precision={plan.precision!r}, reduce_dtype={plan.reduce_dtype!r}: pass "
+            "dataclasses.replace(plan, precision=..., reduce_dtype=...) or plan again with those options"
+        )
+    if plan is not None and plan.fingerprint != captured.fingerprint:
+        raise StalePlanError(
+            f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
+            "re-run autopar.plan for this model and these input shapes (or pass the example inputs it was made with)"
+        )
+    return example, captured, plan
+
+
+def _rank_module(model, captured: CapturedGraph, plan: Plan, device_mesh, calls, first, check_finite: bool):
+    from autopar.runtime.module import AccumulatingModule, ParallelModule
+    from autopar.runtime.pipeline import PipelineModule
+
     state = {
         **dict(model.named_parameters(remove_duplicate=False)),
         **dict(model.named_buffers(remove_duplicate=False)),
         **captured.constants,
     }
-    common = dict(state=state, tied=captured.tied, calls=calls)
-    if schedule.stages > 1:
+    common = dict(state=state, tied=captured.tied, calls=calls, check_finite=check_finite)
+    if plan.schedule.stages > 1:
         return PipelineModule(
             first.program,
             plan,
@@ -223,7 +258,7 @@ def parallelize(
             buffer_names=captured.buffers,
             **common,
         )
-    module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
+    module_class = AccumulatingModule if plan.schedule.microbatches > 1 else ParallelModule
     return module_class(
         first.program,
         plan,
@@ -270,19 +305,3 @@ def _check_runnable(plan: Plan) -> None:
         raise ConfigError(
             f"{schedule.microbatches} microbatches must divide the local batch of {local_batch}: pick a divisor"
         )
-
-
-def _plan_on_rank_zero(search):
-    """One search, on rank 0, shared with every rank: ops timed while planning differ from
-    rank to rank, and ranks running different plans would wait on each other forever.
-    An error on rank 0 is raised on every rank."""
-    outcome = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = search()
-        except Exception as error:  # noqa: BLE001  (re-raised below, on every rank)
-            outcome[1] = error
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[1] is not None:
-        raise outcome[1]
-    return outcome[0]

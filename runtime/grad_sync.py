@@ -32,6 +32,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import DTensor
 
 from autopar.runtime.collectives import _chunks_to_front
+from autopar.runtime.faults import collective
 
 DEFAULT_BUCKET_SIZE_BYTES = 25 * 2**20
 # Like DDP: a small first bucket starts communication early in backward.
@@ -100,7 +101,8 @@ class _Bucket:
 
     def finish(self) -> None:
         """Wait for the all-reduce and write the sums into the gradients."""
-        self.work.wait()
+        with collective("gradient all-reduce", self.group_name):
+            self.work.wait()
         for index, param in enumerate(self.params):
             if param.grad is not None:
                 _local(param.grad).copy_(self._slot(index))
@@ -189,7 +191,8 @@ class _ScatterBucket(_Bucket):
         return dist.reduce_scatter_single(self.received, self.buffer.view(-1), group=group, async_op=True)
 
     def finish(self) -> None:
-        self.work.wait()
+        with collective("gradient reduce-scatter", self.group_name):
+            self.work.wait()
         self.buffer = None
         for index, (param, scatter) in enumerate(zip(self.params, self.scatters)):
             shape = list(param.shape)

@@ -20,6 +20,7 @@ fp16's loss scale is ``pmodel.loss_scaler``.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,9 @@ from torch.distributed.tensor import Partial as DPartial
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 
-from autopar.ir import ConfigError, Plan, Replicate, Shard
+from autopar.ir import ConfigError, NonFiniteError, Plan, Replicate, Shard
 from autopar.runtime.calls import CallProgram, Calls, local_chunk
+from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mixed_precision import LossScaler, MixedPrecision
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -46,6 +48,21 @@ def to_dtensor_placement(placement):
     if isinstance(placement, Replicate):
         return DReplicate()
     return DPartial(placement.reduce_op)
+
+
+def communicating(method):
+    """Marks a ``train_step`` or ``forward``: its failure reaches the peers (``faults.reported``),
+    and with ``check_finite`` a train step's loss and gradients are checked on every rank."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with reported(method.__name__):
+            result = method(self, *args, **kwargs)
+            if self.check_finite and method.__name__ == "train_step":
+                self._check_finite(result)
+        return result
+
+    return run
 
 
 class ParallelModule(nn.Module):
@@ -62,8 +79,10 @@ class ParallelModule(nn.Module):
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
         calls: Calls,
+        check_finite: bool = False,
     ):
         super().__init__()
+        self.check_finite = check_finite
         self.program = program
         self.plan = plan
         self.device_mesh = mesh
@@ -117,6 +136,7 @@ class ParallelModule(nn.Module):
             if local.requires_grad:
                 local.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
+    @communicating
     def forward(self, *args, **kwargs):
         """Called as the model is, with the GLOBAL batch (or this rank's share, built with
         ``local_batches=True``; see :mod:`autopar.runtime.calls`); returns what the model returns
@@ -125,6 +145,7 @@ class ParallelModule(nn.Module):
         call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
         return self._calls.result(call, self._run(call.program, inputs))
 
+    @communicating
     def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
         """Forward and backward of this rank's inputs (``shard_batch``); gradients are complete
         (and synced) when this returns. Needs a model whose first output is its loss.
@@ -148,7 +169,8 @@ class ParallelModule(nn.Module):
         )
         share = partial / _resolve_process_group(group).size() if reduce_op == "avg" else partial
         share.backward()
-        work.wait()
+        with collective("loss all-reduce", group):
+            work.wait()
         return loss
 
     def _loss_program(self, call: CallProgram) -> fx.GraphModule:
@@ -306,6 +328,31 @@ class ParallelModule(nn.Module):
         if chunk is not None:
             add_grad(self._zero_chunks[self._names_by_leaf[id(leaf)]], chunk.clone())
 
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Raise NonFiniteError on every rank if the loss or any rank's gradient shard is not finite.
+
+        Ranks hold different shards (and pipeline ranks different parameters): one MAX
+        all-reduce of a flag per parameter of the plan lets every rank name the same ones."""
+        names = list(self.plan.params)
+        flags = torch.zeros(len(names) + 1, device=loss.device)
+        flags[0] = float(not torch.isfinite(loss).all())
+        for index, name in enumerate(names, start=1):
+            grad = self._grad_owner(name).grad if name in self._params else None
+            if grad is not None and not torch.isfinite(grad).all():
+                flags[index] = 1.0
+        with collective("check_finite all-reduce"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags.any():
+            bad = [name for name, flag in zip(names, flags[1:].tolist()) if flag]
+            loss_text = f"the loss is {loss.item()}" if flags[0] else "the loss is finite"
+            raise agreed(
+                NonFiniteError(
+                    f"check_finite: {loss_text}; non-finite gradients in {len(bad)} parameter(s)"
+                    f"{': ' + ', '.join(bad[:8]) + (' ...' if len(bad) > 8 else '') if bad else ''}. "
+                    "Look for NaN or inf in the batch, lower the learning rate, or use a loss scaler"
+                )
+            )
+
     def _follow_zeroed_grads(self) -> None:
         """An optimizer over either view may have set its gradients to None: mirror that."""
         for name, param in self._params.items():
@@ -353,6 +400,7 @@ class AccumulatingModule(ParallelModule):
         count = self.plan.schedule.microbatches
         return list(zip(*(value.tensor_split(count) for value in local_inputs)))
 
+    @communicating
     def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
         call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
         program = self._loss_program(call)  # a piece's whole loss, reduced (backward runs per piece)
@@ -373,6 +421,7 @@ class AccumulatingModule(ParallelModule):
             return synced_alone(whole_leaves(self))
         return contextlib.nullcontext() if last else self.no_sync()
 
+    @communicating
     def forward(self, *args, **kwargs):
         """The pieces one after another (one backward through all of them: no memory saved,
         use ``train_step`` for that); scalar outputs (the loss) averaged, others concatenated."""

@@ -44,7 +44,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
 from autopar.runtime.calls import Calls
 from autopar.runtime.mixed_precision import MixedPrecision
-from autopar.runtime.module import ParallelModule, whole_leaves
+from autopar.runtime.module import ParallelModule, communicating, whole_leaves
 from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
@@ -163,6 +163,7 @@ class PipelineModule(ParallelModule):
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
         calls: Calls,
+        check_finite: bool = False,
     ):
         schedule = plan.schedule
         mine = schedule.device_modules()[mesh.get_local_rank(Axis.PP)]
@@ -179,6 +180,7 @@ class PipelineModule(ParallelModule):
             state=state,
             tied={alias: name for alias, name in (tied or {}).items() if name in names},
             calls=calls,
+            check_finite=check_finite,
         )
         self.plan = plan
         self.pipeline_mesh = mesh
@@ -236,6 +238,7 @@ class PipelineModule(ParallelModule):
         )
         return stages, runner
 
+    @communicating
     def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
         """Forward and backward of the local batch through the pipeline; gradients complete
         (summed over dp and over the stages sharing a weight, averaged over microbatches) on
@@ -246,6 +249,7 @@ class PipelineModule(ParallelModule):
         self._after_backward()
         return loss
 
+    @communicating
     def forward(self, *args, **kwargs):
         """The model's result with its loss only (every rank gets it). With gradients enabled,
         the schedule's forward and backward run now; ``loss.backward()`` publishes the gradients."""

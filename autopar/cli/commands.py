@@ -180,7 +180,14 @@ def _cmd_run(args) -> int:
 
     if not Path(args.script).is_file():
         raise UsageError(f"SCRIPT: no file {args.script}")
-    return launch_local(args.script, args.script_args, nproc=args.nproc, timeout_s=args.timeout)
+    return launch_local(
+        args.script,
+        args.script_args,
+        nproc=args.nproc,
+        timeout_s=args.timeout,
+        max_restarts=args.max_restarts,
+        collective_timeout_s=args.collective_timeout,
+    )
 
 
 def _cmd_calibrate(args) -> int:

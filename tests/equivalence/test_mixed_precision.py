@@ -29,11 +29,11 @@ from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, load_example
 from mixed_precision import reference_step, state_bytes
 
 import autopar
-from autopar.api import _plan_on_rank_zero
 from autopar.ir import get_profile
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.evaluate import evaluate_plan
 from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
@@ -81,8 +81,8 @@ def _pinned_plan(model, inputs, precision: str, options: dict, zero: int):
     mesh = options.pop("mesh", 4)
     key = (repr(model), precision, repr(options))
     if key not in _BASE_PLANS:
-        _BASE_PLANS[key] = _plan_on_rank_zero(
-            lambda: autopar.plan(model, mesh, inputs, precision=precision, zero=0, **options)
+        _BASE_PLANS[key] = from_rank_zero(
+            lambda: autopar.plan(model, mesh, inputs, precision=precision, zero=0, **options), "planning"
         )
     return mesh, dataclasses.replace(_BASE_PLANS[key], zero=zero)
 

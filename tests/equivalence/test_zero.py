@@ -18,10 +18,10 @@ from equivalence import GPT_TP, _rel, compare_one_step, load_example
 from mixed_precision import state_bytes
 
 import autopar
-from autopar.api import _plan_on_rank_zero
 from autopar.ir import get_profile
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.evaluate import evaluate_plan
+from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 from autopar.runtime.zero import gather as zero_gathers
 
@@ -43,10 +43,11 @@ MICRO_CASES = [("gpt", stage) for stage in (1, 2, 3)] + [("mlp", stage) for stag
 def _plan(gpt, mesh_name: str, stage: int):
     mesh, degrees, constraints, schedule = MESHES[mesh_name]
     model = gpt.build(**GPT)
-    base = _plan_on_rank_zero(
+    base = from_rank_zero(
         lambda: autopar.plan(
             model, mesh, model.example_inputs(BATCH), degrees=degrees, constraints=constraints, zero=0, **schedule
-        )
+        ),
+        "planning",
     )
     return dataclasses.replace(base, zero=stage)
 
@@ -115,8 +116,9 @@ def _memory(gpt, mesh_name: str) -> dict:
 def _micro_plan(builder, kwargs: dict, stage: int):
     """DP2 with 2 microbatches, summing gradients over dp (pinned as ``_plan`` does)."""
     model = builder(**kwargs)
-    base = _plan_on_rank_zero(
-        lambda: autopar.plan(model, 2, model.example_inputs(BATCH), degrees={"dp": 2}, microbatches=2, zero=0)
+    base = from_rank_zero(
+        lambda: autopar.plan(model, 2, model.example_inputs(BATCH), degrees={"dp": 2}, microbatches=2, zero=0),
+        "planning",
     )
     assert (
         base.schedule.microbatches == 2 and base.grad_sync and all(axes == ("dp",) for axes in base.grad_sync.values())
