@@ -226,11 +226,16 @@ def _slowest_rank(seconds: list[float]) -> list[float]:
 
 
 def check_equivalence(
-    competitors: dict[str, Competitor], steps: int = EQUIVALENCE_STEPS, pairs=PAIRS
+    competitors: dict[str, Competitor],
+    steps: int = EQUIVALENCE_STEPS,
+    pairs=PAIRS,
+    loss_rtol: float = LOSS_RTOL,
+    grad_rtol: float = GRAD_RTOL,
 ) -> dict[str, list[float]]:
     """Run the first ``steps`` steps of every competitor; each pair must agree on every loss and,
     after the first backward, on every full gradient (a gradient off by a constant factor barely
-    moves AdamW's next loss, so the losses alone would not catch it). Returns the losses."""
+    moves AdamW's next loss, so the losses alone would not catch it), within ``loss_rtol`` and
+    ``grad_rtol`` of the largest entry. Returns the losses."""
     losses = {name: [] for name in competitors}
     first_grads = {}
     for step in range(steps):
@@ -242,7 +247,7 @@ def check_equivalence(
             competitor.optimizer.zero_grad()
     for comparison, ours, theirs in pairs:
         for step, (a, b) in enumerate(zip(losses[ours], losses[theirs]), start=1):
-            if abs(a - b) > LOSS_RTOL * abs(b):
+            if abs(a - b) > loss_rtol * abs(b):
                 _not_equivalent(comparison, f"step {step} loss: {ours} {a:.8f} vs {theirs} {b:.8f}")
         if first_grads[ours].keys() != first_grads[theirs].keys():
             _not_equivalent(
@@ -255,7 +260,7 @@ def check_equivalence(
             if expected is None:
                 continue
             error, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
-            if error > GRAD_RTOL * scale + GRAD_ATOL:
+            if error > grad_rtol * scale + GRAD_ATOL:
                 _not_equivalent(
                     comparison,
                     f"step 1 gradient of {name}: max |{ours} - {theirs}| = {error:.3e}, max |{theirs}| = {scale:.3e}",
@@ -305,6 +310,15 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
+def losses_table(results: dict[int, dict]) -> list[str]:
+    """The losses ``check_equivalence`` returned, per world size and competitor, as table lines."""
+    lines = ["| ranks | competitor | loss step 1 | loss step 2 |", "| ---: | --- | ---: | ---: |"]
+    for world_size, result in results.items():
+        for name, losses in result["losses"].items():
+            lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")
+    return lines
+
+
 def render_section(results: dict[int, dict], settings: Settings, command: str, elapsed_s: float) -> str:
     """The body of this script's BENCHMARKS.md section for ``results[world_size]``."""
     model = settings.model
@@ -350,12 +364,8 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
         f"Equivalence check (passed): per pair, the loss of the global batch at steps 1 and 2 within rtol {LOSS_RTOL}, "
         f"and every full gradient after step 1 within {GRAD_RTOL} of that gradient's largest entry.",
         "",
-        "| ranks | competitor | loss step 1 | loss step 2 |",
-        "| ---: | --- | ---: | ---: |",
+        *losses_table(results),
     ]
-    for world_size, result in results.items():
-        for name, losses in result["losses"].items():
-            lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")
     lines += [
         "",
         "Raw per-round medians, ms (slowest rank per step); the last column is the median over rounds of "

@@ -256,7 +256,8 @@ def sample_facts(
             continue
         where = f"batch={batch}" + (f", seq={seq}" if seq is not None else "")
         try:
-            graph = capture(model, _inputs_at(example_inputs, batch, seq, seq_dim))
+            # captured as ``captured`` was (mixed precision: in its 16-bit param_dtype)
+            graph = capture(model, _inputs_at(example_inputs, batch, seq, seq_dim), param_dtype=captured.param_dtype)
         except TraceError as error:
             raise ConfigError(
                 f"symbolic costs capture the model at {where} too, and it failed: {str(error).splitlines()[0]}\n"

@@ -141,7 +141,7 @@ def search(
             if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None
         }
     )
-    precision = options.precision or hardware.precision  # recorded; priced by the cost model
+    policy = options.precision_policy  # recorded; the graph was captured in its param_dtype
     plan = _to_plan(captured, whole, strategies, dataclasses.replace(best, cost=cost), mesh, hardware)
     return dataclasses.replace(
         plan,
@@ -149,7 +149,8 @@ def search(
         search=tuple(weighed.log),
         search_time_s=time.perf_counter() - started,
         replicated_ops=tuple(replicated),
-        precision=precision,
+        precision=policy.precision,
+        reduce_dtype=policy.reduce_dtype,
     )
 
 
