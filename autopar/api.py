@@ -207,13 +207,17 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
             captured=known,
         )
         program = built.stages if built.stages is not None else built.program
-        if plan.schedule.compiled:
+        loss_program = built.loss_program
+        if plan.schedule.compiled:  # the programs sum their gradients; the runtime leaves those alone
             group_of = lambda axes: group_name(device_mesh, tuple(axes))  # noqa: E731
             program, synced = _synced_in_program(program, built.plan, built.captured.params, group_of, log)
+            if loss_program is not None:
+                loss_program, more = _synced_in_program(loss_program, built.plan, built.captured.params, group_of, log)
+                synced |= more
             synced_in_program.update(synced)
         return CallProgram(
             program=program,
-            loss_program=built.loss_program,
+            loss_program=loss_program,
             inputs={name: built.plan.inputs[name] for name in built.captured.user_inputs},
             out_spec=built.captured.out_spec,
             signature=Calls.signature(bound),
