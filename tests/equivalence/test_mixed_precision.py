@@ -184,7 +184,7 @@ def _checkpoint_keeps_masters(writer, writer_optimizer, model, inputs, path) -> 
         mesh, plan = _pinned_plan(model, inputs, precision, dict(degrees={"dp": 4}), zero)
         reader = autopar.parallelize(model, mesh, inputs, plan=plan)
         optimizer = reader.optimizer(torch.optim.AdamW, lr=1.0)
-        reader(*reader.shard_batch(*inputs))  # casts the compute copies of the initial weights
+        reader(*inputs)  # the global batch, as a call takes it: casts the compute copies of the initial weights
         load_checkpoint(reader, optimizer, path)
         copies = reader._precision.leaves()
         found[precision] = {
