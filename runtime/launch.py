@@ -60,7 +60,19 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent keeps one store across restarts: keys of an attempt (the gloo peers'
+        # addresses) are prefixed by it, or a restarted rank reads a dead peer's address
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        store = dist.PrefixStore(f"autopar/attempt_{attempt}", client)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
 
 
 def free_port() -> int:
