@@ -36,8 +36,9 @@ def main() -> None:
         [
             "## Bad input: every mistake, the error it gets",
             "",
-            f"`python benchmarks/bad_input_table.py`: each of the {len(MISTAKES)} mistakes of tests/helpers/bad_inputs.py "
-            "made as a user would (the test suite checks each text names what is wrong and what to do). Errors are "
+            f"`python benchmarks/bad_input_table.py`: each of the {len(MISTAKES)} mistakes of "
+            "tests/helpers/bad_inputs.py made as a user would (the test suite checks each text names what is "
+            "wrong and what to do). Errors are "
             "`autopar.AutoparError` subclasses; those inside a process group are raised on every rank alike.",
             "",
             table_markdown(texts),
