@@ -24,27 +24,32 @@ Run from the repository root::
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from autopar.runtime.spawn import run_local
-
 sys.path.insert(0, str(Path(__file__).parent))
 from parallel_kernels import _median_s, _round_ratio  # noqa: E402
-from publish import publish  # noqa: E402
-from step_time import FULL, LOSS_RTOL, LR, QUICK, SEED, _load_gpt, check_equivalence, losses_table, time_rounds  # noqa: E402
+from step_time import (  # noqa: E402
+    FULL,
+    LOSS_RTOL,
+    LR,
+    QUICK,
+    SEED,
+    _load_gpt,
+    check_equivalence,
+    losses_table,
+    main_per_world_size,
+    time_rounds,
+)
 from zero import autopar_zero, torch_fsdp2  # noqa: E402
 
 SECTION = "mixed_precision"
-WORLD_SIZES = (2, 4)
 TARGET_RATIO = 1.05  # autopar bf16-mixed at most 5% slower than FSDP2 with the same policy
 BF16_RTOL = 16 * 2.0**-8  # 16 units of bf16's rounding
 PAIRS = (
@@ -133,18 +138,7 @@ def render_section(results: dict[int, dict], settings, command: str, elapsed_s: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps; print, do not write")
-    args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
-    command = "python benchmarks/mixed_precision.py" + (" --quick" if args.quick else "")
-    start = time.monotonic()
-    results = {}
-    for world_size in WORLD_SIZES:
-        print(f"[mixed_precision] {world_size} ranks ...", flush=True)
-        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=settings.timeout_s)[0]
-    publish(SECTION, render_section(results, settings, command, time.monotonic() - start), args.quick)
-    return 0
+    return main_per_world_size("mixed_precision", __doc__, bench_rank, render_section, SECTION, argv, QUICK, FULL)
 
 
 if __name__ == "__main__":

@@ -384,22 +384,26 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main_per_world_size(script: str, doc: str, bench_rank, render_section, section: str, argv, quick, full) -> int:
+    """The ``main`` of a benchmark that runs ``bench_rank(rank, world, settings)`` once per world
+    size (one spawn each, within the settings' timeout) and writes ``section`` from
+    ``render_section(results, settings, command, seconds)``; ``--quick``: ``quick``, printed only."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps; print, do not write")
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
-    command = "python benchmarks/step_time.py" + (" --quick" if args.quick else "")
-
+    settings = quick if args.quick else full
+    command = f"python benchmarks/{script}.py" + (" --quick" if args.quick else "")
     start = time.monotonic()
     results = {}
     for world_size in WORLD_SIZES:
-        remaining = settings.timeout_s - (time.monotonic() - start)
-        print(f"[step_time] {world_size} ranks ...", flush=True)
-        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=remaining)[0]
-    section = render_section(results, settings, command, time.monotonic() - start)
-    publish(SECTION, section, args.quick)
+        print(f"[{script}] {world_size} ranks ...", flush=True)
+        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=settings.timeout_s)[0]
+    publish(section, render_section(results, settings, command, time.monotonic() - start), args.quick)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_per_world_size("step_time", __doc__, bench_rank, render_section, SECTION, argv, QUICK, FULL)
 
 
 if __name__ == "__main__":
