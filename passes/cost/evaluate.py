@@ -243,7 +243,7 @@ class LayoutTerms:
     synced: set[str]  # parameters whose gradients are synchronized
     local: ShardedShapes  # every node's local shapes once all axes are solved
     link: LinkTier  # the tier a pipeline's stage boundaries cross
-    made_of: tuple = ()  # (degrees, strategies, mesh, hardware, zero): for :meth:`compiled_traffic`
+    made_of: tuple = ()  # (degrees, strategies, mesh, hardware): for :meth:`compiled_traffic`
     _terms: LayerTerms | None = None
     _rows: list | None = None
     _starts: dict = field(default_factory=dict)
@@ -256,14 +256,14 @@ class LayoutTerms:
         """The terms of ``strategies``; of ZeRO only whether it regathers weights (stage 3) matters.
         ``memo`` keeps each axis's :func:`traffic` for layouts that share their first axes."""
         cost, synced, local = _layout_cost(facts, degrees, strategies, mesh, hardware, zero, memo)
-        made_of = (degrees, strategies, mesh, hardware, zero)
+        made_of = (degrees, strategies, mesh, hardware)
         return cls(facts, cost, synced, local, hardware.link(mesh.shape, mesh.size), made_of)
 
     def compiled_traffic(self, zero: int, schedule: Schedule) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) of the compiled step (:mod:`replay`):
         every collective noted, then replayed against the compute it can hide behind. A folded
         graph replays its kept layers only (:attr:`NodeFacts.weight` is not applied here)."""
-        degrees, strategies, mesh, hardware, _ = self.made_of
+        degrees, strategies, mesh, hardware = self.made_of
         step = CompiledStep()
         for ctx, _, _ in axis_contexts(self.facts, degrees, strategies, mesh, hardware, zero, step=step):
             if ctx is None:
