@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import autopar
-from autopar.runtime import init_from_env
+from autopar.runtime import finish, init_from_env
 
 sys.path.insert(0, str(Path(__file__).parent))
 import hf  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
                 f"step {step:3d}  loss {out.loss.item():.4f}  {1e3 * (time.perf_counter() - started):.0f} ms",
                 flush=True,
             )
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

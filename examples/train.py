@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.runtime import Checkpointer, init_from_env
+from autopar.runtime import Checkpointer, finish, init_from_env
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpt  # noqa: E402
@@ -87,7 +87,7 @@ def main() -> None:
             print(f"step {step:3d}  loss {loss.item():.6g}  {elapsed_ms:.0f} ms{what}", flush=True)
         if checkpointer:
             checkpointer.maybe_save(step + 1, pmodel, optimizer)
-    dist.destroy_process_group()
+    finish()
 
 
 if __name__ == "__main__":

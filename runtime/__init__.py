@@ -37,7 +37,7 @@ from autopar.runtime.kernels.context_parallel import ring_attention, ulysses_att
 from autopar.runtime.kernels.expert_parallel import moe
 from autopar.runtime.kernels.vocab_parallel import vocab_cross_entropy, vocab_embedding
 from autopar.runtime.kernels.zigzag import zigzag
-from autopar.runtime.launch import free_port, init_from_env, launch_local
+from autopar.runtime.launch import finish, free_port, init_from_env, launch_local
 from autopar.runtime.process_groups import build_device_mesh, group_name
 from autopar.runtime.spawn import run_local
 from autopar.runtime.zero.compiled import zero_gather_layer, zero_reduce_scatter_layer
@@ -53,6 +53,7 @@ __all__ = [
     "chunk",
     "free_port",
     "grad_all_reduce",
+    "finish",
     "group_name",
     "init_from_env",
     "keep_on_first",

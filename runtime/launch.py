@@ -75,6 +75,15 @@ def init_from_env(backend: str | None = None, timeout_s: float | None = None) ->
     dist.init_process_group(backend, init_method="env://", timeout=timeout)
 
 
+def finish() -> None:
+    """Leave the process group together: every rank waits for the others, then tears it down.
+    A rank that closes its gloo connections while a peer is still in a collective on them can
+    abort that peer's process at exit (seen as SIGABRT, "terminate called", after the last step)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now (the OS picks it)."""
     with socket.socket() as sock:
