@@ -9,7 +9,7 @@ rule and so run replicated, how many graph nodes that is, and the planning time.
 Llama with 70B-sized layers planned for 64 simulated A100s: time and the planning
 process's peak resident memory. Writes the "coverage" section of BENCHMARKS.md.
 
-``families``: every family of :mod:`families` on 4 gloo ranks, DP, TP and the automatic plan,
+``families``: every family of :mod:`families` on 4 gloo ranks, DP, TP, PP, CP and the automatic plan,
 one training step against one process; writes the "hf-families" section (``--only`` and
 ``--quick`` print without writing).
 """
@@ -125,10 +125,11 @@ def families(selected: list[str], quick: bool) -> None:
 {elapsed / 60:.0f} min). Each family is `AutoModelForCausalLM.from_config` on a small config
 (`benchmarks/hf_configs.py`: hidden 64, 2 layers, 4 heads, 2 KV heads, vocab 128; MoE 4 experts
 top-2), unmodified. `autopar.parallelize(model, 4)` plans it with no example inputs, pinned to
-dp=4 (DP), tp=4 (TP) or free (auto: the degrees it chose); one step as a script takes it
+dp=4 (DP), tp=4 (TP), pp=2 x dp=2 or cp=2 x dp=2 on a 2x2 mesh, or free (auto: the degrees it
+chose); one step as a script takes it
 (`pmodel(input_ids=..., labels=...).loss.backward()`, AdamW) against the same step in one
 process. ✓: loss, every full gradient and every parameter after the step allclose (rtol 1e-4,
-atol 1e-6). **{passing} of {len(rows)} families pass all three** (anchor: Meta's autoparallel
+atol 1e-6). **{passing} of {len(rows)} families pass all {len(PLANS)}** (anchor: Meta's autoparallel
 passes 14 of 20).
 
 {tabulate(table, headers=["family", *PLANS, "why not"], tablefmt="github")}

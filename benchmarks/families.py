@@ -1,11 +1,12 @@
-"""Unmodified Hugging Face families on 4 gloo ranks: DP, TP and the automatic plan, one training
-step against one process.
+"""Unmodified Hugging Face families on 4 gloo ranks: DP, TP, pipeline, context parallelism and
+the automatic plan, one training step against one process.
 
     python benchmarks/coverage.py families [--only llama,qwen2] [--quick]
 
 Each family is ``AutoModelForCausalLM.from_config`` on a small config (:mod:`hf_configs`), as it
 comes. ``autopar.parallelize(model, 4)`` plans it with no example inputs, pinned to ``dp=4``,
-to ``tp=4``, or not pinned (the search's own choice); then one step as a script takes it:
+to ``tp=4``, to ``pp=2, dp=2`` or ``cp=2, dp=2`` on a 2x2 mesh, or not pinned (the search's own
+choice); then one step as a script takes it:
 ``pmodel(input_ids=..., labels=...).loss.backward()`` and AdamW, against the same step of the
 model in one process. A case passes when the loss, every full gradient and every parameter
 after the step are allclose (rtol 1e-4, atol 1e-6). A family that cannot run says why: the
@@ -24,7 +25,13 @@ from hf_configs import small_model
 
 import autopar
 
-PLANS = {"DP": {"degrees": {"dp": 4}}, "TP": {"degrees": {"tp": 4}}, "auto": {}}
+PLANS = {
+    "DP": {"degrees": {"dp": 4}},
+    "TP": {"degrees": {"tp": 4}},
+    "PP2xDP2": {"mesh": "2x2", "degrees": {"pp": 2, "dp": 2}},
+    "CP2xDP2": {"mesh": "2x2", "degrees": {"cp": 2, "dp": 2}},
+    "auto": {},
+}
 BATCH, SEQ, LR, EPS = 8, 32, 1e-4, 1e-6
 # Clean under torch.export in the HF survey (research/hf_families.md): dense, MoE, SSM, MLA,
 # sliding windows, ALiBi, tied embeddings, fused QKV.
@@ -46,8 +53,9 @@ def one_step(family: str, pins: dict) -> dict:
     """One training step of ``family`` under ``pins`` against one process (see the module docstring)."""
     torch.manual_seed(0)
     model = small_model(family)
+    pins = dict(pins)
     started = time.perf_counter()
-    pmodel = autopar.parallelize(model, 4, **pins)
+    pmodel = autopar.parallelize(model, pins.pop("mesh", 4), **pins)
     planned = time.perf_counter() - started
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
     tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))

@@ -29,21 +29,17 @@ HF = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 IGNORED = dict(ignore_targets=True)  # rows ignore 1, 2, ... targets: data-parallel shards count differently
 
 TWO_RANKS = [
-    ("mlp", "build", MLP, {}),
     ("mlp", "build", MLP, dict(degrees={"dp": 2})),
     ("mlp", "build", MLP, dict(degrees={"tp": 2}, constraints=MLP_TP)),
-    ("gpt", "build", GPT, {}),
     ("gpt", "build", GPT, dict(degrees={"dp": 2}, **IGNORED)),
     ("gpt", "build", GPT, dict(degrees={"dp": 2}, optimizer="shards")),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_TP)),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_TP, optimizer="shards")),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP)),
     ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints={**GPT_TP, **GPT_VOCAB}, **IGNORED)),
-    ("hf", "build_gpt2", HF, {}),
     ("hf", "build_gpt2", HF, dict(degrees={"dp": 2})),
     ("hf", "build_gpt2", HF, dict(degrees={"tp": 2}, constraints=GPT2_TP)),
     ("hf", "build_gpt2", HF, dict(degrees={"tp": 2}, constraints=GPT2_SP)),
-    ("hf", "build_llama", HF, {}),
     ("hf", "build_llama", HF, dict(degrees={"dp": 2})),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_TP)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_SP)),

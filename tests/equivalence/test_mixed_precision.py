@@ -63,7 +63,6 @@ CASES = {
         f"bf16 DP2xTP2 ZeRO-{zero}": Case("gpt", GPT, "bf16-mixed", DP2xTP2, zero, frozenset({"memory", "clip"}))
         for zero in (0, 1, 2, 3)
     },
-    "bf16 PP2xDP2 1f1b": Case("gpt", PIPELINED_GPT, "bf16-mixed", {**PP2xDP2, "pipeline": "1f1b"}),
     "bf16 PP2xDP2 zbv ZeRO-3": Case("gpt", PIPELINED_GPT, "bf16-mixed", {**PP2xDP2, "pipeline": "zbv"}, zero=3),
     "bf16 CP2xDP2 ring": Case("long_context_gpt", LONG, "bf16-mixed", CP2xDP2),
     "bf16 EP4": Case("moe_gpt", MOE, "bf16-mixed", EP4),

@@ -1,11 +1,11 @@
 """ZeRO-1/2/3 against the unparallelized model (same loss, full gradients and parameters after
-AdamW, fp32), on DP4, DP2×TP2 and PP2×DP2 (ZeRO inside each pipeline stage) gloo meshes of 4
-ranks and with 2 microbatches on DP2; when ZeRO syncs accumulated gradients; and what ZeRO
-saves per rank.
+AdamW, fp32), on DP4 and DP2×TP2 gloo meshes of 4 ranks and with 2 microbatches on DP2; when
+ZeRO syncs accumulated gradients; and what ZeRO saves per rank, on DP4 and inside the stages
+of PP2×DP2 (whose training steps are test_pipeline_parallel's).
 
 ZeRO cases take the plan the search makes without ZeRO and set its stage, so every stage
 runs the same data-parallel program (the search may otherwise pick another plan per stage);
-one case per stage goes through ``parallelize(..., zero=N)`` as users call it.
+one case goes through ``parallelize(..., zero=3)`` as users call it.
 """
 
 import dataclasses
@@ -32,9 +32,9 @@ MESHES = {  # name: mesh, degrees, constraints, schedule
     "DP2xTP2": ("2x2", {"dp": 2, "tp": 2}, GPT_TP, {}),
     "PP2xDP2": ("2x2", {"pp": 2, "dp": 2}, None, dict(microbatches=2, pipeline="1f1b")),
 }
-CASES = [(mesh, stage, "pinned plan") for mesh in MESHES for stage in (1, 2, 3)] + [
-    ("DP4", stage, "zero=N") for stage in (1, 2, 3)
-]
+# ZeRO inside pipeline stages steps in test_pipeline_parallel (ZERO_CASES); here its memory
+CASES = [(mesh, stage, "pinned plan") for mesh in ("DP4", "DP2xTP2") for stage in (1, 2, 3)]
+CASES.append(("DP4", 3, "zero=N"))
 # DP2, 2 microbatches. The MLP's fc1.bias (9) has no dim dp=2 divides: ZeRO leaves it whole.
 MLP_MIXED = dict(hidden=6, ffn=9, layers=2)
 MICRO_CASES = [("gpt", stage) for stage in (1, 2, 3)] + [("mlp", stage) for stage in (2, 3)]
