@@ -4,12 +4,12 @@ out.loss.backward(); optimizer.step()`` with the optimizer built before the firs
 the model itself: the loss, every full gradient and every parameter after AdamW (fp32,
 rtol 1e-4), on 4 gloo ranks, in one spawn.
 
-A representative slice (the family x plan matrix is ``benchmarks/coverage.py families``):
-GPT-2 (tied embedding and head) on DP4, TP4 and CP2xDP2; Llama on DP2xTP2 (from a per-rank
-data loader, ``local_batches``) and PP2xDP2; Mixtral on EP4; a Qwen2 with tied embeddings
-across pipeline stages on PP4, PP2xDP2 with ZeRO-3, and the zero-bubble V schedule (both uses on
-one device). Also on one of the models: calls of other sizes and with a padding mask (no new
-plan), a loss computed outside from returned logits, and a batch the mesh cannot split."""
+Llama, Mixtral and GPT-2 (tied embedding and head) on DP4, TP4, DP2xTP2, PP2xDP2, CP2xDP2 and
+(Mixtral) EP4; a Qwen2 with tied embeddings across pipeline stages on PP4, PP2xDP2 with ZeRO-1
+and ZeRO-3, and the zero-bubble V schedule (both uses on one device). Also on one of the
+models: a per-rank data loader (``local_batches``), calls of other sizes and with a padding
+mask (no new plan), a loss computed outside from returned logits, and a batch the mesh
+cannot split."""
 
 import torch
 from equivalence import ADAM_EPS, LEARNING_RATE, _rel, check_every_case, load_example, run_case
@@ -22,13 +22,15 @@ TIED = dict(SIZES, layers=4)  # a Qwen2 whose head is its embedding: 4 layers fo
 BATCH, SEQ = 8, 16
 PP2xDP2, DP2xTP2, CP2xDP2 = (dict(mesh="2x2", degrees={a: 2, "dp": 2}) for a in ("pp", "tp", "cp"))
 CASES = [
-    ("gpt2", SIZES, dict(degrees={"dp": 4})),
-    ("gpt2", SIZES, dict(degrees={"tp": 4})),
-    ("gpt2", SIZES, CP2xDP2),
+    *[(family, SIZES, dict(degrees={"dp": 4})) for family in ("llama", "mixtral", "gpt2")],
+    *[(family, SIZES, dict(degrees={"tp": 4})) for family in ("llama", "mixtral", "gpt2")],
     ("llama", SIZES, dict(DP2xTP2, local_batches=True)),  # each rank passes its data-parallel share
-    ("llama", SIZES, PP2xDP2),
+    *[(family, SIZES, DP2xTP2) for family in ("mixtral", "gpt2")],
+    *[(family, SIZES, PP2xDP2) for family in ("llama", "mixtral", "gpt2")],
+    *[(family, SIZES, CP2xDP2) for family in ("llama", "mixtral", "gpt2")],
     ("mixtral", SIZES, dict(degrees={"ep": 4})),
     ("qwen2", TIED, dict(degrees={"pp": 4})),
+    ("qwen2", TIED, dict(PP2xDP2, zero=1)),
     ("qwen2", TIED, dict(PP2xDP2, zero=3)),
     ("qwen2", TIED, dict(PP2xDP2, pipeline="zbv")),
 ]
