@@ -19,12 +19,14 @@ from autopar.ir import (
     Mesh,
     Placement,
     Plan,
+    PrecisionPolicy,
     Replicate,
     Schedule,
     Shard,
     model_state_bytes,
 )
 from autopar.passes.capture.graph import CapturedGraph
+from autopar.passes.cost.efficiency import GEMMS
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze, move_scope
 from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.cost.ops import (
@@ -35,8 +37,8 @@ from autopar.passes.cost.ops import (
     optimizer_time,
     reshard_time,
 )
-from autopar.passes.cost.schedule import kept_share, schedule_cost
-from autopar.passes.sharding.strategies import Strategy, numel, work_fraction
+from autopar.passes.cost.schedule import StepParts, forward_share, kept_share, schedule_cost
+from autopar.passes.sharding.strategies import Strategy, local_shape, numel, work_fraction
 
 R = Replicate()
 IMPOSSIBLE_S = 1e3  # cost of a redistribution that cannot be done; never chosen when avoidable
@@ -60,6 +62,15 @@ class AxisContext:
     schedule: Schedule = Schedule()
     later: int = 1  # devices the axes after this one split each of its shards into
     kernels: dict[str, str] = field(default_factory=dict)  # node → the parallel kernel pinned for it
+    linear_overlap: bool = True  # the ILP's linear prices: overlap as a flat share (evaluate caps it instead)
+
+    @property
+    def comm_share(self) -> float:
+        """The share of this axis's collectives the ILP prices as exposed: on the tensor-parallel
+        axis, what the stack does not hide behind GEMMs (:mod:`overlap`, without its cap)."""
+        if not self.linear_overlap or self.name != Axis.TP or self.hardware is None:
+            return 1.0
+        return 1.0 - self.hardware.tp_overlap
 
 
 def axis_spans(degrees: dict[str, int]) -> dict[str, int]:
@@ -75,9 +86,10 @@ def partial_gradients(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> 
     """(input node, all-reduce seconds) of every replicated input whose gradient this strategy
     leaves partial on this axis: an op that splits its work sends each rank's share back.
 
-    Parameters join the bucketed gradient sync (exposed beyond the overlap; ZeRO-3 gathers
-    the weight again for backward); an activation's partial sums are all-reduced once,
-    however many split ops consumed it (the rewrite sums them first).
+    Parameters join the bucketed gradient sync, in the policy's reduce dtype (ZeRO-3 gathers
+    the weight again for backward; how much hides behind backward is :mod:`overlap`'s); an
+    activation's partial sums are all-reduced once, however many split ops consumed it (the
+    rewrite sums them first).
     """
     if ctx.size <= 1 or isinstance(s.output, Replicate):
         return []
@@ -93,30 +105,39 @@ def partial_gradients(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> 
                 if ctx.zero == 3 and ctx.name == Axis.DP
                 else 0.0
             )
-            out.append((slot.name, (grad_sync_time(nbytes, ctx.size, ctx.link) + regather) * (1 - ctx.overlap)))
+            grads = numel(shape) * producer.grad_bytes
+            out.append((slot.name, grad_sync_time(grads, ctx.size, ctx.link) + regather))
         else:
             out.append((slot.name, collective_time("all_reduce", nbytes, ctx.size, ctx.link)))
     return out
 
 
+def local_slot_shapes(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> list[tuple[int, ...]]:
+    """The node's input shapes on one rank once this axis places them as ``s`` says."""
+    return [local_shape(x, p, ctx.size) for x, p in zip(ctx.local.slot_shapes[fact.node.name], s.inputs)]
+
+
 def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[float, float, float]:
     """(compute, communication, gradient sync) seconds a node's strategy costs on this axis,
-    for the ILP: compute counts the work left after earlier axes (for a parameter, its
-    optimizer update); an activation's partial-gradient all-reduce is shared among its consumers."""
+    for the ILP: compute counts the work left after earlier axes at the local shapes after this
+    one (for a parameter, its optimizer update); an activation's partial-gradient all-reduce is
+    shared among its consumers; gradient sync and tensor-parallel collectives count less what
+    overlaps them (flat shares: the ILP is linear)."""
     if fact.kind == "param":
         elements = numel(ctx.local.shapes[fact.node.name][0]) * (
             1 / ctx.size if not isinstance(s.output, Replicate) else 1.0
         )
         zero_share = ctx.data_parallel if ctx.zero else 1
         return optimizer_time(elements / zero_share, ctx.hardware, ctx.contention) if ctx.hardware else 0.0, 0.0, 0.0
-    compute = fact.full_time_s * ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
+    work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
+    compute = fact.seconds(work, local_slot_shapes(fact, s, ctx), ctx.schedule.microbatches)
     comm, sync = kernel_time(fact, s, ctx), 0.0
     for name, seconds in partial_gradients(fact, s, ctx, facts):
         if facts[name].kind == "param":
-            sync += seconds
+            sync += seconds * (1 - ctx.overlap)
         else:
             comm += seconds / max(1, facts[name].consumers)
-    return compute, comm, sync
+    return compute, comm * ctx.comm_share, sync
 
 
 def edge_time(
@@ -127,7 +148,10 @@ def edge_time(
     if ctx.name == Axis.CP and isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
         # cp chunks are head-and-tail pairs, not rank-ordered runs: no all-to-all, gather then chunk
         return minimum(reshard_time(src, R, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
-    return minimum(reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad), IMPOSSIBLE_S)
+    seconds = reshard_time(src, dst, nbytes, ctx.size, ctx.link, producer.needs_grad)
+    if ctx.comm_share != 1.0 and seconds != float("inf"):
+        seconds = seconds * ctx.comm_share
+    return minimum(seconds, IMPOSSIBLE_S)
 
 
 def edges(facts, ctx: AxisContext):
@@ -149,7 +173,7 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     frac = 1 / ctx.size if not isinstance(s.output, Replicate) else 1.0
     if fact.kind == "param":  # model state, and with data parallelism a gradient-sync bucket slot
         elements = numel(shapes[0]) * frac / ctx.schedule.stages
-        bucket = elements * fact.elem_bytes if ctx.data_parallel > 1 else 0.0
+        bucket = elements * fact.grad_bytes if ctx.data_parallel > 1 else 0.0
         state = model_state_bytes(
             elements, data_parallel=ctx.data_parallel, zero_stage=ctx.zero, precision=fact.precision
         )
@@ -173,6 +197,8 @@ def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
                 hardware.overlap,
                 data_parallel=degrees.get(Axis.DP, 1),
                 zero=zero,
+                hardware=hardware,
+                linear_overlap=False,
             ),
             chosen,
         )
@@ -184,28 +210,31 @@ def evaluate(
 ) -> Cost:
     """Predicted step time and memory of a fully chosen configuration.
 
-    The ILP's terms summed by category, compute counted once over all axes, each partial
-    gradient once, a value moved once per destination and :func:`autopar.passes.cost.facts.move_scope` (as the
-    rewrite shares the move; the ILP, linear, prices every edge). Memory as the runtime holds
-    it: model state (ZeRO-sharded), gradient-sync buckets (a flat copy of every synced gradient),
-    the activations autograd saves and, at the start of backward, about two tensors of the largest
-    activation (the loss's gradient chain); gradients grow as activations are freed (see :attr:`Cost.peak_memory`).
+    The ILP's terms summed by category, compute counted once over all axes (each node at its
+    local shapes and microbatch), each partial gradient once, a value moved once per destination
+    and :func:`autopar.passes.cost.facts.move_scope` (as the rewrite shares the move; the ILP,
+    linear, prices every edge); what overlaps hide is placed by :func:`schedule_cost`. Memory as
+    the runtime holds it: model state (ZeRO-sharded), gradient-sync buckets (a flat copy of every
+    synced gradient), the activations autograd saves and, at the start of backward, about two
+    tensors of the largest activation (the loss's gradient chain); gradients grow as activations
+    are freed (see :attr:`Cost.peak_memory`).
     """
-    comm = sync = 0.0
+    comm = sync = tp_comm = 0.0
     synced: set[str] = set()
     local = ShardedShapes.unsharded(facts)
     for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero):
+        axis_comm = 0.0
         partial: dict[str, float] = {}
         for name, s in chosen.items():
             for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
                 partial[slot] = maximum(partial.get(slot, 0.0), seconds)
-        comm += sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
+        axis_comm += sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
         for slot, seconds in partial.items():
             if facts[slot].kind == "param":
                 sync += seconds
                 synced.add(slot)
             else:
-                comm += seconds
+                axis_comm += seconds
         moves = set()  # (value, destination, scope): moved once
         for producer, consumer, slot_index, shape in edges(facts, ctx):
             dst = (
@@ -218,10 +247,12 @@ def evaluate(
             move = (producer, dst, move_scope(facts[consumer].node))
             if producer in chosen and dst is not None and move not in moves:
                 moves.add(move)
-                comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+                axis_comm += edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+        comm += axis_comm
+        tp_comm += axis_comm if ctx.name == Axis.TP else 0.0
         local = local.after(chosen, ctx.size)
     contention = hardware.contention(mesh.shape)
-    compute = sum(f.full_time_s * local.work[n] for n, f in facts.items())
+    times = {n: f.seconds(local.work[n], local.slot_shapes[n], schedule.microbatches) for n, f in facts.items()}
     flops = sum(
         (f.profile.forward_flops + (f.profile.backward_flops if f.needs_grad else 0.0)) * local.work[n]
         for n, f in facts.items()
@@ -236,7 +267,7 @@ def evaluate(
             )
             for category, nbytes in state.items():
                 memory[category] += nbytes
-            memory["grad_buckets"] += elements * fact.elem_bytes if name in synced else 0.0
+            memory["grad_buckets"] += elements * fact.grad_bytes if name in synced else 0.0
             optimizer_elements += elements / (degrees.get(Axis.DP, 1) if zero else 1)
         else:
             memory["activations"] += activation_bytes(fact, local.shapes[name], local.work[name])
@@ -246,14 +277,24 @@ def evaluate(
     if zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
         sync *= schedule.microbatches
     cost = Cost(
-        compute_s=compute,
+        compute_s=sum(times.values()),
         comm_s=comm,
         grad_sync_s=sync,
         memory=memory,
         optimizer_s=optimizer_time(optimizer_elements, hardware, contention),
         model_flops=flops,
     )
-    return schedule_cost(cost, facts, local, schedule, hardware, hardware.link(mesh.shape, mesh.size))
+    tp = degrees.get(Axis.TP, 1)
+    parts = StepParts(
+        backward_s=sum(seconds * (1 - forward_share(facts[n])) for n, seconds in times.items()),
+        gemm_s=sum(seconds for n, seconds in times.items() if facts[n].node.target in GEMMS),
+        tp_comm_s=tp_comm,
+        scatter=tp,
+        scatter_link=hardware.link(mesh.shape, tp, tp) if tp > 1 else None,
+        replicated=frozenset(n for n, s in strategies.get(Axis.TP, {}).items() if isinstance(s.output, Replicate)),
+        reduce_every_microbatch=zero >= 2,
+    )
+    return schedule_cost(cost, facts, local, schedule, hardware, hardware.link(mesh.shape, mesh.size), parts)
 
 
 def strategies_from_plan(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, dict[str, Strategy]]:
@@ -287,8 +328,9 @@ def stage_mesh(mesh: Mesh, stages: int) -> Mesh:
 
 
 def evaluate_plan(captured: CapturedGraph, plan: Plan, hardware: HardwareProfile) -> Cost:
-    """The cost model's prediction for ``plan`` (searched, loaded or hand-made) on ``hardware``."""
-    facts = analyze(captured, hardware, hardware.contention(plan.mesh.shape))
+    """The cost model's prediction for ``plan`` (searched, loaded or hand-made) on ``hardware``,
+    trained in the plan's precision."""
+    facts = analyze(captured, hardware, hardware.contention(plan.mesh.shape), PrecisionPolicy.of(plan.precision))
     strategies = strategies_from_plan(plan, facts)
     return evaluate(
         facts, plan.degrees, strategies, stage_mesh(plan.mesh, plan.schedule.stages), hardware, plan.zero, plan.schedule

@@ -137,24 +137,33 @@ class OpProfile:
 _PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
 
 
-def _signature(node: fx.Node, needs_grad: bool):
+def compute_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` has when a step computes in ``cast`` (a mixed-precision
+    policy's ``param_dtype``): floating tensors take it, integers (indices, labels) keep theirs."""
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+def _signature(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None):
     """(cache key, argument values, their pytree spec) of an op node, or None for a node that
-    does no work of its own (not an aten op; takes a tuple (getitem) or a symbol)."""
+    does no work of its own (not an aten op; takes a tuple (getitem) or a symbol). Floating
+    tensors count in ``cast`` when one is given (see :func:`compute_dtype`)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     flat, spec = tree_flatten((node.args, node.kwargs))
     values = [arg.meta.get("val") if isinstance(arg, fx.Node) else arg for arg in flat]
     if any(isinstance(arg, fx.Node) and not isinstance(v, torch.Tensor) for arg, v in zip(flat, values)):
         return None
-    key = (str(node.target), needs_grad) + tuple(
-        (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in values
+    key = (str(node.target), needs_grad, cast) + tuple(
+        (tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast)) if isinstance(v, torch.Tensor) else repr(v)
+        for v in values
     )
     return key, values, spec
 
 
-def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
-    """Profile a call_function node on fake tensors (cached by op and argument signature)."""
-    signature = _signature(node, needs_grad)
+def op_profile(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None) -> OpProfile:
+    """Profile a call_function node on fake tensors (cached by op and argument signature), its
+    floating inputs in ``cast`` when given: the op as a mixed-precision step runs it."""
+    signature = _signature(node, needs_grad, cast)
     if signature is None:
         return OpProfile(0.0, 0.0, 0.0)
     key, values, spec = signature
@@ -163,11 +172,11 @@ def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
         # factory ops have no tensor inputs: any fake mode will do
         fake_mode = detect_fake_mode(tuple(t for t in tensors if isinstance(t, torch.Tensor))) or FakeTensorMode()
         with fake_mode:
-            _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad)
+            _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad, cast)
     return _PROFILES[key]
 
 
-def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
+def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | None = None) -> OpProfile:
     """Run the op and its backward on fresh fake leaves; note what autograd saves."""
     inputs = []
     # On meta tensors attention decomposes into its math form, which saves the seq x seq
@@ -176,9 +185,10 @@ def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
     fused = getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention
     for k, v in enumerate(values):
         if isinstance(v, torch.Tensor):
-            grad = needs_grad and v.dtype.is_floating_point
+            dtype = compute_dtype(v.dtype, cast)
+            grad = needs_grad and dtype.is_floating_point
             device = "cpu" if fused and v.device.type == "meta" else v.device
-            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device, requires_grad=grad)
+            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=dtype, device=device, requires_grad=grad)
             inputs.append(values[k])
     args, kwargs = tree_unflatten(values, spec)
     saved = []
@@ -228,14 +238,21 @@ def _formula_flops(target, inputs, args) -> float:
 def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, dtype: str = "float32") -> float:
     """Roofline time of one op's forward and (when a gradient flows) backward, with launch overhead.
 
-    A memory-bound backward is taken to move as many bytes as its forward.
+    A memory-bound backward is taken to move as many bytes as its forward, at the bandwidth
+    streaming kernels reach (:attr:`HardwareProfile.streaming_bandwidth`).
     """
     passes = 2 if needs_grad else 1
     flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
     return (
-        maximum(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.memory_bandwidth)
+        maximum(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.streaming_bandwidth)
         + passes * hardware.op_overhead_s
     )
+
+
+def moves_no_data(target) -> bool:
+    """Views (``view``, ``transpose``, ``expand``, ...) and ``_unsafe_view`` (a reshape's view of
+    a fresh copy) launch no kernel: autograd and the allocator see them, the device does not."""
+    return bool(getattr(target, "is_view", False)) or target is torch.ops.aten._unsafe_view.default
 
 
 def maximum(*values):
@@ -253,19 +270,22 @@ MEASURE_LIMIT_BYTES = 64 * 2**20  # larger ops are timed by the roofline: planni
 _TIMES: dict[tuple, float | None] = {}
 
 
-def measured_time(node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7) -> float | None:
+def measured_time(
+    node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7, cast: torch.dtype | None = None
+) -> float | None:
     """Seconds of one op's forward (and backward) on THIS machine, real tensors of its
-    unsharded shapes, one thread: the fastest of ``repeats`` (load from others only adds).
+    unsharded shapes (floating ones in ``cast`` when given), one thread: the fastest of
+    ``repeats`` (load from others only adds).
 
     What Alpa does for the device it plans for: small ops and attention run far from the
     matmul roofline on a CPU. None for ops without work or larger than ``MEASURE_LIMIT_BYTES``.
     """
-    signature = _signature(node, needs_grad)
+    signature = _signature(node, needs_grad, cast)
     if signature is None or profile.io_bytes > MEASURE_LIMIT_BYTES:
         return None
     key, values, spec = signature
     if key not in _TIMES:
-        args, kwargs = tree_unflatten([_real_like(v, needs_grad) for v in values], spec)
+        args, kwargs = tree_unflatten([_real_like(v, needs_grad, cast) for v in values], spec)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -277,11 +297,11 @@ def measured_time(node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: 
     return _TIMES[key]
 
 
-def _real_like(value, needs_grad: bool):
+def _real_like(value, needs_grad: bool, cast: torch.dtype | None = None):
     if not isinstance(value, torch.Tensor):
         return value
     span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
-    storage = torch.zeros(span, dtype=value.dtype)  # zeros: valid indices and labels
+    storage = torch.zeros(span, dtype=compute_dtype(value.dtype, cast))  # zeros: valid indices and labels
     if value.dtype.is_floating_point:
         storage.normal_()
     tensor = storage.as_strided(value.shape, value.stride())  # broadcast (stride-0) views stay views

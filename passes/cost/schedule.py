@@ -22,10 +22,13 @@ shapes it was computed from. Post: the same configuration's cost under a :class:
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
-from autopar.ir import Cost, HardwareProfile, PipelineKind, Recompute, Schedule
+from autopar.ir import Cost, HardwareProfile, LinkTier, PipelineKind, Recompute, Schedule
+from autopar.passes.cost.efficiency import GEMMS
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, saved_bytes
-from autopar.passes.cost.ops import collective_time, maximum
+from autopar.passes.cost.ops import maximum
+from autopar.passes.cost.overlap import boundary_seconds, exposed_grad_sync, exposed_tp_comm, pipeline_messages
 from autopar.passes.rewrite.recompute import kept_by_selective
 from autopar.passes.search.partition import partition
 from autopar.passes.sharding.strategies import numel
@@ -74,24 +77,47 @@ def kept_share(fact: NodeFacts, schedule: Schedule) -> float:
     return share / schedule.stages
 
 
-def _forward_share(fact: NodeFacts) -> float:
+def forward_share(fact: NodeFacts) -> float:
+    """The share of a node's forward + backward time its forward takes: by FLOPs, half for a
+    memory-bound op (as many bytes each way)."""
     flops = fact.profile.forward_flops + fact.profile.backward_flops
-    return fact.profile.forward_flops / flops if flops else 0.5  # memory-bound: as many bytes each way
+    return fact.profile.forward_flops / flops if flops else 0.5
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What :func:`autopar.passes.cost.evaluate.evaluate` knows of a step (one batch, one stage, all
+    microbatches) that placing its overlaps needs (:mod:`autopar.passes.cost.overlap`)."""
+
+    backward_s: float = 0.0  # compute in backward passes
+    gemm_s: float = 0.0  # compute in GEMMs, forward and backward
+    tp_comm_s: float = 0.0  # tensor-parallel collectives (part of cost.comm_s), before any overlap
+    scatter: int = 1  # tensor-parallel ranks: a boundary they hold whole crosses as 1/scatter each
+    scatter_link: LinkTier | None = None  # the link those pieces are all-gathered over
+    replicated: frozenset[str] = frozenset()  # nodes whose output every tensor-parallel rank holds whole
+    reduce_every_microbatch: bool = False  # ZeRO-2/3 reduce-scatter gradients after each microbatch
 
 
 def schedule_cost(
-    cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes, schedule: Schedule, hardware: HardwareProfile, link
+    cost: Cost,
+    facts: dict[str, NodeFacts],
+    local: ShardedShapes,
+    schedule: Schedule,
+    hardware: HardwareProfile,
+    link,
+    parts: StepParts = StepParts(),
 ) -> Cost:
-    """``cost`` (one batch, everything saved, one stage) under ``schedule``.
+    """``cost`` (one batch, everything saved, one stage, no overlap) under ``schedule``.
 
     Recomputation adds the forward of what it drops. Microbatches divide what is in flight;
     a pipeline gives each device its stage modules' layers (cut by :func:`autopar.passes.search.partition.partition`:
     the busiest device sets the pace) and their state, holds :func:`in_flight` microbatches,
     idles :func:`bubble_share` of its step and sends each microbatch's boundary activation
-    forward and its gradient back over ``link``.
+    forward and its gradient back over ``link``. What overlaps hide of tensor-parallel
+    collectives, gradient sync and boundary transfers is :mod:`autopar.passes.cost.overlap`'s.
     """
     stages, micro = schedule.stages, schedule.microbatches
-    kept = outside = recompute_s = 0.0
+    kept = outside = recompute_s = recompute_gemm_s = 0.0
     layer_saved: dict[str, float] = {}
     layer_inputs: dict[str, set[str]] = {}
     saved_by_node = saved_bytes(facts, local)  # moved inputs an op saves count as the copies they are
@@ -108,11 +134,12 @@ def schedule_cost(
         inputs.update(
             s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer
         )
-        forward_s = fact.full_time_s * local.work[name] * _forward_share(fact)
+        forward_s = fact.seconds(local.work[name], local.slot_shapes[name], micro) * forward_share(fact)
         if schedule.recompute == Recompute.FULL or (
             schedule.recompute == Recompute.SELECTIVE and not kept_by_selective(fact.node.target)
         ):
             recompute_s += forward_s
+            recompute_gemm_s += forward_s if fact.node.target in GEMMS else 0.0
         if schedule.recompute == Recompute.SELECTIVE and kept_by_selective(fact.node.target):
             kept += saved
     checkpoints = {
@@ -132,22 +159,44 @@ def schedule_cost(
     for category in ("params", "grads", "optimizer", "grad_buckets"):
         memory[category] = cost.memory.get(category, 0.0) * param_share
     # full recomputation runs each layer's forward again, its collectives too: about half the step's
-    recompute_comm = cost.comm_s / 2 if schedule.recompute == Recompute.FULL else 0.0
-    comm = cost.comm_s + recompute_comm
+    again = 1.5 if schedule.recompute == Recompute.FULL else 1.0
+    tp_comm = parts.tp_comm_s * again
+    comm = (cost.comm_s - parts.tp_comm_s) * again + exposed_tp_comm(
+        tp_comm, parts.gemm_s + recompute_gemm_s, hardware.tp_overlap
+    )
     work = (cost.compute_s + recompute_s + comm) * time_share
-    boundary = maximum(0.0, *checkpoints.values()) / micro
-    messages = 2 * (schedule.virtual * micro + stages - 2)
-    transfers = messages * collective_time("send_recv", boundary, 2, link) if stages > 1 else 0.0
+    # gradients reduce during the last microbatch's backward (ZeRO-2/3: during every microbatch's)
+    backward = parts.backward_s * time_share
+    sync_window = backward if parts.reduce_every_microbatch else backward / micro
     return dataclasses.replace(
         cost,
         compute_s=(cost.compute_s + recompute_s) * time_share,
         comm_s=comm * time_share,
-        grad_sync_s=cost.grad_sync_s * param_share,
+        grad_sync_s=exposed_grad_sync(cost.grad_sync_s * param_share, sync_window, hardware.overlap),
         optimizer_s=cost.optimizer_s * param_share,
-        pipeline_s=work * bubble_share(schedule) + transfers,
+        pipeline_s=work * bubble_share(schedule)
+        + _boundary_transfers(checkpoints, layer_inputs, schedule, hardware, link, parts),
         model_flops=cost.model_flops * time_share,
         memory=memory,
     )
+
+
+def _boundary_transfers(checkpoints, layer_inputs, schedule: Schedule, hardware: HardwareProfile, link, parts) -> float:
+    """Seconds of stage-boundary transfers on the critical path (:mod:`overlap`): the largest
+    layer input of one microbatch, scattered over the tensor-parallel ranks when they all hold it."""
+    if schedule.stages <= 1:
+        return 0.0
+    if not checkpoints:
+        return 0.0
+    whole = all(names <= parts.replicated for names in layer_inputs.values())
+    seconds = boundary_seconds(
+        maximum(0.0, *checkpoints.values()) / schedule.microbatches,
+        link,
+        parts.scatter if whole else 1,
+        parts.scatter_link,
+    )
+    messages = pipeline_messages(schedule.stages, schedule.microbatches, schedule.virtual, hardware.p2p_overlap)
+    return messages * seconds
 
 
 def _bytes(fact: NodeFacts, shapes) -> float:

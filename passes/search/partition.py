@@ -30,7 +30,7 @@ class StageSplit:
     param_share: float  # of all parameters, what the busiest device holds
 
 
-def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes):
+def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: int = 1):
     """Per layer in execution order: (name, compute seconds, parameter elements, bytes of its inputs)."""
     order: list[str] = []
     time: dict[str, float] = {}
@@ -44,7 +44,7 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes):
         if layer is not None and layer not in time:
             order.append(layer)
         key = layer or (position if not order else "suffix")
-        time[key] = time.get(key, 0.0) + fact.full_time_s * local.work[name]
+        time[key] = time.get(key, 0.0) + fact.seconds(local.work[name], local.slot_shapes[name], microbatches)
         for slot in fact.slots:
             producer = facts[slot.name]
             if producer.kind == "param":
@@ -66,7 +66,7 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes):
 def partition(facts: dict[str, NodeFacts], local: ShardedShapes, schedule: Schedule, link) -> StageSplit:
     """The balanced cut points for ``schedule.modules`` stage modules (see the module docstring);
     pinned cuts (``schedule.cuts``) are only measured."""
-    rows = layer_costs(facts, local)
+    rows = layer_costs(facts, local, schedule.microbatches)
     modules = schedule.modules
     if len(rows) < modules:
         raise ConfigError(

@@ -81,7 +81,7 @@ def search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions = PlanOptio
     """
     started = time.perf_counter()
     hardware = options.profile
-    facts = analyze(captured, hardware, hardware.contention(mesh.shape))
+    facts = analyze(captured, hardware, hardware.contention(mesh.shape), options.policy)
     batch = _batch_size(captured, facts)
     degrees = options.intra_stage_degrees
     limit = options.memory_limit if options.memory_limit is not None else hardware.memory_bytes
@@ -128,7 +128,7 @@ def search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions = PlanOptio
     # Within the model's resolution, prefer the simplest plan: the most data parallelism.
     near = [r for r in feasible if r.cost.step_s <= fastest * (1 + TIE_TOLERANCE)]
     best = max(near, key=lambda r: (r.degrees[Axis.DP], -r.zero, -r.cost.step_s))
-    precision = options.precision or hardware.precision  # recorded; priced by the cost model
+    precision = options.policy.precision  # priced by the cost model (analyze), recorded in the plan
     return _to_plan(captured, facts, mesh, hardware, best, results, batch, time.perf_counter() - started, precision)
 
 
