@@ -44,7 +44,8 @@ def plan(
     its fields as keywords: ``degrees`` (``{"dp": 2, "tp": 2}``, ``"pp"`` for pipeline stages),
     ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
     "S(1)"}``), ``hardware``, ``memory_limit``, ``zero`` (0-3), ``recompute`` ("none",
-    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule) and ``stage_cuts``.
+    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule), ``stage_cuts`` and
+    ``precision`` ("fp32", "bf16-mixed", "fp16-mixed"; default: the hardware's natural choice).
 
     >>> p = plan(model, "2x2", model.example_inputs(8), zero=1)   # doctest: +SKIP
     >>> print(p)                                                  # doctest: +SKIP

@@ -53,6 +53,7 @@ def _make_plan(args):
         microbatches=args.microbatches,
         pipeline=args.pipeline,
         stage_cuts=tuple(args.stage_cuts or ()),
+        precision=args.precision,
     )
     plan = make_plan(captured, args.mesh, options=options)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")

@@ -172,7 +172,15 @@ def op_profile(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None)
         # factory ops have no tensor inputs: any fake mode will do
         fake_mode = detect_fake_mode(tuple(t for t in tensors if isinstance(t, torch.Tensor))) or FakeTensorMode()
         with fake_mode:
-            _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad, cast)
+            try:
+                _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad, cast)
+            except (RuntimeError, AssertionError, TypeError, ValueError):
+                # an op that pins its dtype (a metadata assertion, a typed buffer): as captured
+                _PROFILES[key] = (
+                    op_profile(node, needs_grad)
+                    if cast is not None
+                    else _run_profile(node.target, values, spec, needs_grad)
+                )
     return _PROFILES[key]
 
 
@@ -290,7 +298,7 @@ def measured_time(
         torch.set_num_threads(1)
         try:
             _TIMES[key] = min([_time_once(node.target, args, kwargs, needs_grad) for _ in range(repeats + 2)][2:])
-        except (RuntimeError, ValueError, IndexError):  # needs real data (indices in range, ...): roofline
+        except (RuntimeError, ValueError, IndexError, AssertionError):  # needs real data or its own dtype: roofline
             _TIMES[key] = None
         finally:
             torch.set_num_threads(threads)

@@ -44,14 +44,15 @@ def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
 
 def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     """The issue's ladder on 4 devices (recomputation pinned off): each step is what the
-    previous plan's 80 % no longer fits."""
+    previous plan's 80 % no longer fits. 16 sequences per device: GEMMs that fill an A100
+    (with fewer rows, splitting the rows over dp saves no waves and tp wins)."""
     limit, steps = None, []
     for _ in range(8):
         try:
             plan = plan_example(
                 "gpt.py",
                 4,
-                batch=8,
+                batch=64,
                 model_kwargs=LADDER_GPT,
                 hardware="a100-80gb",
                 recompute="none",
