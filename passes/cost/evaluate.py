@@ -82,14 +82,17 @@ def axis_spans(degrees: dict[str, int]) -> dict[str, int]:
     return spans
 
 
-def partial_gradients(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> list[tuple[str, float]]:
+def partial_gradients(
+    fact: NodeFacts, s: Strategy, ctx: AxisContext, facts, param_shapes: dict | None = None
+) -> list[tuple[str, float]]:
     """(input node, all-reduce seconds) of every replicated input whose gradient this strategy
     leaves partial on this axis: an op that splits its work sends each rank's share back.
 
     Parameters join the bucketed gradient sync, in the policy's reduce dtype (ZeRO-3 gathers
-    the weight again for backward; how much hides behind backward is :mod:`overlap`'s); an
-    activation's partial sums are all-reduced once, however many split ops consumed it (the
-    rewrite sums them first).
+    the weight again for backward; how much hides behind backward is :mod:`overlap`'s), of
+    their shard on one rank: ``param_shapes`` once every axis is placed (the ILP, one axis at
+    a time, sees the shapes before this axis); an activation's partial sums are all-reduced
+    once, however many split ops consumed it (the rewrite sums them first).
     """
     if ctx.size <= 1 or isinstance(s.output, Replicate):
         return []
@@ -98,6 +101,7 @@ def partial_gradients(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> 
         producer = facts[slot.name]
         if not isinstance(placement, Replicate) or not producer.needs_grad:
             continue
+        shape = (param_shapes or {}).get(slot.name, shape)
         nbytes = numel(shape) * producer.elem_bytes
         if producer.kind == "param":
             regather = (
@@ -205,6 +209,18 @@ def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
         local = local.after(chosen, degrees[axis])
 
 
+def shard_shapes(facts, degrees, strategies) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape on one rank once every axis places it."""
+    shapes = {}
+    for name, fact in facts.items():
+        if fact.kind == "param":
+            shape = fact.out_shape
+            for axis, chosen in strategies.items():
+                shape = local_shape(shape, chosen[name].output, degrees[axis]) if name in chosen else shape
+            shapes[name] = shape
+    return shapes
+
+
 def evaluate(
     facts, degrees, strategies, mesh, hardware: HardwareProfile, zero: int = 0, schedule: Schedule = Schedule()
 ) -> Cost:
@@ -222,11 +238,12 @@ def evaluate(
     comm = sync = tp_comm = 0.0
     synced: set[str] = set()
     local = ShardedShapes.unsharded(facts)
+    param_shapes = shard_shapes(facts, degrees, strategies)
     for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero):
         axis_comm = 0.0
         partial: dict[str, float] = {}
         for name, s in chosen.items():
-            for slot, seconds in partial_gradients(facts[name], s, ctx, facts):
+            for slot, seconds in partial_gradients(facts[name], s, ctx, facts, param_shapes):
                 partial[slot] = maximum(partial.get(slot, 0.0), seconds)
         axis_comm += sum(kernel_time(facts[name], s, ctx) for name, s in chosen.items() if s.kernel)
         for slot, seconds in partial.items():

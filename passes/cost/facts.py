@@ -16,7 +16,15 @@ import torch.fx as fx
 from autopar.ir import HardwareProfile, PrecisionPolicy
 from autopar.passes.capture.graph import CapturedGraph, node_layer
 from autopar.passes.cost.efficiency import ATTENTION, shaped_seconds, work_units
-from autopar.passes.cost.ops import OpProfile, compute_dtype, compute_time, measured_time, moves_no_data, op_profile
+from autopar.passes.cost.ops import (
+    OpProfile,
+    compute_dtype,
+    compute_time,
+    maximum,
+    measured_time,
+    moves_no_data,
+    op_profile,
+)
 from autopar.passes.sharding.strategies import (
     Strategy,
     local_shape,
@@ -59,15 +67,18 @@ class NodeFacts:
 
         The unsharded time times ``work``; a paced node (a GEMM or attention on a profile with
         kernel figures) also at the efficiency of the local shapes rather than of the unsharded
-        ones. ``work`` keeps what the shapes do not say (a ring kernel's p blocks).
+        ones, and doing at least the work its local shapes hold (a GEMM on a partial-sum input
+        multiplies the whole input on every rank). ``work`` keeps what the shapes do not say (a
+        ring kernel's p blocks of local size).
         """
         if self.pacing is None or slot_shapes is None:
             return self.full_time_s * work
-        here = self.pacing.per_unit(tuple(map(tuple, slot_shapes)), microbatches)
-        whole = self.pacing.per_unit(tuple(map(tuple, self.slot_shapes)), 1)
-        if here is None or whole is None:
+        local, whole = tuple(map(tuple, slot_shapes)), tuple(map(tuple, self.slot_shapes))
+        here, there = self.pacing.per_unit(local, microbatches), self.pacing.per_unit(whole, 1)
+        if here is None or there is None:
             return self.full_time_s * work
-        return self.full_time_s * work * here / whole
+        held = work_units(self.node.target, local) / work_units(self.node.target, whole)
+        return self.full_time_s * maximum(work, held) * here / there
 
 
 @dataclass(frozen=True)

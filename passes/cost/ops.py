@@ -132,6 +132,7 @@ class OpProfile:
     saved_inputs: tuple[int, ...] = ()  # tensor-input slots autograd keeps for backward
     saves_output: bool = False
     saved_extra_bytes: float = 0.0  # tensors the op creates and autograd keeps (softmax stats, ...)
+    backward_io_bytes: float = 0.0  # read and written by the backward: output gradients, saved tensors, input gradients
 
 
 _PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
@@ -204,7 +205,7 @@ def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | Non
     with forward, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = target(*args, **kwargs)
     outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
-    io_bytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
+    io_bytes = sum(_nbytes(t) for t in inputs + outputs)
     forward_flops = forward.get_total_flops() or _formula_flops(target, inputs, args)
     differentiable = [o for o in outputs if o.requires_grad]
     backward_flops = 0.0
@@ -214,6 +215,12 @@ def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | Non
             wrt = [i for i in inputs if i.requires_grad]
             torch.autograd.grad(differentiable, wrt, [torch.ones_like(o) for o in differentiable], allow_unused=True)
         backward_flops = backward.get_total_flops() or 2 * forward_flops
+    # a memory-bound backward reads its output gradients and what it saved, and writes input gradients
+    backward_io = (
+        sum(_nbytes(t) for t in differentiable + saved + [i for i in inputs if i.requires_grad])
+        if differentiable
+        else 0.0
+    )
     slots, saves_output, extra = set(), False, 0.0
     for tensor in saved:
         base = tensor._base if tensor._base is not None else tensor
@@ -224,8 +231,18 @@ def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | Non
         else:
             extra += tensor.numel() * tensor.element_size()
     return OpProfile(
-        float(forward_flops), float(backward_flops), float(io_bytes), tuple(sorted(slots)), saves_output, extra
+        float(forward_flops),
+        float(backward_flops),
+        float(io_bytes),
+        tuple(sorted(slots)),
+        saves_output,
+        extra,
+        float(backward_io),
     )
+
+
+def _nbytes(tensor: torch.Tensor) -> float:
+    return tensor.numel() * tensor.element_size()
 
 
 def _formula_flops(target, inputs, args) -> float:
@@ -246,13 +263,15 @@ def _formula_flops(target, inputs, args) -> float:
 def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, dtype: str = "float32") -> float:
     """Roofline time of one op's forward and (when a gradient flows) backward, with launch overhead.
 
-    A memory-bound backward is taken to move as many bytes as its forward, at the bandwidth
-    streaming kernels reach (:attr:`HardwareProfile.streaming_bandwidth`).
+    A memory-bound backward moves the bytes its profile counted (``backward_io_bytes``; as many
+    as the forward where none were counted), at the bandwidth streaming kernels reach
+    (:attr:`HardwareProfile.streaming_bandwidth`).
     """
     passes = 2 if needs_grad else 1
     flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
+    moved = profile.io_bytes + ((profile.backward_io_bytes or profile.io_bytes) if needs_grad else 0.0)
     return (
-        maximum(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.streaming_bandwidth)
+        maximum(flops / hardware.flops_per_s(dtype), moved / hardware.streaming_bandwidth)
         + passes * hardware.op_overhead_s
     )
 

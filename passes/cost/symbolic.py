@@ -337,6 +337,7 @@ def _numbers(fact: NodeFacts) -> list:
         p.backward_flops,
         p.io_bytes,
         p.saved_extra_bytes,
+        p.backward_io_bytes,
     ]
 
 
@@ -346,7 +347,13 @@ def _labels(fact: NodeFacts) -> list[str]:
         (f"input {k}", s) for k, s in enumerate(fact.slot_shapes)
     ]
     dims = [f"{what}'s dim {d}" for what, shape in shapes for d in range(len(shape))]
-    return dims + ["forward FLOPs", "backward FLOPs", "bytes read and written", "bytes saved for backward"]
+    return dims + [
+        "forward FLOPs",
+        "backward FLOPs",
+        "bytes read and written",
+        "bytes saved for backward",
+        "bytes the backward reads and writes",
+    ]
 
 
 def _with_numbers(fact: NodeFacts, numbers: list) -> NodeFacts:
@@ -359,6 +366,7 @@ def _with_numbers(fact: NodeFacts, numbers: list) -> NodeFacts:
         backward_flops=next(values),
         io_bytes=next(values),
         saved_extra_bytes=next(values),
+        backward_io_bytes=next(values),
     )
     return dataclasses.replace(fact, out_shapes=out, slot_shapes=slots, profile=profile)
 
