@@ -56,7 +56,8 @@ class UnfusedAttention(nn.Module):
         # -1 heads: under tensor parallelism each rank holds only its heads
         q, k, v = self.qkv(x).view(batch, seq, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
         scores = torch.matmul(q * (1 / math.sqrt(self.head_dim)), k.transpose(-2, -1))
-        probs = torch.softmax(scores.masked_fill(self.future[:seq, :seq], float("-inf")), dim=-1) * self.keep[:seq, :seq]
+        scores = scores.masked_fill(self.future[:seq, :seq], float("-inf"))
+        probs = torch.softmax(scores, dim=-1) * self.keep[:seq, :seq]
         out = torch.matmul(probs, v).transpose(1, 2).reshape(batch, seq, -1)
         return self.proj(out)
 

@@ -18,25 +18,27 @@ import time
 from pathlib import Path
 
 import torch
+from published_models import build
 
 import autopar
 from autopar.ir import HardwareProfile, MemoryLimitError, Schedule, get_profile
 from autopar.passes.cost.evaluate import evaluate_plan
-from published_models import build
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
 PEAK_16BIT = {"a100-80gb": 312e12, "h100-80gb": 989e12}  # the dense bf16/fp16 peak MFU is quoted against
 
 # Megatron's tensor-parallel layout, pinned by module (column-parallel: output split; row-parallel: partial sums)
+COLUMN, ROW = "S(-1)", "P"
 MEGATRON_TP = {
-    "megatron-gpt": {"layers.*.attn.qkv": "S(-1)", "layers.*.attn.proj": "P", "layers.*.fc1": "S(-1)", "layers.*.fc2": "P"},
-    "gpt": {"layers.*.attn.w[qkv]": "S(-1)", "layers.*.attn.wo": "P", "layers.*.mlp.fc1": "S(-1)", "layers.*.mlp.fc2": "P"},
+    "megatron-gpt": {
+        "layers.*.attn.qkv": COLUMN, "layers.*.attn.proj": ROW, "layers.*.fc1": COLUMN, "layers.*.fc2": ROW,
+    },
+    "gpt": {
+        "layers.*.attn.w[qkv]": COLUMN, "layers.*.attn.wo": ROW, "layers.*.mlp.fc1": COLUMN, "layers.*.mlp.fc2": ROW,
+    },
     "llama": {
-        "layers.*.attn.w[qkv]": "S(-1)",
-        "layers.*.attn.wo": "P",
-        "layers.*.gate": "S(-1)",
-        "layers.*.up": "S(-1)",
-        "layers.*.down": "P",
+        "layers.*.attn.w[qkv]": COLUMN, "layers.*.attn.wo": ROW, "layers.*.gate": COLUMN, "layers.*.up": COLUMN,
+        "layers.*.down": ROW,
     },
 }  # fmt: skip
 SEQUENCE_PARALLEL = {"layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}  # Korthikanti et al.'s SP
@@ -146,7 +148,8 @@ def predict(row: dict, stacks: dict, captures: Captures) -> dict:
     cost = plan.cost
     virtual = row["config"]["virtual"]
     if virtual and virtual != plan.schedule.virtual:  # the search interleaves 2 stage modules per device
-        schedule = Schedule(plan.schedule.stages, plan.schedule.microbatches, plan.schedule.recompute, "interleaved-1f1b", virtual)
+        searched = plan.schedule
+        schedule = Schedule(searched.stages, searched.microbatches, searched.recompute, "interleaved-1f1b", virtual)
         plan = dataclasses.replace(plan, schedule=schedule)
         cost = evaluate_plan(captured, plan, hardware)
     predicted = metric(row, cost.step_s, params)
