@@ -226,14 +226,15 @@ _GEMM_SOURCES = (
     "989 at 2048x2048x13312, 'H200 is the same'), divided by the tile, wave and k terms of "
     "passes/cost/efficiency.py at that shape so that the curve passes through the measurement (no fp32 or tf32 "
     "figure is published: the 16-bit one serves); SM counts from NVIDIA's A100 and H100 whitepapers (108, 132); "
-    "the 256x128 / 128x256 tiles NVIDIA's Matrix Multiplication Background guide works with, and 128x128; "
+    "the 256x128 / 128x256 tiles NVIDIA's Matrix Multiplication Background guide works with (smaller tiles "
+    "reuse less of each load: no published figure gives their efficiency, so they are left out); "
     "k_fill 128: two 64-deep k-blocks of prologue and epilogue per tile. Streaming kernels at 0.8 of HBM "
     "bandwidth (DeepGEMM's memory-bound rows reach 2.4-2.7 of 3.35 TB/s on H800). Attention: FlashAttention-2 "
     "forward + backward figures (FA2_A100, FA2_H100)."
 )
 A100_KERNELS = KernelFigures(
     sms=108,
-    tiles=((128, 256), (256, 128), (128, 128)),
+    tiles=((128, 256), (256, 128)),
     gemm_best={"bfloat16": 0.902, "float16": 0.902, "float32": 0.902, "tf32": 0.902},
     k_fill=128,
     memory_efficiency=0.8,
@@ -242,7 +243,7 @@ A100_KERNELS = KernelFigures(
 )
 H100_KERNELS = KernelFigures(
     sms=132,
-    tiles=((128, 256), (256, 128), (128, 128)),
+    tiles=((128, 256), (256, 128)),
     gemm_best={"bfloat16": 0.836, "float16": 0.836, "float32": 0.836, "tf32": 0.836},
     k_fill=128,
     memory_efficiency=0.8,

@@ -7,6 +7,7 @@ made, and :func:`evaluate_plan` does so for any plan, searched or pinned.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from autopar.ir import (
@@ -104,16 +105,26 @@ def partial_gradients(
         shape = (param_shapes or {}).get(slot.name, shape)
         nbytes = numel(shape) * producer.elem_bytes
         if producer.kind == "param":
-            regather = (
-                collective_time("all_gather", nbytes, ctx.size, ctx.link)
-                if ctx.zero == 3 and ctx.name == Axis.DP
-                else 0.0
-            )
-            grads = numel(shape) * producer.grad_bytes
-            out.append((slot.name, grad_sync_time(grads, ctx.size, ctx.link) + regather))
+            out.append((slot.name, _param_sync(nbytes, numel(shape) * producer.grad_bytes, ctx)))
         else:
             out.append((slot.name, collective_time("all_reduce", nbytes, ctx.size, ctx.link)))
     return out
+
+
+def _param_sync(param_bytes: float, grad_bytes: float, ctx: AxisContext) -> float:
+    """Seconds one parameter's data-parallel traffic costs per microbatch under ZeRO (Rajbhandari
+    et al. 2020, §5-7): stages 0-1 all-reduce the gradient once per step (stage 1's reduce-scatter
+    and parameter all-gather move as much); stage 2 reduce-scatters it every microbatch and
+    all-gathers the updated parameter once per step; stage 3 also gathers the parameter for
+    forward and again for backward, every microbatch. (``evaluate`` counts stages 2-3 once per
+    microbatch.)"""
+    if ctx.name != Axis.DP or ctx.zero < 2:
+        return grad_sync_time(grad_bytes, ctx.size, ctx.link)
+    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, kind="reduce_scatter")
+    gathers = 2 if ctx.zero == 3 else 1 / max(1, ctx.schedule.microbatches)
+    return scatter + gathers * collective_time(
+        "all_gather", param_bytes, ctx.size, dataclasses.replace(ctx.link, sync_s=0.0)
+    )
 
 
 def local_slot_shapes(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> list[tuple[int, ...]]:
@@ -186,7 +197,7 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     return saved * kept_share(fact, ctx.schedule)
 
 
-def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
+def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0, schedule: Schedule = Schedule()):
     """(context, chosen strategies) per axis, each context with the local shapes before its axis."""
     spans = axis_spans(degrees)
     local = ShardedShapes.unsharded(facts)
@@ -202,6 +213,7 @@ def axis_contexts(facts, degrees, strategies, mesh, hardware, zero: int = 0):
                 data_parallel=degrees.get(Axis.DP, 1),
                 zero=zero,
                 hardware=hardware,
+                schedule=schedule,
                 linear_overlap=False,
             ),
             chosen,
@@ -239,7 +251,7 @@ def evaluate(
     synced: set[str] = set()
     local = ShardedShapes.unsharded(facts)
     param_shapes = shard_shapes(facts, degrees, strategies)
-    for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero):
+    for ctx, chosen in axis_contexts(facts, degrees, strategies, mesh, hardware, zero, schedule):
         axis_comm = 0.0
         partial: dict[str, float] = {}
         for name, s in chosen.items():
@@ -303,13 +315,14 @@ def evaluate(
     )
     tp = degrees.get(Axis.TP, 1)
     parts = StepParts(
+        compute_s=cost.compute_s,
         backward_s=sum(seconds * (1 - forward_share(facts[n])) for n, seconds in times.items()),
         gemm_s=sum(seconds for n, seconds in times.items() if facts[n].node.target in GEMMS),
         tp_comm_s=tp_comm,
         scatter=tp,
         scatter_link=hardware.link(mesh.shape, tp, tp) if tp > 1 else None,
         replicated=frozenset(n for n, s in strategies.get(Axis.TP, {}).items() if isinstance(s.output, Replicate)),
-        reduce_every_microbatch=zero >= 2,
+        zero=zero,
     )
     return schedule_cost(cost, facts, local, schedule, hardware, hardware.link(mesh.shape, mesh.size), parts)
 

@@ -87,13 +87,17 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
 GRAD_BUCKET_BYTES = 25 * 2**20
 
 
-def grad_sync_time(nbytes: float, ranks: int, link: LinkTier, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
-    """Share of a bucketed gradient all-reduce one tensor of ``nbytes`` costs: latency is paid per bucket."""
+def grad_sync_time(
+    nbytes: float, ranks: int, link: LinkTier, bucket_bytes: float = GRAD_BUCKET_BYTES, kind: str = "all_reduce"
+) -> float:
+    """Share of a bucketed gradient reduction (``kind``: all-reduce, or ZeRO-2/3's reduce-scatter)
+    one tensor of ``nbytes`` costs: :func:`collective_time` (hierarchical across nodes), its
+    latency paid per bucket; no rendezvous (buckets go out as backward produces them)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    alpha, bandwidth = link.alpha_beta("all_reduce", ranks)
-    latency = 2 * (ranks - 1) * alpha * min(1.0, nbytes / bucket_bytes)
-    return latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+    quiet = dataclasses.replace(link, sync_s=0.0)
+    latency = collective_time(kind, 1.0, ranks, quiet)  # the α of every step, and one byte
+    return collective_time(kind, nbytes, ranks, quiet) - (1.0 - min(1.0, nbytes / bucket_bytes)) * latency
 
 
 def reshard_time(src: Placement, dst: Placement, nbytes: float, ranks: int, link: LinkTier, needs_grad: bool) -> float:

@@ -89,13 +89,14 @@ class StepParts:
     """What :func:`autopar.passes.cost.evaluate.evaluate` knows of a step (one batch, one stage, all
     microbatches) that placing its overlaps needs (:mod:`autopar.passes.cost.overlap`)."""
 
+    compute_s: float = 0.0  # compute of the step (all stages), of which:
     backward_s: float = 0.0  # compute in backward passes
     gemm_s: float = 0.0  # compute in GEMMs, forward and backward
     tp_comm_s: float = 0.0  # tensor-parallel collectives (part of cost.comm_s), before any overlap
     scatter: int = 1  # tensor-parallel ranks: a boundary they hold whole crosses as 1/scatter each
     scatter_link: LinkTier | None = None  # the link those pieces are all-gathered over
     replicated: frozenset[str] = frozenset()  # nodes whose output every tensor-parallel rank holds whole
-    reduce_every_microbatch: bool = False  # ZeRO-2/3 reduce-scatter gradients after each microbatch
+    zero: int = 0  # the ZeRO stage: when data-parallel traffic flows (overlap.exposed_grad_sync)
 
 
 def schedule_cost(
@@ -165,9 +166,7 @@ def schedule_cost(
         tp_comm, parts.gemm_s + recompute_gemm_s, hardware.tp_overlap
     )
     work = (cost.compute_s + recompute_s + comm) * time_share
-    # gradients reduce during the last microbatch's backward (ZeRO-2/3: during every microbatch's)
-    backward = parts.backward_s * time_share
-    sync_window = backward if parts.reduce_every_microbatch else backward / micro
+    sync_window = sync_window_s(parts, time_share, micro)
     return dataclasses.replace(
         cost,
         compute_s=(cost.compute_s + recompute_s) * time_share,
@@ -179,6 +178,17 @@ def schedule_cost(
         model_flops=cost.model_flops * time_share,
         memory=memory,
     )
+
+
+def sync_window_s(parts: StepParts, time_share: float, microbatches: int) -> float:
+    """The compute data-parallel traffic can hide behind, on the busiest device (``time_share``
+    of the step's compute): the last microbatch's backward (buckets reduce as it produces them),
+    every microbatch's backward under ZeRO-2 (reduce-scatter per microbatch), the whole step's
+    compute under ZeRO-3 (parameter gathers are prefetched in forward and backward)."""
+    if parts.zero >= 3:
+        return parts.compute_s * time_share
+    backward = parts.backward_s * time_share
+    return backward if parts.zero == 2 else backward / microbatches
 
 
 def _boundary_transfers(checkpoints, layer_inputs, schedule: Schedule, hardware: HardwareProfile, link, parts) -> float:

@@ -99,8 +99,8 @@ def test_microbatches_run_smaller_gemms_at_their_own_efficiency():
 
     # hidden 64, 2048 rows per rank: GEMMs are launch- and wave-bound, 8 pieces cost far more than one
     assert compute(64, 256, 8) > 3 * compute(64, 256, 1)
-    # hidden 4096, one 2048-token sequence per piece: each still fills the 108 SMs in several waves
-    assert compute(4096, 2048, 1) < compute(4096, 2048, 8) < 1.1 * compute(4096, 2048, 1)
+    # hidden 8192, one 2048-token sequence per piece: each still fills the 108 SMs in several waves
+    assert compute(8192, 2048, 1) < compute(8192, 2048, 8) < 1.1 * compute(8192, 2048, 1)
 
 
 def test_a_pipeline_must_split_the_outer_mesh_dimension_and_does_not_run_yet():
