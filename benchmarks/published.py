@@ -5,7 +5,7 @@
     python benchmarks/published.py --only "MT-NLG"
 
 1. Every row of ``benchmarks/data/published_runs.json`` (Megatron-LM SC'21 Tables 1 and 2,
-   Korthikanti et al., Llama 3, MegaScale's Megatron-LM baseline, MT-NLG, BLOOM, Megatron-Core
+   Korthikanti et al., Llama 3, MegaScale's Megatron-LM baseline, MT-NLG, Megatron-Core
    on H100; see :mod:`published_rows`): its model built on the meta device, planned with the
    published configuration pinned, the predicted step turned into the source's own metric with
    the source's own FLOPs definition; the error per row, grouped by source; the trend of the
