@@ -16,6 +16,7 @@ from autopar.ir.hardware import HardwareProfile, get_profile
 from autopar.ir.mesh import PARALLEL_DIMS
 from autopar.ir.names import Axis, PipelineKind, Precision, Recompute
 from autopar.ir.placement import Placement
+from autopar.ir.precision import PrecisionPolicy
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,17 @@ class PlanOptions:
     def profile(self) -> HardwareProfile:
         """The hardware profile the options name."""
         return get_profile(self.hardware)
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """The precision the plan trains in: ``precision``, else the hardware profile's natural
+        choice (bf16-mixed on the A100/H100/H200 presets, fp32 on the CPU ones). The one place
+        that default is taken.
+
+        >>> PlanOptions(hardware="a100-80gb").policy.param_dtype
+        'bfloat16'
+        """
+        return PrecisionPolicy.of(self.precision or self.profile.precision)
 
     @property
     def stages(self) -> int | None:

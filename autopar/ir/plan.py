@@ -251,7 +251,7 @@ class Plan:
         memory = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.cost.memory.items())
         return (
             f"Plan for mesh {self.mesh} ({degrees}{f', ZeRO-{self.zero}' if self.zero else ''}) on {self.hardware}, "
-            f"global batch {self.batch_size}\n"
+            f"global batch {self.batch_size}, precision {self.precision}\n"
             f"predicted step {self.cost.step_s * 1e3:.2f} ms (compute {self.cost.compute_s * 1e3:.2f}, "
             f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "
             f"memory per device: {memory}\n{table}"
