@@ -8,30 +8,47 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.ir import Axis, ConfigError, Mesh, MeshError, Plan, PlanOptions, StalePlanError, batch_split
+from autopar.ir import (
+    Axis,
+    ConfigError,
+    Mesh,
+    MeshError,
+    Plan,
+    PlanOptions,
+    Precision,
+    PrecisionPolicy,
+    StalePlanError,
+    batch_split,
+)
 from autopar.ir.zero import syncs_whole_in_program
+from autopar.passes.capture.calls import bind_call, example_call
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
+from autopar.passes.program import build_programs
 from autopar.passes.rewrite.compiled import sync_in_program
 from autopar.passes.rewrite.overlap import schedule_communication
-from autopar.passes.rewrite.recompute import apply_recompute
-from autopar.passes.rewrite.rewrite import rewrite
-from autopar.passes.rewrite.stages import split_stages
 from autopar.passes.runner import PassLog, verify_graph
 from autopar.passes.search.search import SearchProgress, search
 
 
-def capture(model: nn.Module, example_inputs: tuple) -> CapturedGraph:
-    """Capture ``model`` on ``example_inputs`` (the GLOBAL batch; real, fake or meta tensors) as
-    an aten-level graph: the first stage of :func:`plan`, for planning one model several ways.
+def capture(
+    model: nn.Module, example_inputs: tuple = (), example_kwargs: dict | None = None, precision: str | None = None
+) -> CapturedGraph:
+    """Capture ``model`` on ``example_inputs``/``example_kwargs`` (the GLOBAL batch; real, fake
+    or meta tensors) as an aten-level graph: the first stage of :func:`plan`, for planning one
+    model several ways. ``precision`` ("bf16-mixed", "fp16-mixed"; default: as the model is)
+    captures the graph the model computes with 16-bit copies of its parameters; plan it with
+    the same precision.
 
     >>> captured = capture(model, model.example_inputs(8, device="meta"))   # doctest: +SKIP
     >>> plan(captured, "2x2", zero=1)                                        # doctest: +SKIP
     """
-    return _capture(model, example_inputs)
+    policy = PrecisionPolicy.of(precision or Precision.FP32)
+    return _capture(model, (), policy, None, bind_call(model, tuple(example_inputs), dict(example_kwargs or {})))
 
 
 def plan(
@@ -40,37 +57,59 @@ def plan(
     example_inputs: tuple | None = None,
     options: PlanOptions | None = None,
     *,
+    example_kwargs: dict | None = None,
     progress: Callable[[SearchProgress], None] | None = None,
     **pins,
 ) -> Plan:
     """Find how to run ``model`` on ``mesh``; needs no process group and works on meta models.
 
-    ``model`` is a module with ``example_inputs`` describing the GLOBAL batch, or a graph from
+    ``model`` is a module called on ``example_inputs``/``example_kwargs`` (the GLOBAL batch;
+    when neither is given, what :func:`parallelize` would plan with), or a graph from
     :func:`capture`. What the search may not choose is :class:`PlanOptions` — ``options``, or
     its fields as keywords: ``degrees`` (``{"dp": 2, "tp": 2}``, ``"pp"`` for pipeline stages),
     ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
     "S(1)"}``), ``hardware``, ``memory_limit``, ``zero`` (0-3), ``recompute`` ("none",
-    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule), ``stage_cuts`` and
-    ``precision`` ("fp32", "bf16-mixed", "fp16-mixed"; default: the hardware's natural choice).
+    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule), ``stage_cuts``,
+    ``precision`` ("fp32", "bf16-mixed", "fp16-mixed") and ``reduce_dtype``.
     ``progress`` is called after each configuration the search weighs (a
     :class:`~autopar.passes.search.search.SearchProgress`; ``autopar plan`` draws it on a terminal).
 
     >>> p = plan(model, "2x2", model.example_inputs(8), zero=1)   # doctest: +SKIP
     >>> print(p)                                                  # doctest: +SKIP
     """
+    mesh = Mesh.of(mesh)
+    options = PlanOptions.of(options, **pins)
     if not isinstance(model, CapturedGraph):
-        if example_inputs is None:
-            raise ConfigError("plan needs example_inputs for a module (or a graph from autopar.capture)")
-        model = _capture(model, example_inputs)
-    return _search(model, Mesh.of(mesh), PlanOptions.of(options, **pins), progress=progress)
+        example = _example_call(model, mesh, example_inputs, example_kwargs)
+        model = _capture(model, (), options.precision_policy, None, example)
+    _check_captured_precision(model, options.precision_policy)
+    return _search(model, mesh, options, progress=progress)
 
 
-def _capture(model: nn.Module, example_inputs, log: PassLog | None = None) -> CapturedGraph:
+def _capture(
+    model: nn.Module, example_inputs, policy: PrecisionPolicy, log: PassLog | None = None, example_kwargs=None
+) -> CapturedGraph:
+    """The graph ``model`` runs under ``policy``: in its param_dtype when mixed, else as it is."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
     return (log or PassLog()).run(
-        "capture", capture_graph, model, tuple(example_inputs), verify=lambda c: verify_graph(c.graph_module)
+        "capture",
+        capture_graph,
+        model,
+        tuple(example_inputs),
+        example_kwargs,
+        param_dtype=getattr(torch, policy.param_dtype) if policy.mixed else None,
+        verify=lambda c: verify_graph(c.graph_module),
     )
+
+
+def _check_captured_precision(captured: CapturedGraph, policy: PrecisionPolicy) -> None:
+    if policy.mixed and captured.param_dtype != getattr(torch, policy.param_dtype):
+        raise ConfigError(
+            f"the graph's parameters were captured in {captured.param_dtype}, but precision={str(policy.precision)!r} "
+            f"computes in {policy.param_dtype}: capture with autopar.capture(model, inputs, "
+            f"precision={str(policy.precision)!r})"
+        )
 
 
 def _search(
@@ -82,30 +121,205 @@ def _search(
 def parallelize(
     model: nn.Module,
     mesh,
-    example_inputs: tuple,
+    example_inputs: tuple | None = None,
     *,
+    example_kwargs: dict | None = None,
     plan: Plan | str | None = None,
     options: PlanOptions | None = None,
+    local_batches: bool = False,
+    check_finite: bool = False,
     **pins,
 ):
     """Plan (or load ``plan``) and build this rank's trainable module. Call on every rank.
 
     The default process group must be initialized with ``mesh.size`` ranks (torchrun or
-    ``autopar run``). The returned module's ``train_step(*local_inputs)`` runs forward and
-    backward; ``shard_batch(*global_inputs)`` gives this rank's slice. With ``degrees={"pp": p,
-    ...}`` the layers run in p pipeline stages over the outermost mesh dimension (``pipeline``
-    picks the schedule, ``stage_cuts`` the stage boundaries); ``recompute`` pins activation
-    recomputation, as for :func:`plan`; ``microbatches`` splits the local
-    batch (gradient accumulation, and the pipeline's microbatches).
+    ``autopar run``). The returned module is called like ``model`` and returns what it returns
+    (a Hugging Face ``ModelOutput``, a tuple, a tensor), autograd connected; its parameters are
+    the planned DTensors from the start, so an optimizer over ``pmodel.parameters()`` is built
+    as usual. Every rank passes the same GLOBAL batch and gets the one-process result; with
+    ``local_batches=True`` each passes its share (``pmodel.dp_rank`` of ``pmodel.dp_size``).
 
-    >>> pmodel = parallelize(model, "2x2", model.example_inputs(8))   # doctest: +SKIP
-    >>> loss = pmodel.train_step(*pmodel.shard_batch(*batch))         # doctest: +SKIP
+    The plan is made for one call: ``example_inputs``/``example_kwargs`` (the global batch), else
+    ``model.example_inputs(batch)``, else, for a Hugging Face causal LM, ``input_ids`` and
+    ``labels`` from its config. Calls of other sizes run the same plan when it divides them
+    (their graph is captured once per new signature, see :mod:`autopar.passes.program`); a call
+    whose graph would need the parameters placed otherwise raises :class:`ConfigError`.
+    ``pins`` and ``options`` are :func:`plan`'s (``degrees={"pp": p, ...}`` for pipeline stages).
+    ``precision="bf16-mixed"`` (or "fp16-mixed", with dynamic loss scaling; default: the
+    hardware's natural one, fp32 on CPU) trains fp32 master parameters with 16-bit compute
+    copies, reducing gradients in ``reduce_dtype`` (default "float32"); see
+    :mod:`autopar.runtime.mixed_precision`. ``check_finite=True`` makes every ``train_step``
+    raise :class:`NonFiniteError` on every rank when the loss or a gradient holds a NaN or
+    infinity, naming the parameters (one small all-reduce per step).
+
+    Post: an error on any rank, before the ranks first communicate, is raised on every rank
+    (see :mod:`autopar.runtime.faults`); a failure inside a step reaches the peers.
+
+    >>> pmodel = parallelize(AutoModelForCausalLM.from_config(config), "2x2")   # doctest: +SKIP
+    >>> optimizer = torch.optim.AdamW(pmodel.parameters())                     # doctest: +SKIP
+    >>> pmodel(input_ids=ids, labels=ids).loss.backward(); optimizer.step()    # doctest: +SKIP
     """
-    from autopar.runtime.module import AccumulatingModule, ParallelModule
-    from autopar.runtime.pipeline import PipelineModule
-    from autopar.runtime.process_groups import build_device_mesh, group_name
+    from autopar.runtime.faults import reported
 
     mesh = Mesh.of(mesh)
+    _check_world(mesh)
+    options = PlanOptions.of(options, **pins)
+    with reported("parallelize"):
+        call = (example_inputs, example_kwargs)
+        return _parallelize(model, mesh, call, plan, options, local_batches, check_finite)
+
+
+def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, local_batches: bool, check_finite: bool):
+    """``parallelize`` once the world is known to match: every decision that can fail on some
+    ranks is shared (``faults.agree``) before the ranks next communicate."""
+    from autopar.runtime.calls import CallProgram, Calls
+    from autopar.runtime.faults import agree, from_rank_zero
+    from autopar.runtime.process_groups import build_device_mesh, group_name
+
+    log = PassLog()
+    example, captured, plan = agree(
+        lambda: _captured_with_plan(model, mesh, call, plan, options, log), "capturing the model"
+    )
+    if plan is None:
+        # one search, shared: ops timed while planning differ from rank to rank, and ranks
+        # running different plans would wait on each other forever
+        plan = from_rank_zero(lambda: _search(captured, mesh, options, log), "searching for a plan")
+    if options.compile and not plan.schedule.compiled:  # a given plan runs compiled when asked
+        plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, compiled=True))
+    _check_runnable(plan)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    stages = plan.schedule.stages
+    device_mesh = build_device_mesh({Axis.PP: stages, **plan.degrees} if stages > 1 else plan.degrees, device_type)
+    groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
+    synced_in_program: set[str] = set()  # compile=True: the gradients the programs sum themselves
+
+    def compile_call(bound: dict, known: CapturedGraph | None = None) -> CallProgram:
+        """This rank's programs for a call signature (no communication, but for a search again)."""
+        built = build_programs(
+            model,
+            bound,
+            captured,
+            plan,
+            groups=groups,
+            device=device_type,
+            replan=lambda graph, pinned: from_rank_zero(lambda: _search(graph, mesh, pinned, log), "planning a call"),
+            log=log,
+            captured=known,
+        )
+        program = built.stages if built.stages is not None else built.program
+        loss_program = built.loss_program
+        if plan.schedule.compiled:  # the programs sum their gradients; the runtime leaves those alone
+            group_of = lambda axes: group_name(device_mesh, tuple(axes))  # noqa: E731
+            program, synced = _synced_in_program(program, built.plan, built.captured.params, group_of, log)
+            if loss_program is not None:
+                loss_program, more = _synced_in_program(loss_program, built.plan, built.captured.params, group_of, log)
+                synced |= more
+            synced_in_program.update(synced)
+        return CallProgram(
+            program=program,
+            loss_program=loss_program,
+            inputs={name: built.plan.inputs[name] for name in built.captured.user_inputs},
+            out_spec=built.captured.out_spec,
+            signature=Calls.signature(bound),
+        )
+
+    first = agree(lambda: compile_call(example, captured), "rewriting the graph into this rank's program")
+    stage_mesh = device_mesh[tuple(plan.degrees)] if stages > 1 else device_mesh
+    calls = Calls(
+        lambda args, kwargs: bind_call(model, args, kwargs), compile_call, stage_mesh, plan.inputs, local_batches
+    )
+    calls.add(first)
+    compiler = _compiler(synced_in_program) if plan.schedule.compiled else None
+    return agree(
+        lambda: _rank_module(model, captured, plan, device_mesh, calls, first, check_finite, compiler),
+        "building this rank's module",
+    )
+
+
+def _captured_with_plan(model, mesh: Mesh, call: tuple, plan: Plan | str | None, options: PlanOptions, log: PassLog):
+    """The planning call, its graph (in the precision it trains in) and the plan given, checked."""
+    example = _example_call(model, mesh, *call)
+    if isinstance(plan, str):
+        plan = Plan.load(plan)
+    policy = plan.precision_policy if plan is not None else options.precision_policy
+    captured = _capture(model, (), policy, log, example)
+    if plan is not None and {options.precision, options.reduce_dtype} - {None, plan.precision, plan.reduce_dtype}:
+        raise ConfigError(
+            f"the plan trains in precision={plan.precision!r}, reduce_dtype={plan.reduce_dtype!r}: pass "
+            "dataclasses.replace(plan, precision=..., reduce_dtype=...) or plan again with those options"
+        )
+    if plan is not None and plan.fingerprint != captured.fingerprint:
+        raise StalePlanError(
+            f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
+            "re-run autopar.plan for this model and these input shapes (or pass the example inputs it was made with)"
+        )
+    return example, captured, plan
+
+
+def _synced_in_program(program, plan: Plan, params: dict[str, str], group_of, log: PassLog):
+    """A compiled call's program (or stage programs) summing their own gradients where the plan
+    lets them (:func:`syncs_whole_in_program`), and the names of the parameters they sum."""
+    whole, synced = syncs_whole_in_program(plan.zero, plan.schedule), set()
+
+    def one(graph):
+        graph, names = log.run(
+            "sync in program",
+            sync_in_program,
+            graph,
+            plan,
+            params,
+            group_of,
+            whole=whole,
+            verify=lambda result: verify_graph(result[0]),
+        )
+        synced.update(names)
+        return graph
+
+    if isinstance(program, list):  # pipeline stages
+        return [dataclasses.replace(stage, graph_module=one(stage.graph_module)) for stage in program], synced
+    return one(program), synced
+
+
+def _compiler(synced_in_program: set[str]):
+    """What runs each program through ``torch.compile`` with its communication scheduled."""
+    from autopar.runtime.compile import Compiler
+
+    return Compiler(schedule=schedule_communication, synced_in_program=frozenset(synced_in_program))
+
+
+def _rank_module(
+    model, captured: CapturedGraph, plan: Plan, device_mesh, calls, first, check_finite: bool, compiler=None
+):
+    from autopar.runtime.module import AccumulatingModule, ParallelModule
+    from autopar.runtime.pipeline import PipelineModule
+
+    state = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+        **captured.constants,
+    }
+    common = dict(state=state, tied=captured.tied, calls=calls, check_finite=check_finite, compiler=compiler)
+    if plan.schedule.stages > 1:
+        return PipelineModule(
+            first.program,
+            plan,
+            device_mesh,
+            param_names=captured.params,
+            buffer_names=captured.buffers,
+            **common,
+        )
+    module_class = AccumulatingModule if plan.schedule.microbatches > 1 else ParallelModule
+    return module_class(
+        first.program,
+        plan,
+        device_mesh,
+        param_order=[captured.params[n] for n in captured.params],
+        buffer_order=[captured.buffers[n] for n in captured.buffers],
+        **common,
+    )
+
+
+def _check_world(mesh: Mesh) -> None:
     if not dist.is_initialized():
         raise MeshError(
             f"parallelize needs a process group of {mesh.size} ranks: launch with torchrun or "
@@ -116,95 +330,22 @@ def parallelize(
             f"mesh {mesh} has {mesh.size} devices but the world has {dist.get_world_size()} ranks: "
             f"launch {mesh.size} processes or pass a mesh of {dist.get_world_size()} devices"
         )
-    log = PassLog()
-    captured = _capture(model, example_inputs, log)
-    if isinstance(plan, str):
-        plan = Plan.load(plan)
-    if plan is None:
-        options = PlanOptions.of(options, **pins)
-        plan = _plan_on_rank_zero(lambda: _search(captured, mesh, options, log))
-    elif plan.fingerprint != captured.fingerprint:
-        raise StalePlanError(
-            f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
-            "re-run autopar.plan for this model and these input shapes"
-        )
-    if "compile" in pins:  # a given plan runs compiled or not, as asked
-        plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, compiled=pins["compile"]))
-    _check_runnable(plan)
-    schedule = plan.schedule
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    layout = {Axis.PP: schedule.stages, **plan.degrees} if schedule.stages > 1 else plan.degrees
-    device_mesh = build_device_mesh(layout, device_type)
-    groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
-    running = _microbatch_capture(model, example_inputs, captured, plan, log)
-    program = log.run(
-        "rewrite",
-        rewrite,
-        running,
-        dataclasses.replace(plan, fingerprint=running.fingerprint),
-        groups=groups,
-        device=device_type,
-        verify=verify_graph,
-    )
-    program = log.run("recompute", apply_recompute, program, schedule.recompute, verify=verify_graph)
-    state = {
-        **dict(model.named_parameters(remove_duplicate=False)),
-        **dict(model.named_buffers(remove_duplicate=False)),
-    }
-    compiler, group_of = None, lambda axes: group_name(device_mesh, tuple(axes))
-    if schedule.stages > 1:
-        stages = log.run("split stages", split_stages, program, set(captured.params), set(captured.buffers), schedule)
-        if schedule.compiled:
-            programs, compiler = _compiling([s.graph_module for s in stages], plan, captured.params, group_of, log)
-            stages = [dataclasses.replace(s, graph_module=p) for s, p in zip(stages, programs)]
-        module = PipelineModule(
-            stages,
-            plan,
-            device_mesh,
-            param_names=captured.params,
-            buffer_names=captured.buffers,
-            input_names=captured.user_inputs,
-            state=state,
-            tied=captured.tied,
-            compiler=compiler,
-        )
-    else:
-        if schedule.compiled:
-            (program,), compiler = _compiling([program], plan, captured.params, group_of, log)
-        module_class = AccumulatingModule if schedule.microbatches > 1 else ParallelModule
-        module = module_class(
-            program,
-            plan,
-            device_mesh,
-            param_order=[captured.params[n] for n in captured.params],
-            buffer_order=[captured.buffers[n] for n in captured.buffers],
-            state=state,
-            tied=captured.tied,
-            compiler=compiler,
-        )
-    module.expect_inputs(example_inputs)  # forward and train_step refuse inputs unlike these
-    return module
 
 
-def _compiling(programs: list, plan: Plan, params: dict[str, str], group_of, log: PassLog):
-    """The programs summing their own gradients, and the compiler that schedules their communication."""
-    from autopar.runtime.compile import Compiler
+# The call autopar plans with when given none: a global batch every degree divides and, for
+# Hugging Face models, this many tokens per sequence (or the model's maximum if shorter).
+EXAMPLE_BATCH_PER_DEVICE, EXAMPLE_MIN_BATCH, EXAMPLE_SEQ = 2, 8, 256
 
-    whole, synced, out = syncs_whole_in_program(plan.zero, plan.schedule), frozenset(), []
-    for program in programs:
-        program, names = log.run(
-            "sync in program",
-            sync_in_program,
-            program,
-            plan,
-            params,
-            group_of,
-            whole=whole,
-            verify=lambda result: verify_graph(result[0]),
-        )
-        out.append(program)
-        synced |= names
-    return out, Compiler(schedule=schedule_communication, synced_in_program=synced)
+
+def _example_call(model: nn.Module, mesh: Mesh, example_inputs, example_kwargs) -> dict:
+    """The planning call, its arguments by name (see :func:`parallelize`)."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"expected an nn.Module, got {type(model).__name__}")
+    if example_inputs is not None or example_kwargs is not None:
+        args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        return bind_call(model, tuple(args) if example_inputs is not None else (), dict(example_kwargs or {}))
+    batch = max(EXAMPLE_MIN_BATCH, EXAMPLE_BATCH_PER_DEVICE * mesh.size)
+    return example_call(model, batch, EXAMPLE_SEQ)
 
 
 def _check_runnable(plan: Plan) -> None:
@@ -214,36 +355,3 @@ def _check_runnable(plan: Plan) -> None:
         raise ConfigError(
             f"{schedule.microbatches} microbatches must divide the local batch of {local_batch}: pick a divisor"
         )
-
-
-def _microbatch_capture(model, example_inputs, captured: CapturedGraph, plan: Plan, log: PassLog) -> CapturedGraph:
-    """The graph one microbatch runs: the model captured at the microbatch's global size
-    (views in an exported graph name their batch size), checked to be the planned graph."""
-    count = plan.schedule.microbatches
-    if count == 1:
-        return captured
-    pieces = tuple(value[: value.shape[0] // count] for value in example_inputs)
-    micro = _capture(model, pieces, log)
-    shape = [(n.name, n.op, str(n.target)) for n in micro.graph.nodes]
-    if shape != [(n.name, n.op, str(n.target)) for n in captured.graph.nodes]:
-        raise ConfigError(
-            f"the model captures another graph at the microbatch size {pieces[0].shape[0]} than at the batch size "
-            f"{example_inputs[0].shape[0]}: run it without microbatches"
-        )
-    return micro
-
-
-def _plan_on_rank_zero(search):
-    """One search, on rank 0, shared with every rank: ops timed while planning differ from
-    rank to rank, and ranks running different plans would wait on each other forever.
-    An error on rank 0 is raised on every rank."""
-    outcome = [None, None]
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = search()
-        except Exception as error:  # noqa: BLE001  (re-raised below, on every rank)
-            outcome[1] = error
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[1] is not None:
-        raise outcome[1]
-    return outcome[0]

@@ -15,14 +15,12 @@ Memory: the parameters, gradients and AdamW state each rank holds.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
 import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -32,15 +30,23 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
 import autopar
-from autopar.runtime.spawn import run_local
 
 sys.path.insert(0, str(Path(__file__).parent))
 from measure import model_state_bytes  # noqa: E402
-from publish import publish  # noqa: E402
-from step_time import LR, SEED, TARGET_RATIO, Competitor, Settings, _as_is, _load_gpt, check_equivalence, time_rounds  # noqa: E402
+from step_time import (  # noqa: E402
+    LR,
+    SEED,
+    TARGET_RATIO,
+    Competitor,
+    Settings,
+    _as_is,
+    _load_gpt,
+    check_equivalence,
+    main_per_world_size,
+    time_rounds,
+)
 
 SECTION = "pipeline"
-WORLD_SIZES = (2, 4)
 MICROBATCHES = 4
 PAIRS = (("pipeline 1F1B", "autopar PP", "torch PP"),)
 FULL = Settings(
@@ -191,19 +197,7 @@ def render_section(results, settings: Settings, command: str, elapsed_s: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps; print, do not write")
-    args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
-    command = "python benchmarks/pipeline.py" + (" --quick" if args.quick else "")
-    start = time.monotonic()
-    results = {}
-    for world_size in WORLD_SIZES:
-        print(f"[pipeline] {world_size} ranks ...", flush=True)
-        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=settings.timeout_s)[0]
-    section = render_section(results, settings, command, time.monotonic() - start)
-    publish(SECTION, section, args.quick)
-    return 0
+    return main_per_world_size("pipeline", __doc__, bench_rank, render_section, SECTION, argv, QUICK, FULL)
 
 
 if __name__ == "__main__":

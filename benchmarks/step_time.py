@@ -226,11 +226,16 @@ def _slowest_rank(seconds: list[float]) -> list[float]:
 
 
 def check_equivalence(
-    competitors: dict[str, Competitor], steps: int = EQUIVALENCE_STEPS, pairs=PAIRS
+    competitors: dict[str, Competitor],
+    steps: int = EQUIVALENCE_STEPS,
+    pairs=PAIRS,
+    loss_rtol: float = LOSS_RTOL,
+    grad_rtol: float = GRAD_RTOL,
 ) -> dict[str, list[float]]:
     """Run the first ``steps`` steps of every competitor; each pair must agree on every loss and,
     after the first backward, on every full gradient (a gradient off by a constant factor barely
-    moves AdamW's next loss, so the losses alone would not catch it). Returns the losses."""
+    moves AdamW's next loss, so the losses alone would not catch it), within ``loss_rtol`` and
+    ``grad_rtol`` of the largest entry. Returns the losses."""
     losses = {name: [] for name in competitors}
     first_grads = {}
     for step in range(steps):
@@ -242,7 +247,7 @@ def check_equivalence(
             competitor.optimizer.zero_grad()
     for comparison, ours, theirs in pairs:
         for step, (a, b) in enumerate(zip(losses[ours], losses[theirs]), start=1):
-            if abs(a - b) > LOSS_RTOL * abs(b):
+            if abs(a - b) > loss_rtol * abs(b):
                 _not_equivalent(comparison, f"step {step} loss: {ours} {a:.8f} vs {theirs} {b:.8f}")
         if first_grads[ours].keys() != first_grads[theirs].keys():
             _not_equivalent(
@@ -255,7 +260,7 @@ def check_equivalence(
             if expected is None:
                 continue
             error, scale = (actual - expected).abs().max().item(), expected.abs().max().item()
-            if error > GRAD_RTOL * scale + GRAD_ATOL:
+            if error > grad_rtol * scale + GRAD_ATOL:
                 _not_equivalent(
                     comparison,
                     f"step 1 gradient of {name}: max |{ours} - {theirs}| = {error:.3e}, max |{theirs}| = {scale:.3e}",
@@ -305,6 +310,15 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
+def losses_table(results: dict[int, dict]) -> list[str]:
+    """The losses ``check_equivalence`` returned, per world size and competitor, as table lines."""
+    lines = ["| ranks | competitor | loss step 1 | loss step 2 |", "| ---: | --- | ---: | ---: |"]
+    for world_size, result in results.items():
+        for name, losses in result["losses"].items():
+            lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")
+    return lines
+
+
 def render_section(results: dict[int, dict], settings: Settings, command: str, elapsed_s: float) -> str:
     """The body of this script's BENCHMARKS.md section for ``results[world_size]``."""
     model = settings.model
@@ -350,12 +364,8 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
         f"Equivalence check (passed): per pair, the loss of the global batch at steps 1 and 2 within rtol {LOSS_RTOL}, "
         f"and every full gradient after step 1 within {GRAD_RTOL} of that gradient's largest entry.",
         "",
-        "| ranks | competitor | loss step 1 | loss step 2 |",
-        "| ---: | --- | ---: | ---: |",
+        *losses_table(results),
     ]
-    for world_size, result in results.items():
-        for name, losses in result["losses"].items():
-            lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")
     lines += [
         "",
         "Raw per-round medians, ms (slowest rank per step); the last column is the median over rounds of "
@@ -374,22 +384,26 @@ def render_section(results: dict[int, dict], settings: Settings, command: str, e
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main_per_world_size(script: str, doc: str, bench_rank, render_section, section: str, argv, quick, full) -> int:
+    """The ``main`` of a benchmark that runs ``bench_rank(rank, world, settings)`` once per world
+    size (one spawn each, within the settings' timeout) and writes ``section`` from
+    ``render_section(results, settings, command, seconds)``; ``--quick``: ``quick``, printed only."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smaller model and fewer steps; print, do not write")
     args = parser.parse_args(argv)
-    settings = QUICK if args.quick else FULL
-    command = "python benchmarks/step_time.py" + (" --quick" if args.quick else "")
-
+    settings = quick if args.quick else full
+    command = f"python benchmarks/{script}.py" + (" --quick" if args.quick else "")
     start = time.monotonic()
     results = {}
     for world_size in WORLD_SIZES:
-        remaining = settings.timeout_s - (time.monotonic() - start)
-        print(f"[step_time] {world_size} ranks ...", flush=True)
-        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=remaining)[0]
-    section = render_section(results, settings, command, time.monotonic() - start)
-    publish(SECTION, section, args.quick)
+        print(f"[{script}] {world_size} ranks ...", flush=True)
+        results[world_size] = run_local(bench_rank, world_size, settings, timeout_s=settings.timeout_s)[0]
+    publish(section, render_section(results, settings, command, time.monotonic() - start), args.quick)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return main_per_world_size("step_time", __doc__, bench_rank, render_section, SECTION, argv, QUICK, FULL)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,7 @@ from step_time import (  # noqa: E402
     _load_gpt,
     _mean_over_ranks,
     check_equivalence,
+    losses_table,
     time_rounds,
 )
 
@@ -73,24 +74,29 @@ MEMORY_STEPS = 3
 PLAIN_DP = "autopar ZeRO-0"  # measured for memory only: what ZeRO-3's model state is compared with
 
 
-def _autopar(model, global_inputs, world_size: int, stage: int) -> Competitor:
+def autopar_zero(model, global_inputs, world_size: int, stage: int, precision: str = "fp32", name=None) -> Competitor:
+    """autopar's data-parallel plan (searched without ZeRO) given ZeRO ``stage``, at ``precision``."""
     degrees = {"dp": world_size, "tp": 1}
-    plan = dataclasses.replace(autopar.plan(model, world_size, global_inputs, degrees=degrees, zero=0), zero=stage)
-    pmodel = autopar.parallelize(copy.deepcopy(model), world_size, global_inputs, plan=plan)
+    base = autopar.plan(model, world_size, global_inputs, degrees=degrees, zero=0, precision=precision)
+    pmodel = autopar.parallelize(
+        copy.deepcopy(model), world_size, global_inputs, plan=dataclasses.replace(base, zero=stage)
+    )
     batch = pmodel.shard_batch(*global_inputs)
     optimizer = pmodel.optimizer(torch.optim.AdamW, lr=LR)
-    return Competitor(f"autopar ZeRO-{stage}", pmodel, lambda: pmodel.train_step(*batch), optimizer, _as_is)
+    name = name or f"autopar ZeRO-{stage}"
+    return Competitor(name, pmodel, lambda: pmodel.train_step(*batch), optimizer, _as_is)
 
 
-def _fsdp2(model, global_inputs, rank: int, world_size: int) -> Competitor:
+def torch_fsdp2(model, global_inputs, rank: int, world_size: int, mp_policy=None, name="torch FSDP2") -> Competitor:
+    """FSDP2: ``fully_shard`` on every transformer block and on the root (with ``mp_policy`` if given)."""
     sharded = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (world_size,))
+    options = dict(mesh=init_device_mesh("cpu", (world_size,)), **({"mp_policy": mp_policy} if mp_policy else {}))
     for block in sharded.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)
+        fully_shard(block, **options)
+    fully_shard(sharded, **options)
     batch = _ddp_local_batch(global_inputs, rank, world_size)
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=LR)
-    return Competitor("torch FSDP2", sharded, _backward(sharded, batch), optimizer, _mean_over_ranks)
+    return Competitor(name, sharded, _backward(sharded, batch), optimizer, _mean_over_ranks)
 
 
 def _ddp_zero1(model, global_inputs, rank: int, world_size: int) -> Competitor:
@@ -102,8 +108,8 @@ def _ddp_zero1(model, global_inputs, rank: int, world_size: int) -> Competitor:
 
 def build(name: str, model, global_inputs, rank: int, world_size: int) -> Competitor:
     if name.startswith("autopar"):
-        return _autopar(model, global_inputs, world_size, int(name[-1]))
-    return {"torch FSDP2": _fsdp2, "torch ZeRO-1": _ddp_zero1}[name](model, global_inputs, rank, world_size)
+        return autopar_zero(model, global_inputs, world_size, int(name[-1]))
+    return {"torch FSDP2": torch_fsdp2, "torch ZeRO-1": _ddp_zero1}[name](model, global_inputs, rank, world_size)
 
 
 def _resident_kib(field: str) -> int:
@@ -221,12 +227,8 @@ def render_section(results, memory, settings, command: str, elapsed_s: float) ->
         "Equivalence check (passed): per pair, global-batch losses of steps 1 and 2, and every full gradient "
         "of step 1 (as in the step-time section).",
         "",
-        "| ranks | competitor | loss step 1 | loss step 2 |",
-        "| ---: | --- | ---: | ---: |",
+        *losses_table(results),
     ]
-    for world_size, result in results.items():
-        for name, losses in result["losses"].items():
-            lines.append(f"| {world_size} | {name} | {losses[0]:.6f} | {losses[1]:.6f} |")
     return "\n".join(lines)
 
 

@@ -1,9 +1,13 @@
-"""Hugging Face causal LMs (GPT-2, Llama, Mixtral) built from small configs, with a loss head.
+"""Hugging Face causal LMs (GPT-2, Llama, Mixtral, Qwen2) built from small configs.
 
-Each builder returns a :class:`CausalLM` whose ``forward(input_ids, labels)`` is the mean
-next-token cross-entropy. Submodule names match the Hugging Face checkpoints
-(``model.layers.0.self_attn.q_proj``, ``transformer.h.0.attn.c_attn``, ``lm_head``), so a
-plan written against Hugging Face names applies unchanged. No hub access: configs only.
+:func:`from_config` returns the unmodified Hugging Face model, as
+``AutoModelForCausalLM.from_config`` builds it: ``autopar.parallelize(model, mesh)`` takes it
+as it is (``pmodel(input_ids=..., labels=...).loss``). The ``build_*`` builders wrap one in a
+:class:`CausalLM` whose ``forward(input_ids, labels)`` is the mean next-token cross-entropy
+over already shifted labels, with ``example_inputs`` (what the CLI plans). Submodule names
+match the Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``,
+``transformer.h.0.attn.c_attn``, ``lm_head``), so a plan written against Hugging Face names
+applies unchanged. No hub access: configs only.
 
 Export notes (transformers 5.x, ``torch.export.export(..., strict=False)``):
 
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
+    AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -34,6 +39,7 @@ from transformers import (
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedModel,
+    Qwen2Config,
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
@@ -258,3 +264,49 @@ def build_mixtral(
         experts_implementation=experts_implementation,
     )
     return CausalLM(MixtralForCausalLM(config), seq=seq)
+
+
+def from_config(
+    family: str,
+    *,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    vocab: int = 128,
+    seq: int = 32,
+    experts: int = 4,
+    tie_embeddings: bool | None = None,
+) -> PreTrainedModel:
+    """An unmodified ``AutoModelForCausalLM.from_config`` model of ``family`` ("llama", "mixtral",
+    "gpt2", "qwen2") with a small config: no dropout, no router jitter; ``tie_embeddings``
+    None keeps the family's default (GPT-2 and small Qwen2 tie the embedding and the head).
+
+    Example::
+
+        model = from_config("qwen2", layers=4)
+        loss = model(input_ids=ids, labels=ids).loss
+    """
+    common = dict(vocab_size=vocab, use_cache=True)  # as a user's config has it: autopar drops the cache
+    if tie_embeddings is not None:
+        common["tie_word_embeddings"] = tie_embeddings
+    if family == "gpt2":
+        config = GPT2Config(
+            n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, bos_token_id=vocab - 1,
+            eos_token_id=vocab - 1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common,
+        )  # fmt: skip
+    else:
+        sizes = dict(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+            intermediate_size=ffn, max_position_embeddings=seq, attention_dropout=0.0, **common,
+        )  # fmt: skip
+        if family == "llama":
+            config = LlamaConfig(**sizes)
+        elif family == "qwen2":
+            config = Qwen2Config(**{"tie_word_embeddings": True, **sizes})
+        elif family == "mixtral":
+            config = MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, router_jitter_noise=0.0, **sizes)
+        else:
+            raise ValueError(f"family {family!r}: choose llama, mixtral, gpt2 or qwen2")
+    return AutoModelForCausalLM.from_config(config)

@@ -3,10 +3,18 @@
     autopar run examples/train.py --nproc 2 -- --steps 30
     autopar run examples/train.py --nproc 2 -- --steps 30 --compile   # compiled, communication overlapped
     torchrun --nproc-per-node 2 examples/train.py --steps 30
+    autopar run examples/train.py --nproc 4 --max-restarts 3 -- --checkpoint-dir ckpt --checkpoint-every 10
+    torchrun --nproc-per-node 4 --max-restarts 3 examples/train.py --checkpoint-dir ckpt --checkpoint-every 10
 
 Every rank builds the same model (same seed), autopar plans it for the world it finds, and
 each step feeds every rank its slice of the same global batch. The task is synthetic but
 learnable: arithmetic sequences of tokens, so the loss falls as the model trains.
+
+With ``--checkpoint-dir`` the script resumes by itself from the newest checkpoint there: after
+a restart (a rank died; the launcher started all ranks again) it continues from the saved step,
+with the saved plan; started on another number of ranks it plans for them and loads the same
+checkpoint into the new plan. The batch of step s depends only on s, so the data position is
+the step counter.
 """
 
 import argparse
@@ -18,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.runtime import init_from_env
+from autopar.runtime import Checkpointer, init_from_env
 
 sys.path.insert(0, str(Path(__file__).parent))
 import gpt  # noqa: E402
@@ -44,6 +52,10 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--compile", action="store_true", help="run the per-rank program through torch.compile")
+    parser.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
+    parser.add_argument("--checkpoint-dir", help="save checkpoints here, and resume from the newest one")
+    parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
+    parser.add_argument("--checkpoint-keep", type=int, default=2, help="how many of the newest checkpoints to keep")
     args = parser.parse_args()
 
     init_from_env()
@@ -51,20 +63,30 @@ def main() -> None:
     torch.manual_seed(0)
     model = gpt.build(hidden=args.hidden, layers=args.layers, heads=args.heads, vocab=args.vocab, seq=args.seq)
     example = arithmetic_batch(0, args.batch, args.seq, args.vocab)
-    pmodel = autopar.parallelize(model, world, example, compile=args.compile)
+    checkpointer = None
+    if args.checkpoint_dir:
+        checkpointer = Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
+    pmodel = autopar.parallelize(
+        model, world, example, plan=checkpointer and checkpointer.plan(world), compile=args.compile
+    )
     if rank == 0:
         print(pmodel.plan, flush=True)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
-    for step in range(args.steps):
+    start = checkpointer.resume(pmodel, optimizer) if checkpointer else 0
+    if rank == 0 and start:
+        print(f"resumed from step {start} on {world} ranks", flush=True)
+    for step in range(start, args.steps):
         started = time.perf_counter()
         batch = pmodel.shard_batch(*arithmetic_batch(step, args.batch, args.seq, args.vocab))
         loss = pmodel.train_step(*batch)
         optimizer.step()
         optimizer.zero_grad()
-        if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
+        if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
             what = " (compiling)" if args.compile and step == 0 else ""
             elapsed_ms = 1e3 * (time.perf_counter() - started)
-            print(f"step {step:3d}  loss {loss.item():.4f}  {elapsed_ms:.0f} ms{what}", flush=True)
+            print(f"step {step:3d}  loss {loss.item():.6g}  {elapsed_ms:.0f} ms{what}", flush=True)
+        if checkpointer:
+            checkpointer.maybe_save(step + 1, pmodel, optimizer)
     dist.destroy_process_group()
 
 

@@ -13,12 +13,16 @@
   functional collectives (issue, then wait), which compiled programs run;
 - ``module`` (``ParallelModule``, ``AccumulatingModule``) and ``pipeline`` (``PipelineModule``):
   the trainable module ``autopar.parallelize`` returns; ``checkpoint``: the logical state on disk;
+  ``checkpointer`` (``Checkpointer``): periodic atomic checkpoints of a job and resuming from them;
+- ``faults``: an error on one rank becomes an error on every rank (shared before the ranks
+  communicate, posted to the store inside a step, collectives that time out named);
 - ``measure``: what ``autopar calibrate`` times on this machine.
 
 Importing this package registers the ``autopar::`` ops that rewritten graphs call.
 """
 
 from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autopar.runtime.checkpointer import Checkpointer
 from autopar.runtime.collectives import (
     all_gather,
     all_reduce,
@@ -40,6 +44,7 @@ from autopar.runtime.zero.compiled import zero_gather_layer, zero_reduce_scatter
 from autopar.runtime.zero.gather import zero_gather
 
 __all__ = [
+    "Checkpointer",
     "GradSync",
     "all_gather",
     "all_reduce",

@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autopar.runtime.faults import collective
+
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 
 
@@ -73,7 +75,8 @@ def all_reduce(x: Tensor, group_name: str, reduce_op: str) -> Tensor:
     Example: ``y = torch.ops.autopar.all_reduce(partial_out, tp_group, "sum")``.
     """
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, op=_reduce_op(reduce_op), group=_resolve_process_group(group_name))
+    with collective("all_reduce", group_name):
+        dist.all_reduce(out, op=_reduce_op(reduce_op), group=_resolve_process_group(group_name))
     return out
 
 
@@ -109,7 +112,8 @@ def all_gather(x: Tensor, group_name: str, dim: int, reduce_grad: bool) -> Tenso
     group = _resolve_process_group(group_name)
     dim = _normalize_dim(x, dim)
     rows = x.new_empty((group.size(), *x.shape))
-    dist.all_gather_single(rows.view(-1), x.contiguous().view(-1), group=group)
+    with collective("all_gather", group_name):
+        dist.all_gather_single(rows.view(-1), x.contiguous().view(-1), group=group)
     return _chunks_from_front(rows, dim)
 
 
@@ -152,7 +156,8 @@ def reduce_scatter(x: Tensor, group_name: str, dim: int, reduce_op: str) -> Tens
     size = _chunk_size(x, dim, group.size())
     out = x.new_empty(_resized(x, dim, size))
     rows = _chunks_to_front(x, dim, group.size())
-    dist.reduce_scatter_single(out.view(-1), rows.view(-1), op=_reduce_op(reduce_op), group=group)
+    with collective("reduce_scatter", group_name):
+        dist.reduce_scatter_single(out.view(-1), rows.view(-1), op=_reduce_op(reduce_op), group=group)
     return out
 
 
@@ -178,7 +183,8 @@ def all_to_all(x: Tensor, group_name: str, split_dim: int, concat_dim: int) -> T
     _chunk_size(x, split_dim, group.size())
     sent = _chunks_to_front(x, split_dim, group.size())
     received = torch.empty_like(sent)
-    dist.all_to_all_single(received.view(-1), sent.view(-1), group=group)
+    with collective("all_to_all", group_name):
+        dist.all_to_all_single(received.view(-1), sent.view(-1), group=group)
     return _chunks_from_front(received, concat_dim)
 
 

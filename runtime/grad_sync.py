@@ -1,10 +1,12 @@
 """Bucketed, overlapped gradient all-reduce over the data-parallel axes (DDP's reducer, small).
 
 Each parameter's gradient is summed (no division: the loss scaling is the plan's business)
-over the group it is listed with. Parameters of one group, dtype and device share flat
-buckets of about ``bucket_size_bytes``, filled in reverse registration order (the order
-backward produces gradients). A post-accumulate-grad hook copies each gradient into its
-bucket; a full bucket is all-reduced asynchronously while backward goes on. A callback
+over the group it is listed with, in the parameter's dtype or in ``reduce_dtype`` (mixed
+precision: the buckets are that dtype, the sums land in the gradients' own). Parameters of one
+group, dtype and device share flat buckets of about ``bucket_size_bytes``, filled in reverse
+registration order (the order backward produces gradients). A post-accumulate-grad hook
+copies each gradient into its bucket; a full bucket is all-reduced asynchronously while
+backward goes on. A callback
 queued on the autograd engine waits for every bucket at the end of backward and copies
 the sums back, so the gradients are synced when ``loss.backward()`` returns.
 
@@ -32,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from autopar.ir.buckets import BUCKET_BYTES as DEFAULT_BUCKET_SIZE_BYTES
 from autopar.ir.buckets import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
 from autopar.runtime.collectives import _chunks_to_front
+from autopar.runtime.faults import collective
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -96,12 +99,13 @@ class _Bucket:
 
     def finish(self) -> None:
         """Wait for the all-reduce and write the sums into the gradients."""
-        self.work.wait()
+        with collective("gradient all-reduce", self.group_name):
+            self.work.wait()
         for index, param in enumerate(self.params):
             if param.grad is not None:
                 _local(param.grad).copy_(self._slot(index))
             elif self._flag(index).item() > 0:
-                param.grad = self._materialized_grad(param, self._slot(index).clone())
+                param.grad = self._materialized_grad(param, self._slot(index).to(param.dtype, copy=True))
         self.ready = [False] * len(self.params)
         self.num_ready = 0
         self.work = None
@@ -185,7 +189,8 @@ class _ScatterBucket(_Bucket):
         return dist.reduce_scatter_single(self.received, self.buffer.view(-1), group=group, async_op=True)
 
     def finish(self) -> None:
-        self.work.wait()
+        with collective("gradient reduce-scatter", self.group_name):
+            self.work.wait()
         self.buffer = None
         for index, (param, scatter) in enumerate(zip(self.params, self.scatters)):
             shape = list(param.shape)
@@ -194,14 +199,16 @@ class _ScatterBucket(_Bucket):
             chunk = self.received[self.offsets[index] : self.offsets[index + 1]].view(shape) if used else None
             if chunk is not None and scatter.then_sum_over is not None:
                 dist.all_reduce(chunk, group=_resolve_process_group(scatter.then_sum_over))
-            scatter.sink(param, chunk)
+            scatter.sink(param, None if chunk is None else chunk.to(param.dtype))
         self.received = None
         self.ready = [False] * len(self.params)
         self.num_ready = 0
         self.work = None
 
 
-def _make_buckets(entries: Sequence[tuple], bucket_size_bytes: int, first_bucket_bytes: int) -> list[_Bucket]:
+def _make_buckets(
+    entries: Sequence[tuple], bucket_size_bytes: int, first_bucket_bytes: int, reduce_dtype: torch.dtype | None
+) -> list[_Bucket]:
     """Fill buckets in backward order; order them by when their last gradient should arrive.
 
     ``entries`` are (param, group) or (param, group, Scatter)."""
@@ -220,23 +227,24 @@ def _make_buckets(entries: Sequence[tuple], bucket_size_bytes: int, first_bucket
     last_arrival = len(entries)
     members += [(last_arrival, group, bucket) for group, bucket in open_members.values()]
     members.sort(key=lambda member: member[0])
-    return [_allocate_bucket(group, bucket) for _, group, bucket in members]
+    return [_allocate_bucket(group, bucket, reduce_dtype) for _, group, bucket in members]
 
 
-def _allocate_bucket(group_name: str, entries: list[tuple]) -> _Bucket:
+def _allocate_bucket(group_name: str, entries: list[tuple], reduce_dtype: torch.dtype | None) -> _Bucket:
     params = [param for param, _ in entries]
     first = _local(params[0])
+    dtype = reduce_dtype or first.dtype
     scatters = [scatter for _, scatter in entries]
     if scatters[0] is not None:
         parts = _resolve_process_group(group_name).size()
         offsets = [0]
         for param in params:
             offsets.append(offsets[-1] + param.numel() // parts)
-        return _ScatterBucket(group_name, params, scatters, parts, offsets, first.dtype, first.device)
+        return _ScatterBucket(group_name, params, scatters, parts, offsets, dtype, first.device)
     offsets = [0]
     for param in params:
         offsets.append(offsets[-1] + _local(param).numel())
-    buffer = torch.empty(offsets[-1] + len(params), dtype=first.dtype, device=first.device)
+    buffer = torch.empty(offsets[-1] + len(params), dtype=dtype, device=first.device)
     return _Bucket(group_name, params, buffer, offsets)
 
 
@@ -264,13 +272,15 @@ class GradSync:
         bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         auto_finish: bool = True,
+        reduce_dtype: torch.dtype | None = None,
     ):
         """``auto_finish=False``: the owner calls :meth:`finish` at the end of each backward
-        (from its own engine callback), e.g. to run more work after the sums are in place."""
+        (from its own engine callback), e.g. to run more work after the sums are in place.
+        ``reduce_dtype``: the dtype gradients are summed in (default: each parameter's own)."""
         trainable = [entry for entry in params_and_groups if entry[0].requires_grad]
         if len({id(entry[0]) for entry in trainable}) != len(trainable):
             raise ValueError("GradSync: a parameter is listed twice; list each one once")
-        self._buckets = _make_buckets(trainable, bucket_size_bytes, first_bucket_bytes)
+        self._buckets = _make_buckets(trainable, bucket_size_bytes, first_bucket_bytes, reduce_dtype)
         self._auto_finish = auto_finish
         self._sync_enabled = True
         self._next_to_launch = 0

@@ -11,11 +11,16 @@ runs; at the end of backward every local gradient is published as the DTensor's 
 With ZeRO (``plan.zero``, see :mod:`autopar.runtime.zero.layout`) the optimizer state (1), gradients (2) and
 parameters (3) of data-parallel replicated parameters are split over dp: ZeRO-2 gradients
 and ZeRO-3 parameters are DTensors sharded over dp, so ``full_tensor()`` still gives the whole.
+
+Under mixed precision (``plan.precision``, see :mod:`autopar.runtime.mixed_precision`) the
+parameters are the fp32 masters and the program takes their 16-bit copies, cast once per step;
+fp16's loss scale is ``pmodel.loss_scaler``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,9 +35,11 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from autopar.ir import Axis, InputError, Plan, Replicate, Shard, format_placements
+from autopar.ir import ConfigError, NonFiniteError, Plan, Replicate, Shard
+from autopar.runtime.calls import CallProgram, Calls, local_chunk
+from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.kernels.zigzag import zigzag_order
+from autopar.runtime.mixed_precision import LossScaler, MixedPrecision
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import ZeroLayout, ZeroOptimizer, add_grad, synced_alone
 
@@ -48,20 +55,19 @@ def to_dtensor_placement(placement):
     return DPartial(placement.reduce_op)
 
 
-def local_chunk(full: torch.Tensor, placements, mesh: DeviceMesh) -> torch.Tensor:
-    """This rank's shard of a full tensor (outer mesh dims split first, as DTensor does; on
-    the context-parallel dim a head and a tail chunk, see :mod:`autopar.runtime.kernels.zigzag`)."""
-    local = full
-    names = mesh.mesh_dim_names or ()
-    for mesh_dim, placement in enumerate(placements):
-        if isinstance(placement, Shard):
-            size = mesh.size(mesh_dim)
-            if mesh_dim < len(names) and names[mesh_dim] == Axis.CP:
-                local = local.index_select(
-                    placement.dim, zigzag_order(local.shape[placement.dim], size).to(local.device)
-                )
-            local = local.chunk(size, dim=placement.dim)[mesh.get_local_rank(mesh_dim)]
-    return local.contiguous()
+def communicating(method):
+    """Marks a ``train_step`` or ``forward``: its failure reaches the peers (``faults.reported``),
+    and with ``check_finite`` a train step's loss and gradients are checked on every rank."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with reported(method.__name__):
+            result = method(self, *args, **kwargs)
+            if self.check_finite and method.__name__ == "train_step":
+                self._check_finite(result)
+        return result
+
+    return run
 
 
 class ParallelModule(nn.Module):
@@ -77,9 +83,12 @@ class ParallelModule(nn.Module):
         buffer_order: list[str],
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
+        calls: Calls,
+        check_finite: bool = False,
         compiler: Compiler | None = None,
     ):
         super().__init__()
+        self.check_finite = check_finite
         self.program = program
         self._compiler = compiler  # compile=True: runs each program compiled (autopar.runtime.compile)
         self.plan = plan
@@ -90,8 +99,11 @@ class ParallelModule(nn.Module):
         self._locals: dict[str, torch.Tensor] = {}  # the leaves the program trains
         self.zero = ZeroLayout(plan, mesh, {name: state[name].shape for name in dict.fromkeys(param_order)})
         self._zero_chunks: dict[str, torch.Tensor] = {}  # ZeRO-1/2: the chunks the optimizer steps
+        policy = plan.precision_policy
         for name in dict.fromkeys(param_order):
             full = state[name]
+            if policy.mixed and full.is_floating_point():
+                full = full.float()  # the master is fp32 whatever the model holds
             placements = [to_dtensor_placement(p) for p in plan.params[name]]
             local = local_chunk(full.detach(), plan.params[name], mesh)
             if self.zero.stores_chunk(name):
@@ -111,50 +123,51 @@ class ParallelModule(nn.Module):
             _register(self, alias, self._params[name])
         for name in buffer_order:
             _register(self, name, state[name].detach().clone(), buffer=True)
+        self._precision = MixedPrecision(policy, self._locals)
+        self._finishing_later = False  # inside a step of several backward passes (AccumulatingModule)
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
         entries = [
             self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk)
             for name, axes in plan.grad_sync.items()
             if compiler is None or name not in compiler.synced_in_program
         ]
-        self._grad_sync = GradSync([entry for entry in entries if entry is not None], auto_finish=False)
-        self._zero3 = None  # ZeRO-3: per-layer gathers and gradient reduce-scatters (zero/gather.py)
-        if self.zero.stage == 3 and self.zero.dims and compiler is None:  # compiled: the program gathers
-            sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in plan.grad_sync.items()}
-            self._zero3 = Zero3Runtime(
-                program,
-                param_order,
-                self._locals,
-                sum_over,
-                syncing=lambda: self._grad_sync.syncing,
-                on_first_grad=lambda: self._on_grad_accumulated(None),
-            )
-        self._local_loss = _peel_loss_reduction(program)
+        self._grad_sync = GradSync(
+            [entry for entry in entries if entry is not None],
+            auto_finish=False,
+            reduce_dtype=self._precision.reduce_dtype,
+        )
+        self._calls = calls
+        self._zero3 = None  # ZeRO-3 (zero/gather.py): the runtime of the program that ran last; backward finishes it
+        self._per_program: dict[int, tuple] = {}  # id(program) → (program, what is derived from it)
         self._callback_queued = False
         for local in self._locals.values():
             if local.requires_grad:
                 local.register_post_accumulate_grad_hook(self._on_grad_accumulated)
 
-    def forward(self, *local_inputs):
-        """Forward on this rank's slice of the batch; returns what the model returns (the loss)."""
-        self.check_inputs(local_inputs)
-        outputs = self._run(self.program, local_inputs)
-        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    @communicating
+    def forward(self, *args, **kwargs):
+        """Called as the model is, with the GLOBAL batch (or this rank's share, built with
+        ``local_batches=True``; see :mod:`autopar.runtime.calls`); returns what the model returns
+        (a tensor, a tuple, a ``ModelOutput``), autograd connected: ``out.loss.backward()``
+        completes every gradient and syncs it, as :meth:`train_step` does."""
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
+        return self._calls.result(call, self._run(call.program, inputs))
 
-    def train_step(self, *local_inputs) -> torch.Tensor:
-        """Forward and backward; gradients are complete (and synced) when this returns.
+    @communicating
+    def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
+        """Forward and backward of this rank's inputs (``shard_batch``); gradients are complete
+        (and synced) when this returns. Needs a model whose first output is its loss.
 
         Returns the global loss. Where the plan reduces the loss over one axis at the very
         end, that reduction runs asynchronously, overlapped with backward: backward starts
         from this rank's share, which is exactly what the reduction's backward would give.
         """
-        self.check_inputs(local_inputs)
-        if self._local_loss is None:
-            loss = self(*local_inputs)
-            loss.backward()
-            return loss.detach()
-        program, group, reduce_op = self._local_loss
-        (partial,) = self._run(program, local_inputs)
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
+        program, group, reduce_op = self._peeled_loss_program(call)
+        (partial,) = self._run(program, inputs)
+        if group is None:
+            partial.backward()
+            return partial.detach()
         loss = partial.detach().clone()
         work = dist.all_reduce(
             loss,
@@ -164,18 +177,75 @@ class ParallelModule(nn.Module):
         )
         share = partial / _resolve_process_group(group).size() if reduce_op == "avg" else partial
         share.backward()
-        work.wait()
+        with collective("loss all-reduce", group):
+            work.wait()
         return loss
+
+    def _loss_program(self, call: CallProgram) -> fx.GraphModule:
+        """The call's program computing only its loss (what ``train_step`` needs)."""
+        if call.loss_program is None:
+            raise ConfigError(
+                f"{type(self).__name__}.train_step needs a model whose first output is its scalar loss; this one "
+                "returns something else first (logits?). Call out = pmodel(...) instead, compute the loss from "
+                "out, and call loss.backward(): gradients are completed and synced as backward runs"
+            )
+        return call.loss_program
+
+    def _peeled_loss_program(self, call: CallProgram) -> tuple[fx.GraphModule, str | None, str | None]:
+        """The loss program without its final loss reduction where there is one to overlap with
+        backward, with that reduction's group and op (else None, None)."""
+        program = self._loss_program(call)
+        return self._derived(program, "peeled", lambda: _peel_loss_reduction(program))
+
+    def _derived(self, program: fx.GraphModule, what: str, build):
+        key = (id(program), what)
+        if key not in self._per_program:
+            self._per_program[key] = (program, build())  # the program is kept: its id stays its own
+        return self._per_program[key][1]
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """fp16-mixed: the dynamic loss scale (GradScaler's rules; its attributes may be tuned). Else None."""
+        return self._precision.loss_scaler
 
     def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
         self._follow_zeroed_grads()
-        program = self._compiler(program) if self._compiler is not None else program
-        params = [self._locals[name] for name in self._param_order]
+        leaves = self._precision.leaves()
+        params = [leaves[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
+        self._zero3 = self._derived(program, "zero3", lambda: self._zero3_runtime(program))
+        local_inputs = self._precision.inputs(local_inputs)
+        program = self._compiler(program) if self._compiler is not None else program
         if self._zero3 is None:
-            return tuple(program(*params, *buffers, *local_inputs))
-        with self._zero3.forward(self._locals):  # gathered per layer; regathered for backward
-            return tuple(program(*params, *buffers, *local_inputs))
+            return self._precision.outputs(program(*params, *buffers, *local_inputs))
+        with self._zero3.forward(leaves):  # gathered per layer; regathered for backward
+            return self._precision.outputs(program(*params, *buffers, *local_inputs))
+
+    def _zero3_runtime(self, program: fx.GraphModule, **kwargs) -> Zero3Runtime | None:
+        """ZeRO-3's per-layer gathers and gradient reduce-scatters for one program, or None."""
+        if self.zero.stage != 3 or not self.zero.dims or self._compiler is not None:  # compiled: the program gathers
+            return None
+        sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in self.plan.grad_sync.items()}
+        return Zero3Runtime(
+            program,
+            kwargs.pop("param_order", self._param_order),
+            self._locals,
+            sum_over,
+            syncing=kwargs.pop("syncing", lambda: self._grad_sync.syncing),
+            on_first_grad=kwargs.pop("on_first_grad", lambda: self._on_grad_accumulated(None)),
+            reduce_dtype=self._precision.reduce_dtype,
+            **kwargs,
+        )
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks a per-rank loader serves (the batch splits this many ways)."""
+        return self._calls.dp_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of the batch for a per-rank loader, ``0 <= dp_rank < dp_size``."""
+        return self._calls.dp_rank
 
     def optimizer(self, optimizer_class: type[torch.optim.Optimizer], **kwargs) -> torch.optim.Optimizer:
         """An optimizer stepping this rank's shards as plain tensors (no DTensor dispatch).
@@ -197,46 +267,18 @@ class ParallelModule(nn.Module):
         """Accumulate gradients locally over several backward passes (like DDP's no_sync)."""
         return self._grad_sync.no_sync()
 
-    def shard_batch(self, *global_inputs):
-        """This rank's slice of a global batch, as ``forward`` expects it."""
-        return tuple(
-            local_chunk(value, self.plan.inputs[name], self.device_mesh)
-            for name, value in zip(self.plan.inputs, global_inputs)
-        )
-
-    def expect_inputs(self, global_inputs) -> None:
-        """Remember what ``shard_batch`` makes of a global batch like ``global_inputs`` (the example
-        inputs the plan was made for): ``forward`` and ``train_step`` then take only inputs of
-        those dtypes and local shapes (:meth:`check_inputs`)."""
-        if not all(isinstance(value, torch.Tensor) for value in global_inputs):
-            return  # only tensors have a layout to check
-        meta = [torch.empty(value.shape, dtype=value.dtype, device="meta") for value in global_inputs]
-        local = self.shard_batch(*meta)
-        self._expected_inputs = [
-            (name, tuple(whole.shape), tuple(value.shape), value.dtype)
-            for name, whole, value in zip(self.plan.inputs, meta, local)
-        ]
-
-    def check_inputs(self, local_inputs) -> None:
-        """Raise :class:`InputError` naming the first input whose count, dtype, rank or shape is not
-        what the plan was made for (a global batch where a local one belongs, another dtype ...)."""
-        expected = getattr(self, "_expected_inputs", None)
-        if expected is None:
-            return
-        if len(local_inputs) != len(expected):
-            raise InputError(
-                f"the plan takes {len(expected)} inputs ({', '.join(e[0] for e in expected)}), got {len(local_inputs)}"
-            )
-        for index, ((name, whole, shape, dtype), value) in enumerate(zip(expected, local_inputs), 1):
-            got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else None
-            if got != (shape, dtype):
-                found = f"{str(got[1]).removeprefix('torch.')} {list(got[0])}" if got else type(value).__name__
-                raise InputError(
-                    f"input {name!r} (argument {index}) is {found}, but the plan takes "
-                    f"{str(dtype).removeprefix('torch.')} {list(shape)} on this rank (the global {list(whole)} split "
-                    f"{format_placements(self.plan.inputs[name])}): pass pmodel.shard_batch(*global_batch) of that "
-                    "dtype, or plan again for inputs like these"
-                )
+    def shard_batch(self, *global_inputs, **global_kwargs):
+        """This rank's share of a global batch, as ``train_step`` takes it: a tuple for
+        positional inputs, a dict for keyword ones (``train_step(**pmodel.shard_batch(**batch))``)."""
+        if global_inputs and global_kwargs:
+            raise ConfigError("shard_batch takes positional or keyword inputs, not both: pass them all one way")
+        _, shards = self._calls.prepare(global_inputs, global_kwargs)
+        if not global_kwargs:
+            return tuple(shards)
+        names = [name for name, value in self._calls.bind((), global_kwargs).items() if torch.is_tensor(value)]
+        if len(names) != len(shards):
+            raise ConfigError("shard_batch(**inputs) takes tensors only: pass nested inputs positionally")
+        return dict(zip(names, shards))
 
     def _on_grad_accumulated(self, _local: torch.Tensor) -> None:
         if not self._callback_queued:
@@ -259,6 +301,27 @@ class ParallelModule(nn.Module):
             grad = self._grad_owner(name).grad
             if grad is not None and (param.grad is None or param.grad._local_tensor.data_ptr() != grad.data_ptr()):
                 param.grad = _as_dtensor(grad, param, placements)
+        if self._grad_sync.syncing and not self._finishing_later:
+            self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Once a step's gradients are complete: fp16 unscales them, and where any rank found
+        inf or NaN drops them all (``grad = None``), so the optimizer skips the step."""
+        owners = [self._grad_owner(name) for name in self._params]
+        grads = [owner.grad for owner in owners if owner.grad is not None]
+        if self._precision.finish(grads, dist.group.WORLD):
+            for owner, param in zip(owners, self._params.values()):
+                owner.grad = param.grad = None
+
+    @contextlib.contextmanager
+    def _one_step(self):
+        """Several backward passes that make one step: finished once, after the last."""
+        self._finishing_later = True
+        try:
+            yield
+        finally:
+            self._finishing_later = False
+        self._finish_step()
 
     def _grad_is_zero_chunk(self, name: str) -> bool:
         return name in self._zero_chunks and self.zero.grad_is_chunk(name)
@@ -271,6 +334,31 @@ class ParallelModule(nn.Module):
         """ZeRO-2: the reduce-scattered chunk of ``leaf``'s gradient (a view into a bucket: copied)."""
         if chunk is not None:
             add_grad(self._zero_chunks[self._names_by_leaf[id(leaf)]], chunk.clone())
+
+    def _check_finite(self, loss: torch.Tensor) -> None:
+        """Raise NonFiniteError on every rank if the loss or any rank's gradient shard is not finite.
+
+        Ranks hold different shards (and pipeline ranks different parameters): one MAX
+        all-reduce of a flag per parameter of the plan lets every rank name the same ones."""
+        names = list(self.plan.params)
+        flags = torch.zeros(len(names) + 1, device=loss.device)
+        flags[0] = float(not torch.isfinite(loss).all())
+        for index, name in enumerate(names, start=1):
+            grad = self._grad_owner(name).grad if name in self._params else None
+            if grad is not None and not torch.isfinite(grad).all():
+                flags[index] = 1.0
+        with collective("check_finite all-reduce"):
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags.any():
+            bad = [name for name, flag in zip(names, flags[1:].tolist()) if flag]
+            loss_text = f"the loss is {loss.item()}" if flags[0] else "the loss is finite"
+            raise agreed(
+                NonFiniteError(
+                    f"check_finite: {loss_text}; non-finite gradients in {len(bad)} parameter(s)"
+                    f"{': ' + ', '.join(bad[:8]) + (' ...' if len(bad) > 8 else '') if bad else ''}. "
+                    "Look for NaN or inf in the batch, lower the learning rate, or use a loss scaler"
+                )
+            )
 
     def _follow_zeroed_grads(self) -> None:
         """An optimizer over either view may have set its gradients to None: mirror that."""
@@ -289,22 +377,16 @@ def _as_dtensor(local: torch.Tensor, like: DTensor, placements) -> DTensor:
     return DTensor(local, DTensorSpec(like.device_mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
 
 
-def _peel_loss_reduction(program: fx.GraphModule) -> tuple[fx.GraphModule, str, str] | None:
-    """The program without its final loss all-reduce, with that reduction's group and op.
-
-    Only for a single scalar output reduced once (the usual data-parallel loss); otherwise
-    None and ``train_step`` runs the program as it is.
-    """
+def _peel_loss_reduction(program: fx.GraphModule) -> tuple[fx.GraphModule, str | None, str | None]:
+    """The loss program without its final all-reduce, with that reduction's group and op; as it
+    is, with None and None, when its loss is not reduced once at the very end."""
     graph = fx.Graph()
-    outputs = graph.graph_copy(program.graph, {})
-    if not isinstance(outputs, (tuple, list)) or len(outputs) != 1:
-        return None
-    reduced = outputs[0]
+    (reduced,) = graph.graph_copy(program.graph, {})
     if reduced.target is not torch.ops.autopar.all_reduce.default or len(reduced.users) != 0:
-        return None
+        return program, None, None
     partial, group, reduce_op = reduced.args
     if isinstance(partial, fx.Node) and partial.target is torch.ops.autopar.all_reduce.default:
-        return None  # reduced over several axes in turn: keep it simple and synchronous
+        return program, None, None  # reduced over several axes in turn: keep it simple and synchronous
     graph.output((partial,))
     graph.erase_node(reduced)
     return fx.GraphModule(program, graph), group, reduce_op
@@ -332,15 +414,18 @@ class AccumulatingModule(ParallelModule):
         count = self.plan.schedule.microbatches
         return list(zip(*(value.tensor_split(count) for value in local_inputs)))
 
-    def train_step(self, *local_inputs) -> torch.Tensor:
-        self.check_inputs(local_inputs)
-        pieces = self._pieces(local_inputs)
+    @communicating
+    def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
+        program = self._loss_program(call)  # a piece's whole loss, reduced (backward runs per piece)
+        pieces = self._pieces(inputs)
         losses = []
-        for index, piece in enumerate(pieces):
-            (loss,) = self._run(self.program, piece)
-            with self._accumulating(last=index == len(pieces) - 1):
-                (loss / len(pieces)).backward()
-            losses.append(loss.detach())
+        with self._one_step():
+            for index, piece in enumerate(pieces):
+                (loss,) = self._run(program, piece)
+                with self._accumulating(last=index == len(pieces) - 1):
+                    (loss / len(pieces)).backward()
+                losses.append(loss.detach())
         return torch.stack(losses).mean()
 
     def _accumulating(self, last: bool):
@@ -350,9 +435,23 @@ class AccumulatingModule(ParallelModule):
             return synced_alone(whole_leaves(self))
         return contextlib.nullcontext() if last else self.no_sync()
 
-    def forward(self, *local_inputs):
-        self.check_inputs(local_inputs)
-        return torch.stack([self._run(self.program, piece)[0] for piece in self._pieces(local_inputs)]).mean()
+    @communicating
+    def forward(self, *args, **kwargs):
+        """The pieces one after another (one backward through all of them: no memory saved,
+        use ``train_step`` for that); scalar outputs (the loss) averaged, others concatenated."""
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
+        runs = [self._run(call.program, piece) for piece in self._pieces(inputs)]
+        return self._calls.result(call, tuple(self._merge(values) for values in zip(*runs)))
+
+    def _merge(self, pieces: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One output of every piece as one: a scalar averaged; a batch gathered over the dp ranks
+        per piece ([rank 0's piece 0, rank 1's piece 0, rank 0's piece 1, ...]) back in batch order."""
+        if pieces[0].dim() == 0:
+            return torch.stack(pieces).mean()
+        ranks = self.dp_size
+        if pieces[0].shape[0] % ranks:
+            return torch.cat(pieces)
+        return torch.stack(pieces).unflatten(1, (ranks, -1)).transpose(0, 1).flatten(0, 2)
 
 
 def whole_leaves(module: ParallelModule) -> list[torch.Tensor]:

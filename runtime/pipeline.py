@@ -11,6 +11,8 @@ loss is the mean of the microbatch losses and gradients are accumulated and divi
 microbatch count (the schedule's ``scale_grads``), so both equal one step on the whole batch.
 Gradients are summed over dp once, after the last microbatch: the schedule runs under
 ``no_sync`` because zero-bubble schedules set weight gradients outside autograd's hooks.
+A weight several stages use (tied embeddings) has a copy in each, their gradients summed
+over the stages holding it (:mod:`autopar.runtime.tied`, Megatron's embedding group).
 
 ZeRO runs over the dp axis of the stage's sub-mesh, on the stage's parameters. ZeRO-2/3 sum
 each microbatch's gradients as soon as a backward made them (as DeepSpeed does, see
@@ -41,7 +43,10 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _ComputationType
 
 from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
-from autopar.runtime.module import ParallelModule, whole_leaves
+from autopar.runtime.calls import Calls
+from autopar.runtime.mixed_precision import MixedPrecision
+from autopar.runtime.module import ParallelModule, communicating, whole_leaves
+from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
 
@@ -61,19 +66,24 @@ class _StageModule(nn.Module):
     """One stage program as ``PipelineStage`` calls it: ``forward(*received, **user_inputs)`` (see :func:`_keyword`).
 
     Its parameters are the ParallelModule's own leaves (plain tensors sharing storage with the
-    DTensors), put into ``_parameters`` as they are: the schedule's ``scale_grads`` and the
-    zero-bubble weight pass walk ``parameters()``, and a ``nn.Parameter`` would be a new leaf.
+    DTensors; the fp32 masters under mixed precision), put into ``_parameters`` as they are: the
+    schedule's ``scale_grads`` and the zero-bubble weight pass walk ``parameters()``, and a
+    ``nn.Parameter`` would be a new leaf. A weight shared with another stage module of this
+    device is a leaf of its own sharing the storage (``runtime/tied.py``). The program takes
+    what ``precision.leaves(...)`` gives for them (the leaves, or their 16-bit copies cast once
+    per step, whose gradients reach these leaves).
     """
 
     def __init__(
         self,
         stage,
+        names: list[str],
         leaves: list[torch.Tensor],
+        precision: MixedPrecision,
         buffers: list[torch.Tensor],
         first: bool,
         last: bool,
         zero3: Zero3Runtime | None = None,
-        shards: dict[str, torch.Tensor] | None = None,
         compiler: Compiler | None = None,
     ):
         super().__init__()
@@ -81,19 +91,23 @@ class _StageModule(nn.Module):
         self._run = compiler(stage.graph_module) if compiler is not None else stage.graph_module
         for index, leaf in enumerate(leaves):
             self._parameters[f"param_{index}"] = leaf
-        self._leaves, self._buffer_values = leaves, buffers
+        self._names, self._precision, self._buffer_values = names, precision, buffers
+        self._own = {name: leaf for name, leaf in zip(names, leaves) if leaf is not precision.masters[name]}
         self._input_names, self._first, self._last = stage.inputs, first, last
-        self._zero3, self._shards = zero3, shards
+        self._zero3 = zero3
 
     def forward(self, *received, **user_inputs):
         received = () if self._first else received  # the first stage reads the inputs by name
-        inputs = [user_inputs[_keyword(name)] for name in self._input_names]
-        with self._zero3.forward(self._shards) if self._zero3 is not None else contextlib.nullcontext():
-            outputs = self._run(*self._leaves, *self._buffer_values, *inputs, *received)
+        inputs = self._precision.inputs(user_inputs[_keyword(name)] for name in self._input_names)
+        leaves = self._precision.leaves(self._own)
+        params = [leaves[name] for name in self._names]
+        with self._zero3.forward(leaves) if self._zero3 is not None else contextlib.nullcontext():
+            outputs = self._run(*params, *self._buffer_values, *inputs, *received)
         # zero-bubble schedules detach outputs in place, which views do not allow: copy those
         outputs = [out.clone() if out._is_view() else out for out in outputs]
         if self._last:  # the loss, as a 1-element tensor so the schedule can merge microbatches
-            return outputs[0].reshape(1).clone()
+            (loss,) = self._precision.outputs(outputs[:1])
+            return loss.reshape(1).clone()
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 
@@ -104,6 +118,18 @@ class _Stage(PipelineStage):
     def __init__(self, *args, sync_now=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._sync_now = sync_now
+
+    def _to_tensor(self, arg):
+        """torch learns each stage's shapes by running it once, the first step, on tensors made
+        from the metadata the previous stage sent, with ``torch.empty``: garbage that a stage
+        reading values turns into an error (labels into cross-entropy: "Target ... is out of
+        bounds", token ids into an embedding) or into counts an all-to-all disagrees on. Zeros
+        are a valid index and the same on every rank."""
+        tensor = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                tensor.zero_()
+        return tensor
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if self._sync_now is None or backward_type == "input":
@@ -123,7 +149,14 @@ def _loss_of(output: torch.Tensor, _target) -> torch.Tensor:
 
 
 class PipelineModule(ParallelModule):
-    """This rank's pipeline stages as a trainable module. Built by ``autopar.parallelize``."""
+    """This rank's pipeline stages as a trainable module. Built by ``autopar.parallelize``.
+
+    ``pmodel(...)`` with gradients enabled runs the whole schedule step at once (forward and
+    backward of every microbatch, as a pipeline must) and returns the loss; its
+    ``.backward()`` then publishes those gradients (scaled by the loss's gradient, added to
+    any already there), so ``out.loss.backward(); optimizer.step()`` trains as without stages.
+    Only the loss comes back: the other outputs stay on the last stage.
+    """
 
     def __init__(
         self,
@@ -133,104 +166,173 @@ class PipelineModule(ParallelModule):
         *,
         param_names: dict[str, str],
         buffer_names: dict[str, str],
-        input_names: tuple[str, ...],
         state: dict[str, torch.Tensor],
         tied: dict[str, str] | None = None,
+        calls: Calls,
+        check_finite: bool = False,
         compiler: Compiler | None = None,
     ):
         schedule = plan.schedule
-        pp_rank = mesh.get_local_rank(Axis.PP)
-        mine = [stage_programs[i] for i in schedule.device_modules()[pp_rank]]
-        _check_parameters_stay_in_one_stage(stage_programs, param_names)
-        names = [param_names[p] for stage in mine for p in stage.params]
-        buffers = list(dict.fromkeys(buffer_names[b] for stage in mine for b in stage.buffers))
+        mine = schedule.device_modules()[mesh.get_local_rank(Axis.PP)]
+        shared = shared_weights(stage_programs, param_names, schedule, plan.zero)  # decided before communicating
+        names = list(dict.fromkeys(param_names[p] for i in mine for p in stage_programs[i].params))
+        buffers = list(dict.fromkeys(buffer_names[b] for i in mine for b in stage_programs[i].buffers))
         local_plan = dataclasses.replace(plan, grad_sync={n: a for n, a in plan.grad_sync.items() if n in names})
         super().__init__(
-            mine[0].graph_module,
+            stage_programs[mine[0]].graph_module,
             local_plan,
             mesh[tuple(plan.degrees)],
             param_order=names,
             buffer_order=buffers,
             state=state,
             tied={alias: name for alias, name in (tied or {}).items() if name in names},
+            calls=calls,
+            check_finite=check_finite,
             compiler=compiler,
         )
         self.plan = plan
         self.pipeline_mesh = mesh
-        self._input_names = input_names
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
-        )
-        group = mesh.get_group(Axis.PP)
+        self._param_names, self._buffer_names, self._mine = param_names, buffer_names, mine
+        self._ties = TiedWeights(shared, schedule, mesh, mine)
         self._whole_leaves = whole_leaves(self)
-        zero3 = {}
-        if self._zero3 is not None:  # one runtime per stage module, in place of the one for mine[0]
-            self._zero3 = None
-            zero3 = {
-                stage.index: self._stage_zero3(stage, param_names, schedule.kind in ZERO_BUBBLE_PIPELINES)
-                for stage in mine
-            }
-        self._stages = [
-            _Stage(
-                _StageModule(
-                    stage,
-                    [self._locals[param_names[p]] for p in stage.params],
-                    [self.get_buffer(buffer_names[b]) for b in stage.buffers],
-                    first=stage.index == 0,
-                    last=stage.index == schedule.modules - 1,
-                    zero3=zero3.get(stage.index),
-                    shards=self._locals,
-                    compiler=compiler,
-                ),
-                stage.index,
-                schedule.modules,
-                device,
-                group=group,
-                sync_now=self._synced_microbatch if self.zero.syncs_each_microbatch else None,
-            )
-            for stage in mine
-        ]
-        kind = SCHEDULES[schedule.kind]
-        single = schedule.kind in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)
-        self._schedule = kind(
-            self._stages[0] if single else self._stages, schedule.microbatches, loss_fn=_loss_of, scale_grads=True
-        )
-        self._no_target = torch.zeros(
-            schedule.microbatches
-        )  # the loss is the model's own: the schedule's target is unused
+        self._no_target = torch.zeros(schedule.microbatches)  # the loss is the model's own: the target is unused
+        self._last_rank = dist.get_global_rank(mesh.get_group(Axis.PP), schedule.device_of(schedule.modules - 1))
+        self._anchor = torch.zeros((), requires_grad=True)  # what a deferred backward hangs from (see forward)
+        self._pending: dict[str, torch.Tensor | None] | None = None
+        self._use(stage_programs)
+
+    def _use(self, stage_programs: list) -> None:
+        """Run the stage programs of one call signature (built once per signature)."""
+        self._stages, self._schedule = self._derived(stage_programs, "schedule", lambda: self._build(stage_programs))
         self._holds_first = any(stage.is_first for stage in self._stages)
         self._holds_last = any(stage.is_last for stage in self._stages)
-        last_pp_rank = schedule.device_of(schedule.modules - 1)
-        self._last_rank = dist.get_global_rank(group, last_pp_rank)  # the loss is known there
 
-    def train_step(self, *local_inputs) -> torch.Tensor:
+    def _build(self, stage_programs: list) -> tuple[list[_Stage], object]:
+        schedule = self.plan.schedule
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if self.pipeline_mesh.device_type == "cuda"
+            else torch.device("cpu")
+        )
+        stages = []
+        for index in self._mine:
+            stage = stage_programs[index]
+            names = [self._param_names[p] for p in stage.params]
+            made: list[Zero3Runtime] = []  # ZeRO-3 per stage module, finished at the end of each backward
+            zero3 = self._zero3_runtime(
+                stage.graph_module,
+                param_order=names,
+                syncing=lambda: True,
+                on_first_grad=lambda made=made: _queue(made[0].finish_backward),
+                per_parameter=schedule.kind in ZERO_BUBBLE_PIPELINES,
+            )
+            made.append(zero3)
+            module = _StageModule(
+                stage,
+                names,
+                [self._ties.leaf(name, index, self._locals[name]) for name in names],
+                self._precision,
+                [self.get_buffer(self._buffer_names[b]) for b in stage.buffers],
+                first=index == 0,
+                last=index == schedule.modules - 1,
+                zero3=zero3,
+                compiler=self._compiler,
+            )
+            sync_now = self._synced_microbatch if self.zero.syncs_each_microbatch else None
+            group = self.pipeline_mesh.get_group(Axis.PP)
+            stages.append(_Stage(module, index, schedule.modules, device, group=group, sync_now=sync_now))
+        single = schedule.kind in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)
+        runner = SCHEDULES[schedule.kind](
+            stages[0] if single else stages, schedule.microbatches, loss_fn=_loss_of, scale_grads=True
+        )
+        return stages, runner
+
+    @communicating
+    def train_step(self, *local_inputs, **local_kwargs) -> torch.Tensor:
         """Forward and backward of the local batch through the pipeline; gradients complete
-        (summed over dp, averaged over microbatches) on every rank's own parameters.
-        Returns the global loss on every rank."""
-        self.check_inputs(local_inputs)
+        (summed over dp and over the stages sharing a weight, averaged over microbatches) on
+        every rank's own parameters. Returns the global loss on every rank."""
+        self._drop_pending()
+        call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
+        loss = self._step(call, inputs)
+        self._after_backward()
+        return loss
+
+    @communicating
+    def forward(self, *args, **kwargs):
+        """The model's result with its loss only (every rank gets it). With gradients enabled,
+        the schedule's forward and backward run now; ``loss.backward()`` publishes the gradients."""
+        self._drop_pending()
+        call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
+        if torch.is_grad_enabled() and any(leaf.requires_grad for leaf in self._locals.values()):
+            loss = self._deferred(call, inputs)
+        else:
+            self._use(call.program)
+            loss = self._forward_only(call, inputs)
+        count = call.out_spec.num_leaves if call.out_spec is not None else 1
+        return self._calls.result(call, (loss, *[None] * (count - 1)))
+
+    def _step(self, call, inputs) -> torch.Tensor:
+        self._use(call.program)
         self._follow_zeroed_grads()
         losses: list[torch.Tensor] = []
-        args = local_inputs if self._holds_first else ()
         with self._grad_sync.no_sync():
             self._schedule.step(
-                *args, target=self._no_target, losses=losses, return_outputs=False, **self._keywords(local_inputs)
+                *(inputs if self._holds_first else ()),
+                target=self._no_target,
+                losses=losses,
+                return_outputs=False,
+                **self._keywords(call, inputs),
             )
+        self._ties.fold(self._owners())
         if self.zero.syncs_each_microbatch:  # summed as they came (_synced_microbatch)
             self._scale_zero_chunks()
         else:
             self._grad_sync.sync_accumulated()
-        self._after_backward()
+        self._ties.all_reduce(self._owners())
         loss = torch.stack([loss.detach() for loss in losses]).mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
 
-    def forward(self, *local_inputs):
-        """The loss of the local batch, forward only (every rank gets it)."""
-        self.check_inputs(local_inputs)
-        args = local_inputs if self._holds_first else ()
+    def _forward_only(self, call, inputs) -> torch.Tensor:
         with _forward_actions_only(self._schedule):
-            merged = self._schedule.eval(*args, target=self._no_target, **self._keywords(local_inputs))
+            merged = self._schedule.eval(
+                *(inputs if self._holds_first else ()), target=self._no_target, **self._keywords(call, inputs)
+            )
         loss = merged.detach().mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
+
+    def _deferred(self, call, inputs) -> torch.Tensor:
+        """The step now, its gradients set aside until the returned loss's backward (a later call
+        without that backward drops them, putting back what was there)."""
+        owners = self._owners()
+        self._follow_zeroed_grads()
+        self._pending = {name: owner.grad for name, owner in owners.items()}
+        for owner in owners.values():
+            owner.grad = None
+        loss = self._step(call, inputs)
+        return _AfterStep.apply(self._anchor, loss, self._publish)
+
+    def _publish(self, scale: torch.Tensor) -> None:
+        """The deferred backward: this step's gradients times ``scale``, plus the earlier ones."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            raise ConfigError("this loss's step was dropped by a later call of the model: call backward before it")
+        for name, owner in self._owners().items():
+            if owner.grad is not None and float(scale) != 1.0:
+                owner.grad.mul_(scale)
+            if pending[name] is not None:
+                owner.grad = pending[name] if owner.grad is None else owner.grad.add_(pending[name])
+        self._anchor.grad = None
+        self._after_backward()
+
+    def _drop_pending(self) -> None:
+        if self._pending is not None:
+            for name, owner in self._owners().items():
+                owner.grad = self._pending[name]
+            self._pending = None
+
+    def _owners(self) -> dict[str, torch.Tensor]:
+        return {name: self._grad_owner(name) for name in self._params}
 
     @contextlib.contextmanager
     def _synced_microbatch(self):
@@ -238,6 +340,7 @@ class PipelineModule(ParallelModule):
         ZeRO splits into their chunks (ZeRO-3's in the backward itself)."""
         with synced_alone(self._whole_leaves):
             yield
+            self._ties.fold({name: self._locals[name] for name in self._params})
             self._grad_sync.sync_accumulated()
 
     def _scale_zero_chunks(self) -> None:
@@ -247,42 +350,31 @@ class PipelineModule(ParallelModule):
             if self._grad_is_zero_chunk(name) and chunk.grad is not None:
                 chunk.grad.div_(self.plan.schedule.microbatches)
 
-    def _stage_zero3(self, stage, param_names: dict[str, str], per_parameter: bool) -> Zero3Runtime:
-        """ZeRO-3 for one stage module: its layers' gathers, and each microbatch's gradients
-        reduce-scattered in its backward (per parameter under zero-bubble schedules)."""
-        sum_over = {name: self.zero.sum_after_dp(axes) for name, axes in self.plan.grad_sync.items()}
-        runtime = Zero3Runtime(
-            stage.graph_module,
-            [param_names[p] for p in stage.params],
-            self._locals,
-            sum_over,
-            syncing=lambda: True,
-            on_first_grad=lambda: torch.autograd.Variable._execution_engine.queue_callback(runtime.finish_backward),
-            per_parameter=per_parameter,
-        )
-        return runtime
-
-    def _keywords(self, local_inputs) -> dict[str, torch.Tensor]:
-        return {_keyword(name): value for name, value in zip(self._input_names, local_inputs)}
+    def _keywords(self, call, local_inputs) -> dict[str, torch.Tensor]:
+        return {_keyword(name): value for name, value in zip(call.inputs, local_inputs)}
 
     def _from_last_stage(self, loss: torch.Tensor) -> torch.Tensor:
-        loss = loss.contiguous()
+        loss = loss.float().contiguous()  # one dtype on every rank (the last stage's may be 16-bit)
         dist.broadcast(loss, src=self._last_rank, group=self.pipeline_mesh.get_group(Axis.PP))
         return loss
 
 
-def _check_parameters_stay_in_one_stage(stage_programs, param_names: dict[str, str]) -> None:
-    where: dict[str, int] = {}
-    for stage in stage_programs:
-        for placeholder in stage.params:
-            if where.setdefault(placeholder, stage.index) != stage.index:
-                raise ConfigError(
-                    f"parameter {param_names[placeholder]!r} is used by stage modules {where[placeholder]} and "
-                    f"{stage.index}: "
-                    "a weight shared across pipeline stages (e.g. tied embeddings) is not supported; pin cut points "
-                    "that keep "
-                    "its uses in one stage, or untie it"
-                )
+class _AfterStep(torch.autograd.Function):
+    """The loss of a step already run: its backward calls ``publish(grad)`` (see PipelineModule)."""
+
+    @staticmethod
+    def forward(ctx, anchor, loss, publish):
+        ctx.publish = publish
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.publish(grad)
+        return None, None, None
+
+
+def _queue(callback) -> None:
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 @contextlib.contextmanager

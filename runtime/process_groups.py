@@ -7,9 +7,12 @@ axes; its c10d group ranks then run in mesh order, which the collectives rely on
 """
 
 import math
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from autopar.ir.errors import MeshError
 
@@ -29,7 +32,23 @@ def build_device_mesh(layout: dict[str, int], device_type: str) -> DeviceMesh:
             f"mesh layout {layout} spans {mesh_size} ranks but the world has {world_size}; "
             f"launch {mesh_size} processes or choose degrees whose product is {world_size}"
         )
-    return init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=tuple(str(axis) for axis in layout))
+    mesh = init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=tuple(str(axis) for axis in layout))
+    for axis in layout:
+        _inherit_timeout(mesh.get_group(str(axis)))
+    return mesh
+
+
+def world_timeout() -> timedelta:
+    """The default group's timeout (``init_process_group(timeout=...)``, see ``launch.init_from_env``)."""
+    world = dist.group.WORLD
+    device = torch.device("cuda") if torch.device("cuda") in world._device_types else torch.device("cpu")
+    return world._get_backend(device).options._timeout
+
+
+def _inherit_timeout(group: dist.ProcessGroup) -> None:
+    """torch gives the groups DeviceMesh creates the backend's default timeout (30 minutes for
+    gloo), not the world's: set the world's, so that no collective waits longer than the user asked."""
+    _set_pg_timeout(world_timeout(), group)
 
 
 def group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
@@ -48,4 +67,6 @@ def group_name(mesh: DeviceMesh, axes: tuple[str, ...]) -> str:
     axes = tuple(str(axis) for axis in axes)
     if len(axes) == 1:
         return mesh.get_group(axes[0]).group_name
-    return mesh[axes]._flatten().get_group().group_name
+    group = mesh[axes]._flatten().get_group()
+    _inherit_timeout(group)
+    return group.group_name

@@ -11,6 +11,7 @@ found the plan's step different from one process's.
     autopar export gpt --mesh 2x2 --degrees tp=4 --out exported/
     autopar verify gpt --mesh 2 --degrees tp=2          # exit 0 when the plan's step is exact
     autopar run train.py --nproc 4 -- --steps 10
+    autopar run train.py --nproc 4 --max-restarts 3 --collective-timeout 300 -- --checkpoint-dir ckpt
     autopar calibrate --quick      # measure this machine; plan/export then use the profile
 """
 

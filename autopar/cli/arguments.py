@@ -95,12 +95,32 @@ def parser() -> argparse.ArgumentParser:
     run = commands.add_parser(
         "run",
         help="run SCRIPT as N local ranks, as torchrun would",
-        usage="autopar run SCRIPT --nproc N [--timeout S] [-- SCRIPT_ARGS ...]",
+        usage="autopar run SCRIPT --nproc N [--max-restarts K] [--timeout S] [--collective-timeout S] "
+        "[-- SCRIPT_ARGS ...]",
     )
     run.add_argument("script", metavar="SCRIPT")
     run.add_argument("--nproc", type=_positive_int, required=True, metavar="N")
     run.add_argument(
-        "--timeout", type=float, default=None, metavar="S", help="terminate all ranks after S seconds (exit 124)"
+        "--max-restarts",
+        type=_non_negative_int,
+        default=0,
+        metavar="K",
+        help="when a rank fails, stop all and start all again, up to K times (torchrun's --max-restarts)",
+    )
+    run.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="terminate all ranks after S seconds for the whole job, restarts included (exit 124)",
+    )
+    run.add_argument(
+        "--collective-timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="fail a collective that waits longer than S seconds for a peer (the process-group timeout; "
+        "default 1800); the ranks read it as $AUTOPAR_COLLECTIVE_TIMEOUT",
     )
     run.set_defaults(handler="run")
 
@@ -187,13 +207,32 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
+def _int_at_least(minimum: int):
+    """An argparse type: an integer of at least ``minimum``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be at least {minimum}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1)
+_non_negative_int = _int_at_least(0)
+
+
+def _positive_float(text: str) -> float:
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return value
 
 

@@ -44,10 +44,11 @@ def _make_plan(args):
     model = load_model(args.model)
     batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
     inputs = model.example_inputs(batch, device="meta")
-    captured = capture(model, inputs)
+    options = _options(args, hardware)
+    captured = capture(model, inputs, precision=options.precision_policy.precision)
     live = sys.stderr.isatty() and not getattr(args, "json", False)  # the progress line: a terminal, no --json
     with ProgressLine(sys.stderr) if live else contextlib.nullcontext() as line:
-        plan = make_plan(captured, args.mesh, options=_options(args, hardware), progress=line)
+        plan = make_plan(captured, args.mesh, options=options, progress=line)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
     at = getattr(args, "at", None)  # only `plan` has it
     symbolic = at and symbolic_cost(
@@ -180,7 +181,14 @@ def _cmd_run(args) -> int:
 
     if not Path(args.script).is_file():
         raise UsageError(f"SCRIPT: no file {args.script}")
-    return launch_local(args.script, args.script_args, nproc=args.nproc, timeout_s=args.timeout)
+    return launch_local(
+        args.script,
+        args.script_args,
+        nproc=args.nproc,
+        timeout_s=args.timeout,
+        max_restarts=args.max_restarts,
+        collective_timeout_s=args.collective_timeout,
+    )
 
 
 def _cmd_calibrate(args) -> int:

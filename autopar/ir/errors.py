@@ -39,3 +39,25 @@ class InputError(AutoparError):
 
 class CompileError(AutoparError):
     """``torch.compile`` cannot compile a per-rank program in one graph (names the node)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint cannot be loaded here: it is of another model, or incomplete."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint is missing, its write never finished, or a file of it is missing or truncated."""
+
+
+class DistributedError(RuntimeError):
+    """The ranks of a job can no longer work together: a peer raised, died or stalled past the
+    process-group timeout. Every rank raises one; its message names the ranks and the collective."""
+
+
+class CollectiveError(DistributedError):
+    """A collective failed on this rank: it timed out, or a peer left it (died or raised)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """``check_finite=True`` found a NaN or infinity in the loss or a gradient; the message names
+    the parameters."""

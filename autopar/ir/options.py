@@ -41,6 +41,7 @@ class PlanOptions:
       natural choice, ``HardwareProfile.precision``); see :mod:`autopar.ir.precision`.
     - ``compile``: run each program through ``torch.compile`` with its communication scheduled
       for overlap (:attr:`Schedule.compiled`); the cost model prices that schedule.
+    - ``reduce_dtype``: the dtype gradients are reduced in (default "float32").
 
     >>> PlanOptions(degrees={"dp": 2, "tp": 2}, zero=1).zero
     1
@@ -57,6 +58,7 @@ class PlanOptions:
     stage_cuts: tuple[str, ...] = ()
     precision: Precision | None = None
     compile: bool = False
+    reduce_dtype: str | None = None
 
     def __post_init__(self):
         known = {*PARALLEL_DIMS, Axis.PP}
@@ -73,8 +75,7 @@ class PlanOptions:
             raise ConfigError(f"recompute={self.recompute!r}: choose one of {[str(r) for r in Recompute]}")
         if self.pipeline is not None and self.pipeline not in tuple(PipelineKind):
             raise ConfigError(f"pipeline={self.pipeline!r}: choose one of {[str(p) for p in PipelineKind]}")
-        if self.precision is not None and self.precision not in tuple(Precision):
-            raise ConfigError(f"precision={self.precision!r}: choose one of {[str(p) for p in Precision]}")
+        PrecisionPolicy.of(self.precision or Precision.FP32, self.reduce_dtype)  # a ConfigError naming a bad one
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ConfigError(f"microbatches={self.microbatches!r}: pass a positive integer")
         if self.memory_limit is not None and self.memory_limit <= 0:
@@ -99,15 +100,15 @@ class PlanOptions:
         return get_profile(self.hardware)
 
     @property
-    def policy(self) -> PrecisionPolicy:
+    def precision_policy(self) -> PrecisionPolicy:
         """The precision the plan trains in: ``precision``, else the hardware profile's natural
-        choice (bf16-mixed on the A100/H100/H200 presets, fp32 on the CPU ones). The one place
-        that default is taken.
+        choice (bf16-mixed on the A100/H100/H200 presets, fp32 on the CPU ones), with
+        ``reduce_dtype``. The one place that default is taken.
 
-        >>> PlanOptions(hardware="a100-80gb").policy.param_dtype
+        >>> PlanOptions(hardware="a100-80gb").precision_policy.param_dtype
         'bfloat16'
         """
-        return PrecisionPolicy.of(self.precision or self.profile.precision)
+        return PrecisionPolicy.of(self.precision or self.profile.precision, self.reduce_dtype)
 
     @property
     def stages(self) -> int | None:

@@ -19,6 +19,7 @@ from autopar.ir.mesh import Mesh
 from autopar.ir.names import Axis, Kernel, PipelineKind, Recompute
 from autopar.ir.placement import Placement, format_placements, parse_placement
 from autopar.ir.plan_schema import check_plan_json
+from autopar.ir.precision import PrecisionPolicy
 
 PLAN_FORMAT = 6  # 3: pipeline kind, virtual stages, cut points; 4: kernels (cp, ep); 5: precision; 6: compiled
 
@@ -167,7 +168,13 @@ class Plan:
     zero: int = 0  # ZeRO stage over the data-parallel axis: 1 optimizer state, 2 + gradients, 3 + weights
     schedule: Schedule = Schedule()
     precision: str = "fp32"  # what it trains in: an autopar.ir.Precision (autopar.ir.precision)
+    reduce_dtype: str = "float32"  # the dtype gradients are reduced in
     format: int = PLAN_FORMAT
+
+    @property
+    def precision_policy(self) -> PrecisionPolicy:
+        """What the runtime computes, reduces and keeps in (:mod:`autopar.ir.precision`)."""
+        return PrecisionPolicy.of(self.precision, self.reduce_dtype)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -223,6 +230,7 @@ class Plan:
             zero=data["zero"],
             schedule=_schedule(data["schedule"]),
             precision=data["precision"],
+            reduce_dtype=data.get("reduce_dtype", "float32"),  # plans saved before it was recorded reduced in fp32
         )
 
     def save(self, path: str | Path) -> Path:
@@ -250,8 +258,9 @@ class Plan:
         table = tabulate(rows, headers=["parameter", "placement " + str(self.axes), "grad sum over"])
         memory = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.cost.memory.items())
         return (
-            f"Plan for mesh {self.mesh} ({degrees}{f', ZeRO-{self.zero}' if self.zero else ''}) on {self.hardware}, "
-            f"global batch {self.batch_size}, precision {self.precision}\n"
+            f"Plan for mesh {self.mesh} ({degrees}{f', ZeRO-{self.zero}' if self.zero else ''}"
+            f"{f', {self.precision}' if self.precision_policy.mixed else ''}) on {self.hardware}, "
+            f"global batch {self.batch_size}\n"
             f"predicted step {self.cost.step_s * 1e3:.2f} ms (compute {self.cost.compute_s * 1e3:.2f}, "
             f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "
             f"memory per device: {memory}\n{table}"

@@ -34,6 +34,7 @@ FIELDS = {
     "zero": int,
     "schedule": dict,
     "precision": str,
+    "reduce_dtype": str,
     "format": int,
 }
 NODE_FIELDS = {
@@ -71,7 +72,7 @@ def check_plan_json(data) -> None:
     >>> check_plan_json({**plan.to_json(), "zero": 7})   # doctest: +SKIP
     InvalidPlanError: field 'zero': 7 is not a ZeRO stage (0, 1, 2 or 3)
     """
-    _fields(data, FIELDS, "")
+    _fields({"reduce_dtype": "float32", **data} if isinstance(data, dict) else data, FIELDS, "")  # older: fp32
     mesh = data["mesh"]
     _fields(mesh, {"shape": LIST, "device_type": str}, "mesh")
     for i, size in enumerate(mesh["shape"]):

@@ -1,10 +1,15 @@
 """Mixed precision: the policy a plan trains under, and what it keeps per parameter.
 
 The one definition the cost model (``passes.cost``: model-state memory) and the runtime
-(``runtime``: master weights, compute copies, gradient reduction, loss scaling) share.
-``Precision`` names the policy (:class:`autopar.ir.names.Precision`); :class:`PrecisionPolicy`
-spells it in FSDP2's terms: ``param_dtype`` for the compute copies, ``reduce_dtype`` for the
-gradient reduction, fp32 master weights and optimizer state, and loss scaling for fp16.
+(``runtime.mixed_precision``: master weights, compute copies, gradient reduction, loss
+scaling) share. ``Precision`` names the policy (:class:`autopar.ir.names.Precision`);
+:class:`PrecisionPolicy` spells it in FSDP2's terms (``MixedPrecisionPolicy``): ``param_dtype``
+for the compute copies, ``reduce_dtype`` for the gradient reduction, fp32 master weights and
+optimizer state, and dynamic loss scaling for fp16.
+
+What a rank holds per parameter element is data (:data:`LAYOUTS`): each tensor the runtime
+keeps, its bytes, and the ZeRO stage from which it is split over the data-parallel ranks.
+:func:`model_state_bytes` adds them up; a test measures the runtime against it.
 """
 
 from __future__ import annotations
@@ -22,17 +27,25 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class PrecisionPolicy:
     """How a step computes, reduces and keeps state.
 
+    - ``param_dtype``: the dtype of the copies forward and backward compute with (the graph is
+      captured in it); "float32" means no copies: the model trains in its own dtype.
+    - ``reduce_dtype``: the dtype parameter gradients are reduced (all-reduced, reduce-scattered) in.
+    - ``loss_scaling``: fp16's dynamic loss scaling (``torch.amp.GradScaler``'s rules).
+
     >>> PrecisionPolicy.of("bf16-mixed").param_dtype
     'bfloat16'
+    >>> PrecisionPolicy.of("fp16-mixed", reduce_dtype="float16").loss_scaling
+    True
     """
 
     precision: Precision = Precision.FP32
-    param_dtype: str = "float32"  # the dtype of the copies forward and backward compute with
-    reduce_dtype: str = "float32"  # the dtype gradients are reduced (all-reduced, reduce-scattered) in
-    loss_scaling: bool = False  # fp16: dynamic loss scaling (torch.amp.GradScaler's rules)
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    loss_scaling: bool = False
 
     @classmethod
     def of(cls, precision: str | Precision, reduce_dtype: str | None = None) -> PrecisionPolicy:
+        """The policy a precision name means; ``reduce_dtype`` defaults to "float32"."""
         if precision not in tuple(Precision):
             raise ConfigError(f"precision={precision!r}: choose one of {[str(p) for p in Precision]}")
         if reduce_dtype is not None and reduce_dtype not in DTYPE_BYTES:
@@ -45,30 +58,80 @@ class PrecisionPolicy:
         return self.precision != Precision.FP32
 
 
-# Bytes per parameter element for Adam(W): weight, gradient, optimizer state. fp32 keeps two
-# moments; mixed precision (the ZeRO paper's K=12) keeps 16-bit weights and gradients, and an
-# fp32 master copy and two moments in the optimizer.
-_STATE_BYTES = {
-    False: {"params": 4, "grads": 4, "optimizer": 8},
-    True: {"params": 2, "grads": 2, "optimizer": 12},
+@dataclass(frozen=True)
+class Held:
+    """One tensor a rank keeps for each parameter element: its memory category ("params",
+    "grads" or "optimizer"), bytes per element, the ZeRO stage from which it is split over the
+    data-parallel ranks (1 optimizer state, 2 gradients, 3 weights) and the stages it exists at."""
+
+    category: str
+    what: str
+    nbytes: int
+    split_from: int
+    stages: tuple[int, ...] = (0, 1, 2, 3)
+
+
+# What autopar's runtime holds (runtime/module.py, runtime/zero, runtime/mixed_precision.py),
+# for Adam(W). ZeRO-1/2 step a copy of this rank's chunk of each weight and all-gather it back
+# into the whole weight (runtime/zero/layout.py), so they keep that chunk besides the weight.
+# Counted at the end of backward, the step's peak of model state (ZeRO-1's optimizer copies
+# out its gradient chunks only in ``step()``, until ``zero_grad``).
+# Mixed precision keeps FSDP2's layout: the fp32 master is the parameter (a DTensor), gradients
+# land on it in fp32, and a 16-bit copy of the master (of its ZeRO-3 shard) is what the
+# program computes with, refreshed once per step.
+LAYOUTS: dict[bool, tuple[Held, ...]] = {
+    False: (
+        Held("params", "weight", 4, split_from=3),
+        Held("grads", "gradient", 4, split_from=2),
+        Held("optimizer", "Adam's two moments", 8, split_from=1),
+        Held("optimizer", "the chunk the optimizer steps", 4, split_from=1, stages=(1, 2)),
+    ),
+    True: (
+        Held("params", "fp32 master weight", 4, split_from=3),
+        Held("params", "16-bit compute copy", 2, split_from=3),
+        Held("grads", "fp32 gradient of the master", 4, split_from=2),
+        Held("optimizer", "Adam's two moments", 8, split_from=1),
+        Held("optimizer", "the fp32 chunk the optimizer steps", 4, split_from=1, stages=(1, 2)),
+    ),
 }
+
+# DeepSpeed's mixed-precision layout as the ZeRO paper counts it (Rajbhandari et al., K=12):
+# 16-bit weights and gradients, fp32 master weight and two moments in the optimizer. Not what
+# autopar holds (its gradients are fp32, reduced in fp32 by default): for checking the ZeRO
+# stage rule against the paper's worked example.
+ZERO_PAPER_LAYOUT: tuple[Held, ...] = (
+    Held("params", "16-bit weight", 2, split_from=3),
+    Held("grads", "16-bit gradient", 2, split_from=2),
+    Held("optimizer", "fp32 master weight and two moments", 12, split_from=1),
+)
 
 
 def model_state_bytes(
-    params: float, *, precision: str | Precision = Precision.FP32, zero_stage: int = 0, data_parallel: int = 1
+    params: float,
+    *,
+    precision: str | Precision = Precision.FP32,
+    zero_stage: int = 0,
+    data_parallel: int = 1,
+    layout: tuple[Held, ...] | None = None,
 ) -> dict[str, float]:
-    """Per-device bytes of weights, gradients and optimizer state (ZeRO paper, Rajbhandari et al.).
+    """Per-device bytes of weights, gradients and optimizer state of ``params`` elements.
 
-    Stage 1 shards the optimizer state over the data-parallel ranks, stage 2 the gradients
-    too, stage 3 the weights too. Mixed precision, 7.5e9 parameters, 64 ranks:
-    120 / 31.4 / 16.6 / 1.88 GB for stages 0-3.
+    Stage 1 splits the optimizer state over the data-parallel ranks, stage 2 the gradients
+    too, stage 3 the weights too (ZeRO); with one data-parallel rank nothing is split.
+    ``layout`` defaults to what autopar's runtime holds at ``precision`` (:data:`LAYOUTS`).
+    The ZeRO paper's example, 7.5e9 parameters on 64 ranks: 120 / 31.4 / 16.6 / 1.88 GB.
 
-    >>> round(sum(model_state_bytes(7.5e9, precision="bf16-mixed", zero_stage=1, data_parallel=64).values()) / 1e9, 1)
+    >>> model_state_bytes(1000, precision="bf16-mixed")
+    {'params': 6000.0, 'grads': 4000.0, 'optimizer': 8000.0}
+    >>> round(sum(model_state_bytes(7.5e9, zero_stage=1, data_parallel=64, layout=ZERO_PAPER_LAYOUT).values()) / 1e9, 1)
     31.4
     """
-    mixed = PrecisionPolicy.of(precision).mixed
-    per = dict(_STATE_BYTES[mixed])
-    if not mixed and zero_stage in (1, 2) and data_parallel > 1:
-        per["optimizer"] += per["params"]  # the optimizer steps a copy of its chunk (fp32 has no master copy to reuse)
-    sharded = {0: (), 1: ("optimizer",), 2: ("optimizer", "grads"), 3: ("optimizer", "grads", "params")}[zero_stage]
-    return {kind: params * nbytes / (data_parallel if kind in sharded else 1) for kind, nbytes in per.items()}
+    if layout is None:
+        layout = LAYOUTS[PrecisionPolicy.of(precision).mixed]
+    stage = zero_stage if data_parallel > 1 else 0  # ZeRO has nothing to split over one rank
+    held = dict.fromkeys(("params", "grads", "optimizer"), 0.0)
+    for tensor in layout:
+        if stage in tensor.stages:
+            split = data_parallel if stage >= tensor.split_from else 1
+            held[tensor.category] += params * tensor.nbytes / split
+    return held

@@ -1,25 +1,37 @@
 """Capture: model + example inputs → an aten-level fx graph with shapes and module paths.
 
-Pre: ``model`` is an ``nn.Module`` whose forward takes ``example_inputs`` (real, fake or meta
-tensors) and returns a tensor (the loss) or a tuple of tensors.
+Pre: ``model`` is an ``nn.Module`` whose forward takes ``example_inputs`` and ``example_kwargs``
+(real, fake or meta tensors, and constants) and returns a tensor, or a pytree of them (a tuple,
+a dict, a Hugging Face ``ModelOutput``).
+With ``param_dtype`` (mixed precision) it is captured as it computes with 16-bit copies of its
+floating parameters and floating inputs (FSDP2's ``param_dtype`` and ``cast_forward_inputs``),
+buffers as they are: the graph keeps the model's own upcasts (norms, softmax), which no cast
+inserted later could recover.
 Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops), whose placeholders are
-the parameters, buffers and user inputs in that order, whose every node carries
-``meta["val"]`` (a fake tensor or a tuple of them) and whose nodes name their module path
-through :func:`module_path`.
+the parameters, buffers and the tensor inputs in that order (constant inputs are baked in),
+whose every node carries ``meta["val"]`` (a fake tensor or a tuple of them) and whose nodes
+name their module path through :func:`module_path`; ``in_spec``/``out_spec`` say how a call's
+arguments flatten into the tensor inputs and how the outputs rebuild the model's result.
 """
 
 from __future__ import annotations
 
 import hashlib
+import traceback
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.fx as fx
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
+import autopar.ir
 from autopar.ir import TraceError, layer_of
 from autopar.passes.capture.attention_pattern import buffer_values, fuse_eager_attention
+from autopar.passes.capture.calls import capture_settings
 from autopar.passes.capture.moe import EXPERTS_OP, composite_moe, record_expert_load
 
 
@@ -28,50 +40,114 @@ class CapturedGraph:
     graph_module: fx.GraphModule  # placeholders: parameters, buffers, user inputs
     params: dict[str, str]  # placeholder name → parameter name in the model
     buffers: dict[str, str]  # placeholder name → buffer name in the model
-    user_inputs: tuple[str, ...]  # placeholder names of the forward's arguments
+    user_inputs: tuple[str, ...]  # placeholder names of the forward's tensor arguments, in call order
     outputs: tuple[str, ...]  # "user" or "buffer:NAME" per graph output
     fingerprint: str
     tied: dict[str, str] = field(default_factory=dict)  # parameter name → the name it shares storage with
+    in_spec: TreeSpec | None = None  # of (args, kwargs): its tensor leaves are ``user_inputs``
+    out_spec: TreeSpec | None = None  # of the forward's result: rebuilds it from the user outputs
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # buffer name → tensor the forward made
 
     @property
     def graph(self) -> fx.Graph:
         return self.graph_module.graph
 
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The one dtype its floating parameters were captured in (None if none, or several)."""
+        values = [n.meta["val"] for n in self.graph.find_nodes(op="placeholder") if n.name in self.params]
+        dtypes = {value.dtype for value in values if value.is_floating_point()}
+        return dtypes.pop() if len(dtypes) == 1 else None
 
-def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
-    """Export ``model`` on ``example_inputs`` (non-strict) and lift its state into placeholders.
 
-    >>> captured = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),))
-    >>> list(captured.params.values())
-    ['weight', 'bias']
+def capture(
+    model: torch.nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict | None = None,
+    param_dtype: torch.dtype | None = None,
+) -> CapturedGraph:
+    """Export ``model`` on ``example_inputs``/``example_kwargs`` (non-strict) and lift its state
+    into placeholders; Hugging Face models without their KV cache (:func:`capture_settings`).
+    With ``param_dtype``, as it computes in that dtype (the model itself is left as it is).
+
+    >>> captured = capture(torch.nn.Linear(4, 2), (torch.randn(3, 4),), param_dtype=torch.bfloat16)
+    >>> list(captured.params.values()), captured.graph_module.graph.find_nodes(op="placeholder")[0].meta["val"].dtype
+    (['weight', 'bias'], torch.bfloat16)
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+    example_inputs, example_kwargs = _distinct(example_inputs, dict(example_kwargs or {}))
+    if param_dtype is None:
+        return _capture(model, example_inputs, example_kwargs)
+    inputs, kwargs = tree_map(lambda leaf: cast_floating(leaf, param_dtype), (example_inputs, example_kwargs))
+    with computing_in(model, param_dtype):
+        return _capture(model, inputs, kwargs)
+
+
+def cast_floating(value, dtype: torch.dtype):
+    """A floating tensor in ``dtype``; anything else (token ids, masks) as it is."""
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
+@contextmanager
+def computing_in(model: torch.nn.Module, dtype: torch.dtype):
+    """Within: ``model``'s floating parameters are ``dtype`` copies (tied ones stay tied). Example::
+
+    with computing_in(model, torch.bfloat16):
+        loss = model(tokens, labels)   # as under FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16)
+    """
+    copies, swapped = {}, []
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in copies:
+                copies[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+            module._parameters[name] = copies[id(param)]
+            swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
+
+
+def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> CapturedGraph:
     try:
         # An empty decomposition table keeps ops like linear and sdpa whole but functionalizes
         # in-place ops, whose aliasing would not survive a redistribution placed between them.
         with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
             warnings.simplefilter("ignore", FutureWarning)
-            with composite_moe(model):  # each mixture-of-experts block becomes one autopar.moe node
-                exported = torch.export.export(model, example_inputs, strict=False).run_decompositions({})
+            # each mixture-of-experts block becomes one autopar.moe node
+            with capture_settings(model), composite_moe(model):
+                exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+                exported = exported.run_decompositions({})
     except Exception as error:  # export raises many types; all mean the same to the user
         raise TraceError(
-            f"torch.export could not trace {type(model).__name__}: {type(error).__name__}: "
-            f"{str(error).splitlines()[0] if str(error) else ''}\n"
-            "autopar needs a forward without data-dependent Python control flow; see the torch.export "
-            "docs (torch.cond, static shapes) or pass a model whose forward traces."
+            f"torch.export could not trace {type(model).__name__}{_user_line(error)}: {type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}\n"
+            "autopar needs a forward without data-dependent Python control flow (a branch or loop on a "
+            "tensor's values); see the torch.export docs (torch.cond, static shapes) or pass a model whose "
+            "forward traces."
         ) from error
     fuse_eager_attention(exported.graph_module, buffer_values(exported))  # one sdpa node, causal masks as is_causal
     signature = exported.graph_signature
-    params, buffers, user_inputs = {}, {}, []
+    params, buffers, user_inputs, constants = {}, {}, [], {}
+    placeholders = {node.name: node for node in exported.graph_module.graph.nodes if node.op == "placeholder"}
     for spec in signature.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             params[name] = spec.target
         elif spec.kind == InputKind.BUFFER:
             buffers[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT and isinstance(spec.arg, ConstantArgument):
+            if name in placeholders and not placeholders[name].users:  # baked in: the call's key holds it
+                exported.graph_module.graph.erase_node(placeholders[name])
         elif spec.kind == InputKind.USER_INPUT:
             user_inputs.append(name)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:  # a tensor the forward makes itself: a buffer of its own
+            buffers[name] = spec.target
+            constants[spec.target] = exported.constants[spec.target]
         else:
             raise TraceError(
                 f"input {name!r} of kind {spec.kind.name} (e.g. a tensor constant captured from a closure) "
@@ -83,7 +159,9 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
     graph_module = fx.GraphModule(exported.graph_module, exported.graph_module.graph)
     tied = _merge_tied_parameters(graph_module.graph, params, model)
     graph_module.recompile()
-    _measure_experts(graph_module, params, buffers, model, example_inputs)
+    leaves, in_spec = tree_flatten((example_inputs, example_kwargs))
+    state = {**{p: model.get_parameter(n) for p, n in params.items()}, **_buffer_values(model, buffers, constants)}
+    _measure_experts(graph_module, state, [x for x in leaves if isinstance(x, torch.Tensor)])
     return CapturedGraph(
         graph_module=graph_module,
         params=params,
@@ -92,18 +170,51 @@ def capture(model: torch.nn.Module, example_inputs: tuple) -> CapturedGraph:
         outputs=outputs,
         fingerprint=fingerprint(graph_module.graph),
         tied=tied,
+        in_spec=in_spec,
+        out_spec=exported.call_spec.out_spec,
+        constants=constants,
     )
 
 
-def _measure_experts(graph_module: fx.GraphModule, params, buffers, model, example_inputs) -> None:
+def _user_line(error: BaseException | None) -> str:
+    """ " at FILE:LINE (code)" of the innermost frame of the model's own code (outside torch,
+    autopar and the standard library) that the error, or what caused it, passed through."""
+    ours = (Path(__file__).parents[1], Path(autopar.ir.__file__).parents[1])  # passes/, autopar/
+    skipped = tuple(str(path) for path in (Path(torch.__file__).parent, Path(traceback.__file__).parent, *ours))
+    while error is not None:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skipped)]
+        if frames:
+            return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})"
+        error = error.__cause__ or error.__context__
+    return ""
+
+
+def _distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The inputs with every tensor passed twice (``input_ids=t, labels=t``) copied: export gives
+    one tensor one placeholder, and the graph would read the other input from it whatever is
+    passed later."""
+    seen: set[int] = set()
+
+    def once(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) in seen:
+            return leaf.clone()
+        seen.add(id(leaf))
+        return leaf
+
+    return tree_map(once, (args, kwargs))
+
+
+def _buffer_values(model: torch.nn.Module, buffers: dict[str, str], constants: dict) -> dict[str, torch.Tensor]:
+    return {b: constants[n] if n in constants else model.get_buffer(n) for b, n in buffers.items()}
+
+
+def _measure_experts(graph_module: fx.GraphModule, state: dict, example_inputs) -> None:
     """Routing depends on the data: with real weights and inputs, run the graph once and note
     how the example's tokens spread over the experts (for the cost model's load imbalance)."""
     if not any(str(node.target) == f"{EXPERTS_OP}.default" for node in graph_module.graph.nodes):
         return
-    state = {
-        **{p: model.get_parameter(n) for p, n in params.items()},
-        **{b: model.get_buffer(n) for b, n in buffers.items()},
-    }
     inputs = iter(example_inputs)
     args = [
         state[node.name] if node.name in state else next(inputs)

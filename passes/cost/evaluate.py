@@ -69,7 +69,7 @@ class LayoutTerms:
     link: LinkTier  # the tier a pipeline's stage boundaries cross
     parts: StepParts = StepParts()
     sync_once_s: float = 0.0  # ZeRO-2's parameter all-gather, once per step (cost.grad_sync_s: per microbatch)
-    made_of: tuple = ()  # (degrees, strategies, mesh, hardware, zero): for :meth:`compiled_traffic`
+    made_of: tuple = ()  # (degrees, strategies, mesh, hardware): for :meth:`compiled_traffic`
     _terms: LayerTerms | None = None
     _times: dict = field(default_factory=dict)
     _rows: dict = field(default_factory=dict)
@@ -85,14 +85,14 @@ class LayoutTerms:
         ``memo`` keeps each axis's :func:`traffic` for layouts that share their first axes."""
         layout = _layout_cost(facts, degrees, strategies, mesh, hardware, zero, memo)
         return cls(
-            **layout, link=hardware.link(mesh.shape, mesh.size), made_of=(degrees, strategies, mesh, hardware, zero)
+            **layout, link=hardware.link(mesh.shape, mesh.size), made_of=(degrees, strategies, mesh, hardware)
         )
 
     def compiled_traffic(self, zero: int, schedule: Schedule) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) of the compiled step (:mod:`replay`):
         every collective noted, then replayed against the compute it can hide behind. A folded
         graph replays its kept layers only (:attr:`NodeFacts.weight` is not applied here)."""
-        degrees, strategies, mesh, hardware, _ = self.made_of
+        degrees, strategies, mesh, hardware = self.made_of
         step = CompiledStep()
         for ctx, _, _ in axis_contexts(self.facts, degrees, strategies, mesh, hardware, zero, step=step):
             if ctx is None:

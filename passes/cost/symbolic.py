@@ -168,7 +168,7 @@ def symbolic_cost(
             "graph it was planned on"
         )
     contention = hardware.contention(plan.mesh.shape)
-    policy = PrecisionPolicy.of(plan.precision)
+    policy = plan.precision_policy
     facts = analyze(captured, hardware, contention, policy)  # what evaluate_plan sees, measured op times included
     grid, samples = sample_facts(captured, model, example_inputs, seq_dim, policy)
     symbolic = _symbolic_facts(facts, samples, grid, hardware, contention)
@@ -217,14 +217,14 @@ def symbolic_facts(
 ) -> dict[str, NodeFacts]:
     """:func:`autopar.passes.cost.facts.analyze`'s per-node facts with every size, FLOP count and op time an
     expression in ``BATCH`` and ``SEQ`` (sizes that do not change stay plain numbers), priced in
-    ``precision`` (default: the hardware's, as :attr:`autopar.ir.PlanOptions.policy` takes it).
+    ``precision`` (default: the hardware's, as :attr:`autopar.ir.PlanOptions.precision_policy` takes it).
 
     >>> facts = symbolic_facts(captured, "a100-80gb", model=model, example_inputs=inputs)  # doctest: +SKIP
     >>> facts["scaled_dot_product_attention"].profile.forward_flops                          # doctest: +SKIP
     256*b*s**2
     """
     hardware = get_profile(hardware)
-    policy = PlanOptions(hardware=hardware, precision=precision).policy
+    policy = PlanOptions(hardware=hardware, precision=precision).precision_policy
     grid, samples = sample_facts(captured, model, example_inputs, seq_dim, policy)
     return _symbolic_facts(analyze(captured, hardware, contention, policy), samples, grid, hardware, contention)
 
@@ -262,7 +262,8 @@ def sample_facts(
             continue
         where = f"batch={batch}" + (f", seq={seq}" if seq is not None else "")
         try:
-            graph = capture(model, _inputs_at(example_inputs, batch, seq, seq_dim))
+            # captured as ``captured`` was (mixed precision: in its 16-bit param_dtype)
+            graph = capture(model, _inputs_at(example_inputs, batch, seq, seq_dim), param_dtype=captured.param_dtype)
         except TraceError as error:
             raise ConfigError(
                 f"symbolic costs capture the model at {where} too, and it failed: {str(error).splitlines()[0]}\n"

@@ -1,14 +1,17 @@
 """Stage split: one rank's program → one program per pipeline stage module.
 
 Pre: ``program`` is the per-rank program of :func:`rewrite` (placeholders: parameters,
-buffers, user inputs; one output, the loss), whose op nodes keep their module paths, and a
-:class:`Schedule` with ``modules`` stage modules.
+buffers, user inputs; outputs: the scalar loss first), whose op nodes keep their module paths,
+and a :class:`Schedule` with ``modules`` stage modules.
 Post: ``schedule.modules`` :class:`StageProgram` s. Stage module k runs the layers the
 schedule's cuts give it (an even split of the layers without cuts); an op outside the layers
 runs with its earliest consumer (embeddings with the first layer, the head and the loss at the
-end), never before what it reads. Module k takes its parameters, buffers and user inputs by
-name and, positionally, what module k − 1 sends: every value made before it and needed at or
-after it (a value skipping a module is passed through it). The last module returns the loss.
+end), never before what it reads, and a check with no consumer (``_assert_tensor_metadata``)
+runs with what it checks. Module k takes its parameters, buffers and user inputs by name (any
+module may read any input: labels reach the last) and, positionally, what module k − 1 sends:
+every value made before it and needed at or after it (a value skipping a module is passed
+through it). The last module returns the loss alone: the other outputs (logits) and what only
+they need are dropped, not sent. A parameter several modules use is in each one's ``params``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch.fx as fx
 
 from autopar.ir import ConfigError, Schedule
 from autopar.passes.capture.graph import node_layer
+from autopar.passes.rewrite.loss import first_output_shape, loss_only
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,13 @@ def split_stages(
     program: fx.GraphModule, params: set[str], buffers: set[str], schedule: Schedule
 ) -> list[StageProgram]:
     """Split ``program`` into ``schedule.modules`` stage programs (see the module docstring)."""
+    whole, program = program, loss_only(program)
+    if program is None:
+        raise ConfigError(
+            "pipeline stages need a model whose first output is its scalar loss (a Hugging Face model called with "
+            f"labels=...); this one's first output has shape {first_output_shape(_first_output(whole))}: pass "
+            "the labels, or return the loss first"
+        )
     graph = program.graph
     nodes = list(graph.nodes)
     layers = list(dict.fromkeys(layer for n in nodes if n.op == "call_function" and (layer := node_layer(n))))
@@ -93,15 +104,23 @@ def _assign(nodes: list[fx.Node], by_layer: dict[str, int], modules: int) -> dic
             lower = by_layer[layer]
         earliest[node] = lower
     stage: dict[fx.Node, int] = {}
+    checks = [n for n in nodes if n.op == "call_function" and not n.users and node_layer(n) is None]
     for node in reversed(nodes):
         if node.op == "output":
             stage[node] = modules - 1
         elif node.op == "call_function" and node_layer(node) is not None:
             stage[node] = earliest[node]
-        elif node.op == "call_function":
-            users = [stage[user] for user in node.users]
+        elif node.op == "call_function" and node not in checks:
+            users = [stage[user] for user in node.users if user not in checks]
             stage[node] = max(earliest[node], min(users, default=earliest[node]))
+    for node in checks:  # a check follows what it checks, rather than pulling it to an earlier stage
+        stage[node] = max((stage[arg] for arg in node.all_input_nodes if arg in stage), default=earliest[node])
     return stage
+
+
+def _first_output(program: fx.GraphModule):
+    outputs = next(n for n in program.graph.nodes if n.op == "output").args[0]
+    return outputs[0] if isinstance(outputs, (tuple, list)) else outputs
 
 
 def _stage_program(program, nodes, stage, k, crossing, params, buffers, by_layer) -> StageProgram:

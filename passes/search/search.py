@@ -101,7 +101,7 @@ def search(
     """
     started = time.perf_counter()
     hardware = options.profile
-    whole = analyze(captured, hardware, hardware.contention(mesh.shape), options.policy)
+    whole = analyze(captured, hardware, hardware.contention(mesh.shape), options.precision_policy)
     folding = fold_layers(whole, user_pins(whole, options.constraints or {})) if fold else LayerFolding.unfolded(whole)
     facts = folding.facts
     batch = _batch_size(captured, facts)
@@ -141,7 +141,7 @@ def search(
             if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None
         }
     )
-    precision = options.policy.precision  # priced by the cost model (analyze), recorded in the plan
+    policy = options.precision_policy  # priced by the cost model (analyze), recorded in the plan
     plan = _to_plan(captured, whole, strategies, dataclasses.replace(best, cost=cost), mesh, hardware)
     return dataclasses.replace(
         plan,
@@ -149,7 +149,8 @@ def search(
         search=tuple(weighed.log),
         search_time_s=time.perf_counter() - started,
         replicated_ops=tuple(replicated),
-        precision=precision,
+        precision=policy.precision,
+        reduce_dtype=policy.reduce_dtype,
     )
 
 

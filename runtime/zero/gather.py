@@ -289,6 +289,9 @@ class Zero3Runtime:
 
     ``per_parameter=True`` reduce-scatters each gradient in its gather's backward instead
     (:class:`EachReduceScatter`: zero-bubble pipelines; ``syncing`` and ``on_first_grad`` unused).
+    ``shards`` are the masters gradients land on; ``forward`` may be given other tensors for
+    them (mixed precision: their 16-bit copies, which the gathers then move);
+    ``reduce_dtype`` is the dtype gradients are reduce-scattered in (default: the masters').
     """
 
     def __init__(
@@ -301,12 +304,15 @@ class Zero3Runtime:
         syncing,
         on_first_grad,
         per_parameter: bool = False,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.groups = gather_groups(program, param_order, shards)
         if per_parameter:
-            self.grads = EachReduceScatter(self.groups, shards, sum_over)
+            self.grads = EachReduceScatter(self.groups, shards, sum_over, reduce_dtype)
         else:
-            self.grads = GroupReduceScatter(self.groups, shards, sum_over, syncing=syncing, on_first_grad=on_first_grad)
+            self.grads = GroupReduceScatter(
+                self.groups, shards, sum_over, syncing=syncing, on_first_grad=on_first_grad, reduce_dtype=reduce_dtype
+            )
 
     def forward(self, shards: dict[str, Tensor]):
         return Zero3Forward(self.groups, shards, self.grads).recording()

@@ -31,10 +31,11 @@ from autopar.runtime.zero.layout import add_grad
 
 
 class _GradBucket:
-    """One group's gradients: ``slots`` (name, dim) of the trainable ``shards`` it reduces."""
+    """One group's gradients: ``slots`` (name, dim) of the trainable ``shards`` it reduces, summed in ``dtype``."""
 
-    def __init__(self, group_name: str, slots: list, shards: list[Tensor], sum_over: list[str | None]):
+    def __init__(self, group_name: str, slots: list, shards: list[Tensor], sum_over: list[str | None], dtype):
         self.group_name, self.slots, self.shards, self.sum_over = group_name, slots, shards, sum_over
+        self.dtype = dtype or shards[0].dtype
         self.parts = _resolve_process_group(group_name).size()
         self.offsets = [0]
         for shard in shards:
@@ -55,7 +56,7 @@ class _GradBucket:
         if self.sent is None:
             first = self.shards[0]
             self.sent = torch.zeros(
-                self.parts, self.offsets[-1] + len(self.slots), dtype=first.dtype, device=first.device
+                self.parts, self.offsets[-1] + len(self.slots), dtype=self.dtype, device=first.device
             )
 
     def add(self, index: int, grad: Tensor) -> None:
@@ -93,7 +94,7 @@ class _GradBucket:
             chunk = self.received[self.offsets[index] : self.offsets[index + 1]].view(shard.shape)
             if sum_over is not None:  # the parameter's other gradient axes: summing chunks sums the whole
                 dist.all_reduce(chunk, group=_resolve_process_group(sum_over))
-            add_grad(shard, chunk)
+            add_grad(shard, chunk.to(shard.dtype))
         self.received = None
         self.arrived = [False] * len(self.slots)
 
@@ -114,9 +115,11 @@ class GroupReduceScatter:
         *,
         syncing: Callable[[], bool],
         on_first_grad: Callable[[], None],
+        reduce_dtype: torch.dtype | None = None,
     ):
         """``groups``: GatherGroups in order of first use; ``sum_over``: name → group the chunk
-        is then all-reduced over (None: none)."""
+        is then all-reduced over (None: none); ``reduce_dtype``: the dtype gradients are summed
+        in (default: the shards')."""
         self._buckets: list[_GradBucket] = []
         self._where: dict[str, tuple[_GradBucket, int]] = {}
         for group in reversed(groups):
@@ -124,7 +127,11 @@ class GroupReduceScatter:
             if not slots:
                 continue
             bucket = _GradBucket(
-                group.group_name, slots, [shards[s.name] for s in slots], [sum_over.get(s.name) for s in slots]
+                group.group_name,
+                slots,
+                [shards[s.name] for s in slots],
+                [sum_over.get(s.name) for s in slots],
+                reduce_dtype,
             )
             self._buckets.append(bucket)
             self._where.update({slot.name: (bucket, index) for index, slot in enumerate(slots)})
@@ -180,7 +187,8 @@ class EachReduceScatter:
         chunk = grads.add(name, whole_grad)   # from zero_gather's backward: this rank's chunk of the sum
     """
 
-    def __init__(self, groups: list, shards: dict[str, Tensor], sum_over: dict[str, str | None]):
+    def __init__(self, groups: list, shards: dict[str, Tensor], sum_over: dict[str, str | None], reduce_dtype=None):
+        self._reduce_dtype = reduce_dtype
         self._targets = {
             slot.name: (group.group_name, slot.dim, sum_over.get(slot.name))
             for group in groups
@@ -195,6 +203,7 @@ class EachReduceScatter:
         """This rank's chunk of ``name``'s gradient summed over dp (and its other axes)."""
         group_name, dim, sum_over = self._targets[name]
         group = _resolve_process_group(group_name)
+        grad = grad.to(self._reduce_dtype or grad.dtype)
         chunk = grad.new_empty(_resized(grad, dim, grad.shape[dim] // group.size()))
         dist.reduce_scatter_single(chunk.view(-1), _chunks_to_front(grad, dim, group.size()).view(-1), group=group)
         if sum_over is not None:

@@ -7,7 +7,7 @@ from planning import meta_model
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
-from autopar import MeshError, StalePlanError
+from autopar import ConfigError, MeshError, StalePlanError
 
 
 @pytest.fixture
@@ -40,3 +40,19 @@ def test_a_stale_plan_file_is_refused(fake_world_of_two, tmp_path):
     path = autopar.plan(meta_model("mlp.py"), 2, model.example_inputs(8, device="meta")).save(tmp_path / "plan.json")
     with pytest.raises(StalePlanError, match="re-run autopar.plan"):
         autopar.parallelize(model, 2, model.example_inputs(4), plan=str(path))
+
+
+def test_a_graph_captured_in_fp32_is_not_planned_for_mixed_precision():
+    model = meta_model("mlp.py")
+    inputs = model.example_inputs(8, device="meta")
+    with pytest.raises(ConfigError, match="(?s)captured in torch.float32.*precision='bf16-mixed'.*autopar.capture"):
+        autopar.plan(autopar.capture(model, inputs), 2, precision="bf16-mixed")
+    plan = autopar.plan(autopar.capture(model, inputs, precision="bf16-mixed"), 2, precision="bf16-mixed")
+    assert plan.precision == "bf16-mixed" and plan.reduce_dtype == "float32"
+
+
+def test_a_plan_is_not_run_in_another_precision(fake_world_of_two):
+    model = _model()
+    plan = autopar.plan(meta_model("mlp.py"), 2, model.example_inputs(8, device="meta"))
+    with pytest.raises(ConfigError, match="dataclasses.replace"):
+        autopar.parallelize(model, 2, model.example_inputs(8), plan=plan, precision="bf16-mixed")

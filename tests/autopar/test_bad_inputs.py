@@ -1,6 +1,6 @@
 """Every user mistake in the table (tests/helpers/bad_inputs.py) gets an AutoparError (or a
 command's non-zero exit) that says what is wrong and what to do; the table is rendered into
-BENCHMARKS.md by benchmarks/bad_inputs.py."""
+BENCHMARKS.md by benchmarks/bad_input_table.py."""
 
 import re
 

@@ -170,3 +170,14 @@ def test_run_passes_script_args_and_exit_code(capsys, tmp_path):
     script.write_text("import os, sys\nprint('args', sys.argv[1:])\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     assert main(["run", str(script), "--nproc", "2", "--timeout", "60", "--", "--steps", "10"]) == 3
     assert "[rank 0] args ['--steps', '10']" in capsys.readouterr().out
+
+
+def test_run_restarts_failed_ranks_and_passes_the_collective_timeout(capsys, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os, sys\nprint('timeout', os.environ['AUTOPAR_COLLECTIVE_TIMEOUT'])\n"
+        "sys.exit(3 if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0' else 0)\n"
+    )
+    assert main(["run", str(script), "--nproc", "2", "--max-restarts", "1", "--collective-timeout", "7"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.count("timeout 7.0") == 4 and "restart 1 of 1" in captured.err

@@ -13,7 +13,7 @@ import dataclasses
 from equivalence import GPT_SP, assert_matches, check_every_case, compare_one_step, load_example, run_case
 
 import autopar
-from autopar.api import _plan_on_rank_zero
+from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 
 GPT = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
@@ -34,8 +34,8 @@ def _compiled_case(rank: int, world: int, name: str, file: str, kwargs: dict, op
     builder = load_example(f"{file}.py").build
     if name == "ZeRO-3":  # data parallel's own plan, ZeRO-3 on top (the search may otherwise replicate the batch)
         model = builder(**kwargs)
-        base = _plan_on_rank_zero(
-            lambda: autopar.plan(model, world, model.example_inputs(BATCH), **{**options, "zero": 0})
+        base = from_rank_zero(
+            lambda: autopar.plan(model, world, model.example_inputs(BATCH), **{**options, "zero": 0}), "planning"
         )
         options = dict(plan=dataclasses.replace(base, zero=3))
     return compare_one_step(builder, kwargs, BATCH, world, {**options, "compile": True}, inspect=_compiled)

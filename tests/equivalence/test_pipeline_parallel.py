@@ -23,9 +23,9 @@ from equivalence import (
 )
 
 import autopar
-from autopar.api import _plan_on_rank_zero
 from autopar.ir import PIPELINES
 from autopar.runtime.checkpoint import save_checkpoint
+from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 from autopar.runtime.zero import gather as zero_gathers
 
@@ -105,8 +105,9 @@ def _zero_pipelined(rank, world, path):
 def _pinned_plan(builder, kwargs: dict, *, mesh, degrees: dict, zero: int, **schedule):
     """The plan made without ZeRO, given ``zero``: the same data-parallel program for every stage."""
     model = builder(**kwargs)
-    base = _plan_on_rank_zero(
-        lambda: autopar.plan(model, mesh, model.example_inputs(BATCH), degrees=degrees, zero=0, **schedule)
+    base = from_rank_zero(
+        lambda: autopar.plan(model, mesh, model.example_inputs(BATCH), degrees=degrees, zero=0, **schedule),
+        "planning",
     )
     assert base.grad_sync and all("dp" in axes for axes in base.grad_sync.values()), base
     return dataclasses.replace(base, zero=zero)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from equivalence import GPT_TP, compare_one_step, load_example
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 import autopar
+from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 
 GPT = dict(hidden=32, layers=4, heads=4, vocab=64, seq=8)
@@ -65,9 +65,7 @@ def _count_recomputed_layers() -> list[int]:
 
 def _plan_on_rank_zero(model, world, inputs, mesh=None, **pins):
     """One plan for every rank, as parallelize makes it (the default profile times ops: ranks differ)."""
-    plans = [autopar.plan(model, mesh or world, inputs, **pins) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(plans, src=0)
-    return plans[0]
+    return from_rank_zero(lambda: autopar.plan(model, mesh or world, inputs, **pins), "planning")
 
 
 def _run_cases(rank, world, cases):

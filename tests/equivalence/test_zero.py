@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from equivalence import GPT_TP, _rel, compare_one_step, load_example
+from mixed_precision import state_bytes
 
 import autopar
-from autopar.api import _plan_on_rank_zero
 from autopar.ir import get_profile
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.evaluate import evaluate_plan
+from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 from autopar.runtime.zero import gather as zero_gathers
 
@@ -42,24 +43,13 @@ MICRO_CASES = [("gpt", stage) for stage in (1, 2, 3)] + [("mlp", stage) for stag
 def _plan(gpt, mesh_name: str, stage: int):
     mesh, degrees, constraints, schedule = MESHES[mesh_name]
     model = gpt.build(**GPT)
-    base = _plan_on_rank_zero(
+    base = from_rank_zero(
         lambda: autopar.plan(
             model, mesh, model.example_inputs(BATCH), degrees=degrees, constraints=constraints, zero=0, **schedule
-        )
+        ),
+        "planning",
     )
     return dataclasses.replace(base, zero=stage)
-
-
-def _state_bytes(pmodel, optimizer) -> int:
-    """Bytes of parameters, gradients and optimizer state on this rank (each storage once)."""
-    tensors = []
-    for param in pmodel.parameters():
-        tensors += [param.to_local(), None if param.grad is None else param.grad.to_local()]
-    for group in optimizer.param_groups:
-        tensors += [t for p in group["params"] for t in (p, p.grad)]
-    tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t) and t.dim() > 0]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
-    return sum(storages.values())
 
 
 def _zero3_frees_gathered_weights(gpt) -> dict:
@@ -78,7 +68,7 @@ def _zero3_frees_gathered_weights(gpt) -> dict:
 
     zero_gathers.unflatten_gathered = recording_unflatten
     try:
-        loss = pmodel(*pmodel.shard_batch(*model.example_inputs(BATCH)))
+        loss = pmodel(*model.example_inputs(BATCH))
     finally:
         zero_gathers.unflatten_gathered = unflatten
     alive = sum(ref() is not None for ref in gathered)
@@ -119,15 +109,16 @@ def _memory(gpt, mesh_name: str) -> dict:
         pmodel.train_step(*pmodel.shard_batch(*model.example_inputs(BATCH)))
         optimizer.step()
         predicted = cost.memory["params"] + cost.memory["grads"] + cost.memory["optimizer"]
-        bytes_by_stage[stage] = (_state_bytes(pmodel, optimizer), predicted)
+        bytes_by_stage[stage] = (state_bytes(pmodel, optimizer), predicted)
     return bytes_by_stage
 
 
 def _micro_plan(builder, kwargs: dict, stage: int):
     """DP2 with 2 microbatches, summing gradients over dp (pinned as ``_plan`` does)."""
     model = builder(**kwargs)
-    base = _plan_on_rank_zero(
-        lambda: autopar.plan(model, 2, model.example_inputs(BATCH), degrees={"dp": 2}, microbatches=2, zero=0)
+    base = from_rank_zero(
+        lambda: autopar.plan(model, 2, model.example_inputs(BATCH), degrees={"dp": 2}, microbatches=2, zero=0),
+        "planning",
     )
     assert (
         base.schedule.microbatches == 2 and base.grad_sync and all(axes == ("dp",) for axes in base.grad_sync.values())

@@ -1,5 +1,5 @@
 """User mistakes and the error each one gets: the table tests/autopar/test_bad_inputs.py checks
-and benchmarks/bad_inputs.py renders into BENCHMARKS.md.
+and benchmarks/bad_input_table.py renders into BENCHMARKS.md.
 
 Each :class:`Mistake` makes one mistake as a user would (``make(folder)`` runs in ``folder``,
 where plan files are written) and returns what the user sees: ``"ErrorClass: message"``, or a

@@ -53,7 +53,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     check_forward = options.pop("check_forward", False)
     pmodel = autopar.parallelize(model, options.pop("mesh", world), inputs, **options)
 
-    forward = pmodel(*pmodel.shard_batch(*inputs)) if check_forward else None
+    forward = pmodel(*inputs) if check_forward else None
     reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
     ref_loss = model(*inputs)
     ref_loss.backward()
@@ -64,7 +64,8 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         optimizer = pmodel.optimizer(torch.optim.AdamW, lr=LEARNING_RATE, eps=ADAM_EPS)
     else:  # a torch optimizer over the DTensor parameters
         optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
-    loss = pmodel.train_step(*pmodel.shard_batch(*inputs))
+    local_inputs = pmodel.shard_batch(*inputs)
+    loss = pmodel.train_step(*local_inputs)
     grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
     optimizer.step()
     params = {name: p.full_tensor() for name, p in pmodel.named_parameters()}
@@ -80,7 +81,10 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         "loss": _rel(loss, ref_loss),
         "grad": max((_rel(grads[n], ref_grads[n]), n) for n in grads),
         "param": max((_rel(params[n], ref_params[n]), n) for n in params),
-        "overlapped_loss_reduction": pmodel._local_loss is not None,
+        "overlapped_loss_reduction": pmodel._peeled_loss_program(
+            pmodel._calls.prepare(local_inputs, {}, split=pmodel._calls.axes)[0]
+        )[1]
+        is not None,
         "collectives": sum(1 for node in pmodel.program.graph.nodes if "autopar" in str(node.target)),
         "kernels": sorted(kernel for node in pmodel.program.graph.nodes if (kernel := _kernel(node))),
         "held": sorted(grads),

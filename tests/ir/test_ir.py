@@ -7,6 +7,8 @@ from autopar.ir import (
     MeshError,
     Partial,
     Plan,
+    PlanOptions,
+    PrecisionPolicy,
     Replicate,
     Shard,
     StalePlanError,
@@ -44,6 +46,15 @@ def test_plan_round_trips_through_json_and_prints_a_table(tmp_path):
     assert loaded == plan
     text = str(plan)
     assert "layers.0.attn.wq.weight" in text and "predicted step" in text
+
+
+def test_a_plan_records_its_precision_and_the_hardware_picks_the_default(tmp_path):
+    plan = plan_example("mlp.py", 2, batch=8, precision="fp16-mixed", reduce_dtype="float16")
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded == plan and loaded.precision_policy == PrecisionPolicy.of("fp16-mixed", "float16")
+    assert loaded.precision_policy.loss_scaling
+    assert PlanOptions().precision_policy.precision == "fp32"  # this CPU's preset
+    assert PlanOptions(hardware="a100-80gb").precision_policy == PrecisionPolicy.of("bf16-mixed")
 
 
 def test_a_plan_file_of_another_format_is_stale(tmp_path):

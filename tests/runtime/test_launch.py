@@ -1,4 +1,5 @@
-"""launch_local: torchrun's variables, prefixed output, prompt failure and timeout handling."""
+"""launch_local: torchrun's variables, prefixed output, prompt failure and timeout handling, and
+torchrun's restart semantics (a failed rank stops all; all start again while restarts remain)."""
 
 import os
 import textwrap
@@ -37,6 +38,14 @@ FAILING_SCRIPT = """
 SLEEPING_SCRIPT = """
     import time
     time.sleep(60)
+"""
+
+# rank 1 fails on the first attempt only; every start of every rank is recorded
+FLAKY_SCRIPT = """
+    import os, sys
+    attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+    print(f"attempt {attempt} of {os.environ['TORCHELASTIC_MAX_RESTARTS']} restarts, rank {rank}")
+    sys.exit(3 if rank == "1" and (attempt == "0" or sys.argv[1] == "always") else 0)
 """
 
 
@@ -84,3 +93,18 @@ def test_init_outside_a_launcher_says_how_to_launch(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigError, match="torchrun"):
         init_from_env()
+
+
+def test_a_failed_rank_restarts_every_rank(tmp_path, capfd):
+    assert launch_local(_script(tmp_path, FLAKY_SCRIPT), ["once"], nproc=2, timeout_s=60, max_restarts=2) == 0
+    captured = capfd.readouterr()
+    starts = sorted(line for line in captured.out.splitlines() if "attempt" in line)
+    assert starts == [f"[rank {r}] attempt {a} of 2 restarts, rank {r}" for r in (0, 1) for a in (0, 1)]
+    assert "restart 1 of 2: starting all 2 ranks again" in captured.err and "restart 2 of 2" not in captured.err
+
+
+def test_restarts_run_out_with_the_failed_rank_exit_code(tmp_path, capfd):
+    assert launch_local(_script(tmp_path, FLAKY_SCRIPT), ["always"], nproc=2, timeout_s=60, max_restarts=2) == 3
+    captured = capfd.readouterr()
+    assert sum("rank 1] attempt" in line for line in captured.out.splitlines()) == 3
+    assert "restart 2 of 2" in captured.err and captured.err.count("rank 1 exited with code 3") == 3

@@ -30,6 +30,25 @@ def test_tied_weights_become_one_parameter():
     assert "lm_head.weight" not in captured.params.values()
 
 
+def test_mixed_precision_captures_the_model_as_it_computes_in_16_bits():
+    """Parameters and floating inputs in bf16 (the model's own upcasts kept), the model untouched, ties kept."""
+    model = meta_model("hf.py", "build_llama")
+    inputs = model.example_inputs(2, device="meta")
+    captured = capture(model, inputs, param_dtype=torch.bfloat16)
+    dtypes = {n.meta["val"].dtype for n in captured.graph.find_nodes(op="placeholder") if n.name in captured.params}
+    assert dtypes == {torch.bfloat16} and {p.dtype for p in model.parameters()} == {torch.float32}
+
+    def upcasts(graph):
+        return sum(n.op == "call_function" and n.kwargs.get("dtype") == torch.float32 for n in graph.nodes)
+
+    # RMSNorm computes in fp32 (a cast that fp32 weights make a no-op): the bf16 graph keeps it
+    assert upcasts(captured.graph) > upcasts(capture(model, inputs).graph)
+    gpt2 = meta_model("hf.py", "build_gpt2")
+    assert capture(gpt2, gpt2.example_inputs(2, device="meta"), param_dtype=torch.float16).tied == {
+        "lm_head.weight": "transformer.wte.weight"
+    }
+
+
 class DataDependent(torch.nn.Module):
     def forward(self, x):
         if x.sum() > 0:  # Python control flow on a value: not traceable
@@ -37,6 +56,25 @@ class DataDependent(torch.nn.Module):
         return -x.mean()
 
 
-def test_an_untraceable_model_is_a_clear_error():
-    with pytest.raises(TraceError, match="(?s)could not trace DataDependent.*control flow"):
+def test_an_untraceable_model_is_a_clear_error_naming_the_file_and_line():
+    line = DataDependent.forward.__code__.co_firstlineno + 1
+    with pytest.raises(TraceError, match=rf"(?s)could not trace DataDependent at {__file__}:{line} .*control flow"):
         capture(DataDependent(), (torch.randn(2, 2),))
+
+
+class Keywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, scale=None, return_dict=True):
+        y = self.linear(x) * (1 if scale is None else scale)
+        return {"sum": y.sum(), "y": y} if return_dict else (y.sum(), y)
+
+
+def test_keyword_inputs_and_constants_and_the_output_structure():
+    captured = capture(Keywords(), (), {"x": torch.randn(2, 4), "scale": torch.ones(4), "return_dict": False})
+    assert captured.user_inputs == ("x", "scale")  # the constant is baked in: no placeholder
+    leaves, spec = torch.utils._pytree.tree_flatten(((), {"x": 0, "scale": 1, "return_dict": False}))
+    assert captured.in_spec == spec
+    assert captured.out_spec == torch.utils._pytree.tree_flatten((0, 1))[1]

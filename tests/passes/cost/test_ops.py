@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile, model_state_bytes
+from autopar.ir.precision import ZERO_PAPER_LAYOUT
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.ops import (
     MEASURE_LIMIT_BYTES,
@@ -117,12 +118,24 @@ def test_zero_paper_worked_example_within_two_percent():
     # Rajbhandari et al.: 7.5B parameters, 64 data-parallel ranks, mixed-precision Adam.
     published = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
     for stage, expected in published.items():
-        total = sum(model_state_bytes(7.5e9, data_parallel=64, zero_stage=stage, precision="bf16-mixed").values())
+        total = sum(model_state_bytes(7.5e9, data_parallel=64, zero_stage=stage, layout=ZERO_PAPER_LAYOUT).values())
         assert total == pytest.approx(expected, rel=0.02)
 
 
 def test_fp32_adam_states_by_category():
     assert model_state_bytes(1000) == {"params": 4000, "grads": 4000, "optimizer": 8000}
+
+
+def test_mixed_precision_state_is_what_the_runtime_holds():
+    # fp32 master + 16-bit copy, fp32 gradient, two moments; ZeRO-1/2 also keep the fp32 chunk they step
+    assert model_state_bytes(1000, precision="bf16-mixed") == {"params": 6000, "grads": 4000, "optimizer": 8000}
+    by_stage = [model_state_bytes(1000, precision="fp16-mixed", zero_stage=s, data_parallel=4) for s in (1, 2, 3)]
+    assert by_stage == [
+        {"params": 6000, "grads": 4000, "optimizer": 3000},
+        {"params": 6000, "grads": 1000, "optimizer": 3000},
+        {"params": 1500, "grads": 1000, "optimizer": 2000},
+    ]
+    assert model_state_bytes(1000, precision="bf16-mixed", zero_stage=3, data_parallel=1)["params"] == 6000
 
 
 def test_groups_across_nodes_run_hierarchically_and_all_to_all_pays_for_crossing():

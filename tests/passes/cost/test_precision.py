@@ -24,10 +24,10 @@ def _plan(precision=None, hardware="a100-80gb", **options):
 
 
 def test_the_default_is_the_hardware_s_natural_choice():
-    assert PlanOptions(hardware="a100-80gb").policy.precision == "bf16-mixed"
-    assert PlanOptions(hardware="h200-141gb").policy.precision == "bf16-mixed"
-    assert PlanOptions(hardware="cpu-local").policy.precision == "fp32"
-    assert PlanOptions(hardware="a100-80gb", precision="fp16-mixed").policy.param_dtype == "float16"
+    assert PlanOptions(hardware="a100-80gb").precision_policy.precision == "bf16-mixed"
+    assert PlanOptions(hardware="h200-141gb").precision_policy.precision == "bf16-mixed"
+    assert PlanOptions(hardware="cpu-local").precision_policy.precision == "fp32"
+    assert PlanOptions(hardware="a100-80gb", precision="fp16-mixed").precision_policy.param_dtype == "float16"
     assert _plan().precision == "bf16-mixed" and _plan("fp32").precision == "fp32"
 
 

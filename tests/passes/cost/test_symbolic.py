@@ -41,7 +41,8 @@ def gpt_inputs(model, batch, seq):
 def gpt_graphs():
     model = meta_model("gpt.py", **GPT)
     sizes = [(BATCH0, SEQ0), (2 * BATCH0, SEQ0), (BATCH0, 2 * SEQ0)]
-    return model, {size: capture(model, gpt_inputs(model, *size)) for size in sizes}
+    # as the A100 plans run: in bf16 (the preset's natural precision, bf16-mixed)
+    return model, {size: capture(model, gpt_inputs(model, *size), param_dtype=torch.bfloat16) for size in sizes}
 
 
 @functools.cache
@@ -206,7 +207,8 @@ def test_inputs_without_a_sequence_give_costs_in_the_batch_alone():
     mlp = meta_model("mlp.py", hidden=32, ffn=64)
     inputs = mlp.example_inputs(8, device="meta")
     mlp_plan = autopar.plan(mlp, "2", inputs, degrees={"dp": 2}, hardware=A100)
-    batch_only = symbolic_cost(capture(mlp, inputs), mlp_plan, A100, model=mlp, example_inputs=inputs, seq_dim=None)
+    captured = capture(mlp, inputs, param_dtype=torch.bfloat16)  # as the A100 plan runs
+    batch_only = symbolic_cost(captured, mlp_plan, A100, model=mlp, example_inputs=inputs, seq_dim=None)
     assert set().union(*(e.free_symbols for e in batch_only.expressions.values())) == {BATCH}
     assert_same_cost(batch_only.at(), mlp_plan.cost, ROUNDING)
     with pytest.raises(ConfigError, match="seq=16: .* seq_dim"):
@@ -220,7 +222,7 @@ def test_cli_plan_at_prints_both_predictions(capsys):
     report = json.loads(capsys.readouterr().out)
     plan = Plan.from_json(report["plan"])
     model = meta_model("gpt.py", hidden=HIDDEN, layers=LAYERS, vocab=128, seq=SEQ0)
-    graph = capture(model, model.example_inputs(4 * BATCH0, device="meta"))
+    graph = capture(model, model.example_inputs(4 * BATCH0, device="meta"), param_dtype=torch.bfloat16)  # as on an A100
     expected = evaluate_plan(
         graph, dataclasses.replace(plan, fingerprint=graph.fingerprint, batch_size=4 * BATCH0), A100
     )

@@ -94,7 +94,9 @@ def test_the_folded_graph_prices_a_layout_as_the_whole_graph_does():
     captured = _captured(layers=8)
     whole = analyze(captured, hardware)
     folding = fold_layers(whole, pins={})
-    plan = autopar.plan(captured, "2x2", hardware=HARDWARE, degrees={"pp": 2, "dp": 1, "tp": 2}, recompute="full")
+    plan = autopar.plan(
+        captured, "2x2", hardware=HARDWARE, degrees={"pp": 2, "dp": 1, "tp": 2}, recompute="full", precision="fp32"
+    )
     mesh = stage_mesh(plan.mesh, plan.schedule.stages)
     strategies = {axis: {} for axis in plan.degrees}
     for index, axis in enumerate(plan.degrees):

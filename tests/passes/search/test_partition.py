@@ -25,6 +25,7 @@ def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
         batch=8,
         model_kwargs=dict(hidden=512, layers=8, heads=8, vocab=1024, seq=128),
         hardware="a100-80gb",
+        precision="fp32",  # the figures below are fp32's (the preset's own choice is bf16-mixed)
         degrees={"pp": 4, "dp": 1, "tp": 1},
         pipeline="interleaved-1f1b",
         microbatches=8,
@@ -36,6 +37,7 @@ def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
         batch=8,
         model_kwargs=dict(hidden=512, layers=8, heads=8, vocab=1024, seq=128),
         hardware="a100-80gb",
+        precision="fp32",  # the figures below are fp32's (the preset's own choice is bf16-mixed)
         degrees={"pp": 4, "dp": 1, "tp": 1},
         pipeline="1f1b",
         microbatches=8,
@@ -58,6 +60,7 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
                 batch=64,
                 model_kwargs=LADDER_GPT,
                 hardware="a100-80gb",
+                precision="fp32",  # the ladder below is fp32's (the preset's own choice is bf16-mixed)
                 recompute="none",
                 memory_limit=limit,
             )

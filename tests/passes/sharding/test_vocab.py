@@ -95,7 +95,7 @@ LLAMA3_8B_HEAD = dict(hidden=4096, layers=1, heads=32, vocab=128256, seq=8192)  
 def large_vocabulary():
     model = meta_model("gpt.py", **LLAMA3_8B_HEAD)
     captured = autopar.capture(model, model.example_inputs(1, device="meta"))
-    return captured, autopar.plan(captured, 8, degrees={"tp": 8}, hardware="h100-80gb")
+    return captured, autopar.plan(captured, 8, degrees={"tp": 8}, hardware="h100-80gb", precision="fp32")
 
 
 def test_the_search_splits_a_large_vocabulary_by_itself_and_no_rank_holds_full_logits(large_vocabulary):
@@ -135,8 +135,10 @@ def test_a_batch_of_sequences_still_splits_the_head_by_columns():
     still split the head by columns (it used to refuse the pin) and run the loss over split classes."""
     model = meta_model("gpt.py", hidden=128, layers=1, heads=4, vocab=32768, seq=256)
     captured = autopar.capture(model, model.example_inputs(8, device="meta"))
-    pinned = autopar.plan(captured, 4, degrees={"tp": 4}, constraints={"output": "S(-1)"}, hardware="a100-80gb")
-    free = autopar.plan(captured, 4, degrees={"tp": 4}, hardware="a100-80gb")
+    pinned = autopar.plan(
+        captured, 4, degrees={"tp": 4}, constraints={"output": "S(-1)"}, hardware="a100-80gb", precision="fp32"
+    )
+    free = autopar.plan(captured, 4, degrees={"tp": 4}, hardware="a100-80gb", precision="fp32")
     for plan in (pinned, free):
         assert plan.params["output.weight"][-1] == Shard(0)
         assert next(d for d in plan.nodes.values() if "cross_entropy" in d.op).kernel == Kernel.VOCAB

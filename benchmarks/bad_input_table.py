@@ -1,7 +1,7 @@
 """The table of user mistakes and what autopar says to each.
 
-    python benchmarks/bad_inputs.py            # writes the "bad-inputs" section of BENCHMARKS.md
-    python benchmarks/bad_inputs.py --quick    # prints only
+    python benchmarks/bad_input_table.py            # writes the "bad-inputs" section of BENCHMARKS.md
+    python benchmarks/bad_input_table.py --quick    # prints only
 
 Makes every mistake of tests/helpers/bad_inputs.py (the table tests/autopar/test_bad_inputs.py
 checks) in a scratch folder, those needing a process group on two local gloo ranks, and renders
@@ -36,8 +36,9 @@ def main() -> None:
         [
             "## Bad input: every mistake, the error it gets",
             "",
-            f"`python benchmarks/bad_inputs.py`: each of the {len(MISTAKES)} mistakes of tests/helpers/bad_inputs.py "
-            "made as a user would (the test suite checks each text names what is wrong and what to do). Errors are "
+            f"`python benchmarks/bad_input_table.py`: each of the {len(MISTAKES)} mistakes of "
+            "tests/helpers/bad_inputs.py made as a user would (the test suite checks each text names what is "
+            "wrong and what to do). Errors are "
             "`autopar.AutoparError` subclasses; those inside a process group are raised on every rank alike.",
             "",
             table_markdown(texts),

@@ -1,0 +1,146 @@
+"""How a model is called: its arguments bound by name, an example call when none is given,
+and the settings a model is captured under (Hugging Face models: no KV cache, exportable
+experts).
+
+Pre: an ``nn.Module`` (any, or a Hugging Face ``PreTrainedModel`` recognized by duck typing,
+with no import of transformers).
+Post: :func:`bind_call` turns ``model(*args, **kwargs)`` into one dict of named arguments in
+the forward's order (omitted and ``None`` defaults dropped), the form :func:`capture` exports
+and the runtime matches calls against; :func:`example_call` is such a dict for planning;
+:func:`capture_settings` switches a model, while capturing, to what export can trace.
+
+Why the KV cache goes: a cache is generation state (``DynamicCache``), not a tensor export can
+return; training never reads it. Hugging Face's ``use_cache`` is turned off on the config
+while capturing, and a call's own ``use_cache`` is dropped (said once, as a warning).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from contextlib import ExitStack, contextmanager
+
+import torch
+from torch import nn
+
+from autopar.ir import ConfigError
+
+# Arguments that ask for generation state: never part of a training graph (see the module docstring).
+CACHE_ARGUMENTS = ("use_cache",)
+# Mixture-of-experts implementations (transformers' ``experts_implementation``) that export to aten
+# ops; the default "grouped_mm" exports as one opaque custom op, "eager" loops over data-dependent experts.
+EXPORTABLE_EXPERTS = "batched_mm"
+_said: set[str] = set()
+
+
+def say_once(message: str) -> None:
+    """A warning logged once per process (to stderr unless logging is set up otherwise; the
+    library prints nothing to stdout)."""
+    if message not in _said:
+        _said.add(message)
+        logging.getLogger("autopar").warning("autopar: %s", message)
+
+
+def bind_call(model: nn.Module, args: tuple, kwargs: dict) -> dict:
+    """``model(*args, **kwargs)``'s arguments by name, in the forward's order; arguments left at
+    a ``None`` default (or passed as ``None``) and cache switches are dropped.
+
+    >>> bind_call(torch.nn.Linear(2, 2), (torch.ones(1, 2),), {}).keys()
+    dict_keys(['input'])
+    """
+    signature = inspect.signature(model.forward)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise ConfigError(f"{type(model).__name__}.forward{signature} cannot take this call: {error}") from None
+    named = {}
+    for name, value in bound.arguments.items():
+        parameter = signature.parameters[name]
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise ConfigError(
+                    f"{type(model).__name__}.forward takes *{name}: autopar binds every input by name; pass "
+                    "them as keywords of a forward with named parameters"
+                )
+            continue
+        items = value.items() if parameter.kind is inspect.Parameter.VAR_KEYWORD else [(name, value)]
+        for key, item in items:
+            if key in CACHE_ARGUMENTS and _caches(model):
+                if item:
+                    say_once(f"{type(model).__name__}: {key}={item!r} ignored; a parallelized model keeps no cache")
+                continue
+            if item is not None:
+                named[key] = item
+    return named
+
+
+def example_call(model: nn.Module, batch: int, seq: int) -> dict:
+    """A call to plan with: ``model.example_inputs(batch)`` (autopar's examples), or, for a
+    Hugging Face causal LM, ``input_ids`` and ``labels`` of ``[batch, seq]`` random tokens
+    (``seq`` capped by the model's positions). ``ConfigError`` when the model offers neither."""
+    if callable(getattr(model, "example_inputs", None)):
+        return bind_call(model, tuple(model.example_inputs(batch)), {})
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    parameters = inspect.signature(model.forward).parameters
+    if isinstance(vocab, int) and "input_ids" in parameters and "labels" in parameters:
+        seq = min(seq, _positions(config) or seq)
+        device = next(model.parameters()).device
+        generator = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
+        return {"input_ids": tokens, "labels": tokens}
+    raise ConfigError(
+        f"autopar cannot tell how to call {type(model).__name__} to plan it: pass example_inputs=(...) and/or "
+        "example_kwargs={...} (the GLOBAL batch), or give the model an example_inputs(batch_size) method"
+    )
+
+
+def _positions(config) -> int | None:
+    """The longest sequence the model's config allows, when it says (text sub-configs included)."""
+    for source in (config, getattr(config, "text_config", None)):
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(source, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def _caches(model: nn.Module) -> bool:
+    return hasattr(getattr(model, "config", None), "use_cache")
+
+
+@contextmanager
+def capture_settings(model: nn.Module):
+    """While active: no KV cache (``config.use_cache = False``), mixture-of-experts blocks on
+    transformers' exportable ``batched_mm`` implementation, and torch.distributions' argument
+    checks off (data-dependent asserts, e.g. in Hugging Face's BLT); all restored on exit."""
+    with ExitStack() as stack:
+        config = getattr(model, "config", None)
+        if _caches(model) and config.use_cache:
+            say_once(f"{type(model).__name__}: captured with use_cache=False (a KV cache is generation state)")
+            stack.enter_context(_attribute(config, "use_cache", False))
+        if _uses_unexportable_experts(model):
+            previous = model.get_experts_implementation()
+            model.set_experts_implementation(EXPORTABLE_EXPERTS)
+            stack.callback(model.set_experts_implementation, previous)
+        validate = torch.distributions.Distribution._validate_args
+        torch.distributions.Distribution.set_default_validate_args(False)
+        stack.callback(torch.distributions.Distribution.set_default_validate_args, validate)
+        yield model
+
+
+def _uses_unexportable_experts(model: nn.Module) -> bool:
+    can_set = getattr(type(model), "_can_set_experts_implementation", None)
+    if not callable(can_set) or not can_set():  # transformers: a model without switchable experts
+        return False
+    return any(value not in (None, EXPORTABLE_EXPERTS) for value in model.get_experts_implementation().values())
+
+
+@contextmanager
+def _attribute(owner, name: str, value):
+    previous = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, previous)

@@ -1,0 +1,50 @@
+"""A call's programs: the plan's splits must divide the call's inputs; microbatches; the
+options that pin where the parameters live when a call's graph is planned again."""
+
+import pytest
+import torch
+from planning import plan_example
+
+from autopar.ir import Axis, ConfigError
+from autopar.passes.program import _same_placements, check_inputs, microbatch, pinned_options
+
+GPT = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
+
+
+@pytest.fixture(scope="module")
+def dp_cp_plan():
+    return plan_example("gpt.py", "2x2", 8, model_kwargs=GPT, degrees={"dp": 2, "cp": 2}, microbatches=2)
+
+
+def test_an_input_the_plan_cannot_split_names_the_input_and_the_divisor(dp_cp_plan):
+    tokens = torch.zeros(8, 16, dtype=torch.long)
+    check_inputs({"tokens": tokens, "labels": tokens}, dp_cp_plan)  # 8 = dp 2 x 2 microbatches x 2; 16 = 2 x 2 x 4
+    with pytest.raises(ConfigError, match=r"input 'tokens' has 6 along dim 0.*divisible by 4"):
+        check_inputs({"tokens": tokens[:6], "labels": tokens[:6]}, dp_cp_plan)  # dp 2 x 2 microbatches
+    with pytest.raises(ConfigError, match=r"input 'tokens' has 14 along dim 1.*cp=2 x 2 chunks.*divisible by 4"):
+        check_inputs({"tokens": tokens[:, :14], "labels": tokens[:, :14]}, dp_cp_plan)
+
+
+def test_a_microbatch_takes_the_first_rows_of_every_batched_input():
+    call = {"tokens": torch.arange(8).view(8, 1), "positions": torch.arange(3).view(1, 3), "flag": True}
+    piece = microbatch(call, 4)
+    assert piece["tokens"].tolist() == [[0], [1]] and piece["positions"].shape == (1, 3) and piece["flag"] is True
+
+
+def test_planning_again_pins_what_places_the_parameters():
+    plan = plan_example("gpt.py", "2x2", 8, model_kwargs=GPT, degrees={"dp": 2, "tp": 2}, zero=1)
+    options = pinned_options(plan)
+    assert options.degrees == plan.degrees and options.zero == 1
+    tp = list(plan.degrees).index(Axis.TP)
+    assert options.constraints == {name: str(p[tp]) for name, p in plan.params.items()}
+
+
+def test_a_call_whose_graph_needs_the_parameters_elsewhere_needs_a_new_plan():
+    dp = plan_example("gpt.py", "4", 8, model_kwargs=GPT, degrees={"dp": 4})
+    # pinned: a model this small runs fastest replicated, which would place everything as dp does
+    tp = plan_example(
+        "gpt.py", "4", 8, model_kwargs=GPT, degrees={"tp": 4}, constraints={"layers.*.mlp.fc1.weight": "S(0)"}
+    )
+    assert _same_placements(dp, dp) is dp
+    with pytest.raises(ConfigError, match="places the parameters otherwise .*it needs a new plan"):
+        _same_placements(dp, tp)

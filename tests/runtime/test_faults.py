@@ -1,0 +1,139 @@
+"""An error on one rank is an error on every rank, and nothing hangs silently.
+
+One spawn of 2 ranks (a 2-stage pipeline) checks, in order: a stage split that fails on
+stage 1's rank only is raised, the same ConfigError, on both ranks within seconds (before the
+fix, stage 0 waited forever in the schedule's first receive); ``check_finite`` names the one
+parameter whose gradient is infinite on one rank, on both ranks; an exception inside one
+rank's step reaches the other, which fails with a CollectiveError naming that rank and its
+error. Then, under ``autopar run``, a rank that stalls makes its peer fail at the collective
+timeout, naming the stalled rank, and the job exits non-zero.
+"""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+from equivalence import load_example
+from torch import nn
+
+import autopar
+import autopar.passes.program
+from autopar.runtime.faults import program_node
+from autopar.runtime.spawn import run_local
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = dict(hidden=32, layers=2, heads=4, vocab=16, seq=8)
+PIPELINE = dict(degrees={"pp": 2}, microbatches=2, pipeline="1f1b")
+INFINITE = "norm.weight"  # in the last stage: rank 1's
+
+
+def _one_rank_fails(rank: int, world: int) -> dict:
+    gpt = load_example("gpt.py")
+    torch.manual_seed(0)
+    model = gpt.build(**GPT)
+    inputs = model.example_inputs(4)
+    outcomes = {}
+
+    split = autopar.passes.program.split_stages
+
+    def split_failing_on_stage_1(*args):
+        stages = split(*args)
+        if rank == 1:
+            outcomes["failed_at"] = time.time()
+            raise autopar.ConfigError("stage 1 cannot be split (injected on rank 1)")
+        return stages
+
+    autopar.passes.program.split_stages = split_failing_on_stage_1
+    try:
+        autopar.parallelize(model, world, inputs, **PIPELINE)
+    except autopar.ConfigError as error:
+        outcomes["split"] = (type(error).__name__, str(error), time.time())
+    autopar.passes.program.split_stages = split
+
+    pmodel = autopar.parallelize(model, world, inputs, check_finite=True, **PIPELINE)
+    batch = pmodel.shard_batch(*inputs)
+    if rank == 1:
+        hook = pmodel._locals[INFINITE].register_hook(lambda grad: grad * float("inf"))
+    try:
+        pmodel.train_step(*batch)
+    except autopar.NonFiniteError as error:
+        outcomes["finite"] = str(error)
+    if rank == 1:
+        hook.remove()
+        pmodel._locals[INFINITE].register_hook(lambda grad: (_ for _ in ()).throw(ValueError("injected in backward")))
+    try:
+        pmodel.train_step(*batch)
+    except Exception as error:  # noqa: BLE001  (each rank reports what it raised)
+        outcomes["step"] = (type(error).__name__, str(error))
+    return outcomes
+
+
+def test_an_error_on_one_rank_is_raised_on_every_rank():
+    stage_0, stage_1 = run_local(_one_rank_fails, 2, timeout_s=120)
+    injected = ("ConfigError", "stage 1 cannot be split (injected on rank 1)")
+    assert stage_0["split"][:2] == stage_1["split"][:2] == injected
+    assert stage_0["split"][2] - stage_1["failed_at"] < 5, "stage 0 learned of stage 1's failure late"
+
+    for outcome in (stage_0, stage_1):
+        assert "the loss is finite" in outcome["finite"], outcome["finite"]
+        assert f"1 parameter(s): {INFINITE}." in outcome["finite"], outcome["finite"]
+
+    kind, text = stage_0["step"]
+    assert kind == "CollectiveError", stage_0["step"]
+    assert "rank 0 of 2" in text and "rank 1: train_step raised" in text, text
+    assert "ValueError: injected in backward" in text, text  # the root cause, under torch's schedule error
+
+
+def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout():
+    timeout_s = 10
+    job = subprocess.Popen(
+        [sys.executable, "-m", "autopar.cli", "run", "tests/helpers/faulty_train.py", "--nproc", "2"]
+        + ["--collective-timeout", str(timeout_s), "--timeout", "120", "--"]
+        + ["--fault", "0:1:2:stall", "--steps", "4", "--hidden", "32", "--seq", "16", "--batch", "32", "--vocab", "16"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines, stalled_at = [], None
+    for line in job.stdout:  # the job's own --timeout ends it by 120 s whatever happens
+        lines.append(line)
+        if "[fault] rank 1 stalls before step 2" in line:
+            stalled_at = time.monotonic()
+    code = job.wait()
+    output = "".join(lines)
+    assert stalled_at is not None, output[-3000:]
+    assert time.monotonic() - stalled_at < timeout_s + 30, output[-3000:]
+    assert code != 0 and "rank 0 exited with code 1; terminating ranks [1]" in output, output[-3000:]
+    error = next(line for line in lines if "CollectiveError: rank 0 of 2" in line)
+    # the first collective rank 0 meets: the loss's all-reduce, or the count of a split mean loss's targets
+    timed_out = rf"all[-_]reduce over the world \(ranks \[0, 1\]\).* timed out \(process-group timeout {timeout_s} s\)"
+    assert re.search(timed_out, error), error
+    assert "Ranks [1] reported nothing" in error, error
+
+
+class _Block(nn.Module):
+    def forward(self, x):
+        return torch.ops.autopar.all_reduce(x * 2, "no-such-group", "sum")
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = _Block()
+
+    def forward(self, x):
+        return self.mlp(x) + 1
+
+
+def test_a_failed_collective_names_its_program_node_and_module():
+    program = fx.symbolic_trace(_Model())
+    try:
+        program(torch.ones(2))
+    except RuntimeError as error:  # the group cannot be resolved: a failure inside the collective's call
+        named = program_node(error)
+    assert named == "all_reduce (all_reduce = torch.ops.autopar.all_reduce(mul, 'no-such-group', 'sum')) in module mlp"
