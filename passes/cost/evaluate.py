@@ -84,9 +84,7 @@ class LayoutTerms:
         reduce-scatters gradients every microbatch (stage 2) matters.
         ``memo`` keeps each axis's :func:`traffic` for layouts that share their first axes."""
         layout = _layout_cost(facts, degrees, strategies, mesh, hardware, zero, memo)
-        return cls(
-            **layout, link=hardware.link(mesh.shape, mesh.size), made_of=(degrees, strategies, mesh, hardware)
-        )
+        return cls(**layout, link=hardware.link(mesh.shape, mesh.size), made_of=(degrees, strategies, mesh, hardware))
 
     def compiled_traffic(self, zero: int, schedule: Schedule) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) of the compiled step (:mod:`replay`):

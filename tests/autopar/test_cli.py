@@ -104,7 +104,7 @@ def test_precision_is_planned_recorded_and_shown(capsys, tmp_path):
     assert "precision: fp32 (weights, gradients and optimizer state in float32)" in capsys.readouterr().out
     assert Plan.load(saved).precision == "fp32"
     assert main(["explain", str(saved)]) == 0
-    assert "precision fp32" in capsys.readouterr().out.splitlines()[0]
+    assert "(dp=4 x tp=1, fp32)" in capsys.readouterr().out.splitlines()[0]
     assert main(["plan", "gpt", *gpu, "--precision", "fp8"]) == 2
     assert "--precision: invalid choice" in capsys.readouterr().err
 

@@ -74,10 +74,9 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     zero = next(i for i, p in enumerate(rest) if p.zero)
     piped = next(i for i, p in enumerate(rest) if p.schedule.stages > 1)
     assert rest[zero].schedule.stages == 1 and zero < piped  # ZeRO before stages
-    # tensor parallelism joins the pipeline on the way down; the last rung is ZeRO-3 on the
-    # data-parallel pipeline (its gathers prefetched: it fits, and runs faster than tp there)
+    # lower down, the pipeline takes ZeRO-3 on its data-parallel axis, then tensor parallelism
+    assert any(p.schedule.stages > 1 and p.zero == 3 for p in rest[piped:])
     assert any(p.schedule.stages > 1 and p.degrees["tp"] > 1 for p in rest[piped:])
-    assert rest[-1].schedule.stages > 1 and rest[-1].zero == 3
 
 
 def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
