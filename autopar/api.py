@@ -82,7 +82,6 @@ def plan(
     if not isinstance(model, CapturedGraph):
         example = _example_call(model, mesh, example_inputs, example_kwargs)
         model = _capture(model, (), options.precision_policy, None, example)
-    _check_captured_precision(model, options.precision_policy)
     return _search(model, mesh, options, progress=progress)
 
 
@@ -101,15 +100,6 @@ def _capture(
         param_dtype=getattr(torch, policy.param_dtype) if policy.mixed else None,
         verify=lambda c: verify_graph(c.graph_module),
     )
-
-
-def _check_captured_precision(captured: CapturedGraph, policy: PrecisionPolicy) -> None:
-    if policy.mixed and captured.param_dtype != getattr(torch, policy.param_dtype):
-        raise ConfigError(
-            f"the graph's parameters were captured in {captured.param_dtype}, but precision={str(policy.precision)!r} "
-            f"computes in {policy.param_dtype}: capture with autopar.capture(model, inputs, "
-            f"precision={str(policy.precision)!r})"
-        )
 
 
 def _search(

@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 from tabulate import tabulate
 
-from autopar.ir import KERNEL_DIMS, Plan, Shard, layer_of, module_label
+from autopar.ir import KERNEL_DIMS, Plan, PrecisionPolicy, Shard, layer_of, module_label
 from autopar.passes.capture.graph import module_path
 from autopar.passes.rewrite.export import collective_calls, placeholders
 
@@ -110,6 +110,7 @@ def summary(plan: Plan) -> dict:
     return {
         "mesh": str(plan.mesh),
         "hardware": plan.hardware,
+        "precision": str(plan.precision),
         "batch_size": plan.batch_size,
         "step_s": cost.step_s,
         "compute_s": cost.compute_s,
@@ -134,6 +135,7 @@ def summary_text(plan: Plan) -> str:
         [
             f"degrees: {degrees_text(plan.degrees)}{zero} on mesh {plan.mesh} ({plan.hardware}), global batch "
             f"{plan.batch_size}",
+            f"precision: {precision_text(plan.precision)}",
             f"predicted step time: {cost.step_s * 1e3:.2f} ms = compute {cost.compute_s * 1e3:.2f} ms"
             f" + exposed communication {cost.comm_s * 1e3:.2f} ms + exposed gradient sync {cost.grad_sync_s * 1e3:.2f} "
             "ms"
@@ -151,6 +153,18 @@ def summary_text(plan: Plan) -> str:
 
 
 SEARCH_ROWS = 12  # configurations the search table shows: the chosen one and the fastest others
+
+
+def precision_text(precision: str) -> str:
+    """``bf16-mixed`` → what it means for the step: compute copies, gradient reduction, state."""
+    policy = PrecisionPolicy.of(precision)
+    if not policy.mixed:
+        return f"{policy.precision} (weights, gradients and optimizer state in float32)"
+    scaling = ", dynamic loss scaling" if policy.loss_scaling else ""
+    return (
+        f"{policy.precision} ({policy.param_dtype} compute copies, gradients reduced in {policy.reduce_dtype}, "
+        f"float32 master weights and optimizer state{scaling})"
+    )
 
 
 def search_text(plan: Plan) -> str:

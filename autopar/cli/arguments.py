@@ -10,7 +10,7 @@ import os
 import re
 from pathlib import Path
 
-from autopar.ir import KERNEL_DIMS, PIPELINES, RECOMPUTE, AutoparError, Mesh, MeshError, parse_placement
+from autopar.ir import KERNEL_DIMS, PIPELINES, RECOMPUTE, AutoparError, Mesh, MeshError, Precision, parse_placement
 
 DEFAULT_FACTORY = "build"
 BATCH_PER_DEVICE = 2
@@ -193,6 +193,12 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         "--microbatches", type=_positive_int, help="pieces each rank's batch runs in (default: searched with pipelines)"
     )
     parser.add_argument("--pipeline", choices=PIPELINES, help="pin the pipeline schedule (default: searched)")
+    parser.add_argument(
+        "--precision",
+        choices=tuple(Precision),
+        help="what training computes in: fp32, or bf16/fp16 compute copies with fp32 master weights and optimizer "
+        "state (default: the hardware's natural choice, bf16-mixed on A100/H100/H200, fp32 on CPU)",
+    )
     parser.add_argument(
         "--stage-cuts",
         type=lambda text: [cut.strip() for cut in text.split(",")],

@@ -68,6 +68,7 @@ def _options(args, hardware) -> PlanOptions:
         microbatches=args.microbatches,
         pipeline=args.pipeline,
         stage_cuts=tuple(args.stage_cuts or ()),
+        precision=args.precision,
     )
 
 

@@ -20,7 +20,7 @@ from autopar.ir.errors import (
     StalePlanError,
     TraceError,
 )
-from autopar.ir.hardware import PROFILES, HardwareProfile, LinkTier, get_profile
+from autopar.ir.hardware import PROFILES, HardwareProfile, KernelFigures, LinkTier, get_profile
 from autopar.ir.mesh import BATCH_DIMS, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
 from autopar.ir.names import OP_NAMESPACE, Axis, Kernel, PipelineKind, Precision, Recompute, layer_of, module_label
 from autopar.ir.options import PlanOptions
@@ -62,6 +62,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "HardwareProfile",
     "Kernel",
+    "KernelFigures",
     "LinkTier",
     "MemoryLimitError",
     "Mesh",

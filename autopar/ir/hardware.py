@@ -45,15 +45,49 @@ class LinkTier:
 
 
 @dataclass(frozen=True)
+class KernelFigures:
+    """What a GPU's kernel libraries achieve, read by the shape-derived efficiency rules
+    (``passes/cost/efficiency.py``): GEMMs by tiles and waves, attention by sequence and head size.
+
+    >>> get_profile("h100-80gb").kernels.sms
+    132
+    """
+
+    sms: int  # streaming multiprocessors: each runs one output tile of a GEMM per wave
+    tiles: tuple[tuple[int, int], ...]  # output tiles (rows, columns) the GEMM library picks among
+    gemm_best: dict[str, float]  # dtype → fraction of ``peak_flops`` a well-shaped GEMM reaches (MAMF)
+    k_fill: int  # k a tile's prologue and epilogue cost, in main-loop steps along k
+    memory_efficiency: float  # fraction of ``memory_bandwidth`` streaming (elementwise) kernels reach
+    attention: dict[str, dict[int, dict[int, float]]]  # "causal"/"full" → head dim → sequence → FLOP/s fwd+bwd
+    sources: str = ""
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["attention"] = {
+            mask: {str(d): {str(s): rate for s, rate in by_seq.items()} for d, by_seq in by_dim.items()}
+            for mask, by_dim in self.attention.items()
+        }
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> KernelFigures:
+        attention = {
+            mask: {int(d): {int(s): rate for s, rate in by_seq.items()} for d, by_seq in by_dim.items()}
+            for mask, by_dim in data["attention"].items()
+        }
+        return cls(**{**data, "tiles": tuple(tuple(tile) for tile in data["tiles"]), "attention": attention})
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     name: str
     peak_flops: dict[str, float]  # dtype name → FLOP/s of one device
-    compute_efficiency: float  # achieved fraction of peak on large matmuls
+    compute_efficiency: float  # fraction of peak ops reach (with ``kernels``: ops other than GEMMs and attention)
     memory_bytes: float
     memory_bandwidth: float  # bytes/s, for memory-bound ops
     links: tuple[LinkTier, ...]  # innermost tier first
     description: str = ""
-    overlap: float = 0.0  # fraction of gradient all-reduce hidden behind backward
+    overlap: float = 0.0  # share of gradient sync that runs behind backward (at most the last microbatch's)
     op_overhead_s: float = 0.0  # fixed cost of launching one op
     cores_per_host: int = 0  # CPU processes share this many cores; 0: every device computes on its own
     measure_ops: bool = False  # this profile is the planning machine: time ops on it instead of the roofline
@@ -62,9 +96,18 @@ class HardwareProfile:
     )  # measured compute slowdown per ranks on the host
     extra: dict = field(default_factory=dict)
     precision: str = "fp32"  # what training on this device naturally runs in (an autopar.ir.Precision)
+    kernels: KernelFigures | None = None  # GEMM and attention figures; None: one efficiency for every op
+    tp_overlap: float = 0.0  # share of tensor-parallel collectives the stack hides behind GEMMs (overlap.py)
+    p2p_overlap: bool = False  # pipeline sends of the steady state run behind compute (only fill and drain wait)
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency
+
+    @property
+    def streaming_bandwidth(self) -> float:
+        """Bytes/s an elementwise (memory-bound) kernel moves: the share of ``memory_bandwidth``
+        the kernel figures give, all of it without them (a measured CPU copy rate)."""
+        return self.memory_bandwidth * (self.kernels.memory_efficiency if self.kernels else 1.0)
 
     def ranks_per_host(self, mesh_shape: tuple[int, ...]) -> int:
         """Ranks that share one host: the whole mesh on a one-tier machine, else a node."""
@@ -117,6 +160,7 @@ class HardwareProfile:
             for link in self.links
         ]
         data["contention_by_ranks"] = {str(n): factor for n, factor in self.contention_by_ranks.items()}
+        data["kernels"] = self.kernels.to_json() if self.kernels else None
         return data
 
     @classmethod
@@ -138,7 +182,8 @@ class HardwareProfile:
         contention = {
             int(n): factor for n, factor in data.get("contention_by_ranks", {}).items()
         }  # JSON keys are strings
-        return cls(**{**data, "links": links, "contention_by_ranks": contention})
+        kernels = KernelFigures.from_json(data["kernels"]) if data.get("kernels") else None
+        return cls(**{**data, "links": links, "contention_by_ranks": contention, "kernels": kernels})
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -156,6 +201,55 @@ class HardwareProfile:
 
 GB = 1e9
 GIB = 1024**3
+T = 1e12
+
+# FlashAttention-2 forward + backward, bf16/fp16, FLOP/s in FlashAttention's convention (4·b·s²·h·d
+# forward, halved when causal; backward 2.5x): the Dao-AILab/flash-attention README figures
+# flash2_a100_fwd_bwd_benchmark.png and flash2_h100_fwd_bwd_benchmark.png (batch 16k/s, hidden 2048;
+# labels the figures hide are left out). FA2 is the flash kernel torch's SDPA runs on both GPUs
+# (pytorch/pytorch#142132: cuDNN attention is not its default on H100).
+FA2_A100 = {
+    "full": {64: {512: 132 * T, 2048: 162 * T, 4096: 171 * T, 8192: 175 * T, 16384: 176 * T},
+             128: {2048: 187 * T, 4096: 196 * T, 8192: 201 * T, 16384: 203 * T}},
+    "causal": {64: {512: 88 * T, 1024: 119 * T, 2048: 140 * T, 4096: 156 * T, 8192: 165 * T, 16384: 171 * T},
+               128: {512: 99 * T, 1024: 133 * T, 2048: 155 * T, 4096: 173 * T, 8192: 182 * T, 16384: 189 * T}},
+}  # fmt: skip
+FA2_H100 = {
+    "full": {64: {512: 215 * T, 1024: 254 * T, 2048: 274 * T, 4096: 288 * T, 8192: 294 * T, 16384: 296 * T},
+             128: {512: 248 * T, 1024: 294 * T, 2048: 320 * T, 4096: 326 * T, 8192: 335 * T, 16384: 338 * T}},
+    "causal": {64: {512: 141 * T, 1024: 192 * T, 2048: 232 * T, 4096: 257 * T, 8192: 273 * T, 16384: 284 * T},
+               128: {512: 163 * T, 1024: 221 * T, 2048: 265 * T, 4096: 294 * T, 8192: 308 * T, 16384: 328 * T}},
+}  # fmt: skip
+_GEMM_SOURCES = (
+    "GEMMs: best fraction of peak from the Maximum Achievable Matmul FLOPS table (stas00/ml-engineering, "
+    "compute/accelerator/README.md: A100 SXM bf16 271.2 of 312 TFLOP/s at 1024x10240x5120, H100 SXM 794.5 of "
+    "989 at 2048x2048x13312, 'H200 is the same'), divided by the tile, wave and k terms of "
+    "passes/cost/efficiency.py at that shape so that the curve passes through the measurement (no fp32 or tf32 "
+    "figure is published: the 16-bit one serves); SM counts from NVIDIA's A100 and H100 whitepapers (108, 132); "
+    "the 256x128 / 128x256 tiles NVIDIA's Matrix Multiplication Background guide works with (smaller tiles "
+    "reuse less of each load: no published figure gives their efficiency, so they are left out); "
+    "k_fill 128: two 64-deep k-blocks of prologue and epilogue per tile. Streaming kernels at 0.8 of HBM "
+    "bandwidth (DeepGEMM's memory-bound rows reach 2.4-2.7 of 3.35 TB/s on H800). Attention: FlashAttention-2 "
+    "forward + backward figures (FA2_A100, FA2_H100)."
+)
+A100_KERNELS = KernelFigures(
+    sms=108,
+    tiles=((128, 256), (256, 128)),
+    gemm_best={"bfloat16": 0.902, "float16": 0.902, "float32": 0.902, "tf32": 0.902},
+    k_fill=128,
+    memory_efficiency=0.8,
+    attention=FA2_A100,
+    sources=_GEMM_SOURCES,
+)
+H100_KERNELS = KernelFigures(
+    sms=132,
+    tiles=((128, 256), (256, 128)),
+    gemm_best={"bfloat16": 0.836, "float16": 0.836, "float32": 0.836, "tf32": 0.836},
+    k_fill=128,
+    memory_efficiency=0.8,
+    attention=FA2_H100,
+    sources=_GEMM_SOURCES,
+)
 
 PROFILES: dict[str, HardwareProfile] = {
     profile.name: profile
@@ -194,41 +288,51 @@ PROFILES: dict[str, HardwareProfile] = {
             name="a100-80gb",
             precision="bf16-mixed",
             description=(
-                "DGX A100 80GB SXM: NVSwitch inside a node, 8x200 Gb/s HDR InfiniBand between nodes; compute "
-                "efficiency 0.5, one factor for every op, set once against Megatron-LM's published GPT runs "
-                "(benchmarks/published.py)"
+                "DGX A100 80GB SXM: NVSwitch inside a node (all-reduce bus bandwidth 230 GB/s), one 200 Gb/s HDR "
+                "InfiniBand adapter per GPU between nodes (25 GB/s); GEMM and attention efficiency from their shapes "
+                "(kernels), other ops at 0.87 of peak"
             ),
             peak_flops={"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12, "float16": 312e12},
-            compute_efficiency=0.5,
+            compute_efficiency=0.87,
             memory_bytes=80 * GIB,
             memory_bandwidth=2.0e12,
-            links=(LinkTier("nvswitch", 10e-6, 230 * GB), LinkTier("hdr-ib", 20e-6, 192 * GB)),
-            overlap=0.5,
+            links=(LinkTier("nvswitch", 10e-6, 230 * GB), LinkTier("hdr-ib", 20e-6, 25 * GB)),
+            overlap=1.0,
             op_overhead_s=5e-6,
+            kernels=A100_KERNELS,
         ),
         HardwareProfile(
             name="h100-80gb",
             precision="bf16-mixed",
-            description="DGX H100 SXM: NVLink4 inside a node, 8x400 Gb/s NDR InfiniBand between nodes",
+            description=(
+                "DGX H100 SXM: NVLink4 inside a node (all-reduce bus bandwidth 370 GB/s), one 400 Gb/s NDR "
+                "InfiniBand adapter per GPU between nodes (50 GB/s); GEMM and attention efficiency from their "
+                "shapes (kernels), other ops at 0.80 of peak"
+            ),
             peak_flops={"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
-            compute_efficiency=0.55,
+            compute_efficiency=0.80,
             memory_bytes=80 * GIB,
             memory_bandwidth=3.35e12,
-            links=(LinkTier("nvlink4", 8e-6, 370 * GB), LinkTier("ndr-ib", 15e-6, 380 * GB)),
-            overlap=0.5,
+            links=(LinkTier("nvlink4", 8e-6, 370 * GB), LinkTier("ndr-ib", 15e-6, 50 * GB)),
+            overlap=1.0,
             op_overhead_s=4e-6,
+            kernels=H100_KERNELS,
         ),
         HardwareProfile(
             name="h200-141gb",
             precision="bf16-mixed",
-            description="8x H200 SXM: NVLink4 inside a node, 8x400 Gb/s NDR InfiniBand between nodes",
+            description=(
+                "8x H200 SXM: NVLink4 inside a node (NVLS all-reduce bus bandwidth 475 GB/s), one 400 Gb/s NDR "
+                "InfiniBand adapter per GPU between nodes (50 GB/s); the H100's compute and kernel figures"
+            ),
             peak_flops={"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
-            compute_efficiency=0.55,
+            compute_efficiency=0.80,
             memory_bytes=141e9,
             memory_bandwidth=4.8e12,
-            links=(LinkTier("nvlink4", 8e-6, 475 * GB), LinkTier("ndr-ib", 15e-6, 380 * GB)),
-            overlap=0.5,
+            links=(LinkTier("nvlink4", 8e-6, 475 * GB), LinkTier("ndr-ib", 15e-6, 50 * GB)),
+            overlap=1.0,
             op_overhead_s=4e-6,
+            kernels=H100_KERNELS,
         ),
     ]
 }

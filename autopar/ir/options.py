@@ -101,7 +101,13 @@ class PlanOptions:
 
     @property
     def precision_policy(self) -> PrecisionPolicy:
-        """The precision pinned, else the hardware profile's natural one, with ``reduce_dtype``."""
+        """The precision the plan trains in: ``precision``, else the hardware profile's natural
+        choice (bf16-mixed on the A100/H100/H200 presets, fp32 on the CPU ones), with
+        ``reduce_dtype``. The one place that default is taken.
+
+        >>> PlanOptions(hardware="a100-80gb").precision_policy.param_dtype
+        'bfloat16'
+        """
         return PrecisionPolicy.of(self.precision or self.profile.precision, self.reduce_dtype)
 
     @property

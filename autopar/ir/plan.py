@@ -259,7 +259,7 @@ class Plan:
         memory = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.cost.memory.items())
         return (
             f"Plan for mesh {self.mesh} ({degrees}{f', ZeRO-{self.zero}' if self.zero else ''}"
-            f"{f', {self.precision}' if self.precision_policy.mixed else ''}) on {self.hardware}, "
+            f", {self.precision}) on {self.hardware}, "
             f"global batch {self.batch_size}\n"
             f"predicted step {self.cost.step_s * 1e3:.2f} ms (compute {self.cost.compute_s * 1e3:.2f}, "
             f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "

@@ -28,6 +28,7 @@ import numpy as np
 
 from autopar.ir import PROFILES, HardwareProfile, LinkTier
 from autopar.ir.hardware import COLLECTIVES
+from autopar.passes.cost.efficiency import shape_factor
 from autopar.passes.cost.ops import collective_time
 
 MAX_BANDWIDTH = 1e15  # bytes/s: keeps 1/B strictly positive when the times do not grow with size
@@ -265,35 +266,54 @@ def gpu_preset(device_name: str) -> HardwareProfile:
     return PROFILES[next((preset for key, preset in GPU_PRESETS.items() if key in device_name.upper()), "h100-80gb")]
 
 
+MEASURED_MATMUL_SIZE = 8192  # the square matmul `calibrate --backend nccl` times: its sweep's last size, < 50 ms
+
+
 def fit_gpu_profile(measurements: dict, name: str = "gpu-calibrated") -> HardwareProfile:
     """The profile of a GPU node from ``calibrate(backend="nccl")`` measurements.
 
     The measured link replaces the preset's tier inside a node (between nodes stays the
-    preset's); peak FLOP/s are the measured large-matmul rates, memory size and bandwidth
-    the device's. ``compute_efficiency`` keeps the preset's whole-model factor against its
-    datasheet peak (set against published runs): preset efficiency x preset peak / measured
-    peak in bfloat16, so a GPU that reaches its datasheet rate on a matmul plans as the preset.
+    preset's); memory size and the streaming bandwidth are the device's (a measured copy: its
+    streaming share is 1). Peak FLOP/s stay the datasheet's: each measured large-matmul rate
+    sets that dtype's best GEMM efficiency, so the shape-derived curve
+    (:func:`autopar.passes.cost.efficiency.gemm_efficiency`) passes through the measurement at
+    the measured shape; other dtypes, tiles and attention keep the preset's figures.
     """
     base = gpu_preset(measurements.get("device_name", ""))
     link = fit_link(measurements["collectives"], base.links[0].name, base.links[0])
-    peak = {dtype: float(rate) for dtype, rate in measurements["matmul"].items()}
-    reference = "bfloat16" if "bfloat16" in peak and "bfloat16" in base.peak_flops else "float32"
-    efficiency = min(1.0, base.compute_efficiency * base.peak_flops[reference] / peak[reference])
+    size = measurements.get("matmul_size", MEASURED_MATMUL_SIZE)
+    measured = {dtype: float(rate) for dtype, rate in measurements["matmul"].items()}
     return replace(
-        base,
+        _compute_through(base, measured, size),
         name=name,
         description=(
             f"measured by `autopar calibrate --backend nccl` at {measurements.get('measured_at', '?')} on "
-            f"{measurements.get('host', 'this machine')}: peak_flops are the achieved matmul rates, memory bandwidth "
-            "one "
-            "device copy, collectives on NCCL over "
+            f"{measurements.get('host', 'this machine')}: GEMM efficiency through the achieved {size}^3 matmul "
+            "rates, memory bandwidth one device copy, collectives on NCCL over "
             f"{', '.join(map(str, sorted({r['ranks'] for r in measurements['collectives']})))} "
-            f"GPUs, alpha-beta fitted per kind and group size; between nodes, overlap and op overhead from {base.name}"
+            f"GPUs, alpha-beta fitted per kind and group size; between nodes, overlap, op overhead, tiles and "
+            f"attention from {base.name}"
         ),
-        peak_flops=peak,
-        compute_efficiency=efficiency,
         memory_bytes=float(measurements.get("memory_bytes", base.memory_bytes)),
         memory_bandwidth=float(measurements["memory_bandwidth"]),
         links=(link, *base.links[1:]),
-        extra=_fit_extras(base, measurements, link),
+        extra={**_fit_extras(base, measurements, link), "matmul": measured},
     )
+
+
+def _compute_through(base: HardwareProfile, measured: dict[str, float], size: int) -> HardwareProfile:
+    """``base`` with its compute figures moved through the matmul rates measured at ``size``³.
+
+    With kernel figures: each measured dtype's best GEMM efficiency, at the datasheet peak.
+    Without (V100): the measured rates become the peaks, and the one efficiency keeps the
+    preset's factor against its datasheet bfloat16 (or float32) rate.
+    """
+    if base.kernels is None:
+        reference = "bfloat16" if "bfloat16" in measured and "bfloat16" in base.peak_flops else "float32"
+        factor = min(1.0, base.compute_efficiency * base.peak_flops[reference] / measured[reference])
+        return replace(base, peak_flops=measured, compute_efficiency=factor)
+    best = dict(base.kernels.gemm_best)
+    for dtype, rate in measured.items():
+        if dtype in base.peak_flops:
+            best[dtype] = rate / (base.peak_flops[dtype] * shape_factor(size, size, size, base.kernels))
+    return replace(base, kernels=replace(base.kernels, gemm_best=best, memory_efficiency=1.0))

@@ -10,11 +10,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.fx as fx
 
-from autopar.ir import HardwareProfile, Precision, Shard
+from autopar.ir import HardwareProfile, PrecisionPolicy, Shard
 from autopar.passes.capture.graph import CapturedGraph, node_layer
-from autopar.passes.cost.ops import OpProfile, compute_time, measured_time, op_profile
+from autopar.passes.cost.efficiency import ATTENTION, shaped_seconds, work_units
+from autopar.passes.cost.ops import (
+    OpProfile,
+    compute_dtype,
+    compute_time,
+    maximum,
+    measured_time,
+    moves_no_data,
+    op_profile,
+)
 from autopar.passes.sharding.strategies import (
     Strategy,
     local_shape,
@@ -47,15 +57,69 @@ class NodeFacts:
     # over nodes weighs a node, and every sum over edges an edge's consumer, by it.
     weight: int = 1
     folded_layers: tuple[str, ...] = ()  # with a weight, the layers this node's layer stands for, in order
+    dtype: str = "float32"  # what its output computes in under the precision policy ("bfloat16", ...)
+    precision: str = "fp32"  # the policy training keeps a parameter's state under (autopar.ir.precision)
+    grad_bytes: int = 4  # bytes per gradient element as gradients are reduced (the policy's reduce_dtype)
+    pacing: Pacing | None = None  # a GEMM or attention whose efficiency follows its local shapes
 
     @property
     def out_shape(self) -> tuple[int, ...]:
         return self.out_shapes[0] if self.out_shapes else ()
 
-    @property
-    def precision(self) -> str:
-        """How a parameter's training state is kept: 16-bit weights train in mixed precision."""
-        return Precision.BF16_MIXED if self.elem_bytes == 2 else Precision.FP32
+    def seconds(self, work: float, slot_shapes=None, microbatches: int = 1) -> float:
+        """Forward + backward seconds of this node on one rank doing ``work`` of it, its inputs of
+        local shapes ``slot_shapes``, its batch run in ``microbatches`` pieces.
+
+        The unsharded time times ``work``; a paced node (a GEMM or attention on a profile with
+        kernel figures) also at the efficiency of the local shapes rather than of the unsharded
+        ones, and doing at least the work its local shapes hold (a GEMM on a partial-sum input
+        multiplies the whole input on every rank). ``work`` keeps what the shapes do not say (a
+        ring kernel's p blocks of local size).
+        """
+        if self.pacing is None or slot_shapes is None:
+            return self.full_time_s * work
+        local, whole = tuple(map(tuple, slot_shapes)), tuple(map(tuple, self.slot_shapes))
+        here, there = self.pacing.per_unit(local, microbatches), self.pacing.per_unit(whole, 1)
+        if here is None or there is None:
+            return self.full_time_s * work
+        held = work_units(self.node.target, local) / work_units(self.node.target, whole)
+        return self.full_time_s * maximum(work, held) * here / there
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """Seconds per unit of work of one GEMM or attention op at any input shapes, on a GPU profile
+    with kernel figures (:mod:`autopar.passes.cost.efficiency`): what makes a node's time follow
+    its local (sharded, microbatched) shapes."""
+
+    target: object
+    hardware: HardwareProfile
+    dtype: str
+    itemsize: int
+    needs_grad: bool
+    causal: bool = False
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def seconds(self, slot_shapes, microbatches: int = 1):
+        """Forward + backward seconds at ``slot_shapes``, run in ``microbatches`` pieces."""
+        return shaped_seconds(
+            self.target,
+            slot_shapes,
+            self.hardware,
+            self.dtype,
+            self.itemsize,
+            self.needs_grad,
+            self.causal,
+            microbatches,
+        )
+
+    def per_unit(self, slot_shapes: tuple, microbatches: int = 1):
+        """:meth:`seconds` per unit of the op's work at those shapes; None without work."""
+        key = (slot_shapes, microbatches)
+        if key not in self._memo:
+            units = work_units(self.target, slot_shapes)
+            self._memo[key] = self.seconds(slot_shapes, microbatches) / units if units else None
+        return self._memo[key]
 
 
 @dataclass
@@ -96,14 +160,28 @@ class ShardedShapes:
         return ShardedShapes(shapes, slot_shapes, work, self.producers, self.moved | moved)
 
 
-def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: float = 1.0) -> dict[str, NodeFacts]:
+def analyze(
+    captured: CapturedGraph,
+    hardware: HardwareProfile,
+    contention: float = 1.0,
+    policy: PrecisionPolicy | None = None,
+) -> dict[str, NodeFacts]:
     """Per-node facts: slots, shapes, unsharded cost, whether a gradient flows through it.
 
-    An op's time is measured on this machine when ``hardware`` is this machine
-    (``measure_ops``), else its roofline; ``contention`` (ranks per core) slows both.
+    Priced as ``policy`` (default fp32) runs the graph, whatever dtype it was captured in: floating tensors in
+    the policy's compute dtype (FLOP rates, bytes moved and saved), parameters' state kept and
+    gradients reduced as the policy says. An op's time is measured on this machine when
+    ``hardware`` is this machine (``measure_ops``), else GEMMs and attention at the efficiency
+    their shapes reach (with kernel figures) and other ops at their roofline; views are free;
+    ``contention`` (ranks per core) slows all of them.
+
+    >>> facts = analyze(captured, get_profile("a100-80gb"), policy=PrecisionPolicy.of("bf16-mixed"))  # doctest: +SKIP
     """
     facts: dict[str, NodeFacts] = {}
     params, buffers = captured.params, captured.buffers
+    policy = policy or PrecisionPolicy()
+    cast = getattr(torch, policy.param_dtype)
+    grad_bytes = getattr(torch, policy.reduce_dtype).itemsize
     for node in captured.graph.nodes:
         outputs = output_tensors(node)
         slots = tensor_inputs(node) if node.op in ("call_function", "output") else []
@@ -118,19 +196,27 @@ def analyze(captured: CapturedGraph, hardware: HardwareProfile, contention: floa
             needs_grad = any(facts[s.name].needs_grad for s in slots if s.name in facts) and any(
                 t.dtype.is_floating_point for t in outputs
             )
-        profile = op_profile(node, needs_grad) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
+        profile = op_profile(node, needs_grad, cast) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
+        dtype = compute_dtype(outputs[0].dtype, cast) if outputs else torch.float32
+        pacing = _pacing(node, hardware, dtype, needs_grad) if kind == "op" else None
         facts[node.name] = NodeFacts(
             node=node,
             kind=kind,
             slots=slots,
             slot_shapes=slot_shapes,
             out_shapes=[tuple(t.shape) for t in outputs],
-            elem_bytes=outputs[0].element_size() if outputs else 4,
-            full_time_s=_op_time(node, profile, hardware, needs_grad) * contention if kind == "op" else 0.0,
+            elem_bytes=dtype.itemsize,
+            dtype=dtype_name(dtype),
+            full_time_s=_op_time(node, profile, hardware, needs_grad, cast, pacing, slot_shapes) * contention
+            if kind == "op"
+            else 0.0,
             needs_grad=needs_grad,
             name=params.get(node.name) or buffers.get(node.name) or node.name,
             profile=profile,
             layer=node_layer(node) if kind == "op" else None,
+            precision=policy.precision,
+            grad_bytes=grad_bytes,
+            pacing=pacing,
         )
     for fact in facts.values():  # mark what autograd keeps (activation memory); count consumers
         for slot in fact.slots:
@@ -150,13 +236,33 @@ def move_scope(node: fx.Node) -> str:
     return node_layer(node) or node.name
 
 
-def _op_time(node: fx.Node, profile: OpProfile, hardware: HardwareProfile, needs_grad: bool) -> float:
-    measured = measured_time(node, needs_grad, profile) if hardware.measure_ops else None
+def _op_time(node: fx.Node, profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, cast, pacing, shapes):
+    measured = measured_time(node, needs_grad, profile, cast=cast) if hardware.measure_ops else None
     if measured is not None:
         return measured
+    if moves_no_data(node.target):
+        return 0.0
+    if pacing is not None:
+        return pacing.seconds(shapes)
     outputs = output_tensors(node)
-    dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else "float32"
+    dtype = dtype_name(compute_dtype(outputs[0].dtype, cast)) if outputs else "float32"
     return compute_time(profile, hardware, needs_grad, dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``: how hardware profiles name dtypes."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_grad: bool) -> Pacing | None:
+    """The pacing of a GEMM or attention node on a profile with kernel figures that does not
+    time ops on this machine; None for every other node."""
+    if hardware.kernels is None or hardware.measure_ops:
+        return None
+    shapes = [_slot_shape(node, slot) for slot in tensor_inputs(node)]
+    causal = node.target is ATTENTION and bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else 0))
+    pacing = Pacing(node.target, hardware, dtype_name(dtype), dtype.itemsize, needs_grad, causal)
+    return pacing if work_units(node.target, shapes) else None
 
 
 def _slot_shape(node: fx.Node, slot: fx.Node) -> tuple[int, ...]:

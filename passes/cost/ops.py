@@ -88,13 +88,17 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
 GRAD_BUCKET_BYTES = BUCKET_BYTES
 
 
-def grad_sync_time(nbytes: float, ranks: int, link: LinkTier, bucket_bytes: float = GRAD_BUCKET_BYTES) -> float:
-    """Share of a bucketed gradient all-reduce one tensor of ``nbytes`` costs: latency is paid per bucket."""
+def grad_sync_time(
+    nbytes: float, ranks: int, link: LinkTier, bucket_bytes: float = GRAD_BUCKET_BYTES, kind: str = "all_reduce"
+) -> float:
+    """Share of a bucketed gradient reduction (``kind``: all-reduce, or ZeRO-2/3's reduce-scatter)
+    one tensor of ``nbytes`` costs: :func:`collective_time` (hierarchical across nodes), its
+    latency paid per bucket; no rendezvous (buckets go out as backward produces them)."""
     if ranks <= 1 or nbytes <= 0:
         return 0.0
-    alpha, bandwidth = link.alpha_beta("all_reduce", ranks)
-    latency = 2 * (ranks - 1) * alpha * min(1.0, nbytes / bucket_bytes)
-    return latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth
+    quiet = dataclasses.replace(link, sync_s=0.0)
+    latency = collective_time(kind, 1.0, ranks, quiet)  # the α of every step, and one byte
+    return collective_time(kind, nbytes, ranks, quiet) - (1.0 - min(1.0, nbytes / bucket_bytes)) * latency
 
 
 def reshard_time(src: Placement, dst: Placement, nbytes: float, ranks: int, link: LinkTier, needs_grad: bool) -> float:
@@ -133,29 +137,39 @@ class OpProfile:
     saved_inputs: tuple[int, ...] = ()  # tensor-input slots autograd keeps for backward
     saves_output: bool = False
     saved_extra_bytes: float = 0.0  # tensors the op creates and autograd keeps (softmax stats, ...)
+    backward_io_bytes: float = 0.0  # read and written by the backward: output gradients, saved tensors, input gradients
 
 
 _PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
 
 
-def _signature(node: fx.Node, needs_grad: bool):
+def compute_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` has when a step computes in ``cast`` (a mixed-precision
+    policy's ``param_dtype``): floating tensors take it, integers (indices, labels) keep theirs."""
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+def _signature(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None):
     """(cache key, argument values, their pytree spec) of an op node, or None for a node that
-    does no work of its own (not an aten op; takes a tuple (getitem) or a symbol)."""
+    does no work of its own (not an aten op; takes a tuple (getitem) or a symbol). Floating
+    tensors count in ``cast`` when one is given (see :func:`compute_dtype`)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     flat, spec = tree_flatten((node.args, node.kwargs))
     values = [arg.meta.get("val") if isinstance(arg, fx.Node) else arg for arg in flat]
     if any(isinstance(arg, fx.Node) and not isinstance(v, torch.Tensor) for arg, v in zip(flat, values)):
         return None
-    key = (str(node.target), needs_grad) + tuple(
-        (tuple(v.shape), tuple(v.stride()), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in values
+    key = (str(node.target), needs_grad, cast) + tuple(
+        (tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast)) if isinstance(v, torch.Tensor) else repr(v)
+        for v in values
     )
     return key, values, spec
 
 
-def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
-    """Profile a call_function node on fake tensors (cached by op and argument signature)."""
-    signature = _signature(node, needs_grad)
+def op_profile(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None) -> OpProfile:
+    """Profile a call_function node on fake tensors (cached by op and argument signature), its
+    floating inputs in ``cast`` when given: the op as a mixed-precision step runs it."""
+    signature = _signature(node, needs_grad, cast)
     if signature is None:
         return OpProfile(0.0, 0.0, 0.0)
     key, values, spec = signature
@@ -164,11 +178,19 @@ def op_profile(node: fx.Node, needs_grad: bool) -> OpProfile:
         # factory ops have no tensor inputs: any fake mode will do
         fake_mode = detect_fake_mode(tuple(t for t in tensors if isinstance(t, torch.Tensor))) or FakeTensorMode()
         with fake_mode:
-            _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad)
+            try:
+                _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad, cast)
+            except (RuntimeError, AssertionError, TypeError, ValueError):
+                # an op that pins its dtype (a metadata assertion, a typed buffer): as captured
+                _PROFILES[key] = (
+                    op_profile(node, needs_grad)
+                    if cast is not None
+                    else _run_profile(node.target, values, spec, needs_grad)
+                )
     return _PROFILES[key]
 
 
-def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
+def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | None = None) -> OpProfile:
     """Run the op and its backward on fresh fake leaves; note what autograd saves."""
     inputs = []
     # On meta tensors attention decomposes into its math form, which saves the seq x seq
@@ -177,9 +199,10 @@ def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
     fused = getattr(target, "overloadpacket", None) is torch.ops.aten.scaled_dot_product_attention
     for k, v in enumerate(values):
         if isinstance(v, torch.Tensor):
-            grad = needs_grad and v.dtype.is_floating_point
+            dtype = compute_dtype(v.dtype, cast)
+            grad = needs_grad and dtype.is_floating_point
             device = "cpu" if fused and v.device.type == "meta" else v.device
-            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device, requires_grad=grad)
+            values[k] = torch.empty_strided(v.shape, v.stride(), dtype=dtype, device=device, requires_grad=grad)
             inputs.append(values[k])
     args, kwargs = tree_unflatten(values, spec)
     saved = []
@@ -187,7 +210,7 @@ def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
     with forward, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = target(*args, **kwargs)
     outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
-    io_bytes = sum(t.numel() * t.element_size() for t in inputs + outputs)
+    io_bytes = sum(_nbytes(t) for t in inputs + outputs)
     forward_flops = forward.get_total_flops() or _formula_flops(target, inputs, args)
     differentiable = [o for o in outputs if o.requires_grad]
     backward_flops = 0.0
@@ -197,6 +220,12 @@ def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
             wrt = [i for i in inputs if i.requires_grad]
             torch.autograd.grad(differentiable, wrt, [torch.ones_like(o) for o in differentiable], allow_unused=True)
         backward_flops = backward.get_total_flops() or 2 * forward_flops
+    # a memory-bound backward reads its output gradients and what it saved, and writes input gradients
+    backward_io = (
+        sum(_nbytes(t) for t in differentiable + saved + [i for i in inputs if i.requires_grad])
+        if differentiable
+        else 0.0
+    )
     slots, saves_output, extra = set(), False, 0.0
     for tensor in saved:
         base = tensor._base if tensor._base is not None else tensor
@@ -207,8 +236,18 @@ def _run_profile(target, values, spec, needs_grad: bool) -> OpProfile:
         else:
             extra += tensor.numel() * tensor.element_size()
     return OpProfile(
-        float(forward_flops), float(backward_flops), float(io_bytes), tuple(sorted(slots)), saves_output, extra
+        float(forward_flops),
+        float(backward_flops),
+        float(io_bytes),
+        tuple(sorted(slots)),
+        saves_output,
+        extra,
+        float(backward_io),
     )
+
+
+def _nbytes(tensor: torch.Tensor) -> float:
+    return tensor.numel() * tensor.element_size()
 
 
 def _formula_flops(target, inputs, args) -> float:
@@ -229,14 +268,23 @@ def _formula_flops(target, inputs, args) -> float:
 def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, dtype: str = "float32") -> float:
     """Roofline time of one op's forward and (when a gradient flows) backward, with launch overhead.
 
-    A memory-bound backward is taken to move as many bytes as its forward.
+    A memory-bound backward moves the bytes its profile counted (``backward_io_bytes``; as many
+    as the forward where none were counted), at the bandwidth streaming kernels reach
+    (:attr:`HardwareProfile.streaming_bandwidth`).
     """
     passes = 2 if needs_grad else 1
     flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
+    moved = profile.io_bytes + ((profile.backward_io_bytes or profile.io_bytes) if needs_grad else 0.0)
     return (
-        maximum(flops / hardware.flops_per_s(dtype), passes * profile.io_bytes / hardware.memory_bandwidth)
+        maximum(flops / hardware.flops_per_s(dtype), moved / hardware.streaming_bandwidth)
         + passes * hardware.op_overhead_s
     )
+
+
+def moves_no_data(target) -> bool:
+    """Views (``view``, ``transpose``, ``expand``, ...) and ``_unsafe_view`` (a reshape's view of
+    a fresh copy) launch no kernel: autograd and the allocator see them, the device does not."""
+    return bool(getattr(target, "is_view", False)) or target is torch.ops.aten._unsafe_view.default
 
 
 def maximum(*values):
@@ -254,35 +302,38 @@ MEASURE_LIMIT_BYTES = 64 * 2**20  # larger ops are timed by the roofline: planni
 _TIMES: dict[tuple, float | None] = {}
 
 
-def measured_time(node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7) -> float | None:
+def measured_time(
+    node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7, cast: torch.dtype | None = None
+) -> float | None:
     """Seconds of one op's forward (and backward) on THIS machine, real tensors of its
-    unsharded shapes, one thread: the fastest of ``repeats`` (load from others only adds).
+    unsharded shapes (floating ones in ``cast`` when given), one thread: the fastest of
+    ``repeats`` (load from others only adds).
 
     What Alpa does for the device it plans for: small ops and attention run far from the
     matmul roofline on a CPU. None for ops without work or larger than ``MEASURE_LIMIT_BYTES``.
     """
-    signature = _signature(node, needs_grad)
+    signature = _signature(node, needs_grad, cast)
     if signature is None or profile.io_bytes > MEASURE_LIMIT_BYTES:
         return None
     key, values, spec = signature
     if key not in _TIMES:
-        args, kwargs = tree_unflatten([_real_like(v, needs_grad) for v in values], spec)
+        args, kwargs = tree_unflatten([_real_like(v, needs_grad, cast) for v in values], spec)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             _TIMES[key] = min([_time_once(node.target, args, kwargs, needs_grad) for _ in range(repeats + 2)][2:])
-        except (RuntimeError, ValueError, IndexError):  # needs real data (indices in range, ...): roofline
+        except (RuntimeError, ValueError, IndexError, AssertionError):  # needs real data or its own dtype: roofline
             _TIMES[key] = None
         finally:
             torch.set_num_threads(threads)
     return _TIMES[key]
 
 
-def _real_like(value, needs_grad: bool):
+def _real_like(value, needs_grad: bool, cast: torch.dtype | None = None):
     if not isinstance(value, torch.Tensor):
         return value
     span = 1 + sum((size - 1) * stride for size, stride in zip(value.shape, value.stride()) if size > 0)
-    storage = torch.zeros(span, dtype=value.dtype)  # zeros: valid indices and labels
+    storage = torch.zeros(span, dtype=compute_dtype(value.dtype, cast))  # zeros: valid indices and labels
     if value.dtype.is_floating_point:
         storage.normal_()
     tensor = storage.as_strided(value.shape, value.stride())  # broadcast (stride-0) views stay views

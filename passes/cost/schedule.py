@@ -24,9 +24,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autopar.ir import Cost, HardwareProfile, PipelineKind, Recompute, Schedule
+from autopar.ir import Cost, HardwareProfile, LinkTier, PipelineKind, Recompute, Schedule
+from autopar.passes.cost.efficiency import GEMMS
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, saved_bytes
-from autopar.passes.cost.ops import collective_time, maximum
+from autopar.passes.cost.ops import maximum
+from autopar.passes.cost.overlap import boundary_seconds, exposed_grad_sync, exposed_tp_comm, pipeline_messages
 from autopar.passes.rewrite.recompute import kept_by_selective
 from autopar.passes.search.partition import StageSplit, partition
 from autopar.passes.sharding.strategies import numel
@@ -83,26 +85,71 @@ def dropped(fact: NodeFacts, level: str) -> bool:
 
 
 def forward_share(fact: NodeFacts) -> float:
-    """The share of an op's time its forward takes (what recomputing it costs again)."""
+    """The share of a node's forward + backward time its forward takes: by FLOPs, half for a
+    memory-bound op (as many bytes each way)."""
     flops = fact.profile.forward_flops + fact.profile.backward_flops
-    return fact.profile.forward_flops / flops if flops else 0.5  # memory-bound: as many bytes each way
+    return fact.profile.forward_flops / flops if flops else 0.5
+
+
+@dataclass(frozen=True)
+class StepParts:
+    """What placing a step's overlaps needs (:mod:`autopar.passes.cost.overlap`) of a solved layout,
+    whatever its schedule."""
+
+    tp_comm_s: float = 0.0  # tensor-parallel collectives (part of cost.comm_s), before any overlap
+    scatter: int = 1  # tensor-parallel ranks: a boundary they hold whole crosses as 1/scatter each
+    scatter_link: LinkTier | None = None  # the link those pieces are all-gathered over
+    replicated: frozenset[str] = frozenset()  # nodes whose output every tensor-parallel rank holds whole
+    zero: int = 0  # the ZeRO stage: when data-parallel traffic flows (overlap.exposed_grad_sync)
+    replayed: bool = False  # a compiled step's replay (:mod:`replay`) already placed what hides
 
 
 @dataclass(frozen=True)
 class LayerTerms:
-    """What a schedule's cost needs of one solved configuration, summed once over its nodes
-    (each weighed by :attr:`NodeFacts.weight`) for every schedule priced on it."""
+    """What a schedule's cost needs of one solved configuration's bytes, summed once over its
+    nodes (each weighed by :attr:`NodeFacts.weight`) for every schedule priced on it."""
 
     outside: float  # bytes autograd saves outside layers
     in_layers: dict[str, float]  # recomputation level → bytes a device keeps inside layers (one stage, one batch)
-    recompute_s: dict[str, float]  # recomputation level → the forward it runs again
     boundary: float  # the largest layer input: what a stage boundary sends per batch
+    boundary_inputs: frozenset[str] = frozenset()  # the nodes whose outputs enter layers
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """A solved configuration's compute, its batch run in some number of microbatches (GEMMs and
+    attention run at the efficiency of a microbatch's shapes: :meth:`NodeFacts.seconds`)."""
+
+    compute_s: float  # forward + backward of every node, all microbatches, all stages
+    backward_s: float  # of which backward
+    gemm_s: float  # of which GEMMs, forward and backward
+    recompute_s: dict[str, float]  # recomputation level → the forward it runs again
+    recompute_gemm_s: dict[str, float]  # recomputation level → the GEMMs' share of that
+
+
+def step_times(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: int = 1) -> StepTimes:
+    """:class:`StepTimes` of the configuration whose local shapes are ``local``."""
+    compute = backward = gemm = 0.0
+    recompute = dict.fromkeys(Recompute, 0.0)
+    recompute_gemm = dict.fromkeys(Recompute, 0.0)
+    for name, fact in facts.items():
+        if fact.kind != "op":
+            continue
+        seconds = fact.seconds(local.work[name], local.slot_shapes[name], microbatches) * fact.weight
+        is_gemm = fact.node.target in GEMMS
+        compute += seconds
+        backward += seconds * (1 - forward_share(fact))
+        gemm += seconds if is_gemm else 0.0
+        for level in (Recompute.SELECTIVE, Recompute.FULL):
+            if dropped(fact, level):
+                recompute[level] += seconds * forward_share(fact)
+                recompute_gemm[level] += seconds * forward_share(fact) if is_gemm else 0.0
+    return StepTimes(compute, backward, gemm, recompute, recompute_gemm)
 
 
 def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms:
     """:class:`LayerTerms` of the configuration whose local shapes are ``local``."""
     outside = kept = 0.0
-    recompute = dict.fromkeys(Recompute, 0.0)
     layer_saved: dict[str, float] = {}
     layer_weight: dict[str, int] = {}
     layer_inputs: dict[str, set[str]] = {}
@@ -121,12 +168,8 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms
         inputs.update(
             s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer
         )
-        forward_s = fact.full_time_s * local.work[name] * forward_share(fact) * fact.weight
-        recompute[Recompute.FULL] += forward_s
         if kept_by_selective(fact.node.target):
             kept += saved * fact.weight
-        else:
-            recompute[Recompute.SELECTIVE] += forward_s
     checkpoints = {
         layer: sum(_bytes(facts[n], local.shapes[n]) for n in names) for layer, names in layer_inputs.items()
     }
@@ -136,26 +179,46 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms
         Recompute.FULL: sum(nbytes * layer_weight[layer] for layer, nbytes in checkpoints.items())
         + maximum(0.0, *layer_saved.values()),
     }
-    return LayerTerms(outside, in_layers, recompute, maximum(0.0, *checkpoints.values()))
+    entering = frozenset().union(*layer_inputs.values()) if checkpoints else frozenset()
+    return LayerTerms(outside, in_layers, maximum(0.0, *checkpoints.values()), entering)
 
 
 def schedule_cost(
-    cost: Cost, facts: dict[str, NodeFacts], local: ShardedShapes, schedule: Schedule, hardware: HardwareProfile, link
+    cost: Cost,
+    facts: dict[str, NodeFacts],
+    local: ShardedShapes,
+    schedule: Schedule,
+    hardware: HardwareProfile,
+    link,
+    parts: StepParts = StepParts(),
 ) -> Cost:
-    """``cost`` (one batch, everything saved, one stage) under ``schedule``.
+    """``cost`` (one batch, everything saved, one stage, no overlap) under ``schedule``.
 
-    Recomputation adds the forward of what it drops. Microbatches divide what is in flight;
-    a pipeline gives each device its stage modules' layers (cut by :func:`autopar.passes.search.partition.partition`:
-    the busiest device sets the pace) and their state, holds :func:`in_flight` microbatches,
-    idles :func:`bubble_share` of its step and sends each microbatch's boundary activation
-    forward and its gradient back over ``link``.
+    Recomputation adds the forward of what it drops. Microbatches divide what is in flight and
+    the shapes GEMMs run at; a pipeline gives each device its stage modules' layers (cut by
+    :func:`autopar.passes.search.partition.partition`: the busiest device sets the pace) and their
+    state, holds :func:`in_flight` microbatches, idles :func:`bubble_share` of its step and sends
+    each microbatch's boundary activation forward and its gradient back over ``link``. What
+    overlaps hide of tensor-parallel collectives, gradient sync and boundary transfers is
+    :mod:`autopar.passes.cost.overlap`'s.
     """
     split = partition(facts, local, schedule, link) if schedule.stages > 1 else None
-    return scheduled(cost, layer_terms(facts, local), schedule, split, link)
+    times = step_times(facts, local, schedule.microbatches)
+    return scheduled(cost, layer_terms(facts, local), times, schedule, split, link, hardware, parts)
 
 
-def scheduled(cost: Cost, terms: LayerTerms, schedule: Schedule, split: StageSplit | None, link) -> Cost:
-    """:func:`schedule_cost` from the configuration's :class:`LayerTerms` and, with stages, its stage split."""
+def scheduled(
+    cost: Cost,
+    terms: LayerTerms,
+    times: StepTimes,
+    schedule: Schedule,
+    split: StageSplit | None,
+    link,
+    hardware: HardwareProfile,
+    parts: StepParts = StepParts(),
+) -> Cost:
+    """:func:`schedule_cost` from the configuration's :class:`LayerTerms`, its :class:`StepTimes`
+    at the schedule's microbatches and, with stages, its stage split."""
     stages, micro = schedule.stages, schedule.microbatches
     time_share, param_share = (split.time_share, split.param_share) if split else (1.0, 1.0)
     memory = dict(cost.memory)
@@ -165,24 +228,51 @@ def scheduled(cost: Cost, terms: LayerTerms, schedule: Schedule, split: StageSpl
     memory["temporary"] = cost.memory.get("temporary", 0.0) / micro
     for category in ("params", "grads", "optimizer", "grad_buckets"):
         memory[category] = cost.memory.get(category, 0.0) * param_share
+    recompute_s = times.recompute_s[schedule.recompute]
     # full recomputation runs each layer's forward again, its collectives too: about half the step's
-    recompute_comm = cost.comm_s / 2 if schedule.recompute == Recompute.FULL else 0.0
-    recompute_s = terms.recompute_s[schedule.recompute]
-    comm = cost.comm_s + recompute_comm
-    work = (cost.compute_s + recompute_s + comm) * time_share
-    boundary = terms.boundary / micro
-    messages = 2 * (schedule.virtual * micro + stages - 2)
-    transfers = messages * collective_time("send_recv", boundary, 2, link) if stages > 1 else 0.0
+    again = 1.5 if schedule.recompute == Recompute.FULL else 1.0
+    tp_comm = parts.tp_comm_s * again
+    comm = (cost.comm_s - parts.tp_comm_s) * again + exposed_tp_comm(
+        tp_comm, times.gemm_s + times.recompute_gemm_s[schedule.recompute], hardware.tp_overlap
+    )
+    work = (times.compute_s + recompute_s + comm) * time_share
+    sync = cost.grad_sync_s * param_share
+    if not parts.replayed:
+        sync = exposed_grad_sync(sync, sync_window_s(times, parts.zero, time_share, micro), hardware.overlap)
     return dataclasses.replace(
         cost,
-        compute_s=(cost.compute_s + recompute_s) * time_share,
+        compute_s=(times.compute_s + recompute_s) * time_share,
         comm_s=comm * time_share,
-        grad_sync_s=cost.grad_sync_s * param_share,
+        grad_sync_s=sync,
         optimizer_s=cost.optimizer_s * param_share,
-        pipeline_s=work * bubble_share(schedule) + transfers,
+        pipeline_s=work * bubble_share(schedule) + _boundary_transfers(terms, schedule, hardware, link, parts),
         model_flops=cost.model_flops * time_share,
         memory=memory,
     )
+
+
+def sync_window_s(times: StepTimes, zero: int, time_share: float, microbatches: int) -> float:
+    """The compute data-parallel traffic can hide behind, on the busiest device (``time_share``
+    of the step's compute): the last microbatch's backward (buckets reduce as it produces them),
+    every microbatch's backward under ZeRO-2 (reduce-scatter per microbatch), the whole step's
+    compute under ZeRO-3 (parameter gathers are prefetched in forward and backward)."""
+    if zero >= 3:
+        return times.compute_s * time_share
+    backward = times.backward_s * time_share
+    return backward if zero == 2 else backward / microbatches
+
+
+def _boundary_transfers(terms: LayerTerms, schedule: Schedule, hardware: HardwareProfile, link, parts) -> float:
+    """Seconds of stage-boundary transfers on the critical path (:mod:`overlap`): the largest
+    layer input of one microbatch, scattered over the tensor-parallel ranks when they all hold it."""
+    if schedule.stages <= 1 or not terms.boundary_inputs:
+        return 0.0
+    whole = terms.boundary_inputs <= parts.replicated
+    seconds = boundary_seconds(
+        terms.boundary / schedule.microbatches, link, parts.scatter if whole else 1, parts.scatter_link
+    )
+    messages = pipeline_messages(schedule.stages, schedule.microbatches, schedule.virtual, hardware.p2p_overlap)
+    return messages * seconds
 
 
 def _bytes(fact: NodeFacts, shapes) -> float:

@@ -54,6 +54,8 @@ from autopar.ir import (
     Cost,
     HardwareProfile,
     Plan,
+    PlanOptions,
+    PrecisionPolicy,
     Schedule,
     Shard,
     StalePlanError,
@@ -64,9 +66,8 @@ from autopar.ir import (
 from autopar.passes.capture.graph import CapturedGraph, capture
 from autopar.passes.cost.evaluate import evaluate, stage_mesh, strategies_from_plan
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, analyze
-from autopar.passes.cost.ops import compute_time
+from autopar.passes.cost.ops import compute_time, moves_no_data
 from autopar.passes.search.partition import partition
-from autopar.passes.sharding.strategies import output_tensors
 
 BATCH, SEQ = sympy.Symbol("b", positive=True), sympy.Symbol("s", positive=True)
 _BATCH_BLOCK, _SEQ_BLOCK = (
@@ -167,8 +168,9 @@ def symbolic_cost(
             "graph it was planned on"
         )
     contention = hardware.contention(plan.mesh.shape)
-    facts = analyze(captured, hardware, contention)  # what evaluate_plan sees, measured op times included
-    grid, samples = sample_facts(captured, model, example_inputs, seq_dim)
+    policy = plan.precision_policy
+    facts = analyze(captured, hardware, contention, policy)  # what evaluate_plan sees, measured op times included
+    grid, samples = sample_facts(captured, model, example_inputs, seq_dim, policy)
     symbolic = _symbolic_facts(facts, samples, grid, hardware, contention)
     return SymbolicCost(
         expressions=_cost_expressions(symbolic, facts, plan, hardware),
@@ -211,17 +213,20 @@ def symbolic_facts(
     example_inputs: tuple,
     seq_dim: int | None = 1,
     contention: float = 1.0,
+    precision: str | None = None,
 ) -> dict[str, NodeFacts]:
     """:func:`autopar.passes.cost.facts.analyze`'s per-node facts with every size, FLOP count and op time an
-    expression in ``BATCH`` and ``SEQ`` (sizes that do not change stay plain numbers).
+    expression in ``BATCH`` and ``SEQ`` (sizes that do not change stay plain numbers), priced in
+    ``precision`` (default: the hardware's, as :attr:`autopar.ir.PlanOptions.precision_policy` takes it).
 
     >>> facts = symbolic_facts(captured, "a100-80gb", model=model, example_inputs=inputs)  # doctest: +SKIP
     >>> facts["scaled_dot_product_attention"].profile.forward_flops                          # doctest: +SKIP
     256*b*s**2
     """
     hardware = get_profile(hardware)
-    grid, samples = sample_facts(captured, model, example_inputs, seq_dim)
-    return _symbolic_facts(analyze(captured, hardware, contention), samples, grid, hardware, contention)
+    policy = PlanOptions(hardware=hardware, precision=precision).precision_policy
+    grid, samples = sample_facts(captured, model, example_inputs, seq_dim, policy)
+    return _symbolic_facts(analyze(captured, hardware, contention, policy), samples, grid, hardware, contention)
 
 
 @dataclass(frozen=True)
@@ -242,17 +247,18 @@ class Grid:
 
 
 def sample_facts(
-    captured: CapturedGraph, model, example_inputs: tuple, seq_dim: int | None
+    captured: CapturedGraph, model, example_inputs: tuple, seq_dim: int | None, policy: PrecisionPolicy
 ) -> tuple[Grid, list[dict[str, NodeFacts]]]:
     """The grid around the example inputs' sizes and the facts of the graph captured at each
-    point (``captured`` itself first), the check point's last. Op times are not measured here."""
+    point (``captured`` itself first) under ``policy``, the check point's last. Op times are
+    not measured here."""
     grid = _grid(*_sizes(captured, example_inputs, seq_dim))
     roofline = get_profile("a100-80gb")  # any profile that measures nothing: only shapes and op profiles are read
     expected = [(n.name, n.op, str(n.target)) for n in captured.graph.nodes]
     samples = []
     for batch, seq in [*grid.points, grid.check]:
         if (batch, seq) == grid.points[0]:
-            samples.append(analyze(captured, roofline))
+            samples.append(analyze(captured, roofline, policy=policy))
             continue
         where = f"batch={batch}" + (f", seq={seq}" if seq is not None else "")
         try:
@@ -275,7 +281,7 @@ def sample_facts(
                 "costs are symbolic only for a graph whose ops do not depend on batch and sequence: capture and plan "
                 "per size instead"
             )
-        samples.append(analyze(graph, roofline))
+        samples.append(analyze(graph, roofline, policy=policy))
     return grid, samples
 
 
@@ -332,6 +338,7 @@ def _numbers(fact: NodeFacts) -> list:
         p.backward_flops,
         p.io_bytes,
         p.saved_extra_bytes,
+        p.backward_io_bytes,
     ]
 
 
@@ -341,7 +348,13 @@ def _labels(fact: NodeFacts) -> list[str]:
         (f"input {k}", s) for k, s in enumerate(fact.slot_shapes)
     ]
     dims = [f"{what}'s dim {d}" for what, shape in shapes for d in range(len(shape))]
-    return dims + ["forward FLOPs", "backward FLOPs", "bytes read and written", "bytes saved for backward"]
+    return dims + [
+        "forward FLOPs",
+        "backward FLOPs",
+        "bytes read and written",
+        "bytes saved for backward",
+        "bytes the backward reads and writes",
+    ]
 
 
 def _with_numbers(fact: NodeFacts, numbers: list) -> NodeFacts:
@@ -354,6 +367,7 @@ def _with_numbers(fact: NodeFacts, numbers: list) -> NodeFacts:
         backward_flops=next(values),
         io_bytes=next(values),
         saved_extra_bytes=next(values),
+        backward_io_bytes=next(values),
     )
     return dataclasses.replace(fact, out_shapes=out, slot_shapes=slots, profile=profile)
 
@@ -388,7 +402,7 @@ def _symbolic_facts(facts, samples, grid: Grid, hardware: HardwareProfile, conte
             _polynomial(values, grid, inverse, f"node {name}: {label}") for label, values in zip(_labels(fact), columns)
         ]
         sized = _with_numbers(fact, numbers)
-        symbolic[name] = dataclasses.replace(sized, full_time_s=_op_time(fact, sized.profile, hardware, contention))
+        symbolic[name] = dataclasses.replace(sized, full_time_s=_op_time(fact, sized, hardware, contention))
     return symbolic
 
 
@@ -414,15 +428,19 @@ def _or_one(point):
     return tuple(1 if v is None else v for v in point)
 
 
-def _op_time(fact: NodeFacts, profile, hardware: HardwareProfile, contention: float):
-    """The op's roofline in b and s, scaled to its time at the captured sizes (measured or not)."""
-    if fact.kind != "op" or profile == fact.profile:
+def _op_time(fact: NodeFacts, sized: NodeFacts, hardware: HardwareProfile, contention: float):
+    """The op's time in b and s: a paced GEMM or attention at its symbolic shapes (exact), a
+    view nothing, any other op its roofline scaled to its time at the captured sizes (measured
+    or not)."""
+    if fact.kind != "op" or sized.profile == fact.profile:
         return fact.full_time_s
-    outputs = output_tensors(fact.node)
-    dtype = str(outputs[0].dtype).removeprefix("torch.") if outputs else "float32"
-    at_capture = compute_time(fact.profile, hardware, fact.needs_grad, dtype) * contention
+    if fact.pacing is not None:
+        return fact.pacing.seconds(sized.slot_shapes) * contention
+    if not hardware.measure_ops and moves_no_data(fact.node.target):
+        return 0.0
+    at_capture = compute_time(fact.profile, hardware, fact.needs_grad, fact.dtype) * contention
     scale = fact.full_time_s / at_capture if at_capture and hardware.measure_ops else 1.0
-    return compute_time(profile, hardware, fact.needs_grad, dtype) * contention * scale
+    return compute_time(sized.profile, hardware, fact.needs_grad, fact.dtype) * contention * scale
 
 
 def _replaced(fact: NodeFacts, sizes: dict) -> NodeFacts:

@@ -37,7 +37,7 @@ from autopar.ir import (
 )
 from autopar.passes.capture.graph import module_path
 from autopar.passes.capture.moe import EXPERTS_OP
-from autopar.passes.cost.evaluate import (
+from autopar.passes.cost.axis_terms import (
     IMPOSSIBLE_S,
     AxisContext,
     axis_spans,
@@ -443,8 +443,8 @@ def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, fl
         cheapest = (math.inf, 0.0)
         for strategy, (compute, comm, _) in zip(options[rep], terms[rep]):
             synced = sum(
-                share / max(1, facts[slot].consumers)
-                for slot, share in partial_gradients(fact, strategy, ctx, facts)
+                (share + once / max(1, ctx.schedule.microbatches)) * (1 - ctx.overlap) / max(1, facts[slot].consumers)
+                for slot, share, once in partial_gradients(fact, strategy, ctx, facts)
                 if facts[slot].kind == "param"
             )
             cheapest = min(cheapest, (compute + comm + synced, synced))

@@ -8,17 +8,19 @@ position by position: op, arguments, shapes and dtypes, what the cost model know
 outside the layer (kind, dtype, whether a gradient flows, consumers), and the user's pins. A
 wider layer, or a pin on one layer only, makes a layer differ. The search then
 
-- gives a class of identical layers one set of ILP variables (:attr:`LayerFolding.variable`:
-  every node takes the strategy of its counterpart in the class's first layer), so the ILP does
-  not grow with depth, and is exactly the unfolded ILP with every layer of a class alike;
-- runs on a reduced graph (:attr:`LayerFolding.facts`): of a run of n ≥ 4 consecutive identical
-  layers it keeps the first, the second standing for the n − 2 middle ones
-  (:attr:`NodeFacts.weight`), and the last, which takes its inputs from the second. Layer i + 1
-  reads layer i's outputs as the second reads the first's, and strategies are alike, so every
-  cost, memory and stage-cut sum over the reduced graph equals the sum over the whole one, and
-  every per-node loop of the search stays the same size at any depth. A run whose middle layers
-  read anything but the previous layer and nodes outside layers, or feed anything but the next
-  layer, is kept whole (its layers still share variables).
+- gives the layers of a class between its first and its last one set of ILP variables
+  (:attr:`LayerFolding.variable`: every node takes the strategy of its counterpart in the
+  class's second layer), so the ILP does not grow with depth. The first and the last layer keep
+  their own: they meet other neighbours (the embedding, the head), where another layout can be
+  cheaper. This is exactly the unfolded ILP with every inner layer of a class alike;
+- runs on a reduced graph (:attr:`LayerFolding.facts`): of a run of n ≥ 5 consecutive identical
+  layers it keeps the first, the second, the third standing for the n − 3 inner ones after the
+  second (:attr:`NodeFacts.weight`), and the last, which takes its inputs from the third. Layer
+  i + 1 reads layer i's outputs as the third reads the second's, and inner strategies are alike,
+  so every cost, memory and stage-cut sum over the reduced graph equals the sum over the whole
+  one, and every per-node loop of the search stays the same size at any depth. A run whose inner
+  layers read anything but the previous layer and nodes outside layers, or feed anything but the
+  next layer, is kept whole (its inner layers still share variables).
 
 Pre: :func:`autopar.passes.cost.facts.analyze` of the whole graph; the pins (node → what is
 pinned). Post: a :class:`LayerFolding`; :meth:`LayerFolding.expand` turns strategies of the
@@ -38,7 +40,7 @@ import torch.fx as fx
 
 from autopar.passes.cost.facts import NodeFacts
 
-REDUCED_RUN = 4  # a run this long keeps 3 layers; shorter runs gain nothing
+REDUCED_RUN = 5  # a run this long keeps 4 layers; shorter runs gain nothing
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,9 @@ def fold_layers(facts: dict[str, NodeFacts], pins: dict[str, object]) -> LayerFo
     class_of = {layer: key for key, layers in classes.items() for layer in layers}
     variable = {name: name for name in facts}
     for layers in classes.values():
-        for layer in layers[1:]:
-            for name, first in zip(members[layer], members[layers[0]]):
-                variable[name] = first
+        for layer in layers[2:-1]:  # the first and the last keep their own (module docstring)
+            for name, second in zip(members[layer], members[layers[1]]):
+                variable[name] = second
     reduced, stands_for = dict(facts), {name: name for name in facts}
     order = list(members)
     start = 0
@@ -188,18 +190,19 @@ def _reducible(run: list[str], members, facts, users) -> bool:
 
 
 def _reduce(run: list[str], members, facts, reduced: dict, stands_for: dict) -> None:
-    """Keep the first, second and last layer of the run; the second stands for the middle ones."""
-    second, before_last, last = run[1], run[-2], run[-1]
-    middle = run[1:-1]
-    for name in members[second]:
+    """Keep the first, second, third and last layer of the run; the third stands for the inner
+    layers after the second."""
+    third, before_last, last = run[2], run[-2], run[-1]
+    inner = run[2:-1]
+    for name in members[third]:
         fact = facts[name]
         reduced[name] = dataclasses.replace(
-            fact, weight=len(middle), folded_layers=tuple(middle) if fact.kind == "op" else ()
+            fact, weight=len(inner), folded_layers=tuple(inner) if fact.kind == "op" else ()
         )
-    for layer in run[2:-1]:
-        for name, kept in zip(members[layer], members[second]):
+    for layer in run[3:-1]:
+        for name, kept in zip(members[layer], members[third]):
             stands_for[name] = kept
-    counterpart = dict(zip(members[before_last], members[second]))
+    counterpart = dict(zip(members[before_last], members[third]))
     for name in members[last]:
         fact = facts[name]
         if any(slot.name in counterpart for slot in fact.slots):

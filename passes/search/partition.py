@@ -40,9 +40,10 @@ class LayerRow:
     boundary: float  # bytes of the activations entering the layer
 
 
-def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes) -> list[LayerRow]:
-    """Per layer in execution order: compute seconds, parameter elements, bytes of its inputs.
-    A folded layer (:attr:`NodeFacts.folded_layers`) gives one row per layer it stands for."""
+def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: int = 1) -> list[LayerRow]:
+    """Per layer in execution order: compute seconds (the batch run in ``microbatches`` pieces),
+    parameter elements, bytes of its inputs. A folded layer (:attr:`NodeFacts.folded_layers`)
+    gives one row per layer it stands for."""
     order: list[str] = []
     time: dict[str, float] = {}
     params: dict[str, float] = {}
@@ -57,7 +58,7 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes) -> list[Layer
             order.append(layer)
             stands_for[layer] = fact.folded_layers or (layer,)
         key = layer or (position if not order else "suffix")
-        time[key] = time.get(key, 0.0) + fact.full_time_s * local.work[name]
+        time[key] = time.get(key, 0.0) + fact.seconds(local.work[name], local.slot_shapes[name], microbatches)
         for slot in fact.slots:
             producer = facts[slot.name]
             if producer.kind == "param":
@@ -83,7 +84,7 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes) -> list[Layer
 def partition(facts: dict[str, NodeFacts], local: ShardedShapes, schedule: Schedule, link) -> StageSplit:
     """The balanced cut points for ``schedule.modules`` stage modules (see the module docstring);
     pinned cuts (``schedule.cuts``) are only measured."""
-    return split_rows(layer_costs(facts, local), schedule, link)
+    return split_rows(layer_costs(facts, local, schedule.microbatches), schedule, link)
 
 
 def split_rows(rows: list[LayerRow], schedule: Schedule, link, starts: list[int] | None = None) -> StageSplit:

@@ -101,7 +101,7 @@ def search(
     """
     started = time.perf_counter()
     hardware = options.profile
-    whole = analyze(captured, hardware, hardware.contention(mesh.shape))
+    whole = analyze(captured, hardware, hardware.contention(mesh.shape), options.precision_policy)
     folding = fold_layers(whole, user_pins(whole, options.constraints or {})) if fold else LayerFolding.unfolded(whole)
     facts = folding.facts
     batch = _batch_size(captured, facts)
@@ -141,7 +141,7 @@ def search(
             if f.kind == "op" and f.out_shapes and rule_for(f.node.target) is None
         }
     )
-    policy = options.precision_policy  # recorded; the graph was captured in its param_dtype
+    policy = options.precision_policy  # priced by the cost model (analyze), recorded in the plan
     plan = _to_plan(captured, whole, strategies, dataclasses.replace(best, cost=cost), mesh, hardware)
     return dataclasses.replace(
         plan,
@@ -262,6 +262,10 @@ class _Weighing:
         if strategies is None:
             self.log.append({**entry, "pruned": BOUND})
             return
+        if zero == 2:  # ZeRO-2 moves its own traffic (a reduce-scatter per microbatch) on ZeRO-1's layout
+            if 2 not in layouts:
+                layouts[2] = LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, 2, ctx.memo)
+            terms = layouts[2]
         free = PricedConfiguration.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, zero, layout=terms)
         tried = []
         for level in levels(options):

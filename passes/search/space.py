@@ -54,7 +54,8 @@ from autopar.ir import (
     model_state_bytes,
 )
 from autopar.passes.capture.moe import EXPERTS_OP
-from autopar.passes.cost.evaluate import AxisContext, axis_contexts, partial_gradients, stage_mesh
+from autopar.passes.cost.axis_terms import AxisContext, axis_contexts, partial_gradients
+from autopar.passes.cost.evaluate import stage_mesh
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import optimizer_time
@@ -282,7 +283,9 @@ class LowerBounds:
         before = {ctx.name: chosen for ctx, chosen in solved}
         for ctx, _, moved in axis_contexts(self.facts, degrees, before, stage, self.hardware, zero, self.memo):
             if ctx is not None:  # shared by the configurations with these axes first: priced once
-                comm, sync = comm + moved[0], sync + moved[1]
+                # at most the profile's shares hide (overlap.py caps them further)
+                comm += moved.comm_s * (1 - self.hardware.tp_overlap if ctx.name == Axis.TP else 1.0)
+                sync += moved.sync_s * (1 - ctx.overlap)
         work, last_sync = floor
         dp = degrees.get(Axis.DP, 1)
         elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
@@ -325,8 +328,8 @@ class LowerBounds:
                 if self.splits(name, dp):
                     fact = facts[name]
                     split = Strategy(tuple(Replicate() for _ in fact.slots), Shard(0))
-                    for slot, seconds in partial_gradients(fact, split, ctx, facts):
-                        if facts[slot].kind == "param":
-                            sync[slot] = max(sync.get(slot, 0.0), seconds)
+                    for slot, seconds, _ in partial_gradients(fact, split, ctx, facts):
+                        if facts[slot].kind == "param":  # at least what overlap leaves exposed
+                            sync[slot] = max(sync.get(slot, 0.0), seconds * (1 - ctx.overlap))
             self._sync[key] = sync
         return self._sync[key]

@@ -42,13 +42,17 @@ def test_a_stale_plan_file_is_refused(fake_world_of_two, tmp_path):
         autopar.parallelize(model, 2, model.example_inputs(4), plan=str(path))
 
 
-def test_a_graph_captured_in_fp32_is_not_planned_for_mixed_precision():
+def test_a_graph_is_planned_in_the_precision_asked_whatever_it_was_captured_in():
+    """The cost model prices the policy's dtypes (the runtime captures in them again): a graph
+    captured in fp32 and one captured in bf16 give the same bf16-mixed plan at the same cost."""
     model = meta_model("mlp.py")
     inputs = model.example_inputs(8, device="meta")
-    with pytest.raises(ConfigError, match="(?s)captured in torch.float32.*precision='bf16-mixed'.*autopar.capture"):
-        autopar.plan(autopar.capture(model, inputs), 2, precision="bf16-mixed")
-    plan = autopar.plan(autopar.capture(model, inputs, precision="bf16-mixed"), 2, precision="bf16-mixed")
-    assert plan.precision == "bf16-mixed" and plan.reduce_dtype == "float32"
+    options = dict(hardware="a100-80gb", precision="bf16-mixed")
+    fp32 = autopar.plan(autopar.capture(model, inputs), 2, **options)
+    bf16 = autopar.plan(autopar.capture(model, inputs, precision="bf16-mixed"), 2, **options)
+    assert fp32.precision == bf16.precision == "bf16-mixed" and fp32.reduce_dtype == "float32"
+    assert fp32.nodes == bf16.nodes and fp32.cost.step_s == bf16.cost.step_s
+    assert fp32.cost.memory == bf16.cost.memory
 
 
 def test_a_plan_is_not_run_in_another_precision(fake_world_of_two):

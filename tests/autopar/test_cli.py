@@ -95,6 +95,20 @@ def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):
     assert "pipeline bubble" in out and "2 pipeline stage(s), 4 microbatch(es), recompute full" in out
 
 
+def test_precision_is_planned_recorded_and_shown(capsys, tmp_path):
+    saved = tmp_path / "plan.json"
+    gpu = [*MESH, "--hardware", "a100-80gb", "--degrees", "dp=4,tp=1"]
+    assert main(["plan", "gpt", *gpu, "--json"]) == 0  # the preset's natural choice
+    assert json.loads(capsys.readouterr().out)["summary"]["precision"] == "bf16-mixed"
+    assert main(["plan", "gpt", *gpu, "--precision", "fp32", "--save", str(saved)]) == 0
+    assert "precision: fp32 (weights, gradients and optimizer state in float32)" in capsys.readouterr().out
+    assert Plan.load(saved).precision == "fp32"
+    assert main(["explain", str(saved)]) == 0
+    assert "(dp=4 x tp=1, fp32)" in capsys.readouterr().out.splitlines()[0]
+    assert main(["plan", "gpt", *gpu, "--precision", "fp8"]) == 2
+    assert "--precision: invalid choice" in capsys.readouterr().err
+
+
 def test_export_writes_per_rank_programs_plan_and_dot(capsys, tmp_path):
     out_dir = tmp_path / "exported"
     assert main(["export", "gpt", *MESH, *PINNED_TP, "--out", str(out_dir)]) == 0

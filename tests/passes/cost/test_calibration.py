@@ -29,6 +29,7 @@ from autopar.passes.cost.calibration import (
     fit_sync_by_ranks,
     model_coefficients,
 )
+from autopar.passes.cost.efficiency import gemm_seconds
 from autopar.runtime.measure import KINDS, SIZES_BYTES
 
 
@@ -43,9 +44,13 @@ def test_gpu_measurements_make_a_node_profile_on_the_matching_preset(tmp_path):
             assert fitted_alpha == pytest.approx(alpha, rel=0.10) and fitted_bandwidth == pytest.approx(
                 bandwidth, rel=0.10
             )
-    assert profile.peak_flops == GPU_MATMUL and profile.memory_bytes == 85e9 and profile.memory_bandwidth == 3.0e12
-    # the preset's whole-model factor against its datasheet: the same bfloat16 rate as the preset plans with
-    assert profile.flops_per_s("bfloat16") == pytest.approx(preset.flops_per_s("bfloat16"))
+    assert profile.peak_flops == preset.peak_flops and profile.memory_bytes == 85e9
+    assert profile.streaming_bandwidth == 3.0e12  # a measured copy: all of it streams
+    # the GEMM curve passes through each measured rate at the measured 8192³ shape; tiles stay the preset's
+    for dtype, rate in GPU_MATMUL.items():
+        seconds = gemm_seconds(8192, 8192, 8192, dtype, 2, profile) - profile.op_overhead_s
+        assert 2 * 8192**3 / seconds == pytest.approx(rate, rel=1e-9), dtype
+    assert profile.kernels.tiles == preset.kernels.tiles and profile.kernels.attention == preset.kernels.attention
     assert not profile.measure_ops and profile.contention((8,)) == 1.0 and profile.link((8,), 8).sync_s == 0.0
     assert HardwareProfile.load(profile.save(tmp_path / "gpu.json")) == profile
     plan = plan_example("mlp.py", 8, batch=64, hardware=profile)

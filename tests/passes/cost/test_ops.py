@@ -76,7 +76,7 @@ def test_roofline_takes_the_slower_of_flops_and_bytes():
         2e12 / profile.flops_per_s() + profile.op_overhead_s
     )
     copy = compute_time(OpProfile(0, 0, 1e9), profile, needs_grad=True)  # memory bound, backward alike
-    assert copy == pytest.approx(2 * 1e9 / profile.memory_bandwidth + 2 * profile.op_overhead_s)
+    assert copy == pytest.approx(2 * 1e9 / profile.streaming_bandwidth + 2 * profile.op_overhead_s)
 
 
 def _only_op(module, *inputs):

@@ -35,9 +35,15 @@ def test_blocking_collectives_pay_the_rendezvous_scaled_by_contention():
     assert get_profile("a100-80gb").contention((8, 8)) == 1  # GPUs do not share their compute
 
 
+# The A100 at one efficiency for every op: compute linear in each rank's work, so the schedule's
+# arithmetic shows exactly (with kernel figures, a microbatch's smaller GEMMs run at their own
+# efficiency: test_microbatches_run_smaller_gemms_at_their_own_efficiency).
+FLAT_A100 = dataclasses.replace(get_profile("a100-80gb"), kernels=None)
+
+
 def _plan(**options):
-    options = {"model_kwargs": GPT, **options}
-    return plan_example("gpt.py", (2, 4), batch=16, hardware="a100-80gb", **options)
+    options = {"model_kwargs": GPT, "hardware": FLAT_A100, **options}
+    return plan_example("gpt.py", (2, 4), batch=16, **options)
 
 
 def test_recomputation_trades_activations_for_forward_compute():
@@ -66,7 +72,7 @@ def test_microbatches_divide_activations_and_pipeline_stages_pay_the_bubble():
         4,
         batch=16,
         model_kwargs=GPT,
-        hardware="a100-80gb",
+        hardware=FLAT_A100,
         degrees={"dp": 4, "tp": 1},
         zero=0,
         recompute="none",
@@ -81,6 +87,20 @@ def test_microbatches_divide_activations_and_pipeline_stages_pay_the_bubble():
     assert piped.cost.model_flops / piped.cost.compute_s == pytest.approx(
         flat.cost.model_flops / flat.cost.compute_s, rel=1e-6
     )
+
+
+def test_microbatches_run_smaller_gemms_at_their_own_efficiency():
+    def compute(hidden: int, seq: int, microbatches: int) -> float:
+        model = {**GPT, "hidden": hidden, "heads": hidden // 64, "seq": seq, "layers": 2}
+        return plan_example(
+            "gpt.py", 8, batch=64, model_kwargs=model, hardware="a100-80gb", degrees={"dp": 8, "tp": 1},
+            zero=0, recompute="none", microbatches=microbatches,
+        ).cost.compute_s  # fmt: skip
+
+    # hidden 64, 2048 rows per rank: GEMMs are launch- and wave-bound, 8 pieces cost far more than one
+    assert compute(64, 256, 8) > 3 * compute(64, 256, 1)
+    # hidden 8192, one 2048-token sequence per piece: each still fills the 108 SMs in several waves
+    assert compute(8192, 2048, 1) < compute(8192, 2048, 8) < 1.1 * compute(8192, 2048, 1)
 
 
 def test_a_pipeline_must_split_the_outer_mesh_dimension_and_does_not_run_yet():

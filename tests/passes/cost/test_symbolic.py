@@ -108,8 +108,10 @@ def test_at_other_sizes_it_is_the_cost_model_on_the_graph_captured_there(gpt, pl
 
 def test_weight_sized_terms_are_constant(planned):
     plan, symbolic = planned
-    for constant in ("memory.params", "memory.grads", "memory.optimizer", "grad_sync_s", "optimizer_s"):
+    for constant in ("memory.params", "memory.grads", "memory.optimizer", "optimizer_s"):
         assert not symbolic.expressions[constant].free_symbols, constant
+    # gradient sync is weight-sized; what backward hides of it is capped by backward's time, in b and s
+    assert symbolic.expressions["grad_sync_s"].has(sympy.Min)
     assert symbolic.expressions["step_s"].xreplace({BATCH: BATCH0, SEQ: SEQ0}) == pytest.approx(
         plan.cost.step_s, rel=ROUNDING
     )
@@ -123,7 +125,7 @@ def test_flops_activations_and_compute_grow_as_the_textbook_says():
     activations = sympy.Poly(e["memory.activations"], BATCH, SEQ)  # fused attention keeps no s x s scores
     assert activations.degree(BATCH) == 1 and activations.degree(SEQ) == 1
     # at long sequences attention dominates: doubling s quadruples the compute
-    long, longer = (symbolic.at(batch=BATCH0, seq=2**k).compute_s for k in (20, 21))
+    long, longer = (symbolic.at(batch=BATCH0, seq=2**k).compute_s for k in (24, 25))
     assert longer / long == pytest.approx(4, rel=0.01)
 
 

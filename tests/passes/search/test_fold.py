@@ -37,10 +37,12 @@ def _captured(layers: int = 4, wider: int | None = None, batch: int = 8):
     return autopar.capture(model, model.example_inputs(batch, device="meta"))
 
 
-def _same_plan(folded, unfolded):
+def _same_plan(folded, unfolded, same_nodes: bool = True):
     assert folded.degrees == unfolded.degrees and folded.zero == unfolded.zero
     assert folded.schedule == unfolded.schedule
-    assert folded.nodes == unfolded.nodes and folded.params == unfolded.params and folded.inputs == unfolded.inputs
+    if same_nodes:
+        assert folded.nodes == unfolded.nodes and folded.params == unfolded.params
+        assert folded.inputs == unfolded.inputs
     assert folded.cost.step_s == pytest.approx(unfolded.cost.step_s, rel=1e-9)
     assert folded.cost.peak_memory == pytest.approx(unfolded.cost.peak_memory, rel=1e-9)
 
@@ -60,7 +62,9 @@ def test_folding_gives_the_unfolded_plan_under_a_binding_memory_limit():
     options = PlanOptions(**pins, memory_limit=free.cost.peak_memory / 2)
     folded = search(captured, Mesh((2, 2)), options)
     assert folded.cost.peak_memory <= options.memory_limit < free.cost.peak_memory
-    _same_plan(folded, search(captured, Mesh((2, 2)), options, fold=False))
+    # under the limit only some layers' MLPs can be split, and the first two are interchangeable
+    # (the same time and memory whichever is split): the optimum is equal, not always the same nodes
+    _same_plan(folded, search(captured, Mesh((2, 2)), options, fold=False), same_nodes=False)
 
 
 def test_a_layer_that_differs_is_not_folded_with_the_others():

@@ -1,0 +1,186 @@
+"""One published training run, predicted: its model on the meta device, its configuration pinned.
+
+A row of ``benchmarks/data/published_runs.json`` names a model (kind and shapes), a cluster (GPU
+preset, count), the parallel configuration as published (tp, pp, dp, virtual stages, microbatch,
+global batch, recomputation, ZeRO stage, precision) and the training stack's overlaps (one of the
+file's ``stacks``). :func:`predict` builds the model, plans it with every published choice pinned
+(what the source leaves out, the planner chooses), prices the published interleaving (virtual
+stages) with :func:`autopar.passes.cost.evaluate.evaluate_plan`, and turns the predicted step
+time into the row's published metric with the row's own FLOPs definition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from published_models import build
+
+import autopar
+from autopar.ir import HardwareProfile, MemoryLimitError, Schedule, get_profile
+from autopar.passes.cost.evaluate import evaluate_plan
+
+DATA = Path(__file__).parent / "data" / "published_runs.json"
+PEAK_16BIT = {"a100-80gb": 312e12, "h100-80gb": 989e12}  # the dense bf16/fp16 peak MFU is quoted against
+
+# Megatron's tensor-parallel layout, pinned by module (column-parallel: output split; row-parallel: partial sums)
+COLUMN, ROW = "S(-1)", "P"
+MEGATRON_TP = {
+    "megatron-gpt": {
+        "layers.*.attn.qkv": COLUMN, "layers.*.attn.proj": ROW, "layers.*.fc1": COLUMN, "layers.*.fc2": ROW,
+    },
+    "gpt": {
+        "layers.*.attn.w[qkv]": COLUMN, "layers.*.attn.wo": ROW, "layers.*.mlp.fc1": COLUMN, "layers.*.mlp.fc2": ROW,
+    },
+    "llama": {
+        "layers.*.attn.w[qkv]": COLUMN, "layers.*.attn.wo": ROW, "layers.*.gate": COLUMN, "layers.*.up": COLUMN,
+        "layers.*.down": ROW,
+    },
+}  # fmt: skip
+SEQUENCE_PARALLEL = {"layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}  # Korthikanti et al.'s SP
+ONE_F_ONE_B_ONLY = {"deepspeed-pipeline"}  # stacks whose pipeline cannot interleave stage modules
+
+
+def load(path: Path = DATA) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
+    """The row's GPU preset with its training stack's overlaps (``tp_overlap``, ``p2p_overlap``,
+    and the data-parallel share ``overlap``)."""
+    stack = stacks[row["stack"]]
+    return dataclasses.replace(
+        get_profile(row["hardware"]),
+        tp_overlap=stack["tp_overlap"],
+        p2p_overlap=stack["p2p_overlap"],
+        overlap=stack["dp_overlap"],
+    )
+
+
+def options_for(row: dict) -> dict:
+    """The planning options that pin the row's published configuration."""
+    config = row["config"]
+    constraints = dict(MEGATRON_TP[row["model_kind"]]) if config["tp"] > 1 else {}
+    if row.get("sequence_parallel") and config["tp"] > 1:
+        constraints.update(SEQUENCE_PARALLEL)
+    options = {
+        "degrees": {"pp": config["pp"], "dp": config["dp"], "tp": config["tp"]},
+        "zero": row["zero"],
+        "precision": row["precision"],
+        "constraints": constraints or None,
+    }
+    if row["recompute"] is not None:
+        options["recompute"] = row["recompute"]
+    if config["microbatch"]:
+        options["microbatches"] = config["global_batch"] // config["dp"] // config["microbatch"]
+    if config["pp"] > 1:  # interleaved as published; where the source does not say, as the stack runs
+        unstated = "virtual stages" in row["missing"]
+        interleaved = config["virtual"] or unstated and row["stack"] not in ONE_F_ONE_B_ONLY
+        options["pipeline"] = "interleaved-1f1b" if interleaved else "1f1b"
+    return options
+
+
+def flops(row: dict, params: float) -> float:
+    """The row's FLOPs per iteration by its source's own definition (the data file's ``flops``)."""
+    m, c = row["model"], row["config"]
+    b, s, l, h, v = c["global_batch"], m["seq"], m["layers"], m["hidden"], m["vocab"]  # noqa: E741
+    if row["flops"] == "narayanan":
+        return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    if row["flops"] == "megatron_model":
+        return 72 * b * s * l * h * h * (1 + s / (6 * h) + v / (12 * l * h))
+    if row["flops"] == "palm":
+        return (6 * params + 12 * l * h * s) * b * s
+    if row["flops"] == "bigscience":
+        return 8 * params * s * b
+    if row["flops"] == "tokens":
+        return b * s
+    raise ValueError(f"unknown FLOPs definition {row['flops']!r}")
+
+
+def metric(row: dict, step_s: float, params: float) -> float:
+    """The row's published metric (TFLOP/s per GPU, MFU or tokens/s per GPU) at ``step_s``."""
+    per_gpu = flops(row, params) / row["config"]["gpus"] / step_s
+    if row["metric"] == "tflops":
+        return per_gpu / 1e12
+    if row["metric"] == "mfu":
+        return per_gpu / PEAK_16BIT[row["hardware"]]
+    return per_gpu  # tokens
+
+
+class Captures:
+    """Captured graphs by model and global batch: rows that differ only in the cluster share one."""
+
+    def __init__(self):
+        self._graphs = {}
+
+    def get(self, row: dict):
+        key = (row["model_kind"], json.dumps(row["model"], sort_keys=True), row["config"]["global_batch"])
+        if key not in self._graphs:
+            with torch.device("meta"):
+                model = build(row["model_kind"], row["model"])
+            params = sum(p.numel() for p in model.parameters())
+            self._graphs[key] = (autopar.capture(model, model.example_inputs(key[2], device="meta")), params)
+        return self._graphs[key]
+
+
+def predict(row: dict, stacks: dict, captures: Captures) -> dict:
+    """Plan the row with its configuration pinned and predict its published metric.
+
+    A configuration autopar's memory model does not fit in the GPU's memory is planned without a
+    limit and flagged (``fits`` False): the run did fit, so the memory model is off there.
+    """
+    started = time.perf_counter()
+    captured, params = captures.get(row)
+    captured_s = time.perf_counter() - started
+    hardware = hardware_for(row, stacks)
+    mesh = (row["config"]["gpus"] // 8, 8)
+    options = options_for(row)
+    try:
+        plan = autopar.plan(captured, mesh, hardware=hardware, **options)
+        fits = True
+    except MemoryLimitError:
+        plan = autopar.plan(captured, mesh, hardware=hardware, memory_limit=1e18, **options)
+        fits = False
+    cost = plan.cost
+    virtual = row["config"]["virtual"]
+    if virtual and virtual != plan.schedule.virtual:  # the search interleaves 2 stage modules per device
+        searched = plan.schedule
+        schedule = Schedule(searched.stages, searched.microbatches, searched.recompute, "interleaved-1f1b", virtual)
+        plan = dataclasses.replace(plan, schedule=schedule)
+        cost = evaluate_plan(captured, plan, hardware)
+    predicted = metric(row, cost.step_s, params)
+    return {
+        "row": row,
+        "plan": plan,
+        "cost": cost,
+        "fits": fits and cost.peak_memory <= hardware.memory_bytes,
+        "params": params,
+        "predicted": predicted,
+        "error": predicted / row["value"] - 1,
+        "capture_s": captured_s,
+        "plan_s": time.perf_counter() - started - captured_s,
+    }
+
+
+def size_band(params: float) -> str:
+    """The size band of a model of ``params`` parameters, for the trend check."""
+    for limit, name in ((10e9, "< 10B"), (100e9, "10-100B"), (300e9, "100-300B")):
+        if params < limit:
+            return name
+    return ">= 300B"
+
+
+def trend(results: list[dict]) -> tuple[float, float]:
+    """(slope, its standard error) of the signed error against log10(parameters), least squares."""
+    xs = [math.log10(r["params"]) for r in results]
+    ys = [r["error"] for r in results]
+    n = len(xs)
+    mean_x, mean_y = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sxx
+    residual = sum((y - mean_y - slope * (x - mean_x)) ** 2 for x, y in zip(xs, ys))
+    return slope, math.sqrt(residual / max(1, n - 2) / sxx)

@@ -1,0 +1,303 @@
+"""The cost terms of node strategies on one mesh axis, and what one solved axis moves.
+
+The ILP of :mod:`autopar.passes.search.axes` minimizes the per-node and per-edge terms defined
+here, one mesh axis at a time; :func:`traffic` sums the same terms over one solved axis for
+:mod:`autopar.passes.cost.evaluate`, which prices the whole configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from autopar.ir import Axis, HardwareProfile, LinkTier, Placement, Replicate, Schedule, Shard, model_state_bytes
+from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
+from autopar.passes.cost.kernels import kernel_time
+from autopar.passes.cost.ops import collective_time, grad_sync_time, maximum, minimum, optimizer_time, reshard_time
+from autopar.passes.cost.replay import CompiledStep
+from autopar.passes.cost.schedule import kept_share
+from autopar.passes.sharding.strategies import Strategy, local_shape, numel, work_fraction
+
+R = Replicate()
+IMPOSSIBLE_S = 1e3  # cost of a redistribution that cannot be done; never chosen when avoidable
+
+
+@dataclass
+class AxisContext:
+    name: str
+    size: int
+    link: LinkTier
+    pins: dict[str, Placement]
+    local: ShardedShapes  # before this axis
+    overlap: float  # share of gradient sync hidden behind backward
+    bind_memory: bool = False
+    batch: dict[str, Strategy] | None = None  # node → its batch-dim sharding; never used on this axis
+    sequence: dict[str, Strategy] | None = None  # node → its sequence-dim sharding; matmuls never split it here
+    data_parallel: int = 1  # the dp degree, over which ZeRO shards model state
+    zero: int = 0
+    hardware: HardwareProfile | None = None
+    contention: float = 1.0
+    schedule: Schedule = Schedule()
+    later: int = 1  # devices the axes after this one split each of its shards into
+    kernels: dict[str, str] = field(default_factory=dict)  # node → the parallel kernel pinned for it
+    linear_overlap: bool = True  # the ILP's linear prices: overlap as a flat share (evaluate caps it instead)
+
+    @property
+    def comm_share(self) -> float:
+        """The share of this axis's collectives the ILP prices as exposed: on the tensor-parallel
+        axis, what the stack does not hide behind GEMMs (:mod:`overlap`, without its cap)."""
+        if not self.linear_overlap or self.name != Axis.TP or self.hardware is None:
+            return 1.0
+        return 1.0 - self.hardware.tp_overlap
+
+
+def axis_spans(degrees: dict[str, int]) -> dict[str, int]:
+    """Devices each axis's groups span: itself and every axis inside it (tp innermost)."""
+    spans, inner = {}, 1
+    for axis in reversed(list(degrees)):
+        inner *= degrees[axis]
+        spans[axis] = inner
+    return spans
+
+
+def partial_gradients(
+    fact: NodeFacts, s: Strategy, ctx: AxisContext, facts, param_shapes: dict | None = None
+) -> list[tuple[str, float, float]]:
+    """(input node, seconds, seconds once per step) of every replicated input whose gradient this
+    strategy leaves partial on this axis: an op that splits its work sends each rank's share back.
+
+    Parameters join the bucketed gradient sync, in the policy's reduce dtype (:func:`param_sync`;
+    how much hides behind backward is :mod:`overlap`'s), of their shard on one rank:
+    ``param_shapes`` once every axis is placed (the ILP, one axis at a time, sees the shapes
+    before this axis); an activation's partial sums are all-reduced once, however many split ops
+    consumed it (the rewrite sums them first).
+    """
+    if ctx.size <= 1 or isinstance(s.output, Replicate):
+        return []
+    out = []
+    for slot, placement, shape in zip(fact.slots, s.inputs, ctx.local.slot_shapes[fact.node.name]):
+        producer = facts[slot.name]
+        if not isinstance(placement, Replicate) or not producer.needs_grad:
+            continue
+        shape = (param_shapes or {}).get(slot.name, shape)
+        nbytes = numel(shape) * producer.elem_bytes
+        if producer.kind == "param":
+            out.append((slot.name, *param_sync(nbytes, numel(shape) * producer.grad_bytes, ctx)))
+        else:
+            out.append((slot.name, collective_time("all_reduce", nbytes, ctx.size, ctx.link), 0.0))
+    return out
+
+
+def param_sync(param_bytes: float, grad_bytes: float, ctx: AxisContext) -> tuple[float, float]:
+    """(seconds, seconds once per step) of one parameter's data-parallel traffic under ZeRO
+    (Rajbhandari et al. 2020, §5-7): stages 0-1 all-reduce the gradient once per step (stage 1's
+    reduce-scatter and parameter all-gather move as much); stage 2 reduce-scatters it every
+    microbatch and all-gathers the updated parameter once per step; stage 3 also gathers the
+    parameter for forward and again for backward, every microbatch. (For stages 2-3 the first
+    figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration` counts it
+    once per microbatch.)"""
+    if ctx.name != Axis.DP or ctx.zero < 2:
+        return grad_sync_time(grad_bytes, ctx.size, ctx.link), 0.0
+    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, kind="reduce_scatter")
+    gather = collective_time("all_gather", param_bytes, ctx.size, dataclasses.replace(ctx.link, sync_s=0.0))
+    return (scatter + 2 * gather, 0.0) if ctx.zero == 3 else (scatter, gather)
+
+
+def local_slot_shapes(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> list[tuple[int, ...]]:
+    """The node's input shapes on one rank once this axis places them as ``s`` says."""
+    return [local_shape(x, p, ctx.size) for x, p in zip(ctx.local.slot_shapes[fact.node.name], s.inputs)]
+
+
+def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[float, float, float]:
+    """(compute, communication, gradient sync) seconds a node's strategy costs on this axis,
+    for the ILP: compute counts the work left after earlier axes at the local shapes after this
+    one (for a parameter, its optimizer update); an activation's partial-gradient all-reduce is
+    shared among its consumers; gradient sync and tensor-parallel collectives count less what
+    overlaps them (flat shares: the ILP is linear)."""
+    if fact.kind == "param":
+        elements = numel(ctx.local.shapes[fact.node.name][0]) * (
+            1 / ctx.size if not isinstance(s.output, Replicate) else 1.0
+        )
+        zero_share = ctx.data_parallel if ctx.zero else 1
+        return optimizer_time(elements / zero_share, ctx.hardware, ctx.contention) if ctx.hardware else 0.0, 0.0, 0.0
+    work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
+    compute = fact.seconds(work, local_slot_shapes(fact, s, ctx), ctx.schedule.microbatches)
+    comm, sync = kernel_time(fact, s, ctx), 0.0
+    for name, seconds, once in partial_gradients(fact, s, ctx, facts):
+        if facts[name].kind == "param":
+            sync += (seconds + once / max(1, ctx.schedule.microbatches)) * (1 - ctx.overlap)
+        else:
+            comm += seconds / max(1, facts[name].consumers)
+    return compute, comm * ctx.comm_share, sync
+
+
+def edge_time(
+    producer: NodeFacts,
+    src: Placement,
+    dst: Placement,
+    local_shape: tuple[int, ...],
+    ctx: AxisContext,
+    backward: bool = True,
+) -> float:
+    """Seconds to bring a producer's output from ``src`` to ``dst`` on this axis (fwd + bwd; fwd
+    alone when not ``backward``), for the ILP less the share overlaps hide (:attr:`AxisContext.comm_share`)."""
+    nbytes = numel(local_shape) * producer.elem_bytes
+    needs_grad = producer.needs_grad and backward
+    if ctx.name == Axis.CP and isinstance(src, Shard) and isinstance(dst, Shard) and src != dst:
+        # cp chunks are head-and-tail pairs, not rank-ordered runs: no all-to-all, gather then chunk
+        return minimum(reshard_time(src, R, nbytes, ctx.size, ctx.link, needs_grad), IMPOSSIBLE_S)
+    seconds = reshard_time(src, dst, nbytes, ctx.size, ctx.link, needs_grad)
+    if ctx.comm_share != 1.0 and seconds != float("inf"):
+        seconds = seconds * ctx.comm_share
+    return minimum(seconds, IMPOSSIBLE_S)
+
+
+def edges(facts, ctx: AxisContext):
+    """Every (producer, consumer, slot index, local shape of the value on that edge)."""
+    for consumer, fact in facts.items():
+        for slot_index, slot in enumerate(fact.slots):
+            if slot.name not in facts or not facts[slot.name].out_shapes:
+                continue
+            if fact.kind == "output":
+                yield slot.name, consumer, slot_index, ctx.local.shapes[slot.name][0]
+            else:
+                yield slot.name, consumer, slot_index, ctx.local.slot_shapes[consumer][slot_index]
+
+
+def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
+    """Bytes a node's strategy keeps per device: model state for a parameter (its stage's
+    share), else what autograd saves under the schedule."""
+    shapes = ctx.local.shapes[fact.node.name]
+    frac = 1 / ctx.size if not isinstance(s.output, Replicate) else 1.0
+    if fact.kind == "param":  # model state, and with data parallelism a gradient-sync bucket slot
+        elements = numel(shapes[0]) * frac / ctx.schedule.stages
+        bucket = elements * fact.grad_bytes if ctx.data_parallel > 1 else 0.0
+        state = model_state_bytes(
+            elements, data_parallel=ctx.data_parallel, zero_stage=ctx.zero, precision=fact.precision
+        )
+        return sum(state.values()) + bucket
+    saved = activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
+    return saved * kept_share(fact, ctx.schedule)
+
+
+def shard_shapes(facts, degrees, strategies) -> dict[str, tuple[int, ...]]:
+    """Each parameter's shape on one rank once every axis places it."""
+    shapes = {}
+    for name, fact in facts.items():
+        if fact.kind == "param":
+            shape = fact.out_shape
+            for axis, chosen in strategies.items():
+                shape = local_shape(shape, chosen[name].output, degrees[axis]) if name in chosen else shape
+            shapes[name] = shape
+    return shapes
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What one solved axis moves, in seconds before any overlap but the compiled replay's."""
+
+    comm_s: float = 0.0  # parallel kernels, activations' partial gradients, value moves
+    sync_s: float = 0.0  # parameters' gradient sync (ZeRO-2/3: per microbatch)
+    sync_once_s: float = 0.0  # ZeRO-2's parameter all-gather, once per step
+    synced: frozenset[str] = frozenset()  # the parameters synced
+
+
+def axis_contexts(
+    facts,
+    degrees,
+    strategies,
+    mesh,
+    hardware,
+    zero: int = 0,
+    memo: dict | None = None,
+    step: CompiledStep | None = None,
+):
+    """(context, chosen strategies, what the axis moves: :func:`traffic`) per axis, each context
+    with the local shapes before its axis; then (None, None, local shapes after every axis).
+    ``memo`` keeps each axis's traffic and shapes after it for the layouts that share the axes
+    before it (keyed by :func:`traffic_key`; an entry holds its strategies, so their id is never
+    reused while it is there). ``step`` notes every collective for a compiled step's replay
+    (no profile overlap then: the replay places what hides)."""
+    memo = None if step is not None else memo
+    spans = axis_spans(degrees)
+    local = (memo if memo is not None else {}).get(("unsharded", id(facts)), (None, None))[1]
+    if local is None:
+        local = ShardedShapes.unsharded(facts)
+        if memo is not None:
+            memo[("unsharded", id(facts))] = (facts, local)
+    param_shapes = shard_shapes(facts, degrees, strategies)
+    key: tuple = (tuple(param_shapes.values()),)  # what parameters sync depends on every axis
+    for axis, chosen in strategies.items():
+        ctx = AxisContext(
+            axis,
+            degrees[axis],
+            hardware.link(mesh.shape, spans[axis], degrees[axis]),
+            {},
+            local,
+            hardware.overlap if step is None else 0.0,
+            data_parallel=degrees.get(Axis.DP, 1),
+            zero=zero,
+            hardware=hardware,
+            linear_overlap=False,
+        )
+        key += (traffic_key(ctx, chosen),)
+        if memo is not None and key in memo:
+            _, moved, local = memo[key]
+        else:
+            moved, local = traffic(facts, ctx, chosen, param_shapes, step), local.after(chosen, degrees[axis])
+            if memo is not None:
+                memo[key] = (chosen, moved, local)
+        yield ctx, chosen, moved
+    yield None, None, local
+
+
+def traffic_key(ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple:
+    """What one axis's :func:`traffic` and the shapes after it depend on besides the axes before it."""
+    return (ctx.name, ctx.size, repr(ctx.link), ctx.zero, ctx.data_parallel, ctx.overlap, id(chosen))
+
+
+def traffic(
+    facts, ctx: AxisContext, chosen: dict[str, Strategy], param_shapes: dict, step: CompiledStep | None = None
+) -> Traffic:
+    """What one solved axis moves (:class:`Traffic`): parallel kernels, each partial gradient once,
+    each value moved once per destination and scope; each noted in ``step`` when given (a
+    compiled step, :mod:`replay`)."""
+    comm = sync = once_s = 0.0
+    synced: set[str] = set()
+    partial: dict[str, tuple[float, float]] = {}
+    for name, s in chosen.items():
+        for slot, seconds, once in partial_gradients(facts[name], s, ctx, facts, param_shapes):
+            before = partial.get(slot, (0.0, 0.0))
+            partial[slot] = (maximum(before[0], seconds), maximum(before[1], once))
+    kernels = sum(kernel_time(facts[name], s, ctx) * facts[name].weight for name, s in chosen.items() if s.kernel)
+    comm += kernels
+    for slot, (seconds, once) in partial.items():
+        if facts[slot].kind == "param":
+            sync += seconds * facts[slot].weight
+            once_s += once * facts[slot].weight
+            synced.add(slot)
+        else:
+            comm += seconds * facts[slot].weight
+        if step is not None:
+            nbytes = numel(ctx.local.shapes[slot][0]) * facts[slot].elem_bytes
+            step.note_gradient(slot, seconds + once, nbytes, facts[slot])
+    if step is not None:
+        step.kernel_s += kernels
+    moves = set()  # (value, destination, scope): moved once
+    for producer, consumer, slot_index, shape in edges(facts, ctx):
+        dst = (
+            R
+            if facts[consumer].kind == "output"
+            else chosen[consumer].inputs[slot_index]
+            if consumer in chosen
+            else None
+        )
+        move = (producer, dst, move_scope(facts[consumer].node))
+        if producer in chosen and dst is not None and move not in moves:
+            moves.add(move)
+            seconds = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+            comm += seconds * facts[consumer].weight
+            if step is not None and seconds:
+                forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
+                step.moves.append((producer, consumer, forward, seconds - forward))
+    return Traffic(comm, sync, once_s, frozenset(synced))

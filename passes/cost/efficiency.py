@@ -1,0 +1,219 @@
+"""Compute efficiency from shapes, on a GPU profile with kernel figures (``HardwareProfile.kernels``).
+
+One rule per kind of kernel, each from published figures (see ``autopar/ir/hardware.py`` for the
+numbers and their sources):
+
+- GEMMs (:func:`gemm_efficiency`): the best fraction of peak a well-shaped GEMM reaches (the
+  Maximum Achievable Matmul FLOPS table, stas00/ml-engineering) times three textbook losses from
+  NVIDIA's Matrix Multiplication Background guide (DU-09799-001): *tile quantization* (the output
+  is cut into Tm x Tn tiles, a partial tile costs a whole one), *wave quantization* (the tiles run
+  in waves of one per SM; a partial last wave costs a whole one) and the tile's fixed prologue and
+  epilogue against its main loop over k (``k / (k + k_fill)``). A GEMM also streams its operands
+  and result through memory, which bounds thin GEMMs (:func:`gemm_seconds`); few tiles cannot keep
+  the memory system busy either (DeepGEMM's M=64 rows).
+- Attention (:func:`attention_rate`): the fused kernel's measured FLOP/s by sequence length and head
+  size, causal or not (FlashAttention-2's forward + backward benchmark), interpolated in log2 of the
+  sequence and linearly in the head size, constant beyond the table's ends.
+- Streaming ops (:func:`streaming_seconds`): bytes over the achieved share of memory bandwidth.
+
+Every function takes plain numbers or sympy expressions (costs symbolic in batch and sequence,
+:mod:`symbolic`): ceilings, maxima and the interpolation stay open until a size is given.
+
+    >>> from autopar.ir import get_profile
+    >>> h100 = get_profile("h100-80gb")
+    >>> round(gemm_efficiency(8192, 8192, 8192, "bfloat16", h100.kernels), 3)   # cuBLAS measured 0.804
+    0.798
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+
+import sympy
+import torch
+
+from autopar.ir import HardwareProfile, KernelFigures
+from autopar.passes.cost.ops import maximum, minimum
+
+aten = torch.ops.aten
+
+# op → (slot of the left operand, slot of the right operand, whether the right one is stored [n, k])
+GEMMS = {
+    aten.linear.default: (0, 1, True),
+    aten.mm.default: (0, 1, False),
+    aten.addmm.default: (1, 2, False),
+    aten.bmm.default: (0, 1, False),
+    aten.baddbmm.default: (1, 2, False),
+    aten.matmul.default: (0, 1, False),
+}
+ATTENTION = aten.scaled_dot_product_attention.default
+BACKWARD_OVER_FORWARD = 2.5  # FlashAttention's FLOP convention: backward counts 2.5x the forward
+
+
+def ceil_div(a, b):
+    """⌈a / b⌉ for numbers, ``sympy.ceiling`` for an expression in batch and sequence."""
+    if isinstance(a, sympy.Basic) or isinstance(b, sympy.Basic):
+        return sympy.ceiling(sympy.sympify(a) / b)
+    return math.ceil(a / b)
+
+
+def gemm_efficiency(m, n, k, dtype: str, figures: KernelFigures, batch=1):
+    """Fraction of peak FLOP/s a compute-bound (batch x) m x n x k GEMM reaches.
+
+    ``best · useful · k / (k + k_fill)``, where ``useful`` is the share of the tile slots its
+    waves occupy that hold real output: m·n·batch / (waves · SMs · Tm · Tn), with
+    ⌈m/Tm⌉·⌈n/Tn⌉·batch tiles in ⌈tiles / SMs⌉ waves (tile and wave quantization). The library
+    picks among its tile shapes; taken here as the one that wastes least, every shape at the same
+    main-loop efficiency (an upper bound for the smaller tiles).
+
+    >>> from autopar.ir import get_profile
+    >>> a100 = get_profile("a100-80gb").kernels
+    >>> round(gemm_efficiency(1024, 10240, 5120, "bfloat16", a100), 3)   # the MAMF shape: 271.2 of 312
+    0.869
+    """
+    best = figures.gemm_best.get(dtype, figures.gemm_best.get("bfloat16", 1.0))
+    return best * shape_factor(m, n, k, figures, batch)
+
+
+def shape_factor(m, n, k, figures: KernelFigures, batch=1):
+    """What the shape keeps of the best efficiency: tile and wave quantization times the main
+    loop's share ``k / (k + k_fill)`` (see :func:`gemm_efficiency`)."""
+    useful = maximum(*(_useful(m, n, batch, tile, figures.sms) for tile in figures.tiles))
+    return useful * k / (k + figures.k_fill)
+
+
+def _useful(m, n, batch, tile: tuple[int, int], sms: int):
+    rows, cols = tile
+    waves = ceil_div(batch * ceil_div(m, rows) * ceil_div(n, cols), sms)
+    return batch * m * n / (waves * sms * rows * cols)
+
+
+def gemm_seconds(m, n, k, dtype: str, itemsize: int, hardware: HardwareProfile, batch=1):
+    """Seconds of one (batch x) m x n x k GEMM: the slower of its FLOPs at :func:`gemm_efficiency`
+    and streaming A, B and C once through memory, plus one launch.
+
+    Streaming runs at the figures' share of bandwidth, less when fewer tiles than SMs are in flight.
+    """
+    figures = hardware.kernels
+    flops = 2 * batch * m * n * k
+    compute = flops / (_peak(hardware, dtype) * gemm_efficiency(m, n, k, dtype, figures, batch))
+    rows, cols = min(figures.tiles, key=lambda tile: tile[0] * tile[1])
+    busy = minimum(1, batch * ceil_div(m, rows) * ceil_div(n, cols) / figures.sms)
+    streamed = itemsize * batch * (m * k + k * n + m * n)
+    memory = streamed / (hardware.memory_bandwidth * figures.memory_efficiency * busy)
+    return maximum(compute, memory) + hardware.op_overhead_s
+
+
+def attention_rate(seq, head_dim, causal: bool, figures: KernelFigures):
+    """FLOP/s of the fused attention kernel's forward + backward, in FlashAttention's convention
+    (forward 4·b·h·s²·d, halved when causal; backward 2.5x the forward).
+
+    >>> from autopar.ir import get_profile
+    >>> attention_rate(4096, 128, True, get_profile("a100-80gb").kernels) / 1e12
+    173.0
+    """
+    by_dim = figures.attention["causal" if causal else "full"]
+    dims = sorted(by_dim)
+    if isinstance(head_dim, sympy.Basic):
+        raise TypeError("the head size is a weight dim: it never depends on batch or sequence")
+    if head_dim <= dims[0] or head_dim >= dims[-1]:
+        return _along_sequence(seq, by_dim[dims[0] if head_dim <= dims[0] else dims[-1]])
+    upper = dims[bisect_right(dims, head_dim)]
+    lower = dims[bisect_right(dims, head_dim) - 1]
+    share = (head_dim - lower) / (upper - lower)
+    return (1 - share) * _along_sequence(seq, by_dim[lower]) + share * _along_sequence(seq, by_dim[upper])
+
+
+def _along_sequence(seq, rates: dict[int, float]):
+    """The rate at ``seq``: linear in log2 of the sequence between measured lengths, flat outside."""
+    points = sorted(rates.items())
+    if not isinstance(seq, sympy.Basic):
+        if seq <= points[0][0]:
+            return points[0][1]
+        if seq >= points[-1][0]:
+            return points[-1][1]
+        index = bisect_right([s for s, _ in points], seq)
+        (s0, r0), (s1, r1) = points[index - 1], points[index]
+        return r0 + (r1 - r0) * math.log2(seq / s0) / math.log2(s1 / s0)
+    pieces = [(points[0][1], seq <= points[0][0])]
+    for (s0, r0), (s1, r1) in zip(points, points[1:]):
+        pieces.append((r0 + (r1 - r0) * sympy.log(seq / s0, 2) / math.log2(s1 / s0), seq <= s1))
+    pieces.append((points[-1][1], True))
+    return sympy.Piecewise(*pieces)
+
+
+def attention_seconds(batch_heads, seq_q, seq_k, head_dim, causal: bool, hardware: HardwareProfile, needs_grad: bool):
+    """Seconds of fused attention over ``batch_heads`` (batch x heads) query blocks: its FLOPs in
+    FlashAttention's convention over :func:`attention_rate` at the key length, plus launches."""
+    forward = 4 * batch_heads * seq_q * seq_k * head_dim * (0.5 if causal else 1.0)
+    flops = forward * (1 + BACKWARD_OVER_FORWARD if needs_grad else 1.0)
+    launches = 2 if needs_grad else 1
+    return flops / attention_rate(seq_k, head_dim, causal, hardware.kernels) + launches * hardware.op_overhead_s
+
+
+def streaming_seconds(nbytes, hardware: HardwareProfile):
+    """Seconds to stream ``nbytes`` through memory at the achieved share of its bandwidth."""
+    share = hardware.kernels.memory_efficiency if hardware.kernels else 1.0
+    return nbytes / (hardware.memory_bandwidth * share)
+
+
+def gemm_dims(target, slot_shapes) -> tuple | None:
+    """(batch, m, n, k) of a GEMM op's forward from its input shapes, or None for other ops."""
+    if target not in GEMMS:
+        return None
+    left, right, stored_nk = GEMMS[target]
+    if len(slot_shapes) <= max(left, right):
+        return None
+    a, b = slot_shapes[left], slot_shapes[right]
+    if len(a) < 2 or len(b) < 2:
+        return None
+    if stored_nk:  # linear: x [..., k] @ w[n, k]ᵀ
+        return 1, math.prod(a[:-1]), b[0], a[-1]
+    if len(b) == 2:  # x [..., m, k] @ w [k, n]: the leading dims are more rows
+        return 1, math.prod(a[:-1]), b[1], a[-1]
+    return math.prod(a[:-2]), a[-2], b[-1], a[-1]
+
+
+def gemm_list(dims: tuple, needs_grad: bool) -> list[tuple]:
+    """The (batch, m, n, k) GEMMs a matmul runs: its forward, and with a gradient both backward
+    products (input gradient m x k over n, weight gradient n x k over m, as cuBLAS lays them)."""
+    batch, m, n, k = dims
+    forward = [(batch, m, n, k)]
+    return forward + [(batch, m, k, n), (batch, n, k, m)] if needs_grad else forward
+
+
+def shaped_seconds(target, slot_shapes, hardware, dtype: str, itemsize: int, needs_grad: bool, causal=False, pieces=1):
+    """Seconds of a GEMM's or attention's forward (+ backward) at these input shapes, its batch
+    run in ``pieces`` microbatches one after another; None for any other op.
+
+    A microbatch divides the rows of a GEMM's activation (the m of x @ wᵀ, or the batch count of a
+    batched product) and the batch of attention; weights keep their shapes.
+    """
+    dims = gemm_dims(target, slot_shapes)
+    if dims is not None:
+        batch, m, n, k = dims
+        batch, m = (batch / pieces, m) if batch != 1 else (batch, m / pieces)
+        gemms = gemm_list((batch, m, n, k), needs_grad)
+        return pieces * sum(gemm_seconds(mm, nn, kk, dtype, itemsize, hardware, bb) for bb, mm, nn, kk in gemms)
+    if target is ATTENTION and len(slot_shapes) >= 3:
+        q, k = slot_shapes[0], slot_shapes[1]
+        heads = math.prod(q[:-2]) / pieces
+        return pieces * attention_seconds(heads, q[-2], k[-2], q[-1], causal, hardware, needs_grad)
+    return None
+
+
+def work_units(target, slot_shapes):
+    """How much work a GEMM or attention op does at these shapes, in any unit that is proportional
+    to its FLOPs (multiply-adds of the forward); 0 for other ops."""
+    dims = gemm_dims(target, slot_shapes)
+    if dims is not None:
+        return math.prod(dims)
+    if target is ATTENTION and len(slot_shapes) >= 3 and len(slot_shapes[0]) >= 2:
+        q, k = slot_shapes[0], slot_shapes[1]
+        return math.prod(q[:-2]) * q[-2] * k[-2] * q[-1]
+    return 0
+
+
+def _peak(hardware: HardwareProfile, dtype: str):
+    return hardware.peak_flops.get(dtype, hardware.peak_flops["float32"])

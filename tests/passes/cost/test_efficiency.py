@@ -1,0 +1,122 @@
+"""GEMM and attention efficiency from shapes, and the overlap rules: their textbook properties.
+
+The figures are the presets' (autopar/ir/hardware.py): the curve must pass through the published
+measurement it was derived from, grow with size, step at tile and wave boundaries, and order
+dtypes as their peaks do; attention grows with sequence and head size and flattens past the table.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from autopar.ir import get_profile
+from autopar.passes.cost.efficiency import attention_rate, attention_seconds, gemm_efficiency, gemm_seconds
+from autopar.passes.cost.ops import moves_no_data
+from autopar.passes.cost.overlap import boundary_seconds, exposed_grad_sync, exposed_tp_comm, pipeline_messages
+
+A100, H100 = get_profile("a100-80gb"), get_profile("h100-80gb")
+
+
+@pytest.mark.parametrize(
+    "profile, shape, published",
+    [(A100, (1024, 10240, 5120), 271.2e12 / 312e12), (H100, (2048, 2048, 13312), 794.5e12 / 989e12)],
+    ids=["a100", "h100"],
+)
+def test_the_curve_passes_through_the_published_best_gemm(profile, shape, published):
+    # stas00/ml-engineering's Maximum Achievable Matmul FLOPS table, at its best shape
+    assert gemm_efficiency(*shape, "bfloat16", profile.kernels) == pytest.approx(published, abs=0.002)
+
+
+def test_gemm_efficiency_grows_with_size_and_saturates_below_the_best():
+    sizes = [256, 512, 1024, 2048, 4096, 8192, 16384]
+    efficiency = [gemm_efficiency(n, n, n, "bfloat16", A100.kernels) for n in sizes]
+    assert efficiency == sorted(efficiency) and efficiency[0] < 0.1
+    assert efficiency[-1] < A100.kernels.gemm_best["bfloat16"]
+    assert efficiency[-1] == pytest.approx(efficiency[-2], rel=0.02)  # flat once every wave is full
+    # measured cuBLAS on H100 (pranjalssh/fast.cu): 8192³ 80.4% of peak, 4096³ 72.4%
+    assert gemm_efficiency(8192, 8192, 8192, "bfloat16", H100.kernels) == pytest.approx(0.804, abs=0.01)
+    assert gemm_efficiency(4096, 4096, 4096, "bfloat16", H100.kernels) == pytest.approx(0.724, abs=0.07)
+
+
+def test_tile_and_wave_quantization_make_steps():
+    # 1792² fills 98 of 108 SMs with 128x256 tiles in one wave; one more row and column needs a
+    # partial second wave (Horace He's example): the same work and a bit more takes far longer
+    fits, spills = (gemm_seconds(n, n, 4096, "bfloat16", 2, A100) for n in (1792, 1793))
+    assert spills > 1.3 * fits
+    # a partial tile costs a whole one: 129 rows cost what 256 do
+    assert gemm_seconds(129, 8192, 8192, "bfloat16", 2, A100) == pytest.approx(
+        gemm_seconds(256, 8192, 8192, "bfloat16", 2, A100), rel=0.02
+    )
+
+
+def test_dtypes_order_as_their_peaks():
+    seconds = {dtype: gemm_seconds(8192, 8192, 8192, dtype, 2, A100) for dtype in ("bfloat16", "tf32", "float32")}
+    assert seconds["bfloat16"] < seconds["tf32"] < seconds["float32"]
+    assert seconds["float32"] / seconds["bfloat16"] == pytest.approx(312 / 19.5, rel=0.01)
+
+
+def test_thin_gemms_are_bound_by_memory():
+    # 64 rows: ~60 FLOPs per byte, far below the A100's ~190 at 0.8 of its bandwidth; 32 tiles keep
+    # only 32 of the 108 SMs streaming
+    m, n, k = 64, 8192, 8192
+    streamed = 2 * (m * k + k * n + m * n) / (A100.streaming_bandwidth * 32 / 108)
+    assert gemm_seconds(m, n, k, "bfloat16", 2, A100) == pytest.approx(streamed + A100.op_overhead_s, rel=1e-6)
+
+
+def test_attention_grows_with_sequence_and_head_size_and_causal_is_slower():
+    figures = A100.kernels
+    rates = [attention_rate(seq, 128, True, figures) for seq in (512, 1024, 2048, 4096, 8192, 16384)]
+    assert rates == sorted(rates) and rates[0] == 99e12 and rates[-1] == 189e12  # FlashAttention-2's figures
+    assert attention_rate(65536, 128, True, figures) == rates[-1]  # flat past the table
+    assert attention_rate(4096, 64, True, figures) < attention_rate(4096, 128, True, figures)
+    assert attention_rate(4096, 128, True, figures) < attention_rate(4096, 128, False, figures)
+    # between measured points: log-linear in the sequence, linear in the head size
+    assert attention_rate(2896, 128, True, figures) == pytest.approx((155e12 + 173e12) / 2, rel=0.01)
+    assert attention_rate(4096, 96, True, figures) == pytest.approx((156e12 + 173e12) / 2)
+
+
+def test_attention_time_is_quadratic_in_sequence_at_a_rising_rate():
+    def seconds(seq):
+        return attention_seconds(32, seq, seq, 128, True, A100, needs_grad=True)
+
+    assert 2 < seconds(2048) / seconds(1024) < 4  # the kernel gets more efficient as the sequence grows
+    assert seconds(65536) / seconds(32768) == pytest.approx(4, rel=1e-3)
+    # FlashAttention's convention: forward 4·b·h·s²·d, halved when causal; backward 2.5x the forward
+    flops = 4 * 32 * 8192**2 * 128 * 0.5 * 3.5
+    assert seconds(8192) == pytest.approx(flops / 182e12 + 2 * A100.op_overhead_s)
+
+
+def test_views_launch_nothing():
+    aten = torch.ops.aten
+    assert all(moves_no_data(op) for op in (aten.view.default, aten.transpose.int, aten._unsafe_view.default))
+    assert not any(moves_no_data(op) for op in (aten.clone.default, aten.add.Tensor, aten.mm.default))
+
+
+def test_tensor_parallel_overlap_hides_a_share_up_to_the_gemms():
+    assert exposed_tp_comm(1.0, 5.0, 0.0) == 1.0
+    assert exposed_tp_comm(1.0, 5.0, 0.875) == pytest.approx(0.125)
+    assert exposed_tp_comm(1.0, 0.25, 0.875) == pytest.approx(0.75)  # the GEMMs are too short to hide it
+
+
+def test_gradient_sync_hides_behind_backward_only():
+    assert exposed_grad_sync(2.0, 5.0, 1.0) == 0.0
+    assert exposed_grad_sync(2.0, 0.5, 1.0) == 1.5
+    assert exposed_grad_sync(2.0, 5.0, 0.0) == 2.0
+
+
+def test_pipeline_sends_wait_only_in_fill_and_drain_when_overlapped():
+    assert pipeline_messages(8, 64, 1, overlapped=False) == 2 * (64 + 8 - 2)
+    assert pipeline_messages(8, 64, 1, overlapped=True) == 2 * (8 - 1)
+    assert pipeline_messages(8, 64, 3, overlapped=True) == 2 * (24 - 1)  # through every stage module
+    assert pipeline_messages(1, 64, 1, overlapped=False) == 0
+    # Megatron's scatter/gather: 8 tensor-parallel ranks each send 1/8 over InfiniBand, then all-gather
+    ib, nvlink = A100.links[1], A100.links[0]
+    whole, scattered = boundary_seconds(50e6, ib), boundary_seconds(50e6, ib, 8, nvlink)
+    assert scattered < whole / 3
+
+
+def test_a_gpu_profile_without_kernel_figures_keeps_one_efficiency():
+    flat = dataclasses.replace(A100, kernels=None)
+    assert flat.streaming_bandwidth == flat.memory_bandwidth
+    assert A100.streaming_bandwidth == pytest.approx(0.8 * A100.memory_bandwidth)

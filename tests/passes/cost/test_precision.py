@@ -1,0 +1,89 @@
+"""Precision in the plan: the cost model prices the policy, whatever dtype the model was captured in.
+
+Mixed precision keeps 16-bit weights and gradients and an fp32 master copy with two fp32 moments
+(autopar.ir.precision.model_state_bytes); activations and collectives move 16-bit values; compute
+runs at the preset's 16-bit rates. The default is the hardware's natural choice.
+"""
+
+import pytest
+import torch
+from planning import meta_model, plan_example
+
+import autopar
+from autopar.ir import PlanOptions, PrecisionPolicy, get_profile, model_state_bytes
+from autopar.passes.cost.facts import analyze
+
+MLP = dict(hidden=2048, ffn=8192, layers=2)
+
+
+def _plan(precision=None, hardware="a100-80gb", **options):
+    return plan_example(
+        "mlp.py", 8, batch=8192, model_kwargs=MLP, hardware=hardware, degrees={"dp": 8}, zero=0, recompute="none",
+        precision=precision, **options,
+    )  # fmt: skip
+
+
+def test_the_default_is_the_hardware_s_natural_choice():
+    assert PlanOptions(hardware="a100-80gb").precision_policy.precision == "bf16-mixed"
+    assert PlanOptions(hardware="h200-141gb").precision_policy.precision == "bf16-mixed"
+    assert PlanOptions(hardware="cpu-local").precision_policy.precision == "fp32"
+    assert PlanOptions(hardware="a100-80gb", precision="fp16-mixed").precision_policy.param_dtype == "float16"
+    assert _plan().precision == "bf16-mixed" and _plan("fp32").precision == "fp32"
+
+
+def test_precision_changes_model_state_by_the_bytes_per_parameter():
+    fp32, mixed = _plan("fp32"), _plan("bf16-mixed")
+    params = sum(p.numel() for p in meta_model("mlp.py", **MLP).parameters())
+    for plan in (fp32, mixed):
+        expected = model_state_bytes(params, precision=plan.precision)
+        for category in ("params", "grads", "optimizer"):
+            assert plan.cost.memory[category] == pytest.approx(expected[category]), (plan.precision, category)
+    # FSDP2's layout, as the runtime holds it: the fp32 master plus a 16-bit compute copy (4 + 2
+    # bytes against 4), fp32 gradients of the master, Adam's two fp32 moments under both
+    assert mixed.cost.memory["params"] == pytest.approx(fp32.cost.memory["params"] * 6 / 4)
+    assert mixed.cost.memory["grads"] == pytest.approx(fp32.cost.memory["grads"])
+    assert mixed.cost.memory["optimizer"] == pytest.approx(fp32.cost.memory["optimizer"])
+    # gradients are reduced in fp32 under both (FSDP2's default reduce_dtype): the sync buckets agree
+    assert mixed.cost.memory["grad_buckets"] == pytest.approx(fp32.cost.memory["grad_buckets"])
+    # activations are 16-bit values
+    assert mixed.cost.memory["activations"] == pytest.approx(fp32.cost.memory["activations"] / 2, rel=0.01)
+
+
+def test_compute_runs_at_the_preset_s_rate_for_the_compute_dtype():
+    fp32, mixed = _plan("fp32"), _plan("bf16-mixed")
+    a100 = get_profile("a100-80gb")
+    ratio = a100.peak_flops["bfloat16"] / a100.peak_flops["float32"]  # 312 / 19.5
+    # GEMMs dominate and are compute-bound in both; GELU, the loss and the residual add stream half the bytes
+    assert fp32.cost.compute_s / mixed.cost.compute_s == pytest.approx(ratio, rel=0.1)
+    assert mixed.cost.model_flops == fp32.cost.model_flops
+
+
+def test_a_model_captured_in_fp32_is_priced_as_the_policy_runs_it():
+    model = meta_model("gpt.py", hidden=256, layers=2, heads=4, vocab=1024, seq=128)
+    half = meta_model("gpt.py", hidden=256, layers=2, heads=4, vocab=1024, seq=128).to(torch.bfloat16)
+    a100 = get_profile("a100-80gb")
+    policy = PrecisionPolicy.of("bf16-mixed")
+    graphs = [autopar.capture(m, m.example_inputs(16, device="meta")) for m in (model, half)]
+    as_fp32, as_bf16 = (analyze(graph, a100, policy=policy) for graph in graphs)
+    for name, fact in as_fp32.items():
+        other = as_bf16[name]
+        assert (fact.elem_bytes, fact.dtype, fact.precision) == (other.elem_bytes, other.dtype, other.precision), name
+        assert fact.full_time_s == pytest.approx(other.full_time_s), name
+        assert fact.profile.io_bytes == other.profile.io_bytes, name
+    linear = next(f for f in as_fp32.values() if f.kind == "op" and "linear" in str(f.node.target))
+    assert linear.dtype == "bfloat16" and linear.elem_bytes == 2
+    tokens = next(f for f in as_fp32.values() if f.kind == "input")
+    assert tokens.elem_bytes == 8  # integer inputs keep their dtype
+
+
+def test_collectives_move_compute_dtype_bytes():
+    fp32, mixed = (
+        plan_example(
+            "mlp.py", (2, 4), batch=131072, model_kwargs=MLP, hardware="a100-80gb", degrees={"dp": 2, "tp": 4},
+            zero=0, recompute="none", precision=precision,
+            constraints={"blocks.*.fc1": "S(-1)", "blocks.*.fc2": "P"},
+        )
+        for precision in ("fp32", "bf16-mixed")
+    )  # fmt: skip
+    # the tensor-parallel all-reduces of activations (64 MiB in bf16): half the bytes, about half the time
+    assert mixed.cost.comm_s == pytest.approx(fp32.cost.comm_s / 2, rel=0.1)
