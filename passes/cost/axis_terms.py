@@ -299,5 +299,6 @@ def traffic(
             comm += seconds * facts[consumer].weight
             if step is not None and seconds:
                 forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
-                step.moves.append((producer, consumer, forward, seconds - forward))
+                weight = facts[consumer].weight
+                step.moves.append((producer, consumer, forward * weight, (seconds - forward) * weight))
     return Traffic(comm, sync, once_s, frozenset(synced))

@@ -89,7 +89,8 @@ class LayoutTerms:
     def compiled_traffic(self, zero: int, schedule: Schedule) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) of the compiled step (:mod:`replay`):
         every collective noted, then replayed against the compute it can hide behind. A folded
-        graph replays its kept layers only (:attr:`NodeFacts.weight` is not applied here)."""
+        graph replays its kept layers, each inner one's compute and collectives times the layers it
+        stands for (:attr:`NodeFacts.weight`)."""
         degrees, strategies, mesh, hardware = self.made_of
         step = CompiledStep()
         for ctx, _, _ in axis_contexts(self.facts, degrees, strategies, mesh, hardware, zero, step=step):

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autopar.ir.buckets import bucket_cap
+from autopar.passes.cost.schedule import forward_share
 
 
 @dataclass(frozen=True)
@@ -94,26 +95,19 @@ class StepOrder:
 
 def step_order(facts: dict, work: dict[str, float]) -> StepOrder:
     """The compute items of one step: each op's forward in graph order, then each op's backward
-    in reverse order, each its share of the op's time (``full_time_s``, the share ``work`` of
-    it this rank does): the forward's share of the FLOPs, a third where FLOPs are not counted
-    (a backward moves about twice what a forward does)."""
+    in reverse order, each its share (:func:`forward_share`) of the op's time (``full_time_s``,
+    the share ``work`` of it this rank does), times the layers it stands for
+    (:attr:`NodeFacts.weight`: a folded graph's inner layer runs as often as it stands for)."""
     ops = [(name, fact) for name, fact in facts.items() if fact.kind == "op"]
     compute, forward, backward = [], {}, {}
     for name, fact in ops:
         forward[name] = len(compute)
-        compute.append(fact.full_time_s * work[name] * _forward_share(fact))
+        compute.append(fact.full_time_s * work[name] * fact.weight * forward_share(fact))
     for name, fact in reversed(ops):
         if fact.needs_grad:
             backward[name] = len(compute)
-            compute.append(fact.full_time_s * work[name] * (1 - _forward_share(fact)))
+            compute.append(fact.full_time_s * work[name] * fact.weight * (1 - forward_share(fact)))
     return StepOrder(compute, forward, backward)
-
-
-def _forward_share(fact) -> float:
-    if not fact.needs_grad:
-        return 1.0
-    flops = fact.profile.forward_flops + fact.profile.backward_flops
-    return fact.profile.forward_flops / flops if flops else 1 / 3
 
 
 def bucketed(transfers: list[Transfer], layers: dict[int, str] | None = None) -> list[Transfer]:
@@ -157,11 +151,12 @@ class CompiledStep:
     kernel_s: float = 0.0  # parallel kernels (ring attention, experts...): their own overlap is in their time
 
     def note_gradient(self, slot: str, seconds: float, nbytes: float, fact) -> None:
-        """A partial gradient: a parameter's is synced, an activation's all-reduced in backward."""
+        """A partial gradient: a parameter's is synced, an activation's all-reduced in backward
+        (times the layers the node stands for, as every note)."""
         if fact.kind == "param":
-            self.syncs.append((slot, seconds, nbytes))
+            self.syncs.append((slot, seconds * fact.weight, nbytes * fact.weight))
         else:
-            self.partials.append((slot, seconds))
+            self.partials.append((slot, seconds * fact.weight))
 
     def exposed(
         self, facts: dict, work: dict[str, float], syncs_in_program: bool, per_layer: bool = False

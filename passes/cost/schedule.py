@@ -85,10 +85,18 @@ def dropped(fact: NodeFacts, level: str) -> bool:
 
 
 def forward_share(fact: NodeFacts) -> float:
-    """The share of a node's forward + backward time its forward takes: by FLOPs, half for a
-    memory-bound op (as many bytes each way)."""
-    flops = fact.profile.forward_flops + fact.profile.backward_flops
-    return fact.profile.forward_flops / flops if flops else 0.5
+    """The share of a node's forward + backward time its forward takes, as the op is priced
+    (:func:`autopar.passes.cost.ops.compute_time`): by FLOPs where they are counted, else by the
+    bytes each pass moves; all of it where no gradient flows. The one rule the step's sums, the
+    search's bounds and the compiled replay share."""
+    if not fact.needs_grad:
+        return 1.0
+    profile = fact.profile
+    flops = profile.forward_flops + profile.backward_flops
+    if flops:
+        return profile.forward_flops / flops
+    moved = profile.io_bytes + (profile.backward_io_bytes or profile.io_bytes)
+    return profile.io_bytes / moved if moved else 0.5
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """Identical layers are solved once: the folded search gives the plan and the cost of the
 unfolded one, a layer that differs is not folded, and the ILP does not grow with depth."""
 
+import dataclasses
+
 import pytest
 import torch
 from planning import meta_model
@@ -121,3 +123,9 @@ def test_the_folded_graph_prices_a_layout_as_the_whole_graph_does():
         assert folded.step_s == pytest.approx(full.step_s, rel=1e-9)
         assert folded.memory == pytest.approx(full.memory, rel=1e-9)
         assert folded.pipeline_s == pytest.approx(full.pipeline_s, rel=1e-9)
+    # the compiled replay weighs an inner layer's compute and collectives by the layers it stands
+    # for: the same exposed communication to rounding, not exactly (one replay, not n)
+    compiled = dataclasses.replace(plan.schedule, compiled=True)
+    full = evaluate(whole, plan.degrees, strategies, mesh, hardware, plan.zero, compiled)
+    folded = PricedConfiguration.of(folding.facts, plan.degrees, reduced, mesh, hardware, plan.zero).under(compiled)
+    assert folded.comm_s + folded.grad_sync_s == pytest.approx(full.comm_s + full.grad_sync_s, rel=0.01)
