@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.runtime.collectives import _chunks_to_front, _normalize_dim, _resized, chunk
+from autopar.runtime.collectives import _chunks_to_front, _normalize_dim, _resized, chunk, register_dual
 from autopar.runtime.zero.gather import unflatten_gathered
 
 
@@ -112,4 +112,4 @@ def _gather_backward(ctx, grads):
     return zero_reduce_scatter_layer(grads, ctx.group_name, ctx.dims, ctx.reduce_grads), None, None, None
 
 
-zero_gather_layer.register_autograd(_gather_backward, setup_context=_setup_gather)
+register_dual(zero_gather_layer, _gather_backward, _setup_gather)

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.ir import layer_of
-from autopar.runtime.collectives import _all_gather_backward, _chunks_from_front, all_gather
+from autopar.runtime.collectives import _all_gather_backward, _chunks_from_front, all_gather, register_dual
 from autopar.runtime.zero.reduce_scatter import EachReduceScatter, GroupReduceScatter
 
 # Autograd nodes of view ops: a saved tensor reached from a gather through these shares its memory.
@@ -276,7 +276,7 @@ def _zero_gather_backward(ctx, grad):
     return chunk, None, None, None
 
 
-zero_gather.register_autograd(_zero_gather_backward, setup_context=_setup_zero_gather)
+register_dual(zero_gather, _zero_gather_backward, _setup_zero_gather)
 
 
 class Zero3Runtime:
