@@ -44,6 +44,7 @@ from autopar.ir.errors import CollectiveError, DistributedError
 from autopar.runtime.process_groups import world_timeout
 
 T = TypeVar("T")
+Where = str | Callable[[], str]  # a plan node in words, or a function making them when a failure needs them
 PEER_REPORT_GRACE_S = 3.0  # how long a failed rank waits for its peers' posts before naming the silent ones
 _FAILURE_KEY = "autopar/failure/{rank}"
 # what c10d backends say when the timeout expires or a peer is gone (gloo raises a plain RuntimeError)
@@ -114,7 +115,7 @@ def _raise_everywhere(own: BaseException | None, first: bytes, failed: list[int]
 
 
 @contextlib.contextmanager
-def collective(kind: str, group_name: str | None = None, where: str | Callable[[], str] | None = None) -> Iterator[None]:
+def collective(kind: str, group_name: str | None = None, where: Where | None = None) -> Iterator[None]:
     """Run one c10d call (or the wait for one): a failure of the communication becomes a
     :class:`CollectiveError` naming this rank, ``kind``, the group (its mesh axis and ranks) and
     where in the plan it ran: ``where`` (a phrase, or a function making it when needed), else
@@ -148,6 +149,12 @@ def plan_node(where: Callable[[], str]) -> Iterator[None]:
         yield
     finally:
         stack.pop()
+
+
+def listing(names: list[str], shown: int = 3) -> str:
+    """``names`` for an error message, the first few only: ``"a, b, c and 5 more"``."""
+    rest = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {rest} more" if rest > 0 else "")
 
 
 @dataclass(frozen=True, eq=False)
@@ -219,7 +226,7 @@ def agreed(error: Exception) -> Exception:
     return error
 
 
-def _named(error: BaseException, named: str, where: str | Callable[[], str] | None) -> CollectiveError:
+def _named(error: BaseException, named: str, where: Where | None) -> CollectiveError:
     where = (where() if callable(where) else where) or ""
     raised = CollectiveError(f"rank {dist.get_rank()}: {named}{f' {where}' if where else ''} {_reason(error)}")
     raised.collective, raised.where, raised.cause = named, where, error
