@@ -15,7 +15,8 @@
   the trainable module ``autopar.parallelize`` returns; ``checkpoint``: the logical state on disk;
   ``checkpointer`` (``Checkpointer``): periodic atomic checkpoints of a job and resuming from them;
 - ``faults``: an error on one rank becomes an error on every rank (shared before the ranks
-  communicate, posted to the store inside a step, collectives that time out named);
+  communicate, posted to the store inside a step, collectives that time out named with their
+  plan node, in forward and backward);
 - ``measure``: what ``autopar calibrate`` times on this machine.
 
 Importing this package registers the ``autopar::`` ops that rewritten graphs call.

@@ -9,7 +9,9 @@ parallelized graph stays a plain fx graph that reads like the math. Every op
 - has a fake implementation (the shape rule), so graphs holding it trace on fake/meta tensors;
 - has its dual as backward (Megatron's f/g, all-gather ↔ reduce-scatter, all-to-all ↔
   all-to-all), written with these same ops, so backward graphs contain collectives too;
-- returns a fresh contiguous tensor, never an alias of its input (a custom-op rule).
+- returns a fresh contiguous tensor, never an alias of its input (a custom-op rule);
+- names, when a collective of its backward fails, the program node it is the backward of
+  (:func:`register_dual`: autograd runs backward with no frame of the program to find it in).
 
 "Chunk k" of a dim always belongs to the group's rank k (c10d group ranks follow global
 rank order, which is mesh order for the row-major meshes of ``build_device_mesh``).
@@ -20,12 +22,14 @@ All of them work on flat 1-D buffers, so a collective along any ``dim`` first mo
 dim's chunks to the front (one copy) and moves them back after.
 """
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.runtime.faults import collective
+from autopar.runtime.faults import calling_site, collective, plan_node
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 
@@ -219,6 +223,29 @@ def _save_args(ctx, inputs, output):
     ctx.args = inputs[1:]
 
 
+def register_dual(op, backward: Callable, setup_context: Callable = _save_args) -> None:
+    """``op.register_autograd(backward, setup_context=...)``, and a collective failing in
+    ``backward`` names the program node whose backward it is: "in the backward of node chunk_2
+    (...) in module layers.0.attn" (the program line is recorded in forward, resolved on failure).
+
+    Example: ``register_dual(zero_gather, _zero_gather_backward, _setup_zero_gather)``.
+    """
+
+    def setup(ctx, inputs, output):
+        setup_context(ctx, inputs, output)
+        ctx.site = calling_site()
+
+    def where(ctx) -> str:
+        node = ctx.site.node() if ctx.site is not None else ""
+        return f"in the backward of node {node}" if node else "in the backward of an op called outside a program"
+
+    def named_backward(ctx, *grads):
+        with plan_node(lambda: where(ctx)):
+            return backward(ctx, *grads)
+
+    op.register_autograd(named_backward, setup_context=setup)
+
+
 def _grad_and_nones(ctx, grad_input):
     return (grad_input, *[None] * len(ctx.args))
 
@@ -273,4 +300,4 @@ for _op, _backward in [
     (all_to_all, _all_to_all_backward),
     (keep_on_first, _keep_on_first_backward),
 ]:
-    _op.register_autograd(_backward, setup_context=_save_args)
+    register_dual(_op, _backward)

@@ -12,7 +12,11 @@ moment a failure can happen:
   :func:`from_rank_zero` does the same for a decision only rank 0 takes (the plan search).
 - **inside a collective**: :func:`collective` turns a c10d failure (the process-group timeout
   expired, or a peer's connection closed because it died) into a :class:`CollectiveError`
-  naming this rank, the collective and its group.
+  naming this rank, the collective, its group and the plan node it ran for. Forward collectives
+  are found in the traceback (:func:`program_node`); backward ones have no frame of the program
+  there (autograd runs them), so each op records its program line when autograd saves its
+  context (:func:`calling_site`) and its backward runs inside :func:`plan_node`; gradient syncs
+  and ZeRO gathers pass their bucket to :func:`collective` as ``where``.
 - **around a step**: :func:`reported` posts any other error to the job's store (the c10d store
   that ``init_process_group`` joined), and completes a CollectiveError with the peers' posts
   (who raised what; who posted nothing: stalled or dead) and the program node the traceback
@@ -25,8 +29,11 @@ import contextlib
 import linecache
 import pickle
 import re
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -37,10 +44,13 @@ from autopar.ir.errors import CollectiveError, DistributedError
 from autopar.runtime.process_groups import world_timeout
 
 T = TypeVar("T")
+Where = str | Callable[[], str]  # a plan node in words, or a function making them when a failure needs them
 PEER_REPORT_GRACE_S = 3.0  # how long a failed rank waits for its peers' posts before naming the silent ones
 _FAILURE_KEY = "autopar/failure/{rank}"
 # what c10d backends say when the timeout expires or a peer is gone (gloo raises a plain RuntimeError)
 _COMMUNICATION_SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "nccl")
+# per thread: autograd may run backward on a device thread; a backward enters and leaves on one
+_PLAN_NODES = threading.local()
 
 
 def agree(step: Callable[[], T], what: str) -> T:
@@ -105,11 +115,14 @@ def _raise_everywhere(own: BaseException | None, first: bytes, failed: list[int]
 
 
 @contextlib.contextmanager
-def collective(kind: str, group_name: str | None = None) -> Iterator[None]:
+def collective(kind: str, group_name: str | None = None, where: Where | None = None) -> Iterator[None]:
     """Run one c10d call (or the wait for one): a failure of the communication becomes a
-    :class:`CollectiveError` naming this rank, ``kind`` and the group (its mesh axis and ranks).
+    :class:`CollectiveError` naming this rank, ``kind``, the group (its mesh axis and ranks) and
+    where in the plan it ran: ``where`` (a phrase, or a function making it when needed), else
+    the innermost :func:`plan_node` around it, else nothing (the traceback may still show a node).
 
-    Example: ``with collective("all_reduce", group_name): dist.all_reduce(out, group=...)``.
+    Example: ``with collective("all_reduce", group_name): dist.all_reduce(out, group=...)``;
+    ``with collective("gradient all-reduce", dp, where="in the gradient sync of bucket 2 (fc1.weight)")``.
     """
     try:
         yield
@@ -118,7 +131,59 @@ def collective(kind: str, group_name: str | None = None) -> Iterator[None]:
     except RuntimeError as error:
         if not _is_communication_failure(error):
             raise
-        raise _named(error, f"{kind} over {_describe_group(group_name)}") from error
+        if where is None:
+            where = next(reversed(getattr(_PLAN_NODES, "stack", [])), None)
+        raise _named(error, f"{kind} over {_describe_group(group_name)}", where) from error
+
+
+@contextlib.contextmanager
+def plan_node(where: Callable[[], str]) -> Iterator[None]:
+    """A collective that fails inside (on this thread) names ``where()`` as its place in the plan,
+    e.g. "in the backward of node chunk_2 (...) in module layers.0.attn". Nests: the innermost wins.
+
+    Example, around an op's backward: ``with plan_node(lambda: "in the backward of " + ...): ...``.
+    """
+    stack = _PLAN_NODES.__dict__.setdefault("stack", [])
+    stack.append(where)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def listing(names: list[str], shown: int = 3) -> str:
+    """``names`` for an error message, the first few only: ``"a, b, c and 5 more"``."""
+    rest = len(names) - shown
+    return ", ".join(names[:shown]) + (f" and {rest} more" if rest > 0 else "")
+
+
+@dataclass(frozen=True, eq=False)
+class ProgramSite:
+    """A line of a rewritten program's ``forward``: the call of one node, named on demand (a
+    failure is rare; finding the node's line costs a scan of the graph)."""
+
+    program: fx.GraphModule
+    filename: str
+    line: int
+
+    def node(self) -> str:
+        """``chunk_2 (chunk_2 = torch.ops.autopar.chunk.default(x, '3', 1)) in module layers.0``, or ""."""
+        return _node_at(self.program, self.filename, self.line)
+
+
+def calling_site() -> ProgramSite | None:
+    """The innermost rewritten program (an fx GraphModule's ``forward``) on this thread's stack,
+    at the line running now; None outside any. An op's autograd setup records it so that its
+    backward, which autograd runs with no frame of the program, can name its node.
+
+    Example: ``ctx.site = calling_site()``, then ``ctx.site.node()`` when a backward fails.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "forward" and isinstance(frame.f_locals.get("self"), fx.GraphModule):
+            return ProgramSite(frame.f_locals["self"], frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return None
 
 
 @contextlib.contextmanager
@@ -134,16 +199,18 @@ def reported(what: str) -> Iterator[None]:
     except Exception as error:
         if getattr(error, "autopar_reported", False):  # by a step inside this one (train_step calls forward)
             raise
-        if not isinstance(error, CollectiveError) and not _is_communication_failure(error):
+        failed = _collective_error(error)  # torch's pipeline schedule wraps a stage's error in its own
+        if failed is None and not _is_communication_failure(error):
             _post(f"{what} raised {_describe(error)}")
             error.autopar_reported = True
             raise
-        named = getattr(error, "collective", None) or f"a collective in {_innermost_runtime_call(error)}"
-        node = program_node(error)
-        reason = _reason(getattr(error, "cause", error))
-        _post(f"{what}: {named} {reason}")
+        failed = failed or error
+        named = getattr(failed, "collective", None) or f"a collective in {_innermost_runtime_call(failed)}"
+        where = getattr(failed, "where", "") or (f"at node {node}" if (node := program_node(failed)) else "")
+        reason = _reason(getattr(failed, "cause", failed))
+        _post(f"{what}: " + " ".join(part for part in (named, where, reason) if part))
         message = (
-            f"rank {dist.get_rank()} of {dist.get_world_size()}: {named}{f' at node {node}' if node else ''} "
+            f"rank {dist.get_rank()} of {dist.get_world_size()}: {named}{f' {where}' if where else ''} "
             f"{reason}, during {what}. {_peers_text()}"
         )
         raised = CollectiveError(message)
@@ -159,10 +226,19 @@ def agreed(error: Exception) -> Exception:
     return error
 
 
-def _named(error: BaseException, named: str) -> CollectiveError:
-    raised = CollectiveError(f"rank {dist.get_rank()}: {named} {_reason(error)}")
-    raised.collective, raised.cause = named, error
+def _named(error: BaseException, named: str, where: Where | None) -> CollectiveError:
+    where = (where() if callable(where) else where) or ""
+    raised = CollectiveError(f"rank {dist.get_rank()}: {named}{f' {where}' if where else ''} {_reason(error)}")
+    raised.collective, raised.where, raised.cause = named, where, error
     return raised
+
+
+def _collective_error(error: BaseException) -> CollectiveError | None:
+    """``error`` or the CollectiveError it was raised from (torch's pipeline schedule re-raises a
+    stage's error as "Failed to run stage backward")."""
+    while error is not None and not isinstance(error, CollectiveError):
+        error = error.__cause__
+    return error
 
 
 def _is_communication_failure(error: BaseException) -> bool:
@@ -217,20 +293,22 @@ def program_node(error: BaseException) -> str:
     """The innermost node of a rewritten program (an fx GraphModule) that ``error``'s traceback
     passes through, with its module path where capture recorded one, e.g. ``all_reduce_3
     (all_reduce_3 = torch.ops.autopar.all_reduce.default(mm_1, '7', 'sum')) in module
-    layers.0.mlp.fc2``; "" when none does (a collective that autograd runs in backward, or one
-    inside torch's pipeline schedule)."""
+    layers.0.mlp.fc2``; "" when none does (a collective that autograd runs in backward, named
+    by its :func:`plan_node` instead, or one inside torch's pipeline schedule)."""
     found = ""
     for cause in (error, getattr(error, "cause", None)):
         for frame, line_number in _frames(cause) if cause is not None else ():
             program = frame.f_locals.get("self")
-            if not isinstance(program, fx.GraphModule) or frame.f_code.co_name != "forward":
-                continue
-            source = linecache.getline(frame.f_code.co_filename, line_number).strip()
-            name = source.split("=")[0].strip()
-            node = next((n for n in program.graph.nodes if n.name == name), None)
-            if node is not None:
-                found = f"{node.name} ({source.split(';')[0]}){_module_of(node)}"
+            if isinstance(program, fx.GraphModule) and frame.f_code.co_name == "forward":
+                found = _node_at(program, frame.f_code.co_filename, line_number) or found
     return found
+
+
+def _node_at(program: fx.GraphModule, filename: str, line_number: int) -> str:
+    source = linecache.getline(filename, line_number).strip()
+    name = source.split("=")[0].strip()
+    node = next((n for n in program.graph.nodes if n.name == name), None)
+    return "" if node is None else f"{node.name} ({source.split(';')[0]}){_module_of(node)}"
 
 
 def _module_of(node: fx.Node) -> str:

@@ -20,7 +20,7 @@ gradient is dropped as soon as it is copied into the bucket, and the bucket's bu
 only while its reduction is in flight.
 """
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from autopar.ir.buckets import BUCKET_BYTES as DEFAULT_BUCKET_SIZE_BYTES
 from autopar.ir.buckets import FIRST_BUCKET_BYTES as DEFAULT_FIRST_BUCKET_BYTES
 from autopar.runtime.collectives import _chunks_to_front
-from autopar.runtime.faults import collective
+from autopar.runtime.faults import collective, listing
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -57,6 +57,7 @@ class _Bucket:
     ready: list[bool] = field(init=False)
     num_ready: int = 0
     work: dist.Work | None = None
+    where: str = ""  # how a failed reduction names this bucket: "in the gradient sync of bucket 2 (...)"
 
     def __post_init__(self):
         self.ready = [False] * len(self.params)
@@ -99,7 +100,7 @@ class _Bucket:
 
     def finish(self) -> None:
         """Wait for the all-reduce and write the sums into the gradients."""
-        with collective("gradient all-reduce", self.group_name):
+        with collective("gradient all-reduce", self.group_name, self.where):
             self.work.wait()
         for index, param in enumerate(self.params):
             if param.grad is not None:
@@ -189,7 +190,7 @@ class _ScatterBucket(_Bucket):
         return dist.reduce_scatter_single(self.received, self.buffer.view(-1), group=group, async_op=True)
 
     def finish(self) -> None:
-        with collective("gradient reduce-scatter", self.group_name):
+        with collective("gradient reduce-scatter", self.group_name, self.where):
             self.work.wait()
         self.buffer = None
         for index, (param, scatter) in enumerate(zip(self.params, self.scatters)):
@@ -198,7 +199,8 @@ class _ScatterBucket(_Bucket):
             used = self.received[self.offsets[-1] + index].item() > 0
             chunk = self.received[self.offsets[index] : self.offsets[index + 1]].view(shape) if used else None
             if chunk is not None and scatter.then_sum_over is not None:
-                dist.all_reduce(chunk, group=_resolve_process_group(scatter.then_sum_over))
+                with collective("gradient all-reduce", scatter.then_sum_over, self.where):
+                    dist.all_reduce(chunk, group=_resolve_process_group(scatter.then_sum_over))
             scatter.sink(param, None if chunk is None else chunk.to(param.dtype))
         self.received = None
         self.ready = [False] * len(self.params)
@@ -257,6 +259,7 @@ class GradSync:
     is reduced in place). Every rank of a group must list the same parameters of that group
     in the same order, and every synced backward must produce at least one of their
     gradients on every rank (else that rank issues no all-reduce and the others wait).
+    ``names`` (``id(param)`` → its name) lets a failed reduction name its bucket's parameters.
     Example::
 
         sync = GradSync([(p, dp_group) for p in model.parameters()])
@@ -273,6 +276,7 @@ class GradSync:
         first_bucket_bytes: int = DEFAULT_FIRST_BUCKET_BYTES,
         auto_finish: bool = True,
         reduce_dtype: torch.dtype | None = None,
+        names: Mapping[int, str] | None = None,
     ):
         """``auto_finish=False``: the owner calls :meth:`finish` at the end of each backward
         (from its own engine callback), e.g. to run more work after the sums are in place.
@@ -281,6 +285,9 @@ class GradSync:
         if len({id(entry[0]) for entry in trainable}) != len(trainable):
             raise ValueError("GradSync: a parameter is listed twice; list each one once")
         self._buckets = _make_buckets(trainable, bucket_size_bytes, first_bucket_bytes, reduce_dtype)
+        for index, bucket in enumerate(self._buckets):
+            listed = [(names or {}).get(id(param), f"a {tuple(param.shape)} parameter") for param in bucket.params]
+            bucket.where = f"in the gradient sync of bucket {index} ({listing(listed)})"
         self._auto_finish = auto_finish
         self._sync_enabled = True
         self._next_to_launch = 0

@@ -135,6 +135,7 @@ class ParallelModule(nn.Module):
             [entry for entry in entries if entry is not None],
             auto_finish=False,
             reduce_dtype=self._precision.reduce_dtype,
+            names=self._names_by_leaf,
         )
         self._calls = calls
         self._zero3 = None  # ZeRO-3 (zero/gather.py): the runtime of the program that ran last; backward finishes it

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.runtime.collectives import _chunks_to_front, _normalize_dim, _resized, chunk
+from autopar.runtime.collectives import _chunks_to_front, _normalize_dim, _resized, chunk, register_dual
+from autopar.runtime.faults import collective
 from autopar.runtime.zero.gather import unflatten_gathered
 
 
@@ -57,7 +58,8 @@ def zero_gather_layer(shards: list[Tensor], group_name: str, dims: list[int], re
     group = _resolve_process_group(group_name)
     sent = torch.cat([shard.reshape(-1) for shard in shards])
     received = sent.new_empty(group.size(), sent.numel())
-    dist.all_gather_single(received.view(-1), sent, group=group)
+    with collective("parameter all-gather", group_name):
+        dist.all_gather_single(received.view(-1), sent, group=group)
     return unflatten_gathered(received, [shard.shape for shard in shards], dims)
 
 
@@ -83,7 +85,8 @@ def zero_reduce_scatter_layer(
         reduced_dims = [dim for dim, reduce in zip(dims, reduce_grads) if reduce]
         rows = scatter_rows(summed, reduced_dims, group.size())
         received = rows.new_empty(rows.shape[1])
-        dist.reduce_scatter_single(received, rows.view(-1), group=group)
+        with collective("gradient reduce-scatter", group_name):
+            dist.reduce_scatter_single(received, rows.view(-1), group=group)
         shapes = chunk_shapes(summed, reduced_dims, group.size())
         chunks = iter([piece.clone() for piece in split_columns(received, shapes)])  # outputs may not alias
     return [
@@ -112,4 +115,4 @@ def _gather_backward(ctx, grads):
     return zero_reduce_scatter_layer(grads, ctx.group_name, ctx.dims, ctx.reduce_grads), None, None, None
 
 
-zero_gather_layer.register_autograd(_gather_backward, setup_context=_setup_gather)
+register_dual(zero_gather_layer, _gather_backward, _setup_gather)

@@ -33,8 +33,9 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.ir import layer_of
-from autopar.runtime.collectives import _all_gather_backward, _chunks_from_front, all_gather
-from autopar.runtime.zero.reduce_scatter import EachReduceScatter, GroupReduceScatter
+from autopar.runtime.collectives import _all_gather_backward, _chunks_from_front, all_gather, register_dual
+from autopar.runtime.faults import collective, listing
+from autopar.runtime.zero.reduce_scatter import EachReduceScatter, GroupReduceScatter, layer_phrase
 
 # Autograd nodes of view ops: a saved tensor reached from a gather through these shares its memory.
 _VIEW_NODES = frozenset(
@@ -122,9 +123,15 @@ class _FlatGather:
         self.received = self.sent.new_empty(process_group.size(), self.sent.numel())
         self.work = dist.all_gather_single(self.received.view(-1), self.sent, group=process_group, async_op=True)
         self.shapes, self.dims = [shard.shape for shard in shards], [slot.dim for slot in group.slots]
+        self.group_name = group.group_name
+        self.where = f"in the ZeRO-3 gather of {layer_phrase(group.layer)} ({listing([s.name for s in group.slots])})"
+
+    def finish(self) -> None:
+        with collective("parameter all-gather", self.group_name, self.where):
+            self.work.wait()
 
     def wait(self) -> list[Tensor]:
-        self.work.wait()
+        self.finish()
         return unflatten_gathered(self.received, self.shapes, self.dims)
 
 
@@ -175,7 +182,7 @@ class Zero3Forward:
         finally:
             _active = previous
             for gather in self._in_flight.values():  # every rank started them: finish them too
-                gather.work.wait()
+                gather.finish()
             self._in_flight.clear()
             self._untaken.clear()
             self._served.clear()
@@ -276,7 +283,7 @@ def _zero_gather_backward(ctx, grad):
     return chunk, None, None, None
 
 
-zero_gather.register_autograd(_zero_gather_backward, setup_context=_setup_zero_gather)
+register_dual(zero_gather, _zero_gather_backward, _setup_zero_gather)
 
 
 class Zero3Runtime:

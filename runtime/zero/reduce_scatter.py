@@ -27,14 +27,17 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.runtime.collectives import _chunks_to_front, _resized
+from autopar.runtime.faults import collective, listing
 from autopar.runtime.zero.layout import add_grad
 
 
 class _GradBucket:
-    """One group's gradients: ``slots`` (name, dim) of the trainable ``shards`` it reduces, summed in ``dtype``."""
+    """One group's gradients: ``slots`` (name, dim) of the trainable ``shards`` it reduces, summed in
+    ``dtype``; ``layer`` names the group in errors."""
 
-    def __init__(self, group_name: str, slots: list, shards: list[Tensor], sum_over: list[str | None], dtype):
+    def __init__(self, group_name: str, slots: list, shards: list[Tensor], sum_over: list[str | None], dtype, layer):
         self.group_name, self.slots, self.shards, self.sum_over = group_name, slots, shards, sum_over
+        self.where = f"in the ZeRO-3 gradient sync of {layer_phrase(layer)} ({listing([s.name for s in slots])})"
         self.dtype = dtype or shards[0].dtype
         self.parts = _resolve_process_group(group_name).size()
         self.offsets = [0]
@@ -86,17 +89,24 @@ class _GradBucket:
 
     def finish(self) -> None:
         """Wait, then accumulate each received chunk into its shard's gradient."""
-        self.work.wait()
+        with collective("gradient reduce-scatter", self.group_name, self.where):
+            self.work.wait()
         self.work = self.sent = None
         for index, (shard, sum_over) in enumerate(zip(self.shards, self.sum_over)):
             if self.received[self.offsets[-1] + index].item() == 0:
                 continue  # no rank had a gradient: stays None, as in a single process
             chunk = self.received[self.offsets[index] : self.offsets[index + 1]].view(shard.shape)
             if sum_over is not None:  # the parameter's other gradient axes: summing chunks sums the whole
-                dist.all_reduce(chunk, group=_resolve_process_group(sum_over))
+                with collective("gradient all-reduce", sum_over, self.where):
+                    dist.all_reduce(chunk, group=_resolve_process_group(sum_over))
             add_grad(shard, chunk.to(shard.dtype))
         self.received = None
         self.arrived = [False] * len(self.slots)
+
+
+def layer_phrase(layer: str) -> str:
+    """A gather group's layer in words: ``layer layers.1``, or ``the root module`` for ""."""
+    return f"layer {layer}" if layer else "the root module"
 
 
 class GroupReduceScatter:
@@ -132,6 +142,7 @@ class GroupReduceScatter:
                 [shards[s.name] for s in slots],
                 [sum_over.get(s.name) for s in slots],
                 reduce_dtype,
+                group.layer,
             )
             self._buckets.append(bucket)
             self._where.update({slot.name: (bucket, index) for index, slot in enumerate(slots)})
@@ -205,9 +216,12 @@ class EachReduceScatter:
         group = _resolve_process_group(group_name)
         grad = grad.to(self._reduce_dtype or grad.dtype)
         chunk = grad.new_empty(_resized(grad, dim, grad.shape[dim] // group.size()))
-        dist.reduce_scatter_single(chunk.view(-1), _chunks_to_front(grad, dim, group.size()).view(-1), group=group)
+        where = f"in the ZeRO-3 gradient sync of {name}"
+        with collective("gradient reduce-scatter", group_name, where):
+            dist.reduce_scatter_single(chunk.view(-1), _chunks_to_front(grad, dim, group.size()).view(-1), group=group)
         if sum_over is not None:
-            dist.all_reduce(chunk, group=_resolve_process_group(sum_over))
+            with collective("gradient all-reduce", sum_over, where):
+                dist.all_reduce(chunk, group=_resolve_process_group(sum_over))
         return chunk
 
     def finish(self) -> None:

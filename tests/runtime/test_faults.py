@@ -5,8 +5,10 @@ stage 1's rank only is raised, the same ConfigError, on both ranks within second
 fix, stage 0 waited forever in the schedule's first receive); ``check_finite`` names the one
 parameter whose gradient is infinite on one rank, on both ranks; an exception inside one
 rank's step reaches the other, which fails with a CollectiveError naming that rank and its
-error. Then, under ``autopar run``, a rank that stalls makes its peer fail at the collective
-timeout, naming the stalled rank, and the job exits non-zero.
+error. Then, under ``autopar run``, a rank that stalls in backward makes its peer fail at the
+collective timeout, naming the stalled rank and the gradient bucket (or node) it waited for, and
+the job exits non-zero. In one process: a failed collective names its program node, in forward
+from the traceback, in backward from what the op recorded in forward.
 """
 
 import re
@@ -15,14 +17,17 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from equivalence import load_example
 from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 import autopar.passes.program
-from autopar.runtime.faults import program_node
+from autopar.runtime.faults import collective, program_node
 from autopar.runtime.spawn import run_local
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +98,20 @@ def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout():
     job = subprocess.Popen(
         [sys.executable, "-m", "autopar.cli", "run", "tests/helpers/faulty_train.py", "--nproc", "2"]
         + ["--collective-timeout", str(timeout_s), "--timeout", "120", "--"]
-        + ["--fault", "0:1:2:stall", "--steps", "4", "--hidden", "32", "--seq", "16", "--batch", "32", "--vocab", "16"],
+        + [
+            "--fault",
+            "0:1:2:stall-in-backward",
+            "--steps",
+            "4",
+            "--hidden",
+            "32",
+            "--seq",
+            "16",
+            "--batch",
+            "32",
+            "--vocab",
+            "16",
+        ],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -102,7 +120,7 @@ def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout():
     lines, stalled_at = [], None
     for line in job.stdout:  # the job's own --timeout ends it by 120 s whatever happens
         lines.append(line)
-        if "[fault] rank 1 stalls before step 2" in line:
+        if "[fault] rank 1 stalls in the backward of step 2" in line:
             stalled_at = time.monotonic()
     code = job.wait()
     output = "".join(lines)
@@ -110,8 +128,11 @@ def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout():
     assert time.monotonic() - stalled_at < timeout_s + 30, output[-3000:]
     assert code != 0 and "rank 0 exited with code 1; terminating ranks [1]" in output, output[-3000:]
     error = next(line for line in lines if "CollectiveError: rank 0 of 2" in line)
-    # the first collective rank 0 meets: the loss's all-reduce, or the count of a split mean loss's targets
-    timed_out = rf"all[-_]reduce over the world \(ranks \[0, 1\]\).* timed out \(process-group timeout {timeout_s} s\)"
+    # rank 1 stalls as its backward starts; rank 0 times out in a backward collective (the gradient
+    # sync on a dp plan, a tensor-parallel op's dual on another), which autograd ran with no frame of
+    # the program: the error names its bucket or node all the same
+    place = r"(in the gradient sync of bucket \d+ \([\w.]+|in the backward of node \w+ \(.*\) in module [\w.]+)"
+    timed_out = rf"over the world \(ranks \[0, 1\]\) {place}.* timed out \(process-group timeout {timeout_s} s\)"
     assert re.search(timed_out, error), error
     assert "Ranks [1] reported nothing" in error, error
 
@@ -137,3 +158,48 @@ def test_a_failed_collective_names_its_program_node_and_module():
     except RuntimeError as error:  # the group cannot be resolved: a failure inside the collective's call
         named = program_node(error)
     assert named == "all_reduce (all_reduce = torch.ops.autopar.all_reduce(mul, 'no-such-group', 'sum')) in module mlp"
+
+
+class _Sharded(nn.Module):
+    def forward(self, x):  # Megatron's f: identity in forward, the gradient all-reduced in backward
+        return torch.ops.autopar.grad_all_reduce(x * 2, dist.group.WORLD.group_name)
+
+
+class _ShardedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Sharded()
+
+    def forward(self, x):
+        return self.attn(x).sum()
+
+
+def _peer_gone(*args, **kwargs):
+    raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4242")
+
+
+def test_a_collective_failing_in_backward_names_the_node_it_is_the_backward_of(monkeypatch):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group_name = dist.group.WORLD.group_name
+        program = fx.symbolic_trace(_ShardedModel())
+        loss = program(torch.ones(3, requires_grad=True))
+        with monkeypatch.context() as patched, pytest.raises(autopar.CollectiveError) as in_backward:
+            patched.setattr(dist, "all_reduce", _peer_gone)
+            loss.backward()  # autograd runs the all-reduce, with no frame of the program on the stack
+        with pytest.raises(autopar.CollectiveError) as in_sync:  # a place given by the caller (a gradient bucket)
+            with collective("gradient all-reduce", where="in the gradient sync of bucket 0 (attn.weight)"):
+                _peer_gone()
+    finally:
+        dist.destroy_process_group()
+    node = f"grad_all_reduce (grad_all_reduce = torch.ops.autopar.grad_all_reduce(mul, '{group_name}')) in module attn"
+    peer_gone = "failed: a peer closed its connection (it died or exited)"
+    assert program_node(in_backward.value) == "", "the traceback shows no program node: the op recorded it in forward"
+    assert (
+        str(in_backward.value)
+        == f"rank 0: all_reduce over the world (ranks [0, 1]) in the backward of node {node} {peer_gone}"
+    )
+    assert str(in_sync.value) == (
+        "rank 0: gradient all-reduce over the world (ranks [0, 1]) in the gradient sync of bucket 0 (attn.weight) "
+        + peer_gone
+    )
