@@ -5,8 +5,8 @@ import pytest
 import torch
 from planning import meta_model, plan_example
 
-import autopar.runtime.collectives  # noqa: F401
 import autopar
+import autopar.runtime.collectives  # noqa: F401
 from autopar.ir import Replicate, Shard, StalePlanError
 from autopar.passes.capture.graph import capture
 from autopar.passes.rewrite.rewrite import rewrite
