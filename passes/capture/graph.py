@@ -7,7 +7,8 @@ With ``param_dtype`` (mixed precision) it is captured as it computes with 16-bit
 floating parameters and floating inputs (FSDP2's ``param_dtype`` and ``cast_forward_inputs``),
 buffers as they are: the graph keeps the model's own upcasts (norms, softmax), which no cast
 inserted later could recover.
-Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops), whose placeholders are
+Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops) and differentiable op by
+op (no ``aten.copy``, which has no derivative), whose placeholders are
 the parameters, buffers and the tensor inputs in that order (constant inputs are baked in),
 whose every node carries ``meta["val"]`` (a fake tensor or a tuple of them) and whose nodes
 name their module path through :func:`module_path`; ``in_spec``/``out_spec`` say how a call's
@@ -114,7 +115,7 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
 
 def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> CapturedGraph:
     try:
-        # A decomposition table this small keeps ops like linear and sdpa whole but functionalizes
+        # A table that decomposes copy alone keeps ops like linear and sdpa whole but functionalizes
         # in-place ops, whose aliasing would not survive a redistribution placed between them.
         with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
             warnings.simplefilter("ignore", FutureWarning)
