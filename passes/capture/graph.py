@@ -7,7 +7,8 @@ With ``param_dtype`` (mixed precision) it is captured as it computes with 16-bit
 floating parameters and floating inputs (FSDP2's ``param_dtype`` and ``cast_forward_inputs``),
 buffers as they are: the graph keeps the model's own upcasts (norms, softmax), which no cast
 inserted later could recover.
-Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops), whose placeholders are
+Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops) and differentiable op by
+op (no ``aten.copy``, which has no derivative), whose placeholders are
 the parameters, buffers and the tensor inputs in that order (constant inputs are baked in),
 whose every node carries ``meta["val"]`` (a fake tensor or a tuple of them) and whose nodes
 name their module path through :func:`module_path`; ``in_spec``/``out_spec`` say how a call's
@@ -114,14 +115,14 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
 
 def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> CapturedGraph:
     try:
-        # An empty decomposition table keeps ops like linear and sdpa whole but functionalizes
+        # A table that decomposes copy alone keeps ops like linear and sdpa whole but functionalizes
         # in-place ops, whose aliasing would not survive a redistribution placed between them.
         with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
             warnings.simplefilter("ignore", FutureWarning)
             # each mixture-of-experts block becomes one autopar.moe node
             with capture_settings(model), composite_moe(model):
                 exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
-                exported = exported.run_decompositions({})
+                exported = exported.run_decompositions(DIFFERENTIABLE_COPY)
     except Exception as error:  # export raises many types; all mean the same to the user
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}{_user_line(error)}: {type(error).__name__}: "
@@ -174,6 +175,17 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         out_spec=exported.call_spec.out_spec,
         constants=constants,
     )
+
+
+def _copy(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """What functional ``aten.copy`` returns (``source`` broadcast and cast to ``destination``),
+    in ops autograd can differentiate: ``aten.copy`` has no derivative."""
+    return source.to(dtype=destination.dtype, device=destination.device).expand(destination.shape).clone()
+
+
+# ``x[..., :k].copy_(y)`` functionalizes to ``slice_scatter(x, copy(x[..., :k], y))`` (DeepSeek-V3's
+# attention builds its keys so); the runtime differentiates the graph, so copy is decomposed.
+DIFFERENTIABLE_COPY = {torch.ops.aten.copy.default: _copy}
 
 
 def _user_line(error: BaseException | None) -> str:

@@ -191,8 +191,9 @@ def _rewrite_node(node, decision, plan, placements, builder, gradients, device) 
     new_inputs = []
     for index, (slot, wanted) in enumerate(zip(slots, decision.inputs)):
         partial_grad = {axis for axis in axes if (node.name, index, axis) in gradients.completed_edges}
-        if node.target is operator.getitem and placements[slot.name] != wanted:
-            raise AssertionError(f"getitem {node.name} would need its tuple source {slot.name} moved")
+        if node.target is operator.getitem:
+            _move_taken(node, placements[slot.name], wanted, partial_grad, placements, builder)
+            return
         with graph.inserting_before(node):
             new_inputs.append(builder.redistribute(slot, placements[slot.name], wanted, partial_grad, move_scope(node)))
     _replace_inputs(node, slots, new_inputs)
@@ -201,6 +202,22 @@ def _rewrite_node(node, decision, plan, placements, builder, gradients, device) 
     localize_arguments(node, decision.output, plan.degrees, device)
     if decision.output is not None:
         placements[node.name] = decision.output
+
+
+def _move_taken(node: fx.Node, src, wanted, partial_grad: set[str], placements: dict, builder: _Collectives) -> None:
+    """``getitem`` of a multi-output op (a split's pieces): no collective moves a tuple, so the
+    piece is moved once taken, to ``wanted``, which getitem's rule also makes its output; the
+    cost model prices the edge by the piece's shape, so this is the move it priced."""
+    placements[node.name] = src
+    if src == wanted and not partial_grad:
+        return
+    users = list(node.users)
+    with node.graph.inserting_before(node.next):  # after it, in order: a move may be several ops
+        moved = builder.redistribute(node, src, wanted, partial_grad, move_scope(node))
+    moved.meta["val"] = node.meta["val"]  # its users still see a tensor input (the global value's, as every node)
+    for user in users:
+        user.replace_input_with(node, moved)
+    placements[moved.name] = wanted
 
 
 def _use_kernel(node: fx.Node, kernel: str, group: str) -> None:

@@ -244,6 +244,16 @@ def along_dim(dim_index: int, dim_name: str = "dim", default=0, partial_ok: bool
     return rule
 
 
+def slice_scatter(view: OpView) -> list[Strategy]:
+    """slice_scatter(x, src, dim, start, end, step): src written over a slice of x along dim (a
+    functionalized ``x[..., a:b].copy_(src)``); both split alike on any other dim. Linear in
+    (x, src) together, so partial sums pass."""
+    ndim = len(view.in_shapes[0])
+    along = normalize_dim(view.arg(2, "dim", 0), ndim)
+    strategies = [Strategy((Shard(d), Shard(d)), Shard(d)) for d in range(ndim) if d != along]
+    return strategies + [Strategy((Partial(op), Partial(op)), Partial(op)) for op in ("sum", "avg")]
+
+
 def argmax(view: OpView) -> list[Strategy]:
     """argmax(x, dim, keepdim): shard another dim (shifted down where the reduced dim is dropped);
     without a dim it indexes the flattened tensor, which only the whole tensor gives."""
@@ -375,6 +385,7 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.slice: along_dim(1, partial_ok=True),
     aten.narrow: along_dim(1, partial_ok=True),
     aten.select: along_dim(1, partial_ok=True, removes_dim=True),
+    aten.slice_scatter: slice_scatter,
     aten.softmax: along_dim(1),
     aten._softmax: along_dim(1),
     aten.log_softmax: along_dim(1),

@@ -183,6 +183,16 @@ def slice_(draw, p):
     return Sample(aten.slice.Tensor, (x, dim, start, draw(st.integers(start, x.shape[dim])), draw(st.integers(1, 2))))
 
 
+def slice_scatter(draw, p):
+    x = tensor(draw, p, 1, 3)
+    dim = dim_of(draw, x.dim()) % x.dim()
+    # often a slice of p rows, so that splitting the written dim too (a wrong strategy) would be tried
+    start = draw(st.sampled_from([0, x.shape[dim] - min(p, x.shape[dim]), draw(st.integers(0, x.shape[dim] - 1))]))
+    end, step = draw(st.sampled_from([x.shape[dim], min(start + p, x.shape[dim]), start + 1])), draw(st.integers(1, 2))
+    src = values(draw, x.shape[:dim] + (len(range(start, end, step)),) + x.shape[dim + 1 :])
+    return Sample(aten.slice_scatter.default, (x, src, dim - x.dim() * draw(st.booleans()), start, end, step))
+
+
 def narrow(draw, p):
     x = tensor(draw, p, 1, 3)
     dim = dim_of(draw, x.dim())
@@ -398,6 +408,7 @@ SAMPLES = {
     "aten.split_with_sizes": split_with_sizes,
     "aten.chunk": chunk,
     "aten.slice": slice_,
+    "aten.slice_scatter": slice_scatter,
     "aten.narrow": narrow,
     "aten.select": select,
     "aten.softmax": along(aten.softmax.int),

@@ -78,3 +78,34 @@ def test_keyword_inputs_and_constants_and_the_output_structure():
     leaves, spec = torch.utils._pytree.tree_flatten(((), {"x": 0, "scale": 1, "return_dict": False}))
     assert captured.in_spec == spec
     assert captured.out_spec == torch.utils._pytree.tree_flatten((0, 1))[1]
+
+
+class _KeysIntoSlices(torch.nn.Module):
+    """Writes two pieces into slices of an empty tensor with ``copy_``, broadcasting one and casting
+    the other, as DeepSeek-V3's attention builds its keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 12)
+
+    def forward(self, x):
+        nope, rope = self.proj(x).split([8, 4], dim=-1)
+        keys = x.new_empty(3, 4, 12, dtype=torch.float64)
+        keys[..., :8].copy_(nope)
+        keys[..., 8:].copy_(rope[:1])  # broadcast over the first dim
+        return (keys * keys).sum()
+
+
+def test_copy_into_a_slice_is_captured_as_ops_autograd_differentiates():
+    """Functionalized ``copy_`` is ``aten.copy``, which has no derivative: the graph has none, and its
+    gradients are the eager model's."""
+    torch.manual_seed(0)
+    model, x = _KeysIntoSlices(), torch.randn(3, 4, 8, requires_grad=True)
+    captured = capture(model, (x,))
+    assert torch.ops.aten.copy.default not in {n.target for n in captured.graph.nodes}
+    params = [model.get_parameter(name) for name in captured.params.values()]
+    (captured_loss,) = captured.graph_module(*params, x)
+    got = torch.autograd.grad(captured_loss, [x, *params])
+    want = torch.autograd.grad(model(x), [x, *params])
+    assert torch.allclose(captured_loss, model(x))
+    assert all(torch.allclose(g, w) for g, w in zip(got, want))

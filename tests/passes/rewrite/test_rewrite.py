@@ -1,9 +1,13 @@
+import dataclasses
+import operator
+
 import pytest
 import torch
 from planning import meta_model, plan_example
 
+import autopar
 import autopar.runtime.collectives  # noqa: F401
-from autopar.ir import StalePlanError
+from autopar.ir import Replicate, Shard, StalePlanError
 from autopar.passes.capture.graph import capture
 from autopar.passes.rewrite.rewrite import rewrite
 
@@ -62,3 +66,35 @@ def test_a_plan_for_another_graph_is_stale():
     plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT)
     with pytest.raises(StalePlanError, match="(?i)re-run autopar.plan"):
         _rewritten(plan, batch=4)
+
+
+class _Split(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(16, 32), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        gate, value = torch.split(self.inp(x), [16, 16], dim=-1)
+        return self.out(gate).sum() + value.sum()
+
+
+def test_a_split_piece_taken_in_another_placement_is_moved_once_taken():
+    """No collective moves a tuple: a piece wanted split from a replicated split (as mamba's on TP)
+    is taken whole, then chunked, once."""
+    captured = capture(_Split(), (torch.randn(8, 16),))
+    pins = {"inp": "R"}  # the split's input replicated, so its pieces are too, unless moved
+    plan = autopar.plan(captured, 4, degrees={"tp": 4}, constraints=pins, hardware="a100-80gb", precision="fp32")
+    split = next(n for n in captured.graph.nodes if n.target is torch.ops.aten.split_with_sizes.default)
+    piece = next(u for u in split.users if u.args[1] == 0)
+    taken = (Replicate(), Shard(1))
+    assert plan.nodes[split.name].output == (Replicate(), Replicate())
+    plan = dataclasses.replace(
+        plan,
+        nodes={**plan.nodes, piece.name: dataclasses.replace(plan.nodes[piece.name], inputs=(taken,), output=taken)},
+    )
+    program = rewrite(captured, plan, groups={"tp": "TP"}, device="cpu")
+    piece = next(n for n in program.graph.nodes if n.target is operator.getitem and n.args[1] == 0)
+    assert piece.args[0].target is torch.ops.aten.split_with_sizes.default
+    (chunk,) = piece.users
+    assert chunk.target is torch.ops.autopar.chunk.default and chunk.args[1:] == ("TP", 1)
+    assert [a.target for a in program.graph.nodes if a.target is torch.ops.autopar.chunk.default] == [chunk.target]
