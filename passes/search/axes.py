@@ -104,10 +104,10 @@ def solve_axes(
         ctx = _context(search, degrees, zero, schedule, index, local, experts)
         floor = (lambda work, sync: worth(solved, work, sync)) if index == last_sharded and worth else None
         try:
-            chosen = None if free else solve_axis(facts, ctx, limit, search.variable, search.memo, floor)
+            chosen = None if free else solve_axis(facts, ctx, limit, search.variable, search.memo, floor, search.twin)
             if chosen is None and not free and cache is not None and key in cache:
                 chosen = cache[key]  # nothing keeps the budget: the layout without it, solved before
-            chosen = chosen or solve_axis(facts, ctx, None, search.variable, search.memo, floor)
+            chosen = chosen or solve_axis(facts, ctx, None, search.variable, search.memo, floor, search.twin)
         except Pruned:
             return None
         if free and cache is not None:
@@ -360,7 +360,13 @@ class Pruned(Exception):
 
 
 def solve_axis(
-    facts, ctx: AxisContext, limit, variable: dict[str, str] | None = None, memo: dict | None = None, worth=None
+    facts,
+    ctx: AxisContext,
+    limit,
+    variable: dict[str, str] | None = None,
+    memo: dict | None = None,
+    worth=None,
+    twin: dict[str, str] | None = None,
 ) -> dict[str, Strategy] | None:
     """The ILP of one axis (see the module docstring); None when ``limit`` cannot be met.
 
@@ -369,13 +375,16 @@ def solve_axis(
     sums, a node and an edge counted ``weight`` times (:attr:`NodeFacts.weight`). ``memo`` keeps
     each node's candidates across the axes of one search (they depend on its local shapes only).
     ``worth(work, sync)``, given the axis's cost floor (:func:`floor_of`), may answer False: then
-    :class:`Pruned` is raised before the pairs are built.
+    :class:`Pruned` is raised before the pairs are built. ``twin`` maps a node of an identical
+    layer to its counterpart (:attr:`LayerFolding.twin`): where their local shapes agree, their
+    candidates and costs are computed once.
     """
     names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
     var_of = {n: (variable or {}).get(n, n) for n in names}
     reps = list(dict.fromkeys(var_of.values()))
     index = {rep: i for i, rep in enumerate(reps)}
-    options = {rep: _candidates(facts[rep], ctx, memo) for rep in reps}
+    twin = twin or {}
+    options = {rep: _candidates(facts[rep], ctx, memo, twin.get(rep, rep)) for rep in reps}
     if ctx.size == 1:  # every strategy of a node is the same on one device
         return {n: options[var_of[n]][0] for n in names}
     weight = dict.fromkeys(reps, 0)
@@ -385,7 +394,12 @@ def solve_axis(
         memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
         if sum(float(m.min()) for m in memory) > limit:
             return None  # not even the leanest option of every node keeps the budget
-    terms = {r: [node_terms(facts[r], s, ctx, facts) for s in options[r]] for r in reps}
+    terms, by_twin = {}, {}
+    for r in reps:
+        key = (twin.get(r, r), ctx.local.work.get(r), tuple(ctx.local.slot_shapes[r]), tuple(ctx.local.shapes[r]))
+        if key not in by_twin:
+            by_twin[key] = [node_terms(facts[r], s, ctx, facts) for s in options[r]]
+        terms[r] = by_twin[key]
     if worth is not None and not worth(*floor_of(facts, ctx, options, terms, weight)):
         raise Pruned
     unary = [weight[r] * np.array([sum(t) for t in terms[r]]) for r in reps]
@@ -410,17 +424,26 @@ def solve_axis(
             moves[key] = edge_time(fact, src, dst, shape, ctx)
         return moves[key]
 
+    # edges alike (the same candidate lists, slot, shape and bytes: identical layers) share their matrix
+    alike: dict[tuple, tuple] = {}
     for (producer, consumer, slot_index, shape), count in edge_weight.items():
-        # an edge costs by the producer's output placement and the one the consumer wants: classes of options
-        sources = list(dict.fromkeys(s.output for s in options[producer]))
-        wanted = [R] if consumer is None else list(dict.fromkeys(s.inputs[slot_index] for s in options[consumer]))
-        matrix = count * np.array([[move(facts[producer], a, b, shape) for b in wanted] for a in sources])
-        class_u = np.array([sources.index(s.output) for s in options[producer]])
+        fact = facts[producer]
+        consumed = None if consumer is None else options[consumer]
+        key = (id(options[producer]), id(consumed), slot_index, shape, fact.elem_bytes, fact.needs_grad)
+        if key not in alike:
+            # an edge costs by the producer's output placement and the one the consumer wants: classes of options
+            sources = list(dict.fromkeys(s.output for s in options[producer]))
+            wanted = [R] if consumed is None else list(dict.fromkeys(s.inputs[slot_index] for s in consumed))
+            alike[key] = (
+                np.array([[move(fact, a, b, shape) for b in wanted] for a in sources]),
+                np.array([sources.index(s.output) for s in options[producer]]),
+                None if consumed is None else np.array([wanted.index(s.inputs[slot_index]) for s in consumed]),
+            )
+        matrix, class_u, class_v = alike[key]
         if consumer is None:
-            unary[index[producer]] = unary[index[producer]] + matrix[class_u, 0]
+            unary[index[producer]] = unary[index[producer]] + count * matrix[class_u, 0]
         else:
-            class_v = np.array([wanted.index(s.inputs[slot_index]) for s in options[consumer]])
-            pairs.append((index[producer], index[consumer], matrix, class_u, class_v))
+            pairs.append((index[producer], index[consumer], count * matrix, class_u, class_v))
     leaders, penalties = followers(facts, options, index, var_of)
     problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
     solution = solve_choices(problem)
@@ -453,11 +476,12 @@ def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, fl
     return work, sync
 
 
-def _candidates(fact: NodeFacts, ctx: AxisContext, memo: dict | None) -> list[Strategy]:
+def _candidates(fact: NodeFacts, ctx: AxisContext, memo: dict | None, twin: str | None = None) -> list[Strategy]:
     if memo is None:
         return candidates(fact, ctx)
     name = fact.node.name
-    key = (name, ctx.name, ctx.size, ctx.later, tuple(ctx.local.slot_shapes[name]), tuple(ctx.local.shapes[name]))
+    shapes = (tuple(ctx.local.slot_shapes[name]), tuple(ctx.local.shapes[name]))
+    key = (twin or name, ctx.name, ctx.size, ctx.later, *shapes)
     if key not in memo:
         memo[key] = candidates(fact, ctx)
     return memo[key]

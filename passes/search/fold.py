@@ -49,6 +49,7 @@ class LayerFolding:
     variable: dict[str, str]  # reduced node → the node whose ILP variable it shares (itself if none)
     stands_for: dict[str, str]  # node of the whole graph → the reduced node whose strategy it takes
     classes: tuple[tuple[str, ...], ...] = ()  # the layers of each class of 2+ identical layers
+    twin: dict[str, str] = dataclasses.field(default_factory=dict)  # node → its counterpart in its class's first layer
 
     @classmethod
     def unfolded(cls, facts: dict[str, NodeFacts]) -> LayerFolding:
@@ -74,7 +75,10 @@ def fold_layers(facts: dict[str, NodeFacts], pins: dict[str, object]) -> LayerFo
         classes.setdefault(_signature(nodes, facts, position, users, pins), []).append(layer)
     class_of = {layer: key for key, layers in classes.items() for layer in layers}
     variable = {name: name for name in facts}
+    twin = {}  # identical nodes have the same candidates and costs where their local shapes agree
     for layers in classes.values():
+        for layer in layers[1:]:
+            twin.update(zip(members[layer], members[layers[0]]))
         for layer in layers[2:-1]:  # the first and the last keep their own (module docstring)
             for name, second in zip(members[layer], members[layers[1]]):
                 variable[name] = second
@@ -95,6 +99,7 @@ def fold_layers(facts: dict[str, NodeFacts], pins: dict[str, object]) -> LayerFo
         {name: variable[name] for name in reduced if name in kept},
         stands_for,
         tuple(tuple(layers) for layers in classes.values() if len(layers) > 1),
+        twin,
     )
 
 

@@ -71,6 +71,7 @@ class SearchContext:
     batch_dims: dict[str, Strategy]  # node → where its batch dim is (never split by other axes)
     sequence_dims: dict[str, Strategy]  # node → where its sequence dim is (matmuls split it only on cp)
     variable: dict[str, str]  # node → the node whose ILP variable it shares (identical layers)
+    twin: dict[str, str]  # node → its counterpart in the first of its identical layers (LayerFolding.twin)
     memo: dict = field(default_factory=dict)  # each node's candidates per axis and local shapes
 
 
@@ -125,6 +126,7 @@ def search(
             batch_dims,
             sequence_dims,
             folding.variable,
+            folding.twin,
             memo,
         ),
         progress,
