@@ -16,7 +16,9 @@ def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
     replicates over dp along the first dim that no other axis splits, so that the two splits
     nest as DTensor placements ``(Shard(d), <tp placement>)`` describe and ``full_tensor()``
     stays right; and only where dp divides that dim (uneven shards are not supported yet).
-    A parameter without such a dim (a 1-D bias split over tp) stays whole on every dp rank.
+    A parameter without such a dim (a 1-D bias split over tp) stays whole on every dp rank, and
+    under ZeRO-2 one whose gradient the dp ranks do not sum (a layout that runs its ops on the
+    whole batch on every dp rank): its reduce-scatter would add identical copies.
 
     >>> zero_shard_dim(plan, "layers.0.attn.wq.weight", (64, 64))   # doctest: +SKIP
     1
@@ -27,6 +29,8 @@ def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
     placements = plan.params[param]
     if not isinstance(placements[plan.axes.index(Axis.DP)], Replicate):
         return None
+    if plan.zero == 2 and Axis.DP not in plan.grad_sync.get(param, ()):
+        return None  # ZeRO-2 reduce-scatters (sums) gradients over dp: one each dp rank computes whole stays whole
     local, split = list(shape), set()
     for axis, placement in zip(plan.axes, placements):
         if isinstance(placement, Shard):

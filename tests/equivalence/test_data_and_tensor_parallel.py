@@ -48,12 +48,10 @@ TWO_RANKS = [
 ]
 
 FOUR_RANKS = [
-    ("mlp", "build", MLP, {}),
     ("mlp", "build", MLP, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=MLP_TP)),
     ("gpt", "build", GPT, {}),
     ("gpt", "build", GPT, dict(degrees={"dp": 4}, **IGNORED)),
     ("gpt", "build", GPT, dict(degrees={"tp": 4}, constraints=GPT_TP)),
-    ("gpt", "build", GPT, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT_TP)),
     ("gpt", "build", GPT, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT_SP)),
     ("hf", "build_gpt2", HF, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT2_TP)),
     ("hf", "build_llama", HF, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=LLAMA_SP)),

@@ -36,7 +36,9 @@ TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forwar
     dict(degrees={"dp": 2}, microbatches=2, check_forward=True),  # gradient accumulation, synced once
     dict(degrees={"tp": 2}, constraints=GPT_TP, microbatches=4),
 ]
-FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forward=True) for kind in PIPELINES] + [
+# every schedule on 2 stages; on 4, one of each family (interleaved-zb also runs on pp2 x tp2 below)
+ON_FOUR = ("1f1b", "interleaved-1f1b", "zbv")
+FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forward=True) for kind in ON_FOUR] + [
     dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="1f1b", check_forward=True),
     dict(mesh="2x2", degrees={"pp": 2, "tp": 2}, constraints=GPT_TP, microbatches=2, pipeline="interleaved-zb"),
 ]
@@ -72,16 +74,17 @@ def test_pipelined_training_step_matches_single_process(world, cases):
 
 # ZeRO over the dp axis of each stage's sub-mesh (PP2xDP2), on plans made without ZeRO and
 # given a stage (as in test_zero), so that every case sums gradients over dp; one case as users
-# call it (zero=2). The zero-bubble schedules set weight gradients outside autograd's hooks
-# (ZeRO-2: synced after their weight pass; ZeRO-3: reduce-scattered per parameter). The MLP
+# call it (zero=2: the search may then run a tiny model's ops on the whole batch on every dp
+# rank). The zero-bubble schedules set weight gradients outside autograd's hooks (ZeRO-2:
+# synced after their weight pass; ZeRO-3: reduce-scattered per parameter). The MLP
 # has a leaf ZeRO leaves whole (fc1.bias: 9 elements).
 ZERO_CASES = [
     ("gpt", 1, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
     ("gpt", 2, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
     ("gpt", 3, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
     ("gpt", 3, dict(pipeline="interleaved-zb", microbatches=4), dict(check_forward=True)),
-    ("gpt", 2, dict(pipeline="zbv", microbatches=2), dict(how="zero=N", check_forward=True)),
-    ("mlp", 2, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
+    ("gpt", 2, dict(pipeline="zbv", microbatches=2), dict(check_forward=True)),
+    ("mlp", 2, dict(pipeline="1f1b", microbatches=2), dict(how="zero=N", check_forward=True)),
 ]
 PP2xDP2 = dict(mesh="2x2", degrees={"pp": 2, "dp": 2})
 MLP_MIXED = dict(hidden=6, ffn=9, layers=2)

@@ -26,8 +26,6 @@ def _gpt():
 
 TWO_RANKS = [
     dict(recompute="full", degrees={"dp": 2}),
-    dict(recompute="selective", degrees={"dp": 2}),
-    dict(recompute="full", degrees={"tp": 2}, constraints=GPT_TP),
     dict(recompute="selective", degrees={"tp": 2}, constraints=GPT_TP),
     dict(recompute="full", degrees={"dp": 2}, microbatches=2),
     dict(recompute="selective", degrees={"tp": 2}, constraints=GPT_TP, microbatches=2),
