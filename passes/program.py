@@ -41,7 +41,7 @@ from autopar.passes.rewrite.recompute import apply_recompute
 from autopar.passes.rewrite.rewrite import rewrite
 from autopar.passes.rewrite.stages import StageProgram, split_stages
 from autopar.passes.runner import PassLog, verify_graph
-from autopar.passes.search.axes import chunks_per_rank
+from autopar.passes.search.pins import chunks_per_rank
 
 
 @dataclass(frozen=True)

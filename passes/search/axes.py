@@ -9,14 +9,13 @@ Axes are solved outermost first, each on the local shapes the earlier ones leave
   redistribution time on every edge whose producer's output placement differs from what the
   consumer wants;
 - constraints: data-like axes (dp, ep, cp) pin user inputs to their batch or sequence dim and
-  parameters to replicated (:func:`axis_pins`); the tensor-parallel axis is free but for user
+  parameters to replicated (:mod:`pins`); the tensor-parallel axis is free but for user
   pins; the memory budget binds on the last sharded axis, where all sharding is known;
   elementwise followers take their producer's placement (:func:`followers`).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import math
 
 import numpy as np
@@ -27,16 +26,10 @@ from autopar.ir import (
     Axis,
     HardwareProfile,
     Kernel,
-    Placement,
-    Replicate,
     Schedule,
     Shard,
     ShardingRuleError,
-    module_label,
-    parse_placement,
 )
-from autopar.passes.capture.graph import module_path
-from autopar.passes.capture.moe import EXPERTS_OP
 from autopar.passes.cost.axis_terms import (
     IMPOSSIBLE_S,
     AxisContext,
@@ -49,17 +42,18 @@ from autopar.passes.cost.axis_terms import (
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.search.ilp import ChoiceProblem, solve_choices
-from autopar.passes.sharding.rules import KERNEL_RULES, MATMULS, node_strategies, pointwise, rule_for
+from autopar.passes.search.pins import (
+    SPLIT_DIM,
+    R,
+    _named,
+    axis_pins,
+    chunks_per_rank,
+    expert_params,
+    kernel_pins,
+    module_name,
+)
+from autopar.passes.sharding.rules import MATMULS, node_strategies, pointwise, rule_for
 from autopar.passes.sharding.strategies import OpView, Strategy
-
-R = Replicate()
-# the tensor dim each data-like axis splits in user inputs (and keeps parameters whole over)
-SPLIT_DIM = {Axis.DP: 0, Axis.EP: 0, Axis.CP: 1}
-
-
-def chunks_per_rank(axis: str) -> int:
-    """cp holds a head and a tail chunk of the sequence per rank (which balances causal attention)."""
-    return 2 if axis == Axis.CP else 1
 
 
 def solve_axes(
@@ -149,102 +143,6 @@ def _fingerprint(chosen: dict[str, Strategy]) -> tuple:
     return tuple(chosen.items())
 
 
-def axis_pins(facts, axis: str, size: int, constraints, experts: frozenset[str] = frozenset()) -> dict[str, Placement]:
-    """What an axis fixes: dp and ep split the inputs' batch dim, cp their sequence dim; all
-    three keep parameters whole (but ep the experts' weights, which its kernel may split)."""
-    split_dim = SPLIT_DIM.get(axis)
-    multiple = chunks_per_rank(axis) * size
-    pins = {}
-    for name, fact in facts.items():
-        if fact.kind == "buffer":
-            pins[name] = R
-        elif split_dim is not None and fact.kind == "param" and not (axis == Axis.EP and name in experts):
-            pins[name] = R
-        elif fact.kind == "input":
-            shape = fact.out_shape
-            splits = split_dim is not None and len(shape) > split_dim and shape[split_dim] % multiple == 0
-            pins[name] = Shard(split_dim) if splits and size > 1 else R
-    if axis == Axis.TP:
-        pins.update(_constraint_pins(facts, constraints))
-    return pins
-
-
-def user_pins(facts, constraints) -> dict[str, tuple]:
-    """Node → (placement pinned on the tensor-parallel axis, kernel pinned), for every node a
-    constraint names (:func:`axis_pins`, :func:`kernel_pins`; a constraint matching nothing is an error)."""
-    placements, kernels = _constraint_pins(facts, constraints), kernel_pins(facts, constraints)
-    return {name: (placements.get(name), kernels.get(name)) for name in {*placements, *kernels}}
-
-
-def kernel_pins(facts, constraints) -> dict[str, str]:
-    """Nodes pinned to a parallel kernel: ``{"layers.*.attn": "ring"}`` (by :func:`module_name`)."""
-    pins = {}
-    for pattern, value in constraints.items():
-        if value in KERNEL_DIMS:
-            matched = [
-                n for n, f in facts.items() if f.kind == "op" and fnmatch.fnmatchcase(module_name(f.node), pattern)
-            ]
-            pins.update({name: value for name in matched if _has_kernel(facts[name], value)})
-            if not any(_has_kernel(facts[name], value) for name in matched):
-                raise ShardingRuleError(
-                    f"constraint {pattern!r}: {value!r} pins a kernel, but no op of a module matching it has one"
-                )
-    return pins
-
-
-def module_name(node) -> str:
-    """The module a constraint pattern matches a node by: its module path, or ``"<top>"`` for
-    the model's own forward (where a loss is usually computed), as plans print it."""
-    return module_label(module_path(node))
-
-
-def _has_kernel(fact: NodeFacts, kernel: str) -> bool:
-    return rule_for(fact.node.target) in KERNEL_RULES[kernel]
-
-
-def _constraint_pins(facts, constraints) -> dict[str, Placement]:
-    pins = {}
-    for pattern, value in constraints.items():
-        if value in KERNEL_DIMS:
-            continue
-        placement = parse_placement(value) if isinstance(value, str) else value
-        matched = [
-            name
-            for name, f in facts.items()
-            if (f.kind == "param" and fnmatch.fnmatchcase(f.name, pattern))
-            or (f.kind == "op" and f.out_shapes and fnmatch.fnmatchcase(module_name(f.node), pattern))
-        ]
-        if not matched:
-            raise ShardingRuleError(f"constraint {pattern!r} matches no parameter and no module: check the name")
-        for name in matched:
-            pins[name] = _pinned(facts[name], pattern, placement)
-    return pins
-
-
-def _pinned(fact: NodeFacts, pattern: str, placement: Placement) -> Placement:
-    """The pin with a negative dim counted from the end; a dim the tensor does not have is the user's mistake."""
-    if not isinstance(placement, Shard):
-        return placement
-    shape = fact.out_shape
-    if not -len(shape) <= placement.dim < len(shape):
-        raise ShardingRuleError(
-            f"constraint {pattern!r}={placement}: {_named(fact)} has {len(shape)} dims (shape {list(shape)}), so "
-            f"S(d) needs {-len(shape)} <= d < {len(shape)}: pin a dim it has, e.g. S(-1) for its last"
-        )
-    return Shard(placement.dim % len(shape))
-
-
-def expert_params(facts) -> frozenset[str]:
-    """Parameters that feed an experts op's expert weights (every slot after the router's)."""
-    return frozenset(
-        slot.name
-        for f in facts.values()
-        if f.kind == "op" and str(f.node.target).startswith(EXPERTS_OP)
-        for slot in f.slots[2:]
-        if facts[slot.name].kind == "param"
-    )
-
-
 def _on_axis(strategy: Strategy, view: OpView, ctx: AxisContext) -> bool:
     """Kernels run only on their own axis; on cp every split dim holds 2·p chunks, and
     Ulysses needs the heads left after later axes to split again."""
@@ -298,13 +196,6 @@ def candidates(fact: NodeFacts, ctx: AxisContext) -> list[Strategy]:
             )
         options = pinned
     return options
-
-
-def _named(fact: NodeFacts) -> str:
-    """A node as a user knows it: a parameter by name, an op by its node and module."""
-    if fact.kind == "param":
-        return f"parameter {fact.name!r}"
-    return f"node {fact.node.format_node()} (module {module_name(fact.node)!r})"
 
 
 def _no_kernel(fact: NodeFacts, ctx: AxisContext):

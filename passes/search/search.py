@@ -46,8 +46,9 @@ from autopar.passes.cost.evaluate import LayoutTerms, PricedConfiguration, evalu
 from autopar.passes.cost.facts import NodeFacts, analyze
 from autopar.passes.cost.schedule import bubble_share
 from autopar.passes.rewrite.gradients import plan_gradients
-from autopar.passes.search.axes import solve_axes, split_dims, user_pins
+from autopar.passes.search.axes import solve_axes, split_dims
 from autopar.passes.search.fold import LayerFolding, fold_layers
+from autopar.passes.search.pins import user_pins
 from autopar.passes.search.ranking import Candidate, choose, near, within_reach
 from autopar.passes.search.schedule import leanest, levels, price, variants
 from autopar.passes.search.space import BOUND, MEMORY, LowerBounds, configurations, optional_dims

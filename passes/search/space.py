@@ -60,7 +60,7 @@ from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import optimizer_time
 from autopar.passes.cost.schedule import dropped, forward_share
-from autopar.passes.search.axes import chunks_per_rank, expert_params
+from autopar.passes.search.pins import chunks_per_rank, expert_params
 from autopar.passes.sharding.rules import node_strategies
 from autopar.passes.sharding.strategies import OpView, Strategy, numel, work_fraction
 
