@@ -16,9 +16,17 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 from autopar.ir.errors import MeshError
 
+# Meshes built in this process, by (layout, device type), with the world they were built in.
+# Every ``parallelize`` asks for one; c10d groups are never freed until the world is, so building
+# anew each time grew a process that parallelizes many models by three gloo threads per group.
+_MESHES: dict[tuple, tuple[dist.ProcessGroup, DeviceMesh]] = {}
+
 
 def build_device_mesh(layout: dict[str, int], device_type: str) -> DeviceMesh:
     """A mesh over all ranks with one named dim per layout entry, in order (sizes of 1 allowed).
+
+    The same layout in the same world returns the same mesh, so its groups (and the flattened
+    ones ``group_name`` adds) are created once per process, however many modules use them.
 
     Needs the default process group (``launch.init_from_env``). Example:
     ``mesh = build_device_mesh({"dp": 2, "tp": 2}, "cpu")`` on 4 ranks.
@@ -32,9 +40,13 @@ def build_device_mesh(layout: dict[str, int], device_type: str) -> DeviceMesh:
             f"mesh layout {layout} spans {mesh_size} ranks but the world has {world_size}; "
             f"launch {mesh_size} processes or choose degrees whose product is {world_size}"
         )
-    mesh = init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=tuple(str(axis) for axis in layout))
-    for axis in layout:
-        _inherit_timeout(mesh.get_group(str(axis)))
+    key = (tuple((str(axis), size) for axis, size in layout.items()), device_type)
+    world, mesh = _MESHES.get(key, (None, None))
+    if world is not dist.group.WORLD:  # first asked, or the world was destroyed and made anew since
+        mesh = init_device_mesh(device_type, tuple(layout.values()), mesh_dim_names=tuple(name for name, _ in key[0]))
+        for axis in layout:
+            _inherit_timeout(mesh.get_group(str(axis)))
+        _MESHES[key] = (dist.group.WORLD, mesh)
     return mesh
 
 

@@ -191,6 +191,12 @@ def _errors_of(fn) -> str:
     return "no error"
 
 
+def _groups_made(fn) -> int:
+    before = len(dist.distributed_c10d._world.pg_map)
+    fn()
+    return len(dist.distributed_c10d._world.pg_map) - before
+
+
 def _two_ranks(rank, world_size):
     mesh = build_device_mesh({"world": 2}, "cpu")
     world = group_name(mesh, ("world",))
@@ -224,6 +230,10 @@ def _four_ranks(rank, world_size):
             label: dist.get_process_group_ranks(_resolve_process_group(group)) for label, group in groups.items()
         },
         "same name again": group_name(mesh, ("dp", "tp")) == groups["dp+tp"],
+        # each parallelize asks for its mesh: the same layout must not make new groups (they are never freed)
+        "groups made again": _groups_made(
+            lambda: group_name(build_device_mesh({"dp": 2, "tp": 2, "pp": 1}, "cpu"), ("dp", "tp"))
+        ),
         "axes out of order": _errors_of(lambda: group_name(mesh, ("tp", "dp"))),
     }
 
@@ -294,4 +304,5 @@ def test_group_names_follow_the_mesh(four_ranks):
         {"tp": [2, 3], "dp": [1, 3], "dp+tp": [0, 1, 2, 3]},
     ]
     assert all(result["same name again"] for result in four_ranks)
+    assert [result["groups made again"] for result in four_ranks] == [0] * 4
     assert "mesh order" in four_ranks[0]["axes out of order"]
