@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.cli.arguments import parse_degrees
 from autopar.runtime import Checkpointer, finish, init_from_env
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--degrees", type=parse_degrees, help="pin parallel sizes, e.g. pp=2 (default: searched)")
     parser.add_argument("--compile", action="store_true", help="run the per-rank program through torch.compile")
     parser.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here, and resume from the newest one")
@@ -66,9 +68,9 @@ def main() -> None:
     checkpointer = None
     if args.checkpoint_dir:
         checkpointer = Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
-    pmodel = autopar.parallelize(
-        model, world, example, plan=checkpointer and checkpointer.plan(world), compile=args.compile
-    )
+    plan = checkpointer and checkpointer.plan(world)
+    pins = {"degrees": args.degrees} if args.degrees and plan is None else {}
+    pmodel = autopar.parallelize(model, world, example, plan=plan, compile=args.compile, **pins)
     if rank == 0:
         print(pmodel.plan, flush=True)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)

@@ -88,18 +88,18 @@ class CompiledProgram:
         self._run = torch.compile(program, backend=backend, fullgraph=True, dynamic=False)
 
     def __call__(self, *args):
-        if self.compile_s is not None:
-            return self._run(*args)
         start = time.perf_counter()
         try:
             outputs = self._run(*args)
         except torch._dynamo.exc.Unsupported as error:
             failure = error.__context__
             if failure is not None and not isinstance(failure, torch._dynamo.exc.Unsupported):
-                # the compiled program failed and fx's error report (a generator) could not be traced
+                # the compiled program failed (a collective timed out, say) and Dynamo could not
+                # trace fx's error report (a generator) on the way out: the failure is the error
                 raise failure from None
             raise CompileError(_graph_break_message(self.program, error)) from error
-        self.compile_s = time.perf_counter() - start
+        if self.compile_s is None:
+            self.compile_s = time.perf_counter() - start
         return outputs
 
 

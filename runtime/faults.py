@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.distributed_c10d import _get_default_store, _resolve_process_group
 
+from autopar.ir import waited_for
 from autopar.ir.errors import CollectiveError, DistributedError
 from autopar.runtime.process_groups import world_timeout
 
@@ -51,6 +52,7 @@ _FAILURE_KEY = "autopar/failure/{rank}"
 _COMMUNICATION_SIGNS = ("timed out", "timeout", "connection closed", "connection reset", "broken pipe", "nccl")
 # per thread: autograd may run backward on a device thread; a backward enters and leaves on one
 _PLAN_NODES = threading.local()
+_COMMENT_REACH = 4  # lines between a generated call and inductor's comment naming its node
 
 
 def agree(step: Callable[[], T], what: str) -> T:
@@ -115,11 +117,15 @@ def _raise_everywhere(own: BaseException | None, first: bytes, failed: list[int]
 
 
 @contextlib.contextmanager
-def collective(kind: str, group_name: str | None = None, where: Where | None = None) -> Iterator[None]:
+def collective(
+    kind: str, group_name: str | None = None, where: Where | None = None, waited_in: str | None = None
+) -> Iterator[None]:
     """Run one c10d call (or the wait for one): a failure of the communication becomes a
     :class:`CollectiveError` naming this rank, ``kind``, the group (its mesh axis and ranks) and
     where in the plan it ran: ``where`` (a phrase, or a function making it when needed), else
     the innermost :func:`plan_node` around it, else nothing (the traceback may still show a node).
+    With ``waited_in`` (a file name ending), only failures raised from that file's code are
+    named: a call that waits for its communication among other work (torch's pipeline schedule).
 
     Example: ``with collective("all_reduce", group_name): dist.all_reduce(out, group=...)``;
     ``with collective("gradient all-reduce", dp, where="in the gradient sync of bucket 2 (fc1.weight)")``.
@@ -129,7 +135,10 @@ def collective(kind: str, group_name: str | None = None, where: Where | None = N
     except CollectiveError:
         raise
     except RuntimeError as error:
-        if not _is_communication_failure(error):
+        if not _is_communication_failure(error) or _collective_error(error) is not None:
+            raise
+        innermost = list(_frames(error))[-1][0].f_code.co_filename
+        if waited_in is not None and not innermost.replace("\\", "/").endswith(waited_in):
             raise
         if where is None:
             where = next(reversed(getattr(_PLAN_NODES, "stack", [])), None)
@@ -205,8 +214,10 @@ def reported(what: str) -> Iterator[None]:
             error.autopar_reported = True
             raise
         failed = failed or error
-        named = getattr(failed, "collective", None) or f"a collective in {_innermost_runtime_call(failed)}"
-        where = getattr(failed, "where", "") or (f"at node {node}" if (node := program_node(failed)) else "")
+        waited = compiled_wait(failed)
+        inside = "a compiled program" if waited else _innermost_runtime_call(failed)
+        named = getattr(failed, "collective", None) or f"a collective in {inside}"
+        where = getattr(failed, "where", "") or (f"at node {node}" if (node := program_node(failed)) else waited)
         reason = _reason(getattr(failed, "cause", failed))
         _post(f"{what}: " + " ".join(part for part in (named, where, reason) if part))
         message = (
@@ -302,6 +313,23 @@ def program_node(error: BaseException) -> str:
             if isinstance(program, fx.GraphModule) and frame.f_code.co_name == "forward":
                 found = _node_at(program, frame.f_code.co_filename, line_number) or found
     return found
+
+
+def compiled_wait(error: BaseException) -> str:
+    """Where ``error`` stopped a compiled program: "waiting for node all_gather_3" or "waiting
+    for the backward of nodes a, b" (the program's nodes whose collective it waited for); ""
+    when its traceback passes through no generated code. Inductor writes each call's nodes in a
+    comment above it, and ``overlap`` named the waits after the program's nodes
+    (:func:`autopar.ir.wait_name`)."""
+    for frame, line_number in reversed(list(_frames(error))):
+        if frame.f_code.co_name == "call" and "inductor" in frame.f_code.co_filename:
+            for back in range(1, _COMMENT_REACH + 1):
+                line = linecache.getline(frame.f_code.co_filename, line_number - back)
+                if "Source Nodes: [" in line:
+                    names = line.split("Source Nodes: [", 1)[1].split("]", 1)[0].split(", ")
+                    waited = next((text for name in names if (text := waited_for(name))), "")
+                    return f"waiting for {waited}" if waited else ""
+    return ""
 
 
 def _node_at(program: fx.GraphModule, filename: str, line_number: int) -> str:

@@ -44,13 +44,15 @@ from torch.distributed.pipelining.schedules import _ComputationType
 
 from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
 from autopar.runtime.calls import Calls
+from autopar.runtime.faults import collective, listing
 from autopar.runtime.mixed_precision import MixedPrecision
 from autopar.runtime.module import ParallelModule, communicating, whole_leaves
 from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
 
-if TYPE_CHECKING:  # a type only: compiling imports inductor, which eager runs do not need
+if TYPE_CHECKING:  # types only: compiling imports inductor, which eager runs do not need
+    from autopar.passes.rewrite.stages import StageProgram
     from autopar.runtime.compile import Compiler
 
 SCHEDULES = {
@@ -111,13 +113,54 @@ class _StageModule(nn.Module):
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
 
+class _Transfers:
+    """The stage-to-stage sends and receives this rank posted last, in words: torch's schedule
+    posts and waits for them itself, so a transfer that times out (a peer stalled or died) is
+    named from here (see ``PipelineModule._step``)."""
+
+    def __init__(self):
+        self.last: dict[str, str] = {}  # "receive" / "send" → the last one posted
+
+    def posted(self, ops: list[dist.P2POp], stage: int, what: str, values: tuple[str, ...], microbatch: int):
+        for op in ops[:1]:
+            kind = "receive" if op.op is dist.irecv else "send"
+            peer = f"{'from' if kind == 'receive' else 'to'} rank {op.peer}"
+            named = f"{listing(list(values))}" if values else "its values"
+            self.last[kind] = f"{kind} of stage {stage}'s {what} ({named}) for microbatch {microbatch} {peer}"
+        return ops
+
+    def describe(self) -> str:
+        posted = "; ".join(self.last[kind] for kind in ("receive", "send") if kind in self.last)
+        return "between pipeline stages" + (f" (the last this rank posted: {posted})" if posted else "")
+
+
 class _Stage(PipelineStage):
     """A PipelineStage that runs each backward making weight gradients (a full backward, or a
-    zero-bubble weight pass) inside ``sync_now()`` when given: torch's hook for data parallelism."""
+    zero-bubble weight pass) inside ``sync_now()`` when given: torch's hook for data parallelism.
+    Each send and receive it posts is logged in ``transfers`` with the values it carries."""
 
-    def __init__(self, *args, sync_now=None, **kwargs):
+    def __init__(self, *args, program: StageProgram, transfers: _Transfers, sync_now=None, **kwargs):
         super().__init__(*args, **kwargs)
         self._sync_now = sync_now
+        self._program, self._transfers = program, transfers
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_recv_ops(fwd_chunk_id)
+        return self._transfers.posted(ops, self.stage_index, "inputs", self._program.received, fwd_chunk_id)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_fwd_send_ops(fwd_chunk_id)
+        return self._transfers.posted(ops, self.stage_index, "outputs", self._program.sent, fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_recv_ops(bwd_chunk_id)
+        grads = tuple(f"grad of {name}" for name in self._program.sent)
+        return self._transfers.posted(ops, self.stage_index, "output gradients", grads, bwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops = super().get_bwd_send_ops(bwd_chunk_id)
+        grads = tuple(f"grad of {name}" for name in self._program.received)
+        return self._transfers.posted(ops, self.stage_index, "input gradients", grads, bwd_chunk_id)
 
     def _to_tensor(self, arg):
         """torch learns each stage's shapes by running it once, the first step, on tensors made
@@ -199,6 +242,7 @@ class PipelineModule(ParallelModule):
         self._last_rank = dist.get_global_rank(mesh.get_group(Axis.PP), schedule.device_of(schedule.modules - 1))
         self._anchor = torch.zeros((), requires_grad=True)  # what a deferred backward hangs from (see forward)
         self._pending: dict[str, torch.Tensor | None] | None = None
+        self._transfers = _Transfers()
         self._use(stage_programs)
 
     def _use(self, stage_programs: list) -> None:
@@ -240,7 +284,18 @@ class PipelineModule(ParallelModule):
             )
             sync_now = self._synced_microbatch if self.zero.syncs_each_microbatch else None
             group = self.pipeline_mesh.get_group(Axis.PP)
-            stages.append(_Stage(module, index, schedule.modules, device, group=group, sync_now=sync_now))
+            stages.append(
+                _Stage(
+                    module,
+                    index,
+                    schedule.modules,
+                    device,
+                    group=group,
+                    program=stage,
+                    transfers=self._transfers,
+                    sync_now=sync_now,
+                )
+            )
         single = schedule.kind in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)
         runner = SCHEDULES[schedule.kind](
             stages[0] if single else stages, schedule.microbatches, loss_fn=_loss_of, scale_grads=True
@@ -276,7 +331,11 @@ class PipelineModule(ParallelModule):
         self._use(call.program)
         self._follow_zeroed_grads()
         losses: list[torch.Tensor] = []
-        with self._grad_sync.no_sync():
+        pp = self.pipeline_mesh.get_group(Axis.PP).group_name
+        with (
+            self._grad_sync.no_sync(),
+            collective("a transfer", pp, where=self._transfers.describe, waited_in="pipelining/schedules.py"),
+        ):
             self._schedule.step(
                 *(inputs if self._holds_first else ()),
                 target=self._no_target,

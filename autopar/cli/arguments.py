@@ -162,7 +162,7 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch", type=_positive_int, help=f"global batch size (default: {BATCH_PER_DEVICE} per device)"
     )
-    parser.add_argument("--degrees", type=_degrees, help="pin parallel sizes, e.g. dp=2,tp=4")
+    parser.add_argument("--degrees", type=parse_degrees, help="pin parallel sizes, e.g. dp=2,tp=4")
     parser.add_argument(
         "--constraint",
         type=_constraint,
@@ -261,7 +261,8 @@ def _mesh(text: str) -> Mesh:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _degrees(text: str) -> dict[str, int]:
+def parse_degrees(text: str) -> dict[str, int]:
+    """``"dp=2,tp=4"`` → ``{"dp": 2, "tp": 4}`` (an argparse type: bad text is an ArgumentTypeError)."""
     degrees = {}
     for item in text.split(","):
         name, _, size = item.partition("=")

@@ -22,7 +22,18 @@ from autopar.ir.errors import (
 )
 from autopar.ir.hardware import PROFILES, HardwareProfile, KernelFigures, LinkTier, get_profile
 from autopar.ir.mesh import BATCH_DIMS, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
-from autopar.ir.names import OP_NAMESPACE, Axis, Kernel, PipelineKind, Precision, Recompute, layer_of, module_label
+from autopar.ir.names import (
+    OP_NAMESPACE,
+    Axis,
+    Kernel,
+    PipelineKind,
+    Precision,
+    Recompute,
+    layer_of,
+    module_label,
+    wait_name,
+    waited_for,
+)
 from autopar.ir.options import PlanOptions
 from autopar.ir.placement import Partial, Placement, Replicate, Shard, format_placements, parse_placement
 from autopar.ir.plan import (
@@ -43,6 +54,8 @@ __all__ = [
     "KERNEL_DIMS",
     "OP_NAMESPACE",
     "module_label",
+    "wait_name",
+    "waited_for",
     "PARALLEL_DIMS",
     "PIPELINES",
     "PROFILES",

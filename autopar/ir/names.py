@@ -1,5 +1,6 @@
 """Names that planning and running must agree on: mesh axes, parallel kernels, pipeline
-schedules, recomputation levels, the torch op namespace, and which layer a name belongs to.
+schedules, recomputation levels, the torch op namespace, which layer a name belongs to, and
+how a compiled program's waits are named.
 
 The word sets are ``StrEnum`` s: code names them (``Axis.DP``), while data — degrees, plans,
 JSON, fx code — holds the plain strings they equal (``"dp"``)."""
@@ -81,3 +82,28 @@ def layer_of(name: str) -> str | None:
     """
     match = _LAYER.match(name or "")
     return match.group(1) if match else None
+
+
+# How a compiled graph's waits are named (``wait_name``): inductor writes a node's name in the
+# comment above its call, so a wait that fails (a peer stalled or died) can name its plan nodes.
+_WAIT, _BACKWARD, _SHOWN = "wait_for_", "backward_of_", 3
+
+
+def wait_name(plan_nodes: list[str], backward: bool) -> str:
+    """The name a compiled graph gives the wait of the collective(s) of ``plan_nodes`` (the
+    program's nodes; several for a bucket): ``wait_for_all_gather_3`` or, in a backward graph,
+    ``wait_for_backward_of_all_gather_3__all_gather_5``; :func:`waited_for` reads it back."""
+    shown = plan_nodes[:_SHOWN] + ([f"and_{len(plan_nodes) - _SHOWN}_more"] if len(plan_nodes) > _SHOWN else [])
+    return _WAIT + (_BACKWARD if backward else "") + "__".join(shown)
+
+
+def waited_for(name: str) -> str:
+    """What :func:`wait_name` named, in words: ``"node all_gather_3"``, ``"the backward of nodes
+    a, b, c and 2 more"``; "" for a name it did not make."""
+    if not name.startswith(_WAIT):
+        return ""
+    rest = name.removeprefix(_WAIT)
+    nodes = rest.removeprefix(_BACKWARD).split("__")
+    more = int(nodes.pop()[4:-5]) if re.fullmatch(r"and_\d+_more", nodes[-1]) else 0
+    text = ("nodes " if len(nodes) + more > 1 else "node ") + ", ".join(nodes) + (f" and {more} more" if more else "")
+    return f"the backward of {text}" if rest.startswith(_BACKWARD) else text

@@ -31,13 +31,16 @@ on a rank whose process groups exist. Post: the same computation; no ``forms`` o
 from __future__ import annotations
 
 import operator
+import re
 from collections.abc import Callable, Mapping
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.traceback import NodeSource, NodeSourceAction
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from autopar.ir import wait_name
 from autopar.ir.buckets import bucket_cap
 
 functional = torch.ops._c10d_functional
@@ -48,6 +51,7 @@ COLLECTIVES = (
     functional.all_to_all_single.default,
 )
 WAIT = functional.wait_tensor.default
+PLAN_NODES = "autopar_plan_nodes"  # a wait's meta: the program's nodes whose communication it waits for
 aten = torch.ops.aten
 # Ops that only pack a collective's input or unpack its result: they move with it.
 LAYOUT_OPS = frozenset(
@@ -91,7 +95,8 @@ def _replace_by_trace(node: fx.Node, form: Callable) -> None:
         args, kwargs = tree_unflatten(values, spec)
         return form(*args, **kwargs)
 
-    outputs = _splice(node.graph, call, [flat[i] for i in tensor_at], before=node)
+    plan_nodes = [_plan_node(node)]
+    outputs = _splice(node.graph, call, [flat[i] for i in tensor_at], before=node, plan_nodes=plan_nodes)
     if isinstance(node.meta["val"], (list, tuple)):
         for user in list(node.users):
             assert user.target is operator.getitem, f"{user.format_node()} takes an item of a collective's outputs"
@@ -102,10 +107,22 @@ def _replace_by_trace(node: fx.Node, form: Callable) -> None:
     node.graph.erase_node(node)
 
 
-def _splice(graph: fx.Graph, function: Callable, inputs: list[fx.Node], before: fx.Node) -> list[fx.Node]:
+def _plan_node(node: fx.Node) -> str:
+    """The program's node an ``autopar::`` op of a compiled graph comes from (itself, or the one
+    it is the backward of): the last program line in its stack trace, ``all_gather_3 = torch.ops.autopar...``."""
+    found = re.findall(r"^\s*(\w+) = torch\.ops\.autopar\.", node.meta.get("stack_trace") or "", re.MULTILINE)
+    return found[-1] if found else node.name
+
+
+def _splice(
+    graph: fx.Graph, function: Callable, inputs: list[fx.Node], before: fx.Node, plan_nodes: list[str]
+) -> list[fx.Node]:
     """Trace ``function`` on the fake values of ``inputs`` and insert its nodes before ``before``;
-    returns the nodes of its (flattened) outputs."""
+    returns the nodes of its (flattened) outputs. Its waits are named after ``plan_nodes`` (the
+    program's nodes it computes) and made their own origin, which inductor's comments then show
+    (:func:`autopar.ir.wait_name`: a wait that fails names them)."""
     fake = [node.meta["val"] for node in inputs]
+    backward = any(node.name.startswith("tangents") for node in graph.find_nodes(op="placeholder"))
     with torch._guards.detect_fake_mode(fake):
         traced = make_fx(function)(*fake)
     env = dict(zip(traced.graph.find_nodes(op="placeholder"), inputs))
@@ -118,6 +135,12 @@ def _splice(graph: fx.Graph, function: Callable, inputs: list[fx.Node], before: 
                 outputs = [env[out] for out in tree_flatten(node.args[0])[0]]
                 continue
             env[node] = graph.node_copy(node, lambda n: env[n])
+            if node.target is WAIT:
+                wait = env[node]
+                wait.meta[PLAN_NODES] = plan_nodes
+                wait._rename(wait_name(plan_nodes, backward))
+                # the "Source Nodes" of inductor's comment above a call are its nodes' origins
+                wait.meta["from_node"] = [NodeSource(wait, "autopar.overlap", NodeSourceAction.CREATE)]
     return outputs
 
 
@@ -173,7 +196,8 @@ def _merge(graph: fx.Graph, members: list[fx.Node], position: dict[fx.Node, int]
         return [piece.view(shape) for piece, shape in zip(summed.split([s.numel() for s in shapes]), shapes)]
 
     last_input = max(inputs, key=position.__getitem__)
-    outputs = _splice(graph, merged, inputs, before=last_input.next)
+    plan_nodes = [name for member in members for name in _wait_of(member).meta.get(PLAN_NODES, [member.name])]
+    outputs = _splice(graph, merged, inputs, before=last_input.next, plan_nodes=plan_nodes)
     for member, output in zip(members, outputs):
         wait = _wait_of(member)
         wait.replace_all_uses_with(output)

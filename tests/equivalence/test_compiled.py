@@ -2,24 +2,32 @@
 after AdamW (fp32), for DP, TP+SP, ZeRO-3, PP2, CP2 (ring attention) and EP2 on 2 gloo ranks,
 in one spawn. Each case also shows that its programs really ran compiled (one graph each:
 ``fullgraph=True`` raises on a break) and that a program sums its own gradients where
-:func:`autopar.ir.zero.syncs_whole_in_program` says so.
+:func:`autopar.ir.zero.syncs_whole_in_program` says so. Last, a rank stalls: the other's compiled
+step fails at the collective timeout naming the program node its generated code waited for.
 
 First compiles take tens of seconds here; inductor's cache (shared by the ranks, and by
 later runs) makes the models tiny and the compiles few.
 """
 
 import dataclasses
+import re
+import time
+from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 from equivalence import GPT_SP, assert_matches, check_every_case, compare_one_step, load_example, run_case
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import autopar
-from autopar.runtime.faults import from_rank_zero
+from autopar.runtime.faults import PEER_REPORT_GRACE_S, from_rank_zero
 from autopar.runtime.spawn import run_local
 
 GPT = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 LONG = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32)
 MOE = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 BATCH = 4
+STALL_TIMEOUT_S = 3
 CASES = [
     ("DP", "gpt", GPT, dict(degrees={"dp": 2})),
     ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP)),
@@ -51,8 +59,31 @@ def _compiled(module) -> dict:
     }
 
 
-def _run(rank: int, world: int) -> list[dict]:
-    return [run_case(lambda case=case: _compiled_case(rank, world, *case)) for case in CASES]
+def _run(rank: int, world: int) -> tuple[list[dict], str]:
+    return [run_case(lambda case=case: _compiled_case(rank, world, *case)) for case in CASES], _stalled(rank)
+
+
+def _stalled(rank: int) -> str:
+    """Rank 1 stalls past a short collective timeout; what rank 0's compiled step raises (inductor's
+    generated code waits for the collectives: the error must still name the program node)."""
+    torch.manual_seed(0)
+    model = load_example("gpt.py").build(**GPT)
+    pmodel = autopar.parallelize(
+        model, 2, model.example_inputs(BATCH), degrees={"tp": 2}, constraints=GPT_SP, compile=True
+    )
+    batch = pmodel.shard_batch(*model.example_inputs(BATCH))
+    pmodel.train_step(*batch)  # compiled (and timed) with the usual timeout
+    for group in list(dist.distributed_c10d._world.pg_map):
+        _set_pg_timeout(timedelta(seconds=STALL_TIMEOUT_S), group)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(2 * STALL_TIMEOUT_S + PEER_REPORT_GRACE_S)
+        return ""
+    try:
+        pmodel.train_step(*batch)
+    except autopar.CollectiveError as error:
+        return str(error)
+    return "no error"
 
 
 def _check(case, result):
@@ -65,5 +96,11 @@ def _check(case, result):
 
 
 def test_compiled_training_step_matches_single_process():
-    results = run_local(_run, 2, timeout_s=900)[0]
+    results, stalled = run_local(_run, 2, timeout_s=900)[0]
     check_every_case(CASES, results, _check)
+    # a collective of the compiled forward (TP+SP's first all-gather) waits for rank 1 in vain
+    named = (
+        r"rank 0 of 2: a collective in a compiled program waiting for node all_gather\w* "
+        rf"timed out \(process-group timeout {STALL_TIMEOUT_S} s\)"
+    )
+    assert re.search(named, stalled) and "Ranks [1] reported nothing" in stalled, stalled

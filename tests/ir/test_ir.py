@@ -15,6 +15,8 @@ from autopar.ir import (
     check_degrees,
     get_profile,
     parse_placement,
+    wait_name,
+    waited_for,
 )
 
 
@@ -78,3 +80,10 @@ def test_hardware_profiles_round_trip_with_fitted_collectives(tmp_path):
     assert get_profile(str(tmp_path / "a100.json")) == profile
     assert loaded.links[0].alpha_beta("all_gather", 4) == (2e-5, 1.5e11)  # nearest fitted size
     assert loaded.links[0].alpha_beta("all_reduce", 4) == (1e-5, 2e11)  # not fitted: the tier's own
+
+
+def test_a_compiled_wait_name_reads_back_as_the_program_nodes_it_waits_for():
+    assert waited_for(wait_name(["all_gather_3"], backward=False)) == "node all_gather_3"
+    named = wait_name(["a_1", "b", "c", "d", "e"], backward=True)
+    assert waited_for(named) == "the backward of nodes a_1, b, c and 2 more"
+    assert waited_for("wait_tensor_7") == ""  # a wait overlap did not name

@@ -93,25 +93,33 @@ def test_an_error_on_one_rank_is_raised_on_every_rank():
     assert "ValueError: injected in backward" in text, text  # the root cause, under torch's schedule error
 
 
-def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout():
-    timeout_s = 10
+# rank 1 stalls as its backward starts; rank 0 times out in a backward collective (the gradient
+# sync on a dp plan, a tensor-parallel op's dual on another), which autograd ran with no frame of
+# the program: the error names its bucket or node all the same
+IN_BACKWARD = (
+    r"over the world \(ranks \[0, 1\]\) "
+    r"(in the gradient sync of bucket \d+ \(\w|in the backward of node \w+ \(.*\) in module [\w.]+)"
+)
+# on a 2-stage pipeline rank 1 stalls before a step; rank 0 times out in a send or receive that
+# torch's schedule waits for: the error names the stage, the values and the microbatch
+BETWEEN_STAGES = (
+    r"a transfer over (mesh axis pp|the world) \(ranks \[0, 1\]\) between pipeline stages \(the last this rank posted: "
+    r"(receive|send) of stage 0's \w+( \w+)? \([\w ,]+\) for microbatch \d+ (to|from) rank 1"
+)
+
+
+@pytest.mark.parametrize(
+    "fault, pins, place",
+    [("stall-in-backward", [], IN_BACKWARD), ("stall", ["--degrees", "pp=2", "--layers", "2"], BETWEEN_STAGES)],
+    ids=["dp", "pipeline"],
+)
+def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout(fault, pins, place):
+    timeout_s = 6
     job = subprocess.Popen(
         [sys.executable, "-m", "autopar.cli", "run", "tests/helpers/faulty_train.py", "--nproc", "2"]
         + ["--collective-timeout", str(timeout_s), "--timeout", "120", "--"]
-        + [
-            "--fault",
-            "0:1:2:stall-in-backward",
-            "--steps",
-            "4",
-            "--hidden",
-            "32",
-            "--seq",
-            "16",
-            "--batch",
-            "32",
-            "--vocab",
-            "16",
-        ],
+        + ["--fault", f"0:1:2:{fault}", "--steps", "4", "--hidden", "32", "--seq", "16", "--batch", "32"]
+        + ["--vocab", "16", *pins],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -120,7 +128,7 @@ def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout():
     lines, stalled_at = [], None
     for line in job.stdout:  # the job's own --timeout ends it by 120 s whatever happens
         lines.append(line)
-        if "[fault] rank 1 stalls in the backward of step 2" in line:
+        if "[fault] rank 1 stalls" in line and "step 2" in line:
             stalled_at = time.monotonic()
     code = job.wait()
     output = "".join(lines)
@@ -128,12 +136,7 @@ def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout():
     assert time.monotonic() - stalled_at < timeout_s + 30, output[-3000:]
     assert code != 0 and "rank 0 exited with code 1; terminating ranks [1]" in output, output[-3000:]
     error = next(line for line in lines if "CollectiveError: rank 0 of 2" in line)
-    # rank 1 stalls as its backward starts; rank 0 times out in a backward collective (the gradient
-    # sync on a dp plan, a tensor-parallel op's dual on another), which autograd ran with no frame of
-    # the program: the error names its bucket or node all the same
-    place = r"(in the gradient sync of bucket \d+ \([\w.]+|in the backward of node \w+ \(.*\) in module [\w.]+)"
-    timed_out = rf"over the world \(ranks \[0, 1\]\) {place}.* timed out \(process-group timeout {timeout_s} s\)"
-    assert re.search(timed_out, error), error
+    assert re.search(rf"{place}.* timed out \(process-group timeout {timeout_s} s\)", error), error
     assert "Ranks [1] reported nothing" in error, error
 
 
