@@ -36,8 +36,8 @@ TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forwar
     dict(degrees={"dp": 2}, microbatches=2, check_forward=True),  # gradient accumulation, synced once
     dict(degrees={"tp": 2}, constraints=GPT_TP, microbatches=4),
 ]
-# every schedule on 2 stages; on 4, one of each family (interleaved-zb also runs on pp2 x tp2 below)
-ON_FOUR = ("1f1b", "interleaved-1f1b", "zbv")
+# every schedule on 2 stages; on 4, 1F1B and ZBV (the interleaved ones: interleaved-zb on pp2 x tp2 below)
+ON_FOUR = ("1f1b", "zbv")
 FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forward=True) for kind in ON_FOUR] + [
     dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="1f1b", check_forward=True),
     dict(mesh="2x2", degrees={"pp": 2, "tp": 2}, constraints=GPT_TP, microbatches=2, pipeline="interleaved-zb"),
@@ -78,9 +78,7 @@ def test_pipelined_training_step_matches_single_process(world, cases):
 # rank). The zero-bubble schedules set weight gradients outside autograd's hooks (ZeRO-2:
 # synced after their weight pass; ZeRO-3: reduce-scattered per parameter). The MLP
 # has a leaf ZeRO leaves whole (fc1.bias: 9 elements).
-ZERO_CASES = [
-    ("gpt", 1, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
-    ("gpt", 2, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
+ZERO_CASES = [  # ZeRO-1 in stages: the tied-embedding Qwen2 of test_unmodified_models
     ("gpt", 3, dict(pipeline="1f1b", microbatches=2), dict(check_forward=True)),
     ("gpt", 3, dict(pipeline="interleaved-zb", microbatches=4), dict(check_forward=True)),
     ("gpt", 2, dict(pipeline="zbv", microbatches=2), dict(check_forward=True)),
