@@ -1,12 +1,18 @@
 """Run one Python function on every rank of a fresh local process group.
 
 What tests, benchmarks and notebooks use instead of a launcher script: ``run_local(fn, 4)``
-spawns four processes, joins them in a gloo group on 127.0.0.1 and returns each rank's
+starts four processes, joins them in a gloo group on 127.0.0.1 and returns each rank's
 result. A failing rank, or ranks still running after the timeout, end the whole run (every
 process is killed by its pid) with the rank's traceback or the ranks' numbers.
+
+Ranks fork from multiprocessing's forkserver, a process that imported autopar (and torch)
+once, on the first call: a rank starts in a fraction of a second where a spawned one spends
+seconds importing torch. Each rank takes the caller's environment of the moment, as a spawned
+one would (the server's is the one it started with).
 """
 
 import multiprocessing
+import os
 import pickle
 import queue
 import time
@@ -23,19 +29,22 @@ _EXIT_GRACE_S = 5.0  # a rank that reported gets this long to exit before it is 
 
 
 def run_local(fn, world_size: int, *args, timeout_s: float = 120, backend: str = "gloo") -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new ranks; results by rank.
 
-    ``fn`` must be a module-level function and its result picklable. Spawning costs seconds
-    per process, so put many checks into one call. Example::
+    ``fn`` must be a module-level function and its result picklable. Example::
 
         sums = run_local(all_reduce_rank, 2, timeout_s=60)
     """
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["autopar"])
+    environment = dict(os.environ)
     results = context.Queue()
     port = free_port()
     processes = [
         context.Process(
-            target=_run_rank, args=(fn, rank, world_size, args, backend, port, timeout_s, results), daemon=True
+            target=_run_rank,
+            args=(fn, rank, world_size, args, backend, port, timeout_s, results, environment),
+            daemon=True,
         )
         for rank in range(world_size)
     ]
@@ -58,7 +67,9 @@ def run_local(fn, world_size: int, *args, timeout_s: float = 120, backend: str =
         results.join_thread()
 
 
-def _run_rank(fn, rank, world_size, args, backend, port, timeout_s, results) -> None:
+def _run_rank(fn, rank, world_size, args, backend, port, timeout_s, results, environment) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
     torch.set_num_threads(1)  # as torchrun does: the ranks share the cores
     # torch's pytree pickling warns once per copy of an exported graph; it says nothing here
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
