@@ -23,13 +23,15 @@ from autopar.ir import (
     PrecisionPolicy,
     Replicate,
     Schedule,
+    layer_of,
     model_state_bytes,
 )
+from autopar.ir.buckets import bucket_cap
 from autopar.ir.zero import syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.axis_terms import R, axis_contexts
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze
-from autopar.passes.cost.ops import maximum, optimizer_time
+from autopar.passes.cost.ops import maximum, minimum, optimizer_time
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import LayerTerms, StepParts, StepTimes, layer_terms, scheduled, step_times
 from autopar.passes.search.partition import StageSplit, balanced_starts, layer_costs, split_rows
@@ -233,6 +235,8 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
     dp = degrees.get(Axis.DP, 1)
     memory = dict.fromkeys(("params", "grads", "optimizer", "grad_buckets"), 0.0)
     optimizer_elements = 0.0
+    synced_by_layer: dict[str, float] = {}  # one layer's (or a leaf outside layers') synced gradient bytes
+    largest_synced = 0.0
     for name, fact in facts.items():
         if fact.kind != "param":
             continue
@@ -240,8 +244,19 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
         state = model_state_bytes(elements, data_parallel=dp, zero_stage=zero, precision=fact.precision)
         for category, nbytes in state.items():
             memory[category] += nbytes
-        memory["grad_buckets"] += elements * fact.grad_bytes if name in layout.synced else 0.0
+        if name in layout.synced:
+            memory["grad_buckets"] += elements * fact.grad_bytes
+            group = layer_of(fact.name) or name
+            one = elements * fact.grad_bytes / fact.weight
+            synced_by_layer[group] = synced_by_layer.get(group, 0.0) + one
+            largest_synced = maximum(largest_synced, one)
         optimizer_elements += elements / (dp if zero else 1)
+    if zero >= 2 and dp > 1 and synced_by_layer:
+        # DDP and ZeRO-1 keep a flat copy of every synced gradient for the whole step; ZeRO-2 frees
+        # each bucket once reduce-scattered (runtime/grad_sync.py), ZeRO-3 each layer group's
+        # (runtime/zero/reduce_scatter.py, as FSDP2): one filling while the one before is in flight
+        in_flight = 2 * (maximum(*synced_by_layer.values()) if zero >= 3 else maximum(bucket_cap(1), largest_synced))
+        memory["grad_buckets"] = minimum(memory["grad_buckets"], in_flight)
     return memory, optimizer_time(optimizer_elements, hardware, hardware.contention(mesh.shape))
 
 

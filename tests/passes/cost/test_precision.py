@@ -87,3 +87,21 @@ def test_collectives_move_compute_dtype_bytes():
     )  # fmt: skip
     # the tensor-parallel all-reduces of activations (64 MiB in bf16): half the bytes, about half the time
     assert mixed.cost.comm_s == pytest.approx(fp32.cost.comm_s / 2, rel=0.1)
+
+
+def test_zero_2_and_3_hold_gradient_buckets_in_flight_not_a_copy_of_every_gradient():
+    # DDP keeps a flat copy of every synced gradient; ZeRO-2 frees each 25 MB bucket once it is
+    # reduce-scattered and ZeRO-3 each layer's: one filling while the one before is in flight
+    kwargs = dict(hidden=1024, layers=8, heads=8, vocab=1024, seq=64)
+    model = meta_model("gpt.py", "build", **kwargs)
+    layer = sum(p.numel() for n, p in model.named_parameters() if n.startswith("layers.0.")) * 4  # fp32 grads
+    every = sum(p.numel() for p in model.parameters()) * 4
+    buckets = {
+        zero: plan_example(
+            "gpt.py", 8, 64, model_kwargs=kwargs, degrees={"dp": 8}, zero=zero, hardware="h100-80gb"
+        ).cost.memory["grad_buckets"]
+        for zero in (0, 2, 3)
+    }
+    assert buckets[0] >= 0.99 * every  # (the cost model leaves out the position embedding's: 0.06%)
+    assert buckets[2] == pytest.approx(2 * max(25 * 2**20, 1024 * 1024 * 4))  # two buckets, none under a weight
+    assert buckets[3] == pytest.approx(2 * layer)
