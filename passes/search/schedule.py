@@ -6,9 +6,10 @@ schedule is then priced on it by :class:`~autopar.passes.cost.evaluate.PricedCon
 with cut points from Alpa's dynamic program (:mod:`partition`). Per recomputation level, the
 runnable (kind, microbatches) variants: every kind (or the pinned one) and every microbatch
 count dividing the local batch that the kind runs (:func:`variants`); without stages, the
-pinned microbatch count (gradient accumulation: the user's to choose) or one. More
-recomputation on the same layout and schedule only adds time, so a level is priced only where
-the ones below it fit nothing. The tie rule among all of them is :mod:`ranking`'s.
+pinned microbatch count or one, and where one does not fit, gradient accumulation over every
+count dividing the local batch (:func:`accumulations`). More recomputation on the same layout
+and schedule only adds time, so a level is priced only where the ones below it fit nothing
+(accumulating is weighed against it, not instead of it). The tie rule among all of them is :mod:`ranking`'s.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int
             f"{counts}: pin fewer stages, another schedule or more microbatches"
         )
     return out
+
+
+def accumulations(base: Schedule, options: PlanOptions, local_batch: int) -> list[Schedule]:
+    """Gradient accumulation without stages, for when the whole local batch does not fit: every
+    microbatch count above one dividing it, unless the user pinned the count (or stages run)."""
+    if base.stages > 1 or options.microbatches:
+        return []
+    return [dataclasses.replace(base, microbatches=m) for m in range(2, local_batch + 1) if local_batch % m == 0]
 
 
 def price(configuration: PricedConfiguration, schedules: list[Schedule]) -> list[tuple[Schedule, Cost]]:

@@ -50,7 +50,7 @@ from autopar.passes.search.axes import solve_axes, split_dims
 from autopar.passes.search.fold import LayerFolding, fold_layers
 from autopar.passes.search.pins import user_pins
 from autopar.passes.search.ranking import Candidate, choose, near, within_reach
-from autopar.passes.search.schedule import leanest, levels, price, variants
+from autopar.passes.search.schedule import accumulations, leanest, levels, price, variants
 from autopar.passes.search.space import BOUND, MEMORY, LowerBounds, configurations, optional_dims
 from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.strategies import Strategy
@@ -278,6 +278,9 @@ class _Weighing:
             tried += priced
             if any(c.peak_memory <= self.limit for _, _, c in priced):
                 break  # more recomputation on this layout only adds time
+            accumulating = accumulations(base, options, local_batch)  # the local batch does not fit at once
+            tried += [(strategies, s, c) for s, c in price(free, accumulating)]
+            schedules += accumulating
             if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less, no slower
                 continue
             if not within_reach(floor + self.bounds.recompute_s(ctx.stages, degrees, level), self.fastest):

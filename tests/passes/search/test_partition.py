@@ -48,7 +48,7 @@ def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
 
 def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     """The issue's ladder on 4 devices (recomputation pinned off): each step is what the
-    previous plan's 80 % no longer fits. (ZeRO-1 comes first: it also shortens the optimizer step.)
+    previous plan's 80 % no longer fits. (ZeRO comes first: it also shortens the optimizer step.)
     16 sequences per device: GEMMs that fill an A100 (with fewer rows, splitting the rows over dp
     saves no waves and tp wins)."""
     limit, steps = None, []
@@ -72,11 +72,11 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     first, *rest = steps
     assert first.degrees == {"dp": 4, "tp": 1} and first.zero == 0 and first.schedule.stages == 1
     zero = next(i for i, p in enumerate(rest) if p.zero)
+    accumulated = next(i for i, p in enumerate(rest) if p.schedule.stages == 1 and p.schedule.microbatches > 1)
+    split = next(i for i, p in enumerate(rest) if p.degrees["tp"] > 1)
     piped = next(i for i, p in enumerate(rest) if p.schedule.stages > 1)
-    assert rest[zero].schedule.stages == 1 and zero < piped  # ZeRO before stages
-    # lower down, the pipeline takes ZeRO-3 on its data-parallel axis, then tensor parallelism
-    assert any(p.schedule.stages > 1 and p.zero == 3 for p in rest[piped:])
-    assert any(p.schedule.stages > 1 and p.degrees["tp"] > 1 for p in rest[piped:])
+    # ZeRO first, then gradient accumulation, then weights split over tp, and stages when nothing else fits
+    assert zero < accumulated < split < piped == len(rest) - 1
 
 
 def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
@@ -91,3 +91,15 @@ def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
     assert plan.schedule.stages > 1
     assert plan.cost.step_s < min(entry["step_s"] for entry in flat)
     assert plan.cost.peak_memory < hardware.memory_bytes / 10  # no memory pressure
+
+
+def test_without_stages_a_batch_that_does_not_fit_is_accumulated():
+    """One device, recomputation pinned off: the whole batch at once needs more than the limit;
+    gradient accumulation over microbatches (summed once, as one step) fits, as an expert would run it."""
+    options = dict(model_kwargs=LADDER_GPT, hardware="a100-80gb", precision="fp32", recompute="none")
+    whole = plan_example("gpt.py", 1, batch=16, **options)
+    assert whole.schedule.microbatches == 1
+    plan = plan_example("gpt.py", 1, batch=16, memory_limit=0.8 * whole.cost.peak_memory, **options)
+    assert plan.schedule.stages == 1 and plan.schedule.microbatches > 1
+    assert plan.cost.peak_memory <= 0.8 * whole.cost.peak_memory
+    assert plan.cost.step_s >= whole.cost.step_s  # smaller GEMMs: never faster

@@ -57,7 +57,7 @@ def test_impossible_memory_limit_names_the_breakdown():
         plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE, memory_limit=2**20)
 
 
-def test_a_memory_limit_moves_the_plan_to_zero_then_tensor_parallelism():
+def test_a_memory_limit_moves_the_plan_to_zero_then_accumulation_or_tensor_parallelism():
     mlp = dict(model_kwargs=dict(hidden=512, ffn=2048, layers=2), batch=4096)
     free = plan_example("mlp.py", 4, **mlp)  # ZeRO-1 is free here: it also shortens the optimizer step
     assert free.degrees == {"dp": 4, "tp": 1} and free.schedule.stages == 1
@@ -68,7 +68,10 @@ def test_a_memory_limit_moves_the_plan_to_zero_then_tensor_parallelism():
     sharded_state = plan_example("mlp.py", 4, memory_limit=limit, **mlp)
     assert sharded_state.degrees["dp"] == 4 and sharded_state.zero > 0  # ZeRO costs no time: tried first
     assert sharded_state.cost.peak_memory <= limit
-    no_zero = plan_example("mlp.py", 4, memory_limit=limit, zero=0, **mlp)
+    accumulated = plan_example("mlp.py", 4, memory_limit=limit, zero=0, **mlp)  # DDP's answer: fewer rows at once
+    assert accumulated.degrees["dp"] == 4 and accumulated.schedule.microbatches > 1
+    assert accumulated.cost.peak_memory <= limit
+    no_zero = plan_example("mlp.py", 4, memory_limit=limit, zero=0, microbatches=1, **mlp)  # the whole batch at once
     assert no_zero.degrees["tp"] > 1 and any(isinstance(p[1], Shard) for p in no_zero.params.values())
     assert no_zero.cost.peak_memory <= limit
 
