@@ -16,6 +16,7 @@ one training step against one process; writes the "hf-families" section (``--onl
 
 import argparse
 import importlib.util
+import re
 import resource
 import sys
 import time
@@ -147,7 +148,8 @@ def _cell(result: dict) -> str:
 
 def _why(row: dict) -> str:
     errors = dict.fromkeys(row[label]["error"] for label in PLANS if "error" in row[label])
-    return "; ".join(errors).replace("|", "/")[:300]
+    text = re.sub(r"\S*site-packages/", "", "; ".join(errors))  # a library's file, not where it is installed
+    return text.replace("|", "/")[:300]
 
 
 if __name__ == "__main__":

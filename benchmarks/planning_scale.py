@@ -1,7 +1,7 @@
 """Planning at scale: the search's wall time and memory on published clusters, and its free plan
 against the published expert configuration, both priced by the same cost model.
 
-    flock /work/cpu.lock python benchmarks/planning_scale.py           # writes BENCHMARKS.md
+    python benchmarks/planning_scale.py           # writes BENCHMARKS.md (run it alone: it times the search)
     python benchmarks/planning_scale.py --quick                         # three rows, printed only
 
 Each row runs in a fresh subprocess (so peak RSS, ``resource.getrusage`` maxrss, is the row's
@@ -249,7 +249,7 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
     lines = [
         "## Planning at scale",
         "",
-        f"- command: `flock /work/cpu.lock python benchmarks/planning_scale.py` ({elapsed:.0f} s); date "
+        f"- command: `python benchmarks/planning_scale.py` ({elapsed:.0f} s); date "
         f"{datetime.date.today()}; this machine: 2 shared CPU cores (other work ran beside it); planning only "
         '(meta-device models in bfloat16, `precision="bf16-mixed"`, simulated meshes (GPUs/8)x8)',
         "- search s: `autopar.plan` on the captured graph (capture s: tracing it, apart); peak RSS: the row's own "
