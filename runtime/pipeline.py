@@ -125,7 +125,7 @@ class _Transfers:
         for op in ops[:1]:
             kind = "receive" if op.op is dist.irecv else "send"
             peer = f"{'from' if kind == 'receive' else 'to'} rank {op.peer}"
-            named = f"{listing(list(values))}" if values else "its values"
+            named = listing(list(values)) if values else "its values"
             self.last[kind] = f"{kind} of stage {stage}'s {what} ({named}) for microbatch {microbatch} {peer}"
         return ops
 
@@ -331,11 +331,7 @@ class PipelineModule(ParallelModule):
         self._use(call.program)
         self._follow_zeroed_grads()
         losses: list[torch.Tensor] = []
-        pp = self.pipeline_mesh.get_group(Axis.PP).group_name
-        with (
-            self._grad_sync.no_sync(),
-            collective("a transfer", pp, where=self._transfers.describe, waited_in="pipelining/schedules.py"),
-        ):
+        with self._grad_sync.no_sync(), self._transfers_named():
             self._schedule.step(
                 *(inputs if self._holds_first else ()),
                 target=self._no_target,
@@ -353,12 +349,17 @@ class PipelineModule(ParallelModule):
         return self._from_last_stage(loss)
 
     def _forward_only(self, call, inputs) -> torch.Tensor:
-        with _forward_actions_only(self._schedule):
+        with _forward_actions_only(self._schedule), self._transfers_named():
             merged = self._schedule.eval(
                 *(inputs if self._holds_first else ()), target=self._no_target, **self._keywords(call, inputs)
             )
         loss = merged.detach().mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
+
+    def _transfers_named(self):
+        """Around a schedule run: a send or receive that fails names what this rank last posted."""
+        pp = self.pipeline_mesh.get_group(Axis.PP).group_name
+        return collective("a transfer", pp, where=self._transfers.describe, waited_in="pipelining/schedules.py")
 
     def _deferred(self, call, inputs) -> torch.Tensor:
         """The step now, its gradients set aside until the returned loss's backward (a later call
