@@ -250,7 +250,7 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
         "## Planning at scale",
         "",
         f"- command: `python benchmarks/planning_scale.py` ({elapsed:.0f} s); date "
-        f"{datetime.date.today()}; this machine: 2 shared CPU cores (other work ran beside it); planning only "
+        f"{datetime.date.today()}; this machine: 2 shared CPU cores (other work may run beside it); planning only "
         '(meta-device models in bfloat16, `precision="bf16-mixed"`, simulated meshes (GPUs/8)x8)',
         "- search s: `autopar.plan` on the captured graph (capture s: tracing it, apart); peak RSS: the row's own "
         "process (a fresh one per row: capture and both plans). TFLOP/s per GPU: the model's forward + backward "
