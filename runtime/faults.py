@@ -16,7 +16,10 @@ moment a failure can happen:
   are found in the traceback (:func:`program_node`); backward ones have no frame of the program
   there (autograd runs them), so each op records its program line when autograd saves its
   context (:func:`calling_site`) and its backward runs inside :func:`plan_node`; gradient syncs
-  and ZeRO gathers pass their bucket to :func:`collective` as ``where``.
+  and ZeRO gathers pass their bucket to :func:`collective` as ``where``; a pipeline's transfers,
+  which torch's schedule waits for itself, are named by what the stages last posted
+  (``waited_in``), and a compiled program's waits by the program nodes ``overlap`` named them
+  after (:func:`compiled_wait`).
 - **around a step**: :func:`reported` posts any other error to the job's store (the c10d store
   that ``init_process_group`` joined), and completes a CollectiveError with the peers' posts
   (who raised what; who posted nothing: stalled or dead) and the program node the traceback
@@ -137,8 +140,7 @@ def collective(
     except RuntimeError as error:
         if not _is_communication_failure(error) or _collective_error(error) is not None:
             raise
-        innermost = list(_frames(error))[-1][0].f_code.co_filename
-        if waited_in is not None and not innermost.replace("\\", "/").endswith(waited_in):
+        if waited_in is not None and not _raised_in(error, waited_in):
             raise
         if where is None:
             where = next(reversed(getattr(_PLAN_NODES, "stack", [])), None)
@@ -242,6 +244,12 @@ def _named(error: BaseException, named: str, where: Where | None) -> CollectiveE
     raised = CollectiveError(f"rank {dist.get_rank()}: {named}{f' {where}' if where else ''} {_reason(error)}")
     raised.collective, raised.where, raised.cause = named, where, error
     return raised
+
+
+def _raised_in(error: BaseException, file_ending: str) -> bool:
+    """Whether the innermost Python frame of ``error``'s traceback is in a file ending so."""
+    frames = list(_frames(error))
+    return bool(frames) and frames[-1][0].f_code.co_filename.replace("\\", "/").endswith(file_ending)
 
 
 def _collective_error(error: BaseException) -> CollectiveError | None:
