@@ -122,9 +122,9 @@ class _Transfers:
         self.last: dict[str, str] = {}  # "receive" / "send" → the last one posted
 
     def posted(self, ops: list[dist.P2POp], stage: int, what: str, values: tuple[str, ...], microbatch: int):
-        for op in ops[:1]:
-            kind = "receive" if op.op is dist.irecv else "send"
-            peer = f"{'from' if kind == 'receive' else 'to'} rank {op.peer}"
+        if ops:  # one message per value, all to one peer and of one direction
+            kind = "receive" if ops[0].op is dist.irecv else "send"
+            peer = f"{'from' if kind == 'receive' else 'to'} rank {ops[0].peer}"
             named = listing(list(values)) if values else "its values"
             self.last[kind] = f"{kind} of stage {stage}'s {what} ({named}) for microbatch {microbatch} {peer}"
         return ops

@@ -104,6 +104,9 @@ def waited_for(name: str) -> str:
         return ""
     rest = name.removeprefix(_WAIT)
     nodes = rest.removeprefix(_BACKWARD).split("__")
-    more = int(nodes.pop()[4:-5]) if re.fullmatch(r"and_\d+_more", nodes[-1]) else 0
+    counted = re.fullmatch(r"and_(\d+)_more", nodes[-1])
+    if counted:
+        nodes.pop()
+    more = int(counted.group(1)) if counted else 0
     text = ("nodes " if len(nodes) + more > 1 else "node ") + ", ".join(nodes) + (f" and {more} more" if more else "")
     return f"the backward of {text}" if rest.startswith(_BACKWARD) else text
