@@ -41,6 +41,7 @@ class AxisContext:
     later: int = 1  # devices the axes after this one split each of its shards into
     kernels: dict[str, str] = field(default_factory=dict)  # node → the parallel kernel pinned for it
     linear_overlap: bool = True  # the ILP's linear prices: overlap as a flat share (evaluate caps it instead)
+    tracking: bool = False  # split_dims' virtual axis, which follows one dim (the batch or the sequence)
 
     @property
     def comm_share(self) -> float:

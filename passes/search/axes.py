@@ -52,7 +52,7 @@ from autopar.passes.search.pins import (
     kernel_pins,
     module_name,
 )
-from autopar.passes.sharding.rules import MATMULS, node_strategies, pointwise, rule_for
+from autopar.passes.sharding.rules import MATMULS, attention, node_strategies, pointwise, rule_for
 from autopar.passes.sharding.strategies import OpView, Strategy
 
 
@@ -172,6 +172,10 @@ def candidates(fact: NodeFacts, ctx: AxisContext) -> list[Strategy]:
         view = OpView(fact.node, tuple(ctx.local.slot_shapes[name]), shapes[0] if shapes else ())
         options, _ = node_strategies(view, ctx.size)
         options = [s for s in options if _on_axis(s, view, ctx)]
+        if ctx.tracking and rule_for(fact.node.target) is attention:
+            # attention splits its heads as cheaply, but the heads are not the dim being followed: a
+            # sequence map through them would keep the tensor-parallel axis from splitting heads
+            options = [s for s in options if s.output == R or _follows(s, ctx.name)]
     if ctx.batch and name in ctx.batch:
         options = [s for s in options if not _shards_batch(s, ctx.batch[name])] or options[:1]
     if ctx.sequence and name in ctx.sequence and rule_for(fact.node.target) in MATMULS:
@@ -196,6 +200,12 @@ def candidates(fact: NodeFacts, ctx: AxisContext) -> list[Strategy]:
             )
         options = pinned
     return options
+
+
+def _follows(strategy: Strategy, axis: str) -> bool:
+    """Whether an attention strategy splits the dim ``axis`` follows: the batch (dim 0), or the
+    sequence, which only the context-parallel kernels split."""
+    return bool(strategy.kernel) if axis == Axis.CP else strategy.output == Shard(SPLIT_DIM[axis])
 
 
 def _no_kernel(fact: NodeFacts, ctx: AxisContext):
@@ -228,6 +238,7 @@ def split_dims(
         local=ShardedShapes.unsharded(facts),
         overlap=1.0,
         batch=batch,
+        tracking=True,
     )
     chosen = solve_axis(facts, ctx, None, variable)
     return {name: s for name, s in chosen.items() if not _splits_a_weight(facts[name], s, facts)}

@@ -52,7 +52,7 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     16 sequences per device: GEMMs that fill an A100 (with fewer rows, splitting the rows over dp
     saves no waves and tp wins)."""
     limit, steps = None, []
-    for _ in range(8):
+    for _ in range(12):
         try:
             plan = plan_example(
                 "gpt.py",
