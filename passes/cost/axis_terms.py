@@ -221,11 +221,7 @@ def axis_contexts(
     (no profile overlap then: the replay places what hides)."""
     memo = None if step is not None else memo
     spans = axis_spans(degrees)
-    local = (memo if memo is not None else {}).get(("unsharded", id(facts)), (None, None))[1]
-    if local is None:
-        local = ShardedShapes.unsharded(facts)
-        if memo is not None:
-            memo[("unsharded", id(facts))] = (facts, local)
+    local = unsharded_shapes(facts, memo)
     param_shapes = shard_shapes(facts, degrees, strategies)
     key: tuple = (tuple(param_shapes.values()),)  # what parameters sync depends on every axis
     for axis, chosen in strategies.items():
@@ -245,11 +241,34 @@ def axis_contexts(
         if memo is not None and key in memo:
             _, moved, local = memo[key]
         else:
-            moved, local = traffic(facts, ctx, chosen, param_shapes, step), local.after(chosen, degrees[axis])
+            moved, local = (
+                traffic(facts, ctx, chosen, param_shapes, step),
+                shapes_after(local, chosen, degrees[axis], memo),
+            )
             if memo is not None:
                 memo[key] = (chosen, moved, local)
         yield ctx, chosen, moved
     yield None, None, local
+
+
+def unsharded_shapes(facts, memo: dict | None) -> ShardedShapes:
+    """The graph's shapes before any axis, made once per search (``memo``)."""
+    if memo is None:
+        return ShardedShapes.unsharded(facts)
+    key = ("unsharded", id(facts))
+    if key not in memo:
+        memo[key] = (facts, ShardedShapes.unsharded(facts))  # facts kept: their id stays theirs
+    return memo[key][1]
+
+
+def shapes_after(local: ShardedShapes, chosen: dict[str, Strategy], size: int, memo: dict | None) -> ShardedShapes:
+    """``local.after(chosen, size)``, computed once per search (``memo``) for the layouts that share it."""
+    if memo is None:
+        return local.after(chosen, size)
+    key = ("after", id(local), id(chosen), size)
+    if key not in memo:
+        memo[key] = (local, chosen, local.after(chosen, size))  # both kept: their ids stay theirs
+    return memo[key][2]
 
 
 def traffic_key(ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple:

@@ -78,12 +78,17 @@ class NodeFacts:
         """
         if self.pacing is None or slot_shapes is None:
             return self.full_time_s * work
-        local, whole = tuple(map(tuple, slot_shapes)), tuple(map(tuple, self.slot_shapes))
-        here, there = self.pacing.per_unit(local, microbatches), self.pacing.per_unit(whole, 1)
-        if here is None or there is None:
+        key = (tuple(map(tuple, slot_shapes)), microbatches)
+        memo = self.pacing._memo
+        if ("paced", key) not in memo:  # (work the local shapes hold, time per unit against the unsharded)
+            local, whole = key[0], tuple(map(tuple, self.slot_shapes))
+            here, there = self.pacing.per_unit(local, microbatches), self.pacing.per_unit(whole, 1)
+            held = work_units(self.node.target, local) / work_units(self.node.target, whole)
+            memo[("paced", key)] = None if here is None or there is None else (held, here / there)
+        paced = memo[("paced", key)]
+        if paced is None:
             return self.full_time_s * work
-        held = work_units(self.node.target, local) / work_units(self.node.target, whole)
-        return self.full_time_s * maximum(work, held) * here / there
+        return self.full_time_s * maximum(work, paced[0]) * paced[1]
 
 
 @dataclass(frozen=True)

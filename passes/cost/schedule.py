@@ -145,13 +145,14 @@ def step_times(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: 
             continue
         seconds = fact.seconds(local.work[name], local.slot_shapes[name], microbatches) * fact.weight
         is_gemm = fact.node.target in GEMMS
+        forward = seconds * forward_share(fact)
         compute += seconds
-        backward += seconds * (1 - forward_share(fact))
+        backward += seconds - forward
         gemm += seconds if is_gemm else 0.0
         for level in (Recompute.SELECTIVE, Recompute.FULL):
             if dropped(fact, level):
-                recompute[level] += seconds * forward_share(fact)
-                recompute_gemm[level] += seconds * forward_share(fact) if is_gemm else 0.0
+                recompute[level] += forward
+                recompute_gemm[level] += forward if is_gemm else 0.0
     return StepTimes(compute, backward, gemm, recompute, recompute_gemm)
 
 

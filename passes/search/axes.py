@@ -39,6 +39,8 @@ from autopar.passes.cost.axis_terms import (
     node_memory,
     node_terms,
     partial_gradients,
+    shapes_after,
+    unsharded_shapes,
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.search.ilp import ChoiceProblem, solve_choices
@@ -79,7 +81,7 @@ def solve_axes(
     axes = list(degrees)
     last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
     experts = expert_params(facts)
-    local = ShardedShapes.unsharded(facts)
+    local = unsharded_shapes(facts, search.memo)
     strategies: dict[str, dict[str, Strategy]] = {}
     solved: list[tuple[AxisContext, dict[str, Strategy]]] = []
     before: tuple = ()  # the axes solved so far and their solutions: what the next axis starts from
@@ -92,7 +94,7 @@ def solve_axes(
         if free and cache is not None and key in cache:
             strategies[axis] = cache[key]
             solved.append((_context(search, degrees, zero, schedule, index, local, experts), cache[key]))
-            local = local.after(cache[key], degrees[axis])
+            local = shapes_after(local, cache[key], degrees[axis], search.memo)
             before += ((axis, degrees[axis], id(cache[key])),)
             continue
         ctx = _context(search, degrees, zero, schedule, index, local, experts)
@@ -109,7 +111,7 @@ def solve_axes(
             cache[key] = chosen
         strategies[axis] = chosen
         solved.append((ctx, chosen))
-        local = local.after(chosen, ctx.size)
+        local = shapes_after(local, chosen, ctx.size, search.memo)
         before += ((axis, degrees[axis], id(chosen)),)
     return strategies
 

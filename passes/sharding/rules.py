@@ -73,7 +73,7 @@ def pointwise(view: OpView) -> list[Strategy]:
         strategies.append(Strategy(tuple(placements), Shard(d)))
     packet = getattr(view.node.target, "overloadpacket", None)
     n_in = len(view.in_shapes)
-    if not all(t.is_floating_point() for t in output_tensors(view.node)):
+    if not all(t.dtype.is_floating_point for t in output_tensors(view.node)):
         return strategies  # a cast to integers or booleans is not linear
     # x + c over ranks holding x_r: the sum of the x_r + c counts c p times, their mean once
     number_operand = packet in _ADDITIVE and any(not isinstance(a, fx.Node) for a in view.args[:2])

@@ -83,11 +83,11 @@ def work_fraction(strategy: Strategy, axis_size: int) -> float:
 
 
 def local_shape(shape: tuple[int, ...], placement: Placement | None, axis_size: int) -> tuple[int, ...]:
+    shape = tuple(shape)
     if isinstance(placement, Shard):
-        shape = list(shape)
-        shape[placement.dim] //= axis_size
-        return tuple(shape)
-    return tuple(shape)
+        d = placement.dim % len(shape)
+        return shape[:d] + (shape[d] // axis_size,) + shape[d + 1 :]
+    return shape
 
 
 def numel(shape) -> int:
