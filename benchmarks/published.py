@@ -54,8 +54,8 @@ def _value(metric: str, value: float) -> str:
 def row_table(results: list[dict]) -> list[str]:
     lines = [
         "| source | model | GPUs | tp | pp | dp | v | micro | batch | recompute | metric | predicted | published | "
-        "error % | compute / comm / sync / optimizer / pipeline s | peak GiB | plan s |",
-        "| --- | --- | " + "---: | " * 7 + "--- | --- | ---: | ---: | ---: | --- | ---: | ---: |",
+        "error % | compute / comm / sync / optimizer / pipeline s | FLOPs / source | peak GiB | plan s |",
+        "| --- | --- | " + "---: | " * 7 + "--- | --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for r in results:
         row, config, cost, schedule = r["row"], r["row"]["config"], r["cost"], r["plan"].schedule
@@ -67,7 +67,7 @@ def row_table(results: list[dict]) -> list[str]:
             f"{schedule.microbatches} | {config['global_batch']} | {schedule.recompute} | {UNITS[row['metric']]} | "
             f"{_value(row['metric'], r['predicted'])} | {_value(row['metric'], row['value'])} | "
             f"{r['error'] * 100:+.1f} | {cost.compute_s:.2f} / {cost.comm_s:.2f} / {cost.grad_sync_s:.2f} / "
-            f"{cost.optimizer_s:.2f} / {cost.pipeline_s:.2f} | {memory} | {r['plan_s']:.0f} |"
+            f"{cost.optimizer_s:.2f} / {cost.pipeline_s:.2f} | {r['flops_ratio']:.2f} | {memory} | {r['plan_s']:.0f} |"
         )
     return lines
 
@@ -153,7 +153,10 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         "Hardware: the `a100-80gb` and `h100-80gb` presets, one set of figures for every row (GEMM efficiency "
         "from shapes through the published MAMF, FlashAttention-2 figures, per-GPU InfiniBand), with each "
         "source's training-stack overlaps (below). Predicted metric = the source's FLOPs per iteration "
-        "/ GPUs / predicted step time (or tokens).",
+        "/ GPUs / predicted step time (or tokens). FLOPs / source: the busiest GPU's FLOPs per step as "
+        "autopar counts them over the source's per GPU, both without recomputation (`published_rows.flops_ratio`): "
+        "about 1 where the stages are even, above where one stage holds more; it showed attention run whole on "
+        "every tensor-parallel rank (1.3-1.6 at tp 4-8) until the search split its heads.",
         "",
         "### Error by source",
         "",

@@ -101,6 +101,17 @@ def flops(row: dict, params: float) -> float:
     raise ValueError(f"unknown FLOPs definition {row['flops']!r}")
 
 
+def flops_ratio(row: dict, model_flops: float, params: float) -> float:
+    """The busiest device's FLOPs per step as autopar counts them (forward and backward, no
+    recomputation) against the source's FLOPs per GPU counted alike (definitions with full
+    recomputation's extra forward taken at 3/4; tokens rows by Megatron's model FLOPs): about 1
+    where the stages are even, above where one holds more (the head). A check that the plan
+    splits the work the published layout splits."""
+    definition = {"narayanan": "megatron_model", "tokens": "megatron_model"}.get(row["flops"], row["flops"])
+    counted = flops({**row, "flops": definition}, params) * (0.75 if definition == "bigscience" else 1.0)
+    return model_flops / (counted / row["config"]["gpus"])
+
+
 def metric(row: dict, step_s: float, params: float) -> float:
     """The row's published metric (TFLOP/s per GPU, MFU or tokens/s per GPU) at ``step_s``."""
     per_gpu = flops(row, params) / row["config"]["gpus"] / step_s
@@ -161,6 +172,7 @@ def predict(row: dict, stacks: dict, captures: Captures) -> dict:
         "params": params,
         "predicted": predicted,
         "error": predicted / row["value"] - 1,
+        "flops_ratio": flops_ratio(row, cost.model_flops, params),
         "capture_s": captured_s,
         "plan_s": time.perf_counter() - started - captured_s,
     }
