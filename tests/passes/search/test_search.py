@@ -90,9 +90,8 @@ def test_tensor_parallel_attention_splits_its_heads_on_gpus():
     # (attention ran whole on every tp rank, ~1.6x the FLOPs of Megatron's layout at tp 8)
     model = meta_model("gpt.py", hidden=1024, layers=1, heads=8, vocab=4096, seq=1024)
     megatron = {"layers.*.attn.w[qkv]": "S(-1)", "layers.*.attn.wo": "P", "layers.*.mlp.fc1": "S(-1)"}
-    plan = autopar.plan(
-        model, "1x8", model.example_inputs(8, device="meta"), degrees={"tp": 8}, constraints=megatron, hardware="h100-80gb"
-    )
+    inputs = model.example_inputs(8, device="meta")
+    plan = autopar.plan(model, "1x8", inputs, degrees={"tp": 8}, constraints=megatron, hardware="h100-80gb")
     tp = list(plan.degrees).index("tp")
     attention = [d for d in plan.nodes.values() if "scaled_dot_product_attention" in d.op]
     assert attention and all(d.output[tp] == Shard(1) for d in attention)
