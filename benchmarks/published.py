@@ -175,13 +175,17 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         "",
         "### Training stacks (overlaps as each source describes them)",
         "",
-        "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | what and where from |",
-        "| --- | ---: | --- | ---: | --- |",
+        "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | gradient buckets | "
+        "what and where from |",
+        "| --- | ---: | --- | ---: | --- | --- |",
     ]
     for name, stack in data["stacks"].items():
+        fixed, per_rank = stack.get("grad_bucket_params", (0, 0))
+        buckets = f"max({fixed:,}, {per_rank:,} x dp) parameters" if fixed else "autopar's (25 MiB)"
+        cite = f"; {stack['grad_bucket_cite']}" if fixed else ""
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
-            f"| {stack['description']}; {stack['cite']} |"
+            f"| {buckets} | {stack['description']}; {stack['cite']}{cite} |"
         )
     lines += ["", "### FLOPs definitions", ""]
     lines += [f"- `{key}`: {text}" for key, text in data["flops"].items()]

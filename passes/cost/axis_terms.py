@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from autopar.ir import Axis, HardwareProfile, LinkTier, Placement, Replicate, Schedule, Shard, model_state_bytes
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
 from autopar.passes.cost.kernels import kernel_time
-from autopar.passes.cost.ops import collective_time, grad_sync_time, maximum, minimum, optimizer_time, reshard_time
+from autopar.passes.cost.ops import (
+    GRAD_BUCKET_BYTES,
+    collective_time,
+    grad_sync_time,
+    maximum,
+    minimum,
+    optimizer_time,
+    reshard_time,
+)
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import kept_share
 from autopar.passes.sharding.strategies import Strategy, local_shape, numel, work_fraction
@@ -96,10 +104,12 @@ def param_sync(param_bytes: float, grad_bytes: float, ctx: AxisContext) -> tuple
     microbatch and all-gathers the updated parameter once per step; stage 3 also gathers the
     parameter for forward and again for backward, every microbatch. (For stages 2-3 the first
     figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration` counts it
-    once per microbatch.)"""
+    once per microbatch.) Gradients go in the stack's buckets (``grad_bucket_bytes``), each
+    paying a collective's latency once."""
+    bucket = (ctx.hardware.grad_bucket_bytes if ctx.hardware else 0.0) or GRAD_BUCKET_BYTES
     if ctx.name != Axis.DP or ctx.zero < 2:
-        return grad_sync_time(grad_bytes, ctx.size, ctx.link), 0.0
-    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, kind="reduce_scatter")
+        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0
+    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter")
     gather = collective_time("all_gather", param_bytes, ctx.size, dataclasses.replace(ctx.link, sync_s=0.0))
     return (scatter + 2 * gather, 0.0) if ctx.zero == 3 else (scatter, gather)
 

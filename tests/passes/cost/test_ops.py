@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile, model_state_bytes
+from autopar.ir.buckets import BUCKET_BYTES
 from autopar.ir.precision import ZERO_PAPER_LAYOUT
 from autopar.passes.capture.graph import capture
+from autopar.passes.cost.axis_terms import AxisContext, param_sync
 from autopar.passes.cost.ops import (
     MEASURE_LIMIT_BYTES,
     OpProfile,
@@ -49,6 +51,17 @@ def test_bucketed_gradient_sync_pays_latency_per_bucket():
     assert grad_sync_time(50 * MB, 4, LINK, bucket_bytes=25 * MB) == pytest.approx(
         collective_time("all_reduce", 50 * MB, 4, LINK)
     )
+
+
+def test_gradients_sync_in_the_buckets_of_the_stack_the_profile_names():
+    # autopar's runtime fills 25 MiB buckets; a published stack's (Megatron-Core: 40M parameters and
+    # up) pays a collective's latency once per bucket of its own size
+    profile = get_profile("a100-80gb")
+    ctx = AxisContext("dp", 4, LINK, {}, None, 0.0, hardware=profile)
+    assert param_sync(1 * MB, 1 * MB, ctx)[0] == pytest.approx(grad_sync_time(1 * MB, 4, LINK, BUCKET_BYTES))
+    stack = dataclasses.replace(ctx, hardware=dataclasses.replace(profile, grad_bucket_bytes=160 * MB))
+    assert param_sync(1 * MB, 1 * MB, stack)[0] == pytest.approx(grad_sync_time(1 * MB, 4, LINK, bucket_bytes=160 * MB))
+    assert param_sync(1 * MB, 1 * MB, stack)[0] < param_sync(1 * MB, 1 * MB, ctx)[0]
 
 
 def test_redistributions_cost_their_collective_and_its_dual():
