@@ -78,17 +78,11 @@ class NodeFacts:
         """
         if self.pacing is None or slot_shapes is None:
             return self.full_time_s * work
-        key = (tuple(map(tuple, slot_shapes)), microbatches)
-        memo = self.pacing._memo
-        if ("paced", key) not in memo:  # (work the local shapes hold, time per unit against the unsharded)
-            local, whole = key[0], tuple(map(tuple, self.slot_shapes))
-            here, there = self.pacing.per_unit(local, microbatches), self.pacing.per_unit(whole, 1)
-            held = work_units(self.node.target, local) / work_units(self.node.target, whole)
-            memo[("paced", key)] = None if here is None or there is None else (held, here / there)
-        paced = memo[("paced", key)]
+        paced = self.pacing.against(tuple(map(tuple, slot_shapes)), tuple(map(tuple, self.slot_shapes)), microbatches)
         if paced is None:
             return self.full_time_s * work
-        return self.full_time_s * maximum(work, paced[0]) * paced[1]
+        held, slower = paced
+        return self.full_time_s * maximum(work, held) * slower
 
 
 @dataclass(frozen=True)
@@ -117,6 +111,18 @@ class Pacing:
             self.causal,
             microbatches,
         )
+
+    def against(self, local: tuple, whole: tuple, microbatches: int = 1):
+        """(share of the work at ``whole`` shapes the ``local`` ones hold, time per unit at ``local``
+        over that at ``whole``), or None without work; once per local shapes."""
+        key = ("against", local, whole, microbatches)
+        if key not in self._memo:
+            here, there = self.per_unit(local, microbatches), self.per_unit(whole, 1)
+            if here is None or there is None:
+                self._memo[key] = None
+            else:
+                self._memo[key] = (work_units(self.target, local) / work_units(self.target, whole), here / there)
+        return self._memo[key]
 
     def per_unit(self, slot_shapes: tuple, microbatches: int = 1):
         """:meth:`seconds` per unit of the op's work at those shapes; None without work."""
