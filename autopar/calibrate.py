@@ -9,10 +9,11 @@ per rank count, matmul and memory rates.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from pathlib import Path
 
 from autopar.ir import HardwareProfile
-from autopar.passes.cost.calibration import fit_errors, fit_profile
+from autopar.passes.cost.calibration import fit_errors, fit_profile, gemm_errors
 from autopar.runtime.measure import calibrate
 
 
@@ -39,8 +40,13 @@ def run_calibrate(
 def calibration_text(profile: HardwareProfile) -> str:
     """The fitted collectives as a table, then compute and memory rates."""
     link = profile.links[0]
+    measurements = profile.extra["measurements"]
+    if not measurements["collectives"]:  # one GPU: nothing to link
+        return "\n".join(
+            [f"no collectives measured (one GPU): the links are the preset's ({link.name})", *_device_lines(profile)]
+        )
     # measured after a barrier, every rank waiting: compare without the in-step rendezvous
-    errors = fit_errors(profile.extra["measurements"]["collectives"], dataclasses.replace(link, sync_s=0.0))
+    errors = fit_errors(measurements["collectives"], dataclasses.replace(link, sync_s=0.0))
     header = f"{'collective':<15}{'ranks':>6}{'alpha us':>11}{'bandwidth GB/s':>16}{'fit error %':>13}"
     lines = [header, "-" * len(header)]
     for kind, by_ranks in link.fitted.items():
@@ -54,12 +60,34 @@ def calibration_text(profile: HardwareProfile) -> str:
         ]
         lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.1f} GB/s (one thread, read + write)")
     else:
-        lines += [""] + [f"matmul {dtype:<9} {rate / 1e12:8.1f} TFLOP/s" for dtype, rate in profile.peak_flops.items()]
-        lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.0f} GB/s (read + write)")
-        lines.append(
-            f"compute efficiency {profile.compute_efficiency:.2f} of those rates (the preset's whole-model factor)"
-        )
+        lines += _device_lines(profile)
     return "\n".join(lines)
+
+
+def _device_lines(profile: HardwareProfile) -> list[str]:
+    """A GPU's measured rates: matmul per dtype, memory, the GEMM grid's fit and attention."""
+    measured = profile.extra.get("matmul", {})
+    lines = [""] + [
+        f"matmul {dtype:<9} {rate / 1e12:8.1f} TFLOP/s measured (datasheet {profile.peak_flops[dtype] / 1e12:.0f})"
+        for dtype, rate in measured.items()
+        if dtype in profile.peak_flops
+    ]
+    lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.0f} GB/s (read + write)")
+    lines.append(
+        f"compute efficiency {profile.compute_efficiency:.2f} of the datasheet (ops other than GEMMs and attention)"
+    )
+    gemms = profile.extra["measurements"].get("gemms")
+    if gemms:
+        errors = [abs(error) for error in gemm_errors(profile, gemms)]
+        lines.append(
+            f"GEMMs: {len(gemms)} bfloat16 shapes, the tile's fill along k fitted as {profile.kernels.k_fill}: "
+            f"model error median {statistics.median(errors) * 100:.0f}%, worst {max(errors) * 100:.0f}%"
+        )
+    for mask, by_dim in (profile.kernels.attention if profile.extra["measurements"].get("attention") else {}).items():
+        for dim, by_seq in sorted(by_dim.items()):
+            rates = ", ".join(f"{seq} {rate / 1e12:.0f}" for seq, rate in sorted(by_seq.items()))
+            lines.append(f"attention {mask} head {dim}, TFLOP/s by sequence: {rates}")
+    return lines
 
 
 def contention_lines(profile: HardwareProfile) -> list[str]:

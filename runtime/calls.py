@@ -28,6 +28,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from autopar.ir import BATCH_DIMS, Axis, InputError, Shard, format_placements
 from autopar.runtime.kernels.zigzag import zigzag_order
+from autopar.runtime.process_groups import rank_device
 
 
 @dataclass(frozen=True)
@@ -94,8 +95,9 @@ class Calls:
             program = self._compile({name: _repeated(value, scale.get(name, {})) for name, value in bound.items()})
             self._programs[signature] = program
         tensors = [leaf for leaf in tree_flatten(bound)[0] if isinstance(leaf, torch.Tensor)]
-        return program, [
-            local_chunk(value, placements, self.mesh, split)
+        device = rank_device(self.mesh)
+        return program, [  # each share where this rank computes, as FSDP2's root forward moves inputs
+            local_chunk(value, placements, self.mesh, split).to(device)
             for value, placements in zip(tensors, program.inputs.values(), strict=True)
         ]
 
@@ -108,7 +110,7 @@ class Calls:
             return
         planned: dict[str, list] = {}
         tensors = [entry for entry in self._first.signature if not isinstance(entry[2], str)]
-        for (name, _, whole, dtype, _), placements in zip(tensors, self._first.inputs.values(), strict=True):
+        for (name, _, whole, dtype), placements in zip(tensors, self._first.inputs.values(), strict=True):
             planned.setdefault(name, []).append((whole, dtype, placements))
         unsplit = tuple(axis for axis in self.axes if axis not in split)
         seen: dict[str, int] = {}
@@ -165,7 +167,7 @@ class Calls:
     @staticmethod
     def signature(bound: dict, scale: dict[str, dict[int, int]] | None = None) -> tuple:
         """What decides the program: the structure, every tensor's (whole-batch) shape and dtype,
-        every constant."""
+        every constant (not where a tensor is: inputs move to the rank's device)."""
         scale = scale or {}
         described = []
         for name, value in bound.items():
@@ -173,7 +175,7 @@ class Calls:
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
                     shape = [size * scale.get(name, {}).get(dim, 1) for dim, size in enumerate(leaf.shape)]
-                    described.append((name, str(spec), tuple(shape), leaf.dtype, leaf.device.type))
+                    described.append((name, str(spec), tuple(shape), leaf.dtype))
                 else:
                     described.append((name, str(spec), "constant", leaf))
         return tuple(described)

@@ -32,16 +32,12 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from autopar.ir import ConfigError
 from autopar.runtime.spawn import run_local
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 SIZES_BYTES = tuple(1024 * 4**k for k in range(1, 8))  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES_BYTES = SIZES_BYTES[:-1]  # up to 4 MiB
 MATMUL_SIZES = (128, 256, 512, 768, 1024, 1536, 2048)
-GPU_SIZES_BYTES = tuple(2**16 * 4**k for k in range(7))  # 64 KiB, 256 KiB, ..., 256 MiB: NVLink needs big messages
-GPU_MATMUL_SIZES = (1024, 2048, 4096, 8192)
-GPU_DTYPES = ("float32", "tf32", "bfloat16", "float16")
 MATMUL_TARGET_S = 0.05  # a matmul this long is past cache and call-overhead effects
 _FLOAT_BYTES = 4  # collectives move float32
 
@@ -345,11 +341,6 @@ def _collectives_and_sync(rank: int, world_size: int, sizes_bytes, repeats: int,
     }
 
 
-def _gpu_collectives(rank: int, world_size: int, sizes_bytes, repeats: int) -> list[dict]:
-    torch.cuda.set_device(rank)  # one device per rank, as torchrun's LOCAL_RANK
-    return measure_collectives(rank, world_size, sizes_bytes, repeats, device=f"cuda:{rank}")
-
-
 def calibrate(ranks=(2, 4), quick: bool = False, progress=print, backend: str = "gloo") -> dict:
     """Measure matmul, memory, contention and collectives on this machine; a dict for
     ``passes.calibration.fit_profile``.
@@ -357,7 +348,7 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print, backend: str = 
     ``quick`` measures sizes up to 4 MiB with fewer repeats over 2 ranks only (~8 s
     instead of ~30 s on 2 cores). ``progress`` receives one line per step. The op mix
     runs alone here first, then on every rank of each group size at once (``contention``).
-    ``backend="nccl"`` measures the GPUs instead (:func:`calibrate_gpus`).
+    ``backend="nccl"`` measures the GPUs instead (:func:`autopar.runtime.measure_gpu.calibrate_gpus`).
 
     >>> measurements = calibrate(quick=True, progress=lambda line: None)   # doctest: +SKIP
     >>> sorted(measurements)                                                # doctest: +SKIP
@@ -368,6 +359,8 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print, backend: str = 
     if not ranks or min(ranks) < 2:
         raise ValueError(f"ranks must be group sizes of at least 2, got {ranks}")
     if backend == "nccl":
+        from autopar.runtime.measure_gpu import calibrate_gpus
+
         return calibrate_gpus(ranks, quick, progress)
     if backend != "gloo":
         raise ValueError(f"unknown backend {backend!r}: calibrate measures gloo (CPU) or nccl (GPU)")
@@ -412,51 +405,6 @@ def calibrate(ranks=(2, 4), quick: bool = False, progress=print, backend: str = 
         "cores": os.cpu_count(),
         "measured_at": measured_at,
         "host": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})",
-        "threads_per_rank": 1,
-        "quick": quick,
-        "seconds": time.perf_counter() - started,
-    }
-
-
-def calibrate_gpus(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
-    """The GPU sweep: matmul FLOP/s per dtype (float32, TF32, bfloat16, float16) and memory
-    bandwidth on GPU 0, then every collective kind over NCCL for each group size, one GPU
-    per rank, messages of 64 KiB to 256 MiB. Same record format as :func:`calibrate`, with
-    the device's name and memory; no contention or rendezvous records."""
-    if not torch.cuda.is_available() or torch.cuda.device_count() < max(ranks):
-        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        raise ConfigError(
-            f"calibrating NCCL over {max(ranks)} ranks needs {max(ranks)} GPUs, this machine has {found}: "
-            "pass --ranks with at most that many, or calibrate gloo (the default) on a CPU machine"
-        )
-    sizes, repeats = (GPU_SIZES_BYTES[:-2], 10) if quick else (GPU_SIZES_BYTES, 30)
-    started = time.perf_counter()
-    measured_at = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    device = torch.device("cuda", 0)
-    progress(f"matmul FLOP/s on {torch.cuda.get_device_name(device)}, {', '.join(GPU_DTYPES)}")
-    matmul = measure_matmul(GPU_DTYPES, GPU_MATMUL_SIZES, repeats=10, device=device)
-    progress("  " + ", ".join(f"{dtype} {rate / 1e12:.1f} TFLOP/s" for dtype, rate in matmul.items()))
-    memory_bandwidth = measure_memory_bandwidth(2**30, repeats=10, device=device)
-    progress(f"memory bandwidth, one 1 GiB copy: {memory_bandwidth / 1e9:.0f} GB/s")
-    collectives = []
-    for world_size in ranks:
-        progress(
-            f"collectives over {world_size} GPUs on NCCL: {len(KINDS)} kinds x {len(sizes)} sizes, {repeats} repeats"
-        )
-        collectives += run_local(_gpu_collectives, world_size, sizes, repeats, timeout_s=600, backend="nccl")[0]
-    properties = torch.cuda.get_device_properties(device)
-    return {
-        "backend": "nccl",
-        "matmul": matmul,
-        "memory_bandwidth": memory_bandwidth,
-        "contention": [],
-        "collectives": collectives,
-        "sync": [],
-        "cores": 0,
-        "device_name": properties.name,
-        "memory_bytes": properties.total_memory,
-        "measured_at": measured_at,
-        "host": f"{platform.node()} ({torch.cuda.device_count()} x {properties.name}, torch {torch.__version__})",
         "threads_per_rank": 1,
         "quick": quick,
         "seconds": time.perf_counter() - started,

@@ -40,6 +40,7 @@ from autopar.runtime.calls import CallProgram, Calls, local_chunk
 from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mixed_precision import LossScaler, MixedPrecision
+from autopar.runtime.process_groups import rank_device
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import ZeroLayout, ZeroOptimizer, add_grad, synced_alone
 
@@ -100,12 +101,13 @@ class ParallelModule(nn.Module):
         self.zero = ZeroLayout(plan, mesh, {name: state[name].shape for name in dict.fromkeys(param_order)})
         self._zero_chunks: dict[str, torch.Tensor] = {}  # ZeRO-1/2: the chunks the optimizer steps
         policy = plan.precision_policy
+        device = rank_device(mesh)  # the model's state moves there, a shard at a time
         for name in dict.fromkeys(param_order):
             full = state[name]
             if policy.mixed and full.is_floating_point():
                 full = full.float()  # the master is fp32 whatever the model holds
             placements = [to_dtensor_placement(p) for p in plan.params[name]]
-            local = local_chunk(full.detach(), plan.params[name], mesh)
+            local = local_chunk(full.detach(), plan.params[name], mesh).to(device)
             if self.zero.stores_chunk(name):
                 local, placements = self.zero.chunk(name, local), self.zero.placements(name, placements)
             local = local.clone().requires_grad_(full.requires_grad)
@@ -122,7 +124,7 @@ class ParallelModule(nn.Module):
         for alias, name in (tied or {}).items():  # the same Parameter under the tied name too
             _register(self, alias, self._params[name])
         for name in buffer_order:
-            _register(self, name, state[name].detach().clone(), buffer=True)
+            _register(self, name, state[name].detach().to(device, copy=True), buffer=True)
         self._precision = MixedPrecision(policy, self._locals)
         self._finishing_later = False  # inside a step of several backward passes (AccumulatingModule)
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}

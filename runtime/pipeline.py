@@ -47,6 +47,7 @@ from autopar.runtime.calls import Calls
 from autopar.runtime.faults import collective, listing
 from autopar.runtime.mixed_precision import MixedPrecision
 from autopar.runtime.module import ParallelModule, communicating, whole_leaves
+from autopar.runtime.process_groups import rank_device
 from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
@@ -253,11 +254,7 @@ class PipelineModule(ParallelModule):
 
     def _build(self, stage_programs: list) -> tuple[list[_Stage], object]:
         schedule = self.plan.schedule
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if self.pipeline_mesh.device_type == "cuda"
-            else torch.device("cpu")
-        )
+        device = rank_device(self.pipeline_mesh)
         stages = []
         for index in self._mine:
             stage = stage_programs[index]

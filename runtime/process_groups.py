@@ -50,6 +50,13 @@ def build_device_mesh(layout: dict[str, int], device_type: str) -> DeviceMesh:
     return mesh
 
 
+def rank_device(mesh) -> torch.device:
+    """Where this rank computes on ``mesh``: its current GPU on a CUDA mesh, else the CPU."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def world_timeout() -> timedelta:
     """The default group's timeout (``init_process_group(timeout=...)``, see ``launch.init_from_env``)."""
     world = dist.group.WORLD

@@ -18,6 +18,7 @@ arguments flatten into the tensor inputs and how the outputs rebuild the model's
 from __future__ import annotations
 
 import hashlib
+import itertools
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -78,11 +79,21 @@ def capture(
     if not isinstance(example_inputs, tuple):
         example_inputs = tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
     example_inputs, example_kwargs = _distinct(example_inputs, dict(example_kwargs or {}))
+    example_inputs, example_kwargs = on_model_device(model, (example_inputs, example_kwargs))
     if param_dtype is None:
         return _capture(model, example_inputs, example_kwargs)
     inputs, kwargs = tree_map(lambda leaf: cast_floating(leaf, param_dtype), (example_inputs, example_kwargs))
     with computing_in(model, param_dtype):
         return _capture(model, inputs, kwargs)
+
+
+def on_model_device(model: torch.nn.Module, example):
+    """``example``'s tensors where ``model``'s state is: an example gives shapes and dtypes, and a
+    model on the CPU (or meta) traces as it is whatever device the batches it will train on are."""
+    state = next(itertools.chain(model.parameters(), model.buffers()), None)
+    if state is None:
+        return example
+    return tree_map(lambda leaf: leaf.to(state.device) if isinstance(leaf, torch.Tensor) else leaf, example)
 
 
 def cast_floating(value, dtype: torch.dtype):

@@ -28,9 +28,10 @@ import numpy as np
 
 from autopar.ir import PROFILES, HardwareProfile, LinkTier
 from autopar.ir.hardware import COLLECTIVES
-from autopar.passes.cost.efficiency import shape_factor
+from autopar.passes.cost.efficiency import gemm_seconds, shape_factor
 from autopar.passes.cost.ops import collective_time
 
+_ITEMSIZE = {"float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2}
 MAX_BANDWIDTH = 1e15  # bytes/s: keeps 1/B strictly positive when the times do not grow with size
 _ROBUST_ROUNDS = 20
 _ROBUST_FLOOR = 0.01  # relative errors below 1% count as 1% when reweighting
@@ -273,32 +274,80 @@ def fit_gpu_profile(measurements: dict, name: str = "gpu-calibrated") -> Hardwar
     """The profile of a GPU node from ``calibrate(backend="nccl")`` measurements.
 
     The measured link replaces the preset's tier inside a node (between nodes stays the
-    preset's); memory size and the streaming bandwidth are the device's (a measured copy: its
-    streaming share is 1). Peak FLOP/s stay the datasheet's: each measured large-matmul rate
-    sets that dtype's best GEMM efficiency, so the shape-derived curve
+    preset's; a one-GPU machine keeps both); memory size and the streaming bandwidth are the
+    device's (a measured copy: its streaming share is 1). Peak FLOP/s stay the datasheet's: each
+    measured large-matmul rate sets that dtype's best GEMM efficiency, so the shape-derived curve
     (:func:`autopar.passes.cost.efficiency.gemm_efficiency`) passes through the measurement at
-    the measured shape; other dtypes, tiles and attention keep the preset's figures.
+    the measured shape, and the tile's fill along k is fitted to the measured GEMM grid
+    (:func:`fit_k_fill`); measured attention replaces the preset's table. Other dtypes and the
+    tiles keep the preset's figures.
     """
     base = gpu_preset(measurements.get("device_name", ""))
-    link = fit_link(measurements["collectives"], base.links[0].name, base.links[0])
+    collectives = measurements["collectives"]
+    link = fit_link(collectives, base.links[0].name, base.links[0]) if collectives else base.links[0]
     size = measurements.get("matmul_size", MEASURED_MATMUL_SIZE)
     measured = {dtype: float(rate) for dtype, rate in measurements["matmul"].items()}
-    return replace(
+    profile = replace(
         _compute_through(base, measured, size),
+        memory_bytes=float(measurements.get("memory_bytes", base.memory_bytes)),
+        memory_bandwidth=float(measurements["memory_bandwidth"]),
+    )
+    if measurements.get("gemms"):
+        k_fill, _ = fit_k_fill(profile, measured, size, measurements["gemms"])
+        profile = _compute_through(replace(profile, kernels=replace(profile.kernels, k_fill=k_fill)), measured, size)
+    if measurements.get("attention"):
+        attention = attention_table(measurements["attention"])
+        profile = replace(profile, kernels=replace(profile.kernels, attention=attention))
+    ranks = sorted({r["ranks"] for r in collectives})
+    links = f"collectives on NCCL over {', '.join(map(str, ranks))} GPUs, alpha-beta fitted per kind and group size"
+    gemms = len(measurements.get("gemms", ()))
+    return replace(
+        profile,
         name=name,
         description=(
             f"measured by `autopar calibrate --backend nccl` at {measurements.get('measured_at', '?')} on "
             f"{measurements.get('host', 'this machine')}: GEMM efficiency through the achieved {size}^3 matmul "
-            "rates, memory bandwidth one device copy, collectives on NCCL over "
-            f"{', '.join(map(str, sorted({r['ranks'] for r in measurements['collectives']})))} "
-            f"GPUs, alpha-beta fitted per kind and group size; between nodes, overlap, op overhead, tiles and "
-            f"attention from {base.name}"
+            + (f"rates with the fill along k fitted to {gemms} bfloat16 GEMM shapes" if gemms else "rates")
+            + (", attention measured" if measurements.get("attention") else "")
+            + f", memory bandwidth one device copy, {links if collectives else 'one GPU: every link'} "
+            f"from {base.name}; between nodes, overlap, op overhead and tiles from {base.name}"
         ),
-        memory_bytes=float(measurements.get("memory_bytes", base.memory_bytes)),
-        memory_bandwidth=float(measurements["memory_bandwidth"]),
         links=(link, *base.links[1:]),
         extra={**_fit_extras(base, measurements, link), "matmul": measured},
     )
+
+
+K_FILL_CANDIDATES = tuple(range(0, 1025, 8))
+
+
+def gemm_errors(profile: HardwareProfile, gemms: list[dict]) -> list[float]:
+    """Relative error of :func:`~autopar.passes.cost.efficiency.gemm_seconds` on each measured GEMM."""
+    return [
+        gemm_seconds(g["m"], g["n"], g["k"], g["dtype"], _ITEMSIZE[g["dtype"]], profile, g["batch"]) / g["seconds"] - 1
+        for g in gemms
+    ]
+
+
+def fit_k_fill(profile: HardwareProfile, measured: dict[str, float], size: int, gemms: list[dict]) -> tuple[int, float]:
+    """The tile's fill along k (and the median absolute relative error it leaves) that best
+    predicts the measured GEMMs, the best efficiency moved with it through the ``size``³ rates."""
+
+    def error(k_fill: int) -> float:
+        candidate = _compute_through(replace(profile, kernels=replace(profile.kernels, k_fill=k_fill)), measured, size)
+        return float(np.median(np.abs(gemm_errors(candidate, gemms))))
+
+    k_fill = min(K_FILL_CANDIDATES, key=error)
+    return k_fill, error(k_fill)
+
+
+def attention_table(records: list[dict]) -> dict[str, dict[int, dict[int, float]]]:
+    """Measured attention records as KernelFigures.attention: mask → head size → sequence → FLOP/s."""
+    table: dict[str, dict[int, dict[int, float]]] = {}
+    for r in records:
+        table.setdefault("causal" if r["causal"] else "full", {}).setdefault(r["head_dim"], {})[r["seq"]] = float(
+            r["flops_per_s"]
+        )
+    return table
 
 
 def _compute_through(base: HardwareProfile, measured: dict[str, float], size: int) -> HardwareProfile:

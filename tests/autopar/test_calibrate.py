@@ -17,6 +17,7 @@ from autopar.cli import default_profile_path, main
 from autopar.ir import ConfigError, get_profile
 from autopar.passes.cost.calibration import fit_profile
 from autopar.runtime.measure import KINDS, calibrate
+from autopar.runtime.measure_gpu import attention_flops, measure_attention, measure_gemms
 
 
 def test_calibrating_nccl_without_enough_gpus_says_what_to_do(monkeypatch):
@@ -24,10 +25,25 @@ def test_calibrating_nccl_without_enough_gpus_says_what_to_do(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    with pytest.raises(ConfigError, match="needs 4 GPUs, this machine has 0: pass --ranks"):
+    with pytest.raises(ConfigError, match="GPUs and it has none: calibrate gloo"):
+        calibrate(ranks=(2, 4), backend="nccl", progress=lambda line: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="needs 4 GPUs, this machine has 2: pass --ranks"):
         calibrate(ranks=(2, 4), backend="nccl", progress=lambda line: None)
     with pytest.raises(ValueError, match="unknown backend 'mpi'"):
         calibrate(backend="mpi", progress=lambda line: None)
+
+
+def test_gemm_and_attention_timers_return_per_call_seconds():
+    """The GPU sweep's kernel timers, on this CPU with tiny shapes: one record per case, positive
+    times, attention's rate its FlashAttention-convention FLOPs over the time."""
+    gemms = measure_gemms([(1, 64, 32, 16), (2, 16, 16, 16)], "float32", device="cpu")
+    assert [(g["batch"], g["m"], g["n"], g["k"]) for g in gemms] == [(1, 64, 32, 16), (2, 16, 16, 16)]
+    attention = measure_attention([(2, 2, 32, 16, True)], "float32", device="cpu")
+    (record,) = attention
+    assert all(g["seconds"] > 0 for g in gemms) and record["seconds"] > 0
+    assert record["flops_per_s"] == pytest.approx(attention_flops(2, 2, 32, 16, True) / record["seconds"])
 
 
 def test_plan_cli_uses_the_calibrated_profile_when_it_exists(tmp_path, monkeypatch, capsys):

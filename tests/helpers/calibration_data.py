@@ -7,7 +7,8 @@ import numpy as np
 
 from autopar.ir import LinkTier
 from autopar.passes.cost.ops import collective_time
-from autopar.runtime.measure import GPU_SIZES_BYTES, KINDS, SIZES_BYTES
+from autopar.runtime.measure import KINDS, SIZES_BYTES
+from autopar.runtime.measure_gpu import GPU_SIZES_BYTES
 
 TRUE_LINKS = {  # (alpha seconds, bandwidth bytes/s) per kind, different so a mix-up shows
     "all_reduce": (150e-6, 1.2e9),

@@ -109,3 +109,14 @@ def test_copy_into_a_slice_is_captured_as_ops_autograd_differentiates():
     want = torch.autograd.grad(model(x), [x, *params])
     assert torch.allclose(captured_loss, model(x))
     assert all(torch.allclose(g, w) for g, w in zip(got, want))
+
+
+def test_examples_trace_where_the_model_is():
+    """An example batch elsewhere than the model (CPU token ids for a meta model here; CUDA
+    batches for a CPU model on a GPU machine) gives shapes and dtypes: the graph traces on the
+    model's device instead of failing in torch.export's device propagation."""
+    model = meta_model("gpt.py", hidden=32, layers=1, heads=2, vocab=64, seq=16)
+    ids = torch.randint(0, 64, (2, 16))
+    captured = capture(model, (ids, ids))
+    tokens = captured.graph_module.graph.find_nodes(op="placeholder")[-1].meta["val"]
+    assert tokens.device.type == "meta" and tokens.shape == (2, 16) and tokens.dtype == torch.int64

@@ -20,6 +20,7 @@ from calibration_data import (
 )
 from planning import plan_example
 
+import autopar.calibrate
 from autopar.ir import HardwareProfile, LinkTier, get_profile
 from autopar.passes.cost.calibration import (
     fit_collective,
@@ -27,10 +28,12 @@ from autopar.passes.cost.calibration import (
     fit_errors,
     fit_profile,
     fit_sync_by_ranks,
+    gemm_errors,
     model_coefficients,
 )
 from autopar.passes.cost.efficiency import gemm_seconds
 from autopar.runtime.measure import KINDS, SIZES_BYTES
+from autopar.runtime.measure_gpu import GEMM_GRID, attention_cases, attention_flops
 
 
 def test_gpu_measurements_make_a_node_profile_on_the_matching_preset(tmp_path):
@@ -59,6 +62,40 @@ def test_gpu_measurements_make_a_node_profile_on_the_matching_preset(tmp_path):
         fit_profile({**synthetic_gpu_measurements(), "device_name": "NVIDIA A100-SXM4-80GB"}).links[1]
         == get_profile("a100-80gb").links[1]
     )
+
+
+def test_one_gpu_fits_its_gemm_grid_and_attention_and_keeps_the_preset_links():
+    """A one-GPU machine measures no collectives: its links are the preset's. GEMM times made by
+    the cost model with a known fill along k (the best efficiency through the 8192³ rate) are
+    fitted back to that fill, exactly; measured attention becomes the kernel table."""
+    preset = get_profile("h100-80gb")
+    truth = dataclasses.replace(preset, kernels=dataclasses.replace(preset.kernels, k_fill=200))
+    rate = 2 * 8192**3 / (gemm_seconds(8192, 8192, 8192, "bfloat16", 2, truth) - truth.op_overhead_s)
+    gemms = [
+        dict(batch=b, m=m, n=n, k=k, dtype="bfloat16", seconds=gemm_seconds(m, n, k, "bfloat16", 2, truth))
+        for b, m, n, k in GEMM_GRID
+    ]
+    attention = [
+        dict(batch=b, heads=h, seq=s, head_dim=d, causal=c, flops_per_s=1e14 * (1 + s / 16384) * (d / 128))
+        for b, h, s, d, c in attention_cases()
+    ]
+    measurements = {
+        **synthetic_gpu_measurements(),
+        "collectives": [],
+        "matmul": {"bfloat16": rate},
+        "memory_bandwidth": preset.memory_bandwidth * preset.kernels.memory_efficiency,
+        "gemms": gemms,
+        "attention": attention,
+    }
+    profile = fit_profile(measurements)
+    assert profile.links == preset.links and "one GPU" in profile.description
+    assert profile.kernels.k_fill == 200 and max(map(abs, gemm_errors(profile, gemms))) < 1e-9
+    assert profile.kernels.attention["causal"][128][2048] == pytest.approx(1e14 * (1 + 2048 / 16384))
+    assert set(profile.kernels.attention) == {"causal", "full"} and set(profile.kernels.attention["full"]) == {64, 128}
+    assert attention_flops(1, 1, 1024, 128, True) == 4 * 1024 * 1024 * 128 * 0.5 * 3.5
+    text = autopar.calibrate.calibration_text(profile)
+    assert "no collectives measured (one GPU)" in text and "fill along k fitted as 200" in text, text
+    assert "attention causal head 128" in text
 
 
 def test_coefficients_are_read_off_collective_time():

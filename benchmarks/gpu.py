@@ -1,0 +1,561 @@
+"""One GPU: the cost model's kernel rules and a one-GPU training step against what autopar
+predicts for them, and autopar's runtime on CUDA (NCCL, one rank), eager and compiled.
+
+Three parts, each written to the record as soon as it is measured:
+
+- ``kernels``: every GEMM (forward and both backward products) and the fused attention of a
+  transformer layer of each Megatron-Core r0.8 H100 row (published_runs.json), at its tensor
+  parallelism and one sequence per microbatch, timed back to back in bfloat16, against
+  ``gemm_seconds`` / ``attention_seconds`` on the device's preset (and on the profile
+  ``autopar calibrate --backend nccl`` wrote on the same machine, when given);
+- ``equivalence``: the GPT example in fp32 on CUDA, autopar eager and compiled against the plain
+  model: first loss and every full gradient;
+- ``steps``: the GPT example at Megatron-Core's 1.7B and 7.1B layer shapes (fewer layers), bf16
+  mixed precision, one sequence: autopar's predicted step (its plan on the preset) against
+  autopar's measured step, eager and compiled, and the plain model under ``torch.autocast``,
+  eager and ``torch.compile``. Compile time is the first step's, reported apart.
+
+Run on a GPU machine, from the repository root::
+
+    python benchmarks/gpu.py --out gpu.json [--calibrated gpu-calibrated.json]   # measures
+    python benchmarks/gpu.py --render gpu.json     # its section of BENCHMARKS.md, from the record
+    python benchmarks/gpu.py --quick --out /tmp/x.json    # CPU smoke run: tiny shapes, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).parent))
+from publish import write_section  # noqa: E402
+from step_time import _load_gpt  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.ir import HardwareProfile, get_profile  # noqa: E402
+from autopar.passes.cost.calibration import gpu_preset  # noqa: E402
+from autopar.passes.cost.efficiency import attention_seconds, gemm_list, gemm_seconds  # noqa: E402
+from autopar.runtime.measure_gpu import measure_attention, measure_gemms  # noqa: E402
+
+SECTION = "gpu"
+ROWS = Path(__file__).parent / "data" / "published_runs.json"
+GROUP = "Megatron-Core r0.8 H100"
+STEP_SHAPES = {  # Megatron-Core's 1.7B and 7.1B rows, fewer layers: one GPU holds them with AdamW
+    "1.7B layers": dict(hidden=2048, heads=16, ffn=8192, vocab=131072, seq=4096, layers=4),
+    "7.1B layers": dict(hidden=4096, heads=32, ffn=16384, vocab=131072, seq=4096, layers=2),
+}
+QUICK_SHAPES = {"tiny": dict(hidden=64, heads=4, ffn=256, vocab=512, seq=64, layers=2)}
+TIMED_STEPS, WARMUP_STEPS = 10, 3
+RUNS = (  # (label, compiled): the eager runs first, so a run cut short still has them
+    ("autopar eager", False),
+    ("torch autocast eager", False),
+    ("autopar compiled", True),
+    ("torch autocast compiled", True),
+)
+
+
+_STARTED = time.monotonic()
+
+
+def _log(message: str) -> None:
+    print(f"[gpu {time.monotonic() - _STARTED:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+def _rows() -> list[dict]:
+    return [row for row in json.loads(ROWS.read_text())["rows"] if row.get("group") == GROUP]
+
+
+def layer_gemms(model: dict, tp: int, tokens: int) -> dict[str, tuple]:
+    """A layer's forward GEMMs (batch, m, n, k) at tensor parallelism ``tp``, and the logits'."""
+    h, d = model["hidden"], model["hidden"] // model["heads"]
+    qkv = (model["heads"] + 2 * model["kv_heads"]) * d
+    return {
+        "qkv": (1, tokens, qkv // tp, h),
+        "proj": (1, tokens, h, h // tp),
+        "fc1": (1, tokens, model["ffn"] // tp, h),
+        "fc2": (1, tokens, h, model["ffn"] // tp),
+        "logits": (1, tokens, model["vocab"] // tp, h),
+    }
+
+
+def measure_kernels(profiles: dict[str, HardwareProfile], device: str, quick: bool) -> list[dict]:
+    """Per Megatron-Core row: measured and predicted seconds of its layer's GEMMs (fwd + bwd), its
+    logits GEMMs and its attention (fwd + bwd)."""
+    results = []
+    for row in _rows()[:2] if quick else _rows():
+        model, tp = dict(row["model"]), row["config"]["tp"]
+        if quick:  # the same structure at a CPU's scale
+            model.update(hidden=model["hidden"] // 32, ffn=model["ffn"] // 32, vocab=model["vocab"] // 256, seq=256)
+        d = model["hidden"] // model["heads"]
+        entry = {"row": row["id"], "tp": tp, "model": model, "gemms": {}, "attention": {}}
+        for name, forward in layer_gemms(model, tp, model["seq"]).items():
+            shapes = [(b, m, n, k) for b, m, n, k in gemm_list(forward, needs_grad=True)]
+            each = [g["seconds"] for g in measure_gemms(shapes, "bfloat16", device)]
+            entry["gemms"][name] = {
+                "shapes": shapes,
+                "measured_each_s": each,
+                "measured_s": sum(each),
+                **{
+                    f"{label}_s": sum(gemm_seconds(m, n, k, "bfloat16", 2, p, b) for b, m, n, k in shapes)
+                    for label, p in profiles.items()
+                },
+            }
+        heads = max(1, model["heads"] // tp)
+        (record,) = measure_attention([(1, heads, model["seq"], d, True)], "bfloat16", device)
+        entry["attention"] = {
+            "measured_s": record["seconds"],
+            **{
+                f"{label}_s": attention_seconds(heads, model["seq"], model["seq"], d, True, p, True)
+                for label, p in profiles.items()
+            },
+        }
+        results.append(entry)
+        _log(f"kernels: {row['id']}")
+    return results
+
+
+OCCUPANCY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch x heads per GPU: how many blocks the kernel runs
+OCCUPANCY_SEQS = (1024, 4096, 16384)
+
+
+def measure_attention_occupancy(profiles: dict[str, HardwareProfile], device: str, quick: bool) -> list[dict]:
+    """Causal attention, head size 128, one sequence of each length over 1 to 128 heads: how the
+    rate falls as fewer blocks fill the GPU, against the model (which reads sequence and head size)."""
+    heads, seqs = (OCCUPANCY_HEADS[:2], (64,)) if quick else (OCCUPANCY_HEADS, OCCUPANCY_SEQS)
+    cases = [(1, h, seq, 128, True) for seq in seqs for h in heads]
+    if not quick:  # the full mask and the smaller head size, at one length
+        cases += [(1, h, 4096, 128, False) for h in (1, 4, 16, 64)] + [(1, h, 4096, 64, True) for h in (2, 8, 32, 128)]
+    return [
+        {
+            **record,
+            **{
+                f"{label}_s": attention_seconds(
+                    record["heads"], record["seq"], record["seq"], record["head_dim"], record["causal"], p, True
+                )
+                for label, p in profiles.items()
+            },
+        }
+        for record in measure_attention(cases, "bfloat16", device)
+    ]
+
+
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_steps(step, device: str) -> dict:
+    """First step (compile, if any) timed apart, then the median of TIMED_STEPS after warm-up."""
+    _synchronize(device)
+    start = time.perf_counter()
+    loss = step()
+    _synchronize(device)
+    first = time.perf_counter() - start
+    for _ in range(WARMUP_STEPS - 1):
+        step()
+    times = []
+    for _ in range(TIMED_STEPS):
+        _synchronize(device)
+        start = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"first_s": first, "median_s": statistics.median(times), "times_s": times, "first_loss": float(loss)}
+
+
+def _autopar_step(pmodel, inputs):
+    optimizer = pmodel.optimizer(torch.optim.AdamW, lr=1e-4)
+
+    def step():
+        loss = pmodel.train_step(*inputs)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _torch_step(model, inputs, device: str, compile: bool):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    forward = torch.compile(model) if compile else model
+
+    def step():
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = forward(*inputs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def check_equivalence(device: str) -> dict:
+    """fp32 on the device: autopar eager and compiled against the plain model, one step."""
+    gpt = _load_gpt()
+    torch.manual_seed(0)
+    model = gpt.build(hidden=64, layers=2, heads=4, vocab=256, seq=32)
+    inputs = tuple(t.to(device) for t in model.example_inputs(4))
+    reference = copy.deepcopy(model).to(device)
+    loss = reference(*inputs)
+    loss.backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    results = {}
+    for label, compile in (("eager", False), ("compiled", True)):
+        pmodel = autopar.parallelize(copy.deepcopy(model), "1", inputs, precision="fp32", compile=compile)
+        ploss = pmodel.train_step(*inputs)
+        full = {
+            n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for n, p in pmodel.named_parameters()
+            if p.grad is not None
+        }
+        worst = max((float((full[n].to(device) - g).abs().max()) for n, g in grads.items() if n in full), default=None)
+        results[label] = {
+            "loss": float(ploss),
+            "reference_loss": float(loss),
+            "loss_diff": abs(float(ploss) - float(loss)),
+            "max_grad_diff": worst,
+            "grads_compared": sum(n in full for n in grads),
+        }
+        _log(f"equivalence {label}: {results[label]}")
+    return results
+
+
+KINDS = ("GEMM", "attention", "other ops", "optimizer")
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of a CUDA kernel by its name: cuBLAS / CUTLASS GEMMs, flash / memory-efficient
+    attention, the optimizer's multi-tensor kernels, and the rest (elementwise, reductions, copies)."""
+    lowered = name.lower()
+    if any(mark in lowered for mark in ("gemm", "nvjet", "cutlass", "xmma", "cublas")):
+        return "GEMM"
+    if any(mark in lowered for mark in ("flash", "fmha", "attention", "mem_eff")):
+        return "attention"
+    if any(mark in lowered for mark in ("multi_tensor", "adam")):
+        return "optimizer"
+    return "other ops"
+
+
+def measured_by_kind(step, device: str, steps: int = 2) -> dict[str, float]:
+    """Device seconds per step of each kind of kernel (torch.profiler), and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
+    _synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        _synchronize(device)
+    wall = (time.perf_counter() - start) / steps
+    totals = dict.fromkeys(KINDS, 0.0)
+    kernels = []
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device == "cuda" and us:
+            totals[kernel_kind(event.key)] += us / 1e6 / steps
+            kernels.append((us / 1e6 / steps, event.count // steps, kernel_kind(event.key), event.key[:160]))
+    top = [dict(seconds=t, calls=c, kind=k, name=n) for t, c, k, n in sorted(kernels, reverse=True)[:40]]
+    return {**totals, "wall (profiled)": wall, "top kernels": top}
+
+
+def predicted_by_kind(captured, hardware: HardwareProfile, plan) -> dict[str, float]:
+    """The cost model's one-GPU seconds per kind: every node's forward + backward, GEMMs and
+    attention by their paced rules, the optimizer's update, and the plan's whole step."""
+    from autopar.passes.cost.efficiency import ATTENTION, GEMMS
+    from autopar.passes.cost.facts import analyze
+
+    totals = dict.fromkeys(KINDS, 0.0)
+    for fact in analyze(captured, hardware, policy=plan.precision_policy).values():
+        if fact.kind == "op":
+            target = fact.node.target
+            kind = "GEMM" if target in GEMMS else "attention" if target is ATTENTION else "other ops"
+            totals[kind] += fact.full_time_s
+    totals["optimizer"] = plan.cost.optimizer_s
+    return totals
+
+
+def measure_steps(preset: HardwareProfile, device: str, quick: bool, results: list, save) -> list[dict]:
+    """autopar's predicted and measured one-GPU step, eager and compiled, and the plain model's."""
+    gpt = _load_gpt()
+    for name, shape in (QUICK_SHAPES if quick else STEP_SHAPES).items():
+        torch.manual_seed(0)
+        model = gpt.build(**shape)
+        inputs = tuple(t.to(device) for t in model.example_inputs(1))
+        pins = dict(hardware=preset, precision="bf16-mixed", recompute="none", microbatches=1, zero=0)
+        captured = autopar.capture(model, tuple(t.cpu() for t in inputs), precision="bf16-mixed")
+        plan = autopar.plan(captured, "1", **pins)
+        entry = {
+            "name": name,
+            "shape": shape,
+            "predicted_step_s": plan.cost.step_s,
+            "predicted_compute_s": plan.cost.compute_s,
+            "model_flops": plan.cost.model_flops,
+            "predicted_by_kind": predicted_by_kind(captured, preset, plan),
+            "runs": {},
+        }
+        _log(f"steps {name}: predicted {plan.cost.step_s * 1e3:.1f} ms")
+        results.append(entry)
+        for label, compile in RUNS:
+            try:
+                if label.startswith("autopar"):
+                    runner = autopar.parallelize(copy.deepcopy(model), "1", inputs, compile=compile, **pins)
+                    step = _autopar_step(runner, inputs)
+                else:
+                    runner = copy.deepcopy(model).to(device)
+                    step = _torch_step(runner, inputs, device, compile)
+                entry["runs"][label] = _timed_steps(step, device)
+                if not compile:  # where the eager steps' time goes
+                    entry.setdefault("measured_by_kind", {})[label] = measured_by_kind(step, device)
+                del runner, step
+            except Exception as error:  # one run failing leaves the others to run
+                entry["runs"][label] = _failure(error)
+            save()  # a run cut short still leaves the runs it measured
+            _log(f"steps {name}: {label} {entry['runs'][label]}")
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results
+
+
+OPTIMIZER_PARAMS = 740_000_000  # the 1.7B layers' shape: 4 layers, two 131072 x 2048 embeddings
+
+
+def measure_optimizer(device: str, quick: bool) -> list[dict]:
+    """One AdamW step over fp32 parameters with gradients, foreach (autopar's and torch's default)
+    and fused (one kernel per tensor list, as Megatron's and Transformer Engine's Adam), against
+    the cost model's optimizer time on the preset."""
+    from autopar.passes.cost.ops import optimizer_time
+
+    elements = 1_000_000 if quick else OPTIMIZER_PARAMS
+    sizes = [elements // 64] * 64  # tensors of a few sizes, as a model's are
+    params = [torch.zeros(size, device=device, requires_grad=True) for size in sizes]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    results = []
+    for label, options in (("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
+        if label == "fused" and device != "cuda":
+            continue
+        adamw = torch.optim.AdamW(params, lr=1e-4, **options)
+        seconds = min(_timed_steps(lambda adamw=adamw: (adamw.step(), torch.zeros(()))[1], device)["times_s"])
+        results.append({"optimizer": label, "elements": sum(sizes), "seconds": seconds})
+        del adamw
+    preset = gpu_preset(torch.cuda.get_device_name()) if device == "cuda" else get_profile("h100-80gb")
+    for result in results:
+        result["preset_s"] = optimizer_time(result["elements"], preset)
+    return results
+
+
+def _failure(error: Exception) -> dict:
+    """What a failed part or run leaves in the record (and on stderr)."""
+    failure = {"error": f"{type(error).__name__}: {error}"[:2000], "traceback": traceback.format_exc()[-4000:]}
+    _log(f"failed: {failure['traceback']}")
+    return failure
+
+
+def measure(out: Path, calibrated: Path | None, quick: bool) -> dict:
+    device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run)"
+    preset = gpu_preset(name) if device == "cuda" else get_profile("h100-80gb")
+    profiles = {"preset": preset}
+    if calibrated and calibrated.exists():
+        profiles["calibrated"] = HardwareProfile.load(calibrated)
+    record = {
+        "device": name,
+        "preset": preset.name,
+        "torch": torch.__version__,
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "quick": quick,
+        "backend": "CUDA, NCCL" if device == "cuda" else "CPU, gloo",
+    }
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29613")
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    save = lambda: out.write_text(json.dumps(record, indent=1))  # noqa: E731
+    parts = (
+        ("kernels", lambda: measure_kernels(profiles, device, quick)),
+        ("attention_occupancy", lambda: measure_attention_occupancy(profiles, device, quick)),
+        ("equivalence", lambda: check_equivalence(device)),
+        ("optimizer", lambda: measure_optimizer(device, quick)),
+        ("steps", lambda: measure_steps(preset, device, quick, record.setdefault("steps", []), save)),
+    )
+    for part, run in parts:
+        try:
+            record[part] = run()
+        except Exception as error:  # a part that fails is recorded and the next one still runs
+            record[part] = _failure(error)
+        save()
+    dist.destroy_process_group()
+    return record
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if a and b else "-"
+
+
+def render(record: dict) -> str:
+    """The BENCHMARKS.md section of one record: per part a table, or the error it raised."""
+    lines = [
+        "## One GPU: the cost model's kernels and a one-GPU step, measured",
+        "",
+        f"`python benchmarks/gpu.py` on one {record['device']} (torch {record['torch']}, {record['measured_at']}), "
+        f"against autopar's `{record['preset']}` preset"
+        + (
+            " and the profile `autopar calibrate --backend nccl` wrote on that machine"
+            if _has_calibrated(record)
+            else ""
+        )
+        + ". Predicted over measured: above 1 the model is pessimistic. Seconds are medians of back-to-back runs.",
+        "",
+    ]
+    kernels = record.get("kernels")
+    labels = ["preset", "calibrated"] if _has_calibrated(record) else ["preset"]
+    if isinstance(kernels, list):
+        lines += [
+            "### Kernels of each Megatron-Core r0.8 H100 row's layer (one sequence, its tp; GEMMs fwd + 2 bwd, bf16)",
+            "",
+            "| row | tp | GEMM | measured ms | " + " | ".join(f"{label} / measured" for label in labels) + " |",
+            "|---|---|---|---|" + "---|" * len(labels),
+        ]
+        for entry in kernels:
+            for name, part in [*entry["gemms"].items(), ("attention", entry["attention"])]:
+                ratios = " | ".join(_ratio(part[f"{label}_s"], part["measured_s"]) for label in labels)
+                lines.append(
+                    f"| {entry['row'].split('|')[1].strip()} | {entry['tp']} | {name} | "
+                    f"{part['measured_s'] * 1e3:.3f} | {ratios} |"
+                )
+        for label in labels:
+            ratios = [
+                part[f"{label}_s"] / part["measured_s"]
+                for entry in kernels
+                for part in [*entry["gemms"].values(), entry["attention"]]
+            ]
+            lines.append(
+                f"\n{label}: predicted / measured median {statistics.median(ratios):.2f} "
+                f"(range {min(ratios):.2f}-{max(ratios):.2f}) over {len(ratios)} kernels"
+            )
+        lines.append("")
+    else:
+        lines += [f"kernels: not measured ({(kernels or {}).get('error', 'no record')})", ""]
+    occupancy = record.get("attention_occupancy")
+    if isinstance(occupancy, list):
+        lines += [
+            "### Attention (one sequence) as fewer heads fill the GPU",
+            "",
+            "| sequence | head size | mask | heads | measured TFLOP/s | "
+            + " | ".join(f"{label} / measured" for label in labels)
+            + " |",
+            "|---|---|---|---|---|" + "---|" * len(labels),
+        ]
+        for r in occupancy:
+            ratios = " | ".join(_ratio(r[f"{label}_s"], r["seconds"]) for label in labels)
+            mask = "causal" if r["causal"] else "full"
+            lines.append(
+                f"| {r['seq']} | {r['head_dim']} | {mask} | {r['heads']} | {r['flops_per_s'] / 1e12:.0f} | {ratios} |"
+            )
+        lines.append("")
+    optimizer = record.get("optimizer")
+    if isinstance(optimizer, list):
+        lines += ["### One AdamW step over fp32 parameters", ""]
+        lines += ["| optimizer | parameters | measured ms | preset / measured |", "|---|---|---|---|"]
+        for r in optimizer:
+            lines.append(
+                f"| {r['optimizer']} | {r['elements'] / 1e6:.0f} M | {r['seconds'] * 1e3:.2f} | "
+                f"{_ratio(r['preset_s'], r['seconds'])} |"
+            )
+        lines.append("")
+    equivalence = record.get("equivalence")
+    if isinstance(equivalence, dict) and "error" not in equivalence:
+        lines += [f"### autopar on {record['backend']} (one rank), fp32, one step against the plain model", ""]
+        lines += [
+            "| program | loss | plain model's | max full-gradient difference | gradients compared |",
+            "|---|---|---|---|---|",
+        ]
+        for label, r in equivalence.items():
+            lines.append(
+                f"| {label} | {r['loss']:.6f} | {r['reference_loss']:.6f} | {r['max_grad_diff']:.2e} "
+                f"| {r['grads_compared']} |"
+            )
+        lines.append("")
+    else:
+        lines += [f"equivalence: not run ({(equivalence or {}).get('error', 'no record')})", ""]
+    steps = record.get("steps")
+    if isinstance(steps, list):
+        lines += [
+            "### One-GPU training step, bf16 mixed precision, AdamW, one sequence (first step, which compiles, apart)",
+            "",
+            "| shape | predicted ms | run | measured ms | predicted / measured | TFLOP/s (model) | first step s "
+            "| first loss |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for entry in steps:
+            shape = entry["shape"]
+            name = f"{entry['name']} (h {shape['hidden']}, {shape['layers']} layers, seq {shape['seq']})"
+            for label, run in entry["runs"].items():
+                if "error" in run:
+                    lines.append(f"| {name} | | {label} | failed: {run['error'][:200]} | | | | |")
+                    continue
+                predicted = f"{entry['predicted_step_s'] * 1e3:.1f}" if label.startswith("autopar") else ""
+                ratio = _ratio(entry["predicted_step_s"], run["median_s"]) if label.startswith("autopar") else ""
+                lines.append(
+                    f"| {name} | {predicted} | {label} | {run['median_s'] * 1e3:.1f} | {ratio} | "
+                    f"{entry['model_flops'] / run['median_s'] / 1e12:.0f} | {run['first_s']:.1f} "
+                    f"| {run['first_loss']:.4f} |"
+                )
+        lines.append("")
+        lines += [
+            "Where the eager steps spend their time: device seconds per kind of kernel (torch.profiler, "
+            "two steps) against the cost model's one-GPU time per kind (every node's forward + backward).",
+            "",
+            "| shape | run | " + " | ".join(f"{kind} measured / predicted ms" for kind in KINDS) + " |",
+            "|---|---|" + "---|" * len(KINDS),
+        ]
+        for entry in steps:
+            predicted = entry["predicted_by_kind"]
+            for label, measured in entry.get("measured_by_kind", {}).items():
+                cells = " | ".join(f"{measured[k] * 1e3:.1f} / {predicted[k] * 1e3:.1f}" for k in KINDS)
+                lines.append(f"| {entry['name']} | {label} | {cells} |")
+        lines.append("")
+    else:
+        lines += [f"steps: not measured ({(steps or {}).get('error', 'no record')})", ""]
+    return "\n".join(lines)
+
+
+def _has_calibrated(record: dict) -> bool:
+    kernels = record.get("kernels")
+    return isinstance(kernels, list) and bool(kernels) and "calibrated_s" in kernels[0]["attention"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="where to write the measured record (JSON)")
+    parser.add_argument("--calibrated", type=Path, help="a profile `autopar calibrate --backend nccl` wrote here")
+    parser.add_argument("--render", type=Path, help="write the BENCHMARKS.md section of this record")
+    parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, prints only")
+    args = parser.parse_args(argv)
+    if args.render:
+        section = render(json.loads(args.render.read_text()))
+        print(section)
+        write_section(SECTION, section)
+        return 0
+    record = measure(args.out or Path("gpu.json"), args.calibrated, args.quick)
+    if args.quick:
+        print(render(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
