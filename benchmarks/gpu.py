@@ -1,25 +1,30 @@
-"""One GPU: the cost model's kernel rules and a one-GPU training step against what autopar
-predicts for them, and autopar's runtime on CUDA (NCCL, one rank), eager and compiled.
+"""One GPU: the cost model's kernel rules and a one-GPU training step against what was measured,
+and autopar's runtime on CUDA (NCCL, one rank), eager and compiled.
 
-Three parts, each written to the record as soon as it is measured:
+The record holds measurements only, each part written as soon as it is measured; every prediction
+is made when the record is rendered (:func:`price`), by the cost model of the code that renders it:
 
 - ``kernels``: every GEMM (forward and both backward products) and the fused attention of a
   transformer layer of each Megatron-Core r0.8 H100 row (published_runs.json), at its tensor
-  parallelism and one sequence per microbatch, timed back to back in bfloat16, against
+  parallelism and one sequence per microbatch, timed back to back in bfloat16; priced by
   ``gemm_seconds`` / ``attention_seconds`` on the device's preset (and on the profile
   ``autopar calibrate --backend nccl`` wrote on the same machine, when given);
+- ``attention_occupancy``: attention over 1 to 128 heads of one sequence (how the rate falls as
+  fewer blocks fill the GPU);
 - ``equivalence``: the GPT example in fp32 on CUDA, autopar eager and compiled against the plain
   model: first loss and every full gradient;
+- ``optimizer``: one AdamW step over 740 M fp32 parameters, foreach and fused;
 - ``steps``: the GPT example at Megatron-Core's 1.7B and 7.1B layer shapes (fewer layers), bf16
-  mixed precision, one sequence: autopar's predicted step (its plan on the preset) against
-  autopar's measured step, eager and compiled, and the plain model under ``torch.autocast``,
-  eager and ``torch.compile``. Compile time is the first step's, reported apart.
+  mixed precision, one sequence: autopar's step, eager and compiled, and the plain model under
+  ``torch.autocast``, eager and ``torch.compile`` (compile time is the first step's, reported
+  apart), with the eager steps' device time per kind of kernel; priced by autopar's plan.
 
-Run on a GPU machine, from the repository root::
+Run on a GPU machine, from the repository root (the record and the profile then travel back)::
 
-    python benchmarks/gpu.py --out gpu.json [--calibrated gpu-calibrated.json]   # measures
-    python benchmarks/gpu.py --render gpu.json     # its section of BENCHMARKS.md, from the record
-    python benchmarks/gpu.py --quick --out /tmp/x.json    # CPU smoke run: tiny shapes, gloo
+    autopar calibrate --backend nccl --out gpu-calibrated.json
+    python benchmarks/gpu.py --out gpu.json                      # measures (~2 minutes on an H200)
+    python benchmarks/gpu.py --render gpu.json --calibrated gpu-calibrated.json   # BENCHMARKS.md
+    python benchmarks/gpu.py --quick --out /tmp/x.json           # CPU smoke run: tiny shapes, gloo
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import statistics
 import sys
@@ -46,6 +52,7 @@ import autopar  # noqa: E402
 from autopar.ir import HardwareProfile, get_profile  # noqa: E402
 from autopar.passes.cost.calibration import gpu_preset  # noqa: E402
 from autopar.passes.cost.efficiency import attention_seconds, gemm_list, gemm_seconds  # noqa: E402
+from autopar.passes.cost.ops import optimizer_time  # noqa: E402
 from autopar.runtime.measure_gpu import measure_attention, measure_gemms  # noqa: E402
 
 SECTION = "gpu"
@@ -57,6 +64,7 @@ STEP_SHAPES = {  # Megatron-Core's 1.7B and 7.1B rows, fewer layers: one GPU hol
 }
 QUICK_SHAPES = {"tiny": dict(hidden=64, heads=4, ffn=256, vocab=512, seq=64, layers=2)}
 TIMED_STEPS, WARMUP_STEPS = 10, 3
+STEP_PINS = dict(precision="bf16-mixed", recompute="none", microbatches=1, zero=0)
 RUNS = (  # (label, compiled): the eager runs first, so a run cut short still has them
     ("autopar eager", False),
     ("torch autocast eager", False),
@@ -89,37 +97,23 @@ def layer_gemms(model: dict, tp: int, tokens: int) -> dict[str, tuple]:
     }
 
 
-def measure_kernels(profiles: dict[str, HardwareProfile], device: str, quick: bool) -> list[dict]:
-    """Per Megatron-Core row: measured and predicted seconds of its layer's GEMMs (fwd + bwd), its
-    logits GEMMs and its attention (fwd + bwd)."""
+def measure_kernels(device: str, quick: bool) -> list[dict]:
+    """Per Megatron-Core row: the seconds of its layer's GEMMs (each fwd + 2 bwd), its logits GEMMs
+    and its attention (fwd + bwd), measured."""
     results = []
     for row in _rows()[:2] if quick else _rows():
         model, tp = dict(row["model"]), row["config"]["tp"]
         if quick:  # the same structure at a CPU's scale
             model.update(hidden=model["hidden"] // 32, ffn=model["ffn"] // 32, vocab=model["vocab"] // 256, seq=256)
         d = model["hidden"] // model["heads"]
-        entry = {"row": row["id"], "tp": tp, "model": model, "gemms": {}, "attention": {}}
+        entry = {"row": row["id"], "tp": tp, "model": model, "gemms": {}}
         for name, forward in layer_gemms(model, tp, model["seq"]).items():
-            shapes = [(b, m, n, k) for b, m, n, k in gemm_list(forward, needs_grad=True)]
+            shapes = gemm_list(forward, needs_grad=True)
             each = [g["seconds"] for g in measure_gemms(shapes, "bfloat16", device)]
-            entry["gemms"][name] = {
-                "shapes": shapes,
-                "measured_each_s": each,
-                "measured_s": sum(each),
-                **{
-                    f"{label}_s": sum(gemm_seconds(m, n, k, "bfloat16", 2, p, b) for b, m, n, k in shapes)
-                    for label, p in profiles.items()
-                },
-            }
+            entry["gemms"][name] = {"shapes": shapes, "measured_each_s": each, "measured_s": sum(each)}
         heads = max(1, model["heads"] // tp)
         (record,) = measure_attention([(1, heads, model["seq"], d, True)], "bfloat16", device)
-        entry["attention"] = {
-            "measured_s": record["seconds"],
-            **{
-                f"{label}_s": attention_seconds(heads, model["seq"], model["seq"], d, True, p, True)
-                for label, p in profiles.items()
-            },
-        }
+        entry["attention"] = {"measured_s": record["seconds"]}
         results.append(entry)
         _log(f"kernels: {row['id']}")
     return results
@@ -129,25 +123,14 @@ OCCUPANCY_HEADS = (1, 2, 4, 8, 16, 32, 64, 128)  # batch x heads per GPU: how ma
 OCCUPANCY_SEQS = (1024, 4096, 16384)
 
 
-def measure_attention_occupancy(profiles: dict[str, HardwareProfile], device: str, quick: bool) -> list[dict]:
-    """Causal attention, head size 128, one sequence of each length over 1 to 128 heads: how the
-    rate falls as fewer blocks fill the GPU, against the model (which reads sequence and head size)."""
+def measure_attention_occupancy(device: str, quick: bool) -> list[dict]:
+    """Causal attention, head size 128, one sequence of each length over 1 to 128 heads (and the
+    full mask and head size 64 at one length): how the rate falls as fewer blocks fill the GPU."""
     heads, seqs = (OCCUPANCY_HEADS[:2], (64,)) if quick else (OCCUPANCY_HEADS, OCCUPANCY_SEQS)
     cases = [(1, h, seq, 128, True) for seq in seqs for h in heads]
-    if not quick:  # the full mask and the smaller head size, at one length
+    if not quick:
         cases += [(1, h, 4096, 128, False) for h in (1, 4, 16, 64)] + [(1, h, 4096, 64, True) for h in (2, 8, 32, 128)]
-    return [
-        {
-            **record,
-            **{
-                f"{label}_s": attention_seconds(
-                    record["heads"], record["seq"], record["seq"], record["head_dim"], record["causal"], p, True
-                )
-                for label, p in profiles.items()
-            },
-        }
-        for record in measure_attention(cases, "bfloat16", device)
-    ]
+    return measure_attention(cases, "bfloat16", device)
 
 
 def _synchronize(device: str) -> None:
@@ -273,40 +256,35 @@ def measured_by_kind(step, device: str, steps: int = 2) -> dict[str, float]:
 
 def predicted_by_kind(captured, hardware: HardwareProfile, plan) -> dict[str, float]:
     """The cost model's one-GPU seconds per kind: every node's forward + backward, GEMMs and
-    attention by their paced rules, the optimizer's update, and the plan's whole step."""
+    attention by their paced rules; the optimizer's update; mixed precision's casts of every
+    parameter (copy kernels, so among the other ops)."""
     from autopar.passes.cost.efficiency import ATTENTION, GEMMS
     from autopar.passes.cost.facts import analyze
 
     totals = dict.fromkeys(KINDS, 0.0)
+    elements = 0.0
     for fact in analyze(captured, hardware, policy=plan.precision_policy).values():
         if fact.kind == "op":
             target = fact.node.target
             kind = "GEMM" if target in GEMMS else "attention" if target is ATTENTION else "other ops"
             totals[kind] += fact.full_time_s
-    totals["optimizer"] = plan.cost.optimizer_s
+        elif fact.kind == "param":
+            elements += math.prod(fact.out_shape)
+    totals["optimizer"] = optimizer_time(elements, hardware)
+    totals["other ops"] += optimizer_time(0, hardware, recast=elements if plan.precision_policy.mixed else 0)
     return totals
 
 
 def measure_steps(preset: HardwareProfile, device: str, quick: bool, results: list, save) -> list[dict]:
-    """autopar's predicted and measured one-GPU step, eager and compiled, and the plain model's."""
+    """autopar's one-GPU step, eager and compiled (planned on ``preset``), and the plain model's."""
     gpt = _load_gpt()
     for name, shape in (QUICK_SHAPES if quick else STEP_SHAPES).items():
         torch.manual_seed(0)
         model = gpt.build(**shape)
         inputs = tuple(t.to(device) for t in model.example_inputs(1))
         pins = dict(hardware=preset, precision="bf16-mixed", recompute="none", microbatches=1, zero=0)
-        captured = autopar.capture(model, tuple(t.cpu() for t in inputs), precision="bf16-mixed")
-        plan = autopar.plan(captured, "1", **pins)
-        entry = {
-            "name": name,
-            "shape": shape,
-            "predicted_step_s": plan.cost.step_s,
-            "predicted_compute_s": plan.cost.compute_s,
-            "model_flops": plan.cost.model_flops,
-            "predicted_by_kind": predicted_by_kind(captured, preset, plan),
-            "runs": {},
-        }
-        _log(f"steps {name}: predicted {plan.cost.step_s * 1e3:.1f} ms")
+        pins = dict(hardware=preset, **STEP_PINS)
+        entry = {"name": name, "shape": shape, "runs": {}}
         results.append(entry)
         for label, compile in RUNS:
             try:
@@ -334,10 +312,7 @@ OPTIMIZER_PARAMS = 740_000_000  # the 1.7B layers' shape: 4 layers, two 131072 x
 
 def measure_optimizer(device: str, quick: bool) -> list[dict]:
     """One AdamW step over fp32 parameters with gradients, foreach (autopar's and torch's default)
-    and fused (one kernel per tensor list, as Megatron's and Transformer Engine's Adam), against
-    the cost model's optimizer time on the preset."""
-    from autopar.passes.cost.ops import optimizer_time
-
+    and fused (one kernel per tensor list, as Megatron's and Transformer Engine's Adam)."""
     elements = 1_000_000 if quick else OPTIMIZER_PARAMS
     sizes = [elements // 64] * 64  # tensors of a few sizes, as a model's are
     params = [torch.zeros(size, device=device, requires_grad=True) for size in sizes]
@@ -351,9 +326,6 @@ def measure_optimizer(device: str, quick: bool) -> list[dict]:
         seconds = min(_timed_steps(lambda adamw=adamw: (adamw.step(), torch.zeros(()))[1], device)["times_s"])
         results.append({"optimizer": label, "elements": sum(sizes), "seconds": seconds})
         del adamw
-    preset = gpu_preset(torch.cuda.get_device_name()) if device == "cuda" else get_profile("h100-80gb")
-    for result in results:
-        result["preset_s"] = optimizer_time(result["elements"], preset)
     return results
 
 
@@ -364,13 +336,43 @@ def _failure(error: Exception) -> dict:
     return failure
 
 
-def measure(out: Path, calibrated: Path | None, quick: bool) -> dict:
+def price(record: dict, calibrated: Path | None) -> dict:
+    """``record`` with every prediction made afresh by this code's cost model: on the device's
+    preset and, when given, on the profile `autopar calibrate --backend nccl` wrote beside it."""
+    profiles = {"preset": get_profile(record["preset"])}
+    if calibrated is not None:
+        profiles["calibrated"] = HardwareProfile.load(calibrated)
+    for entry in record["kernels"] if isinstance(record.get("kernels"), list) else ():
+        for part in entry["gemms"].values():
+            for label, p in profiles.items():
+                part[f"{label}_s"] = sum(gemm_seconds(m, n, k, "bfloat16", 2, p, b) for b, m, n, k in part["shapes"])
+        model, heads = entry["model"], max(1, entry["model"]["heads"] // entry["tp"])
+        d = model["hidden"] // model["heads"]
+        for label, p in profiles.items():
+            entry["attention"][f"{label}_s"] = attention_seconds(heads, model["seq"], model["seq"], d, True, p, True)
+    for r in record["attention_occupancy"] if isinstance(record.get("attention_occupancy"), list) else ():
+        for label, p in profiles.items():
+            r[f"{label}_s"] = attention_seconds(r["heads"], r["seq"], r["seq"], r["head_dim"], r["causal"], p, True)
+    for r in record["optimizer"] if isinstance(record.get("optimizer"), list) else ():
+        r["preset_s"] = optimizer_time(r["elements"], profiles["preset"])
+    gpt = _load_gpt()
+    for entry in record["steps"] if isinstance(record.get("steps"), list) else ():
+        with torch.device("meta"):
+            model = gpt.build(**entry["shape"])
+        captured = autopar.capture(model, model.example_inputs(1, device="meta"), precision=STEP_PINS["precision"])
+        plan = autopar.plan(captured, "1", hardware=profiles["preset"], **STEP_PINS)
+        entry.update(
+            predicted_step_s=plan.cost.step_s,
+            model_flops=plan.cost.model_flops,
+            predicted_by_kind=predicted_by_kind(captured, profiles["preset"], plan),
+        )
+    return record
+
+
+def measure(out: Path, quick: bool) -> dict:
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run)"
     preset = gpu_preset(name) if device == "cuda" else get_profile("h100-80gb")
-    profiles = {"preset": preset}
-    if calibrated and calibrated.exists():
-        profiles["calibrated"] = HardwareProfile.load(calibrated)
     record = {
         "device": name,
         "preset": preset.name,
@@ -386,8 +388,8 @@ def measure(out: Path, calibrated: Path | None, quick: bool) -> dict:
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     save = lambda: out.write_text(json.dumps(record, indent=1))  # noqa: E731
     parts = (
-        ("kernels", lambda: measure_kernels(profiles, device, quick)),
-        ("attention_occupancy", lambda: measure_attention_occupancy(profiles, device, quick)),
+        ("kernels", lambda: measure_kernels(device, quick)),
+        ("attention_occupancy", lambda: measure_attention_occupancy(device, quick)),
         ("equivalence", lambda: check_equivalence(device)),
         ("optimizer", lambda: measure_optimizer(device, quick)),
         ("steps", lambda: measure_steps(preset, device, quick, record.setdefault("steps", []), save)),
@@ -543,17 +545,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="where to write the measured record (JSON)")
     parser.add_argument("--calibrated", type=Path, help="a profile `autopar calibrate --backend nccl` wrote here")
-    parser.add_argument("--render", type=Path, help="write the BENCHMARKS.md section of this record")
+    parser.add_argument(
+        "--render", type=Path, help="price this record with the current cost model and write its BENCHMARKS.md section"
+    )
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, prints only")
     args = parser.parse_args(argv)
     if args.render:
-        section = render(json.loads(args.render.read_text()))
+        section = render(price(json.loads(args.render.read_text()), args.calibrated))
         print(section)
         write_section(SECTION, section)
         return 0
-    record = measure(args.out or Path("gpu.json"), args.calibrated, args.quick)
+    record = measure(args.out or Path("gpu.json"), args.quick)
     if args.quick:
-        print(render(record))
+        print(render(price(record, None)))
     return 0
 
 

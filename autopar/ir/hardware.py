@@ -206,20 +206,24 @@ T = 1e12
 
 # FlashAttention-2 forward + backward, bf16/fp16, FLOP/s in FlashAttention's convention (4·b·s²·h·d
 # forward, halved when causal; backward 2.5x): the Dao-AILab/flash-attention README figures
-# flash2_a100_fwd_bwd_benchmark.png and flash2_h100_fwd_bwd_benchmark.png (batch 16k/s, hidden 2048;
-# labels the figures hide are left out). FA2 is the flash kernel torch's SDPA runs on both GPUs
-# (pytorch/pytorch#142132: cuDNN attention is not its default on H100).
+# flash2_a100_fwd_bwd_benchmark.png (batch 16k/s, hidden 2048;
+# labels the figures hide are left out).
 FA2_A100 = {
     "full": {64: {512: 132 * T, 2048: 162 * T, 4096: 171 * T, 8192: 175 * T, 16384: 176 * T},
              128: {2048: 187 * T, 4096: 196 * T, 8192: 201 * T, 16384: 203 * T}},
     "causal": {64: {512: 88 * T, 1024: 119 * T, 2048: 140 * T, 4096: 156 * T, 8192: 165 * T, 16384: 171 * T},
                128: {512: 99 * T, 1024: 133 * T, 2048: 155 * T, 4096: 173 * T, 8192: 182 * T, 16384: 189 * T}},
 }  # fmt: skip
-FA2_H100 = {
-    "full": {64: {512: 215 * T, 1024: 254 * T, 2048: 274 * T, 4096: 288 * T, 8192: 294 * T, 16384: 296 * T},
-             128: {512: 248 * T, 1024: 294 * T, 2048: 320 * T, 4096: 326 * T, 8192: 335 * T, 16384: 338 * T}},
-    "causal": {64: {512: 141 * T, 1024: 192 * T, 2048: 232 * T, 4096: 257 * T, 8192: 273 * T, 16384: 284 * T},
-               128: {512: 163 * T, 1024: 221 * T, 2048: 265 * T, 4096: 294 * T, 8192: 308 * T, 16384: 328 * T}},
+# cuDNN's fused flash attention, forward + backward, bf16, in the same convention and configuration,
+# measured by `autopar calibrate --backend nccl` on one H200 (torch 2.11 SDPA picked cuDNN there;
+# benchmarks/data/gpu/h200-2026-11-26-calibrated.json). Transformer Engine's default on Hopper, which
+# Megatron-Core runs; about 1.5x FlashAttention-2's published H100 rates. The H100 SXM has the H200's
+# SMs and clocks, and the kernel is compute-bound at these sizes: its table too.
+CUDNN_HOPPER = {
+    "full": {64: {512: 303 * T, 1024: 385 * T, 2048: 436 * T, 4096: 458 * T, 8192: 472 * T, 16384: 485 * T},
+             128: {512: 378 * T, 1024: 480 * T, 2048: 558 * T, 4096: 594 * T, 8192: 611 * T, 16384: 629 * T}},
+    "causal": {64: {512: 189 * T, 1024: 272 * T, 2048: 346 * T, 4096: 399 * T, 8192: 433 * T, 16384: 459 * T},
+               128: {512: 241 * T, 1024: 346 * T, 2048: 442 * T, 4096: 512 * T, 8192: 559 * T, 16384: 600 * T}},
 }  # fmt: skip
 _GEMM_SOURCES = (
     "GEMMs: best fraction of peak from the Maximum Achievable Matmul FLOPS table (stas00/ml-engineering, "
@@ -230,8 +234,8 @@ _GEMM_SOURCES = (
     "the 256x128 / 128x256 tiles NVIDIA's Matrix Multiplication Background guide works with (smaller tiles "
     "reuse less of each load: no published figure gives their efficiency, so they are left out); "
     "k_fill 128: two 64-deep k-blocks of prologue and epilogue per tile. Streaming kernels at 0.8 of HBM "
-    "bandwidth (DeepGEMM's memory-bound rows reach 2.4-2.7 of 3.35 TB/s on H800). Attention: FlashAttention-2 "
-    "forward + backward figures (FA2_A100, FA2_H100)."
+    "bandwidth (DeepGEMM's memory-bound rows reach 2.4-2.7 of 3.35 TB/s on H800). Attention: FlashAttention-2's "
+    "published forward + backward figures on A100 (FA2_A100), cuDNN's measured on an H200 for Hopper (CUDNN_HOPPER)."
 )
 A100_KERNELS = KernelFigures(
     sms=108,
@@ -248,7 +252,7 @@ H100_KERNELS = KernelFigures(
     gemm_best={"bfloat16": 0.836, "float16": 0.836, "float32": 0.836, "tf32": 0.836},
     k_fill=128,
     memory_efficiency=0.8,
-    attention=FA2_H100,
+    attention=CUDNN_HOPPER,
     sources=_GEMM_SOURCES,
 )
 

@@ -20,6 +20,7 @@ from autopar.passes.cost.ops import (
     maximum,
     minimum,
     optimizer_time,
+    recasts,
     reshard_time,
 )
 from autopar.passes.cost.replay import CompiledStep
@@ -129,8 +130,11 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
         elements = numel(ctx.local.shapes[fact.node.name][0]) * (
             1 / ctx.size if not isinstance(s.output, Replicate) else 1.0
         )
+        if ctx.hardware is None:
+            return 0.0, 0.0, 0.0
         zero_share = ctx.data_parallel if ctx.zero else 1
-        return optimizer_time(elements / zero_share, ctx.hardware, ctx.contention) if ctx.hardware else 0.0, 0.0, 0.0
+        recast = elements / (ctx.data_parallel if ctx.zero >= 3 else 1) if recasts(fact.precision) else 0.0
+        return optimizer_time(elements / zero_share, ctx.hardware, ctx.contention, recast), 0.0, 0.0
     work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
     compute = fact.seconds(work, local_slot_shapes(fact, s, ctx), ctx.schedule.microbatches)
     comm, sync = kernel_time(fact, s, ctx), 0.0

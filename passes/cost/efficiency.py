@@ -12,8 +12,10 @@ numbers and their sources):
   and result through memory, which bounds thin GEMMs (:func:`gemm_seconds`); few tiles cannot keep
   the memory system busy either (DeepGEMM's M=64 rows).
 - Attention (:func:`attention_rate`): the fused kernel's measured FLOP/s by sequence length and head
-  size, causal or not (FlashAttention-2's forward + backward benchmark), interpolated in log2 of the
-  sequence and linearly in the head size, constant beyond the table's ends.
+  size, causal or not (FlashAttention's forward + backward benchmark configuration), interpolated in
+  log2 of the sequence and linearly in the head size, constant beyond the table's ends; then scaled
+  by how well the call's blocks fill the GPU against the table's configuration (:func:`attention_fill`):
+  one sequence over the few heads a tensor-parallel rank holds keeps a fraction of the table's rate.
 - Streaming ops (:func:`streaming_seconds`): bytes over the achieved share of memory bandwidth.
 
 Every function takes plain numbers or sympy expressions (costs symbolic in batch and sequence,
@@ -49,6 +51,11 @@ GEMMS = {
 }
 ATTENTION = aten.scaled_dot_product_attention.default
 BACKWARD_OVER_FORWARD = 2.5  # FlashAttention's FLOP convention: backward counts 2.5x the forward
+ATTENTION_TILE = 128  # query (forward) or key (backward) rows one block of the fused kernel takes
+TABLE_TOKENS, TABLE_HIDDEN = 16384, 2048  # the tables' configuration: batch x sequence, heads x head size
+# How sharply a fused attention kernel's rate saturates as its blocks fill the GPU (the p of a smooth
+# min(x, 1)): fitted to 33 one-GPU measurements on an H200, median error 7% (benchmarks/gpu.py)
+FILL_SHARPNESS = 1.5
 
 
 def ceil_div(a, b):
@@ -143,13 +150,35 @@ def _along_sequence(seq, rates: dict[int, float]):
     return sympy.Piecewise(*pieces)
 
 
+def attention_fill(batch_heads, seq, causal: bool, sms: int):
+    """Share of its steady rate fused attention over ``batch_heads`` (batch x heads) sequences of
+    ``seq`` keeps: a block per tile of ATTENTION_TILE queries, one block per SM at a time, and a
+    causal block's work grows with its position (the last does all ``n`` steps, the first one), so
+    with few blocks the longest sets the time. With ``x`` the work per SM in units of the longest
+    block (causal: batch_heads·(n + 1) / (2·SMs); full: batch_heads·n / SMs), the share is a
+    smooth min(x, 1).
+
+    >>> round(attention_fill(8, 4096, True, 132), 2)    # a tp-8 rank's 8 heads of one 4k sequence
+    0.63
+    """
+    n = ceil_div(seq, ATTENTION_TILE)
+    x = batch_heads * ((n + 1) / 2 if causal else n) / sms
+    return x / (1 + x**FILL_SHARPNESS) ** (1 / FILL_SHARPNESS)
+
+
 def attention_seconds(batch_heads, seq_q, seq_k, head_dim, causal: bool, hardware: HardwareProfile, needs_grad: bool):
     """Seconds of fused attention over ``batch_heads`` (batch x heads) query blocks: its FLOPs in
-    FlashAttention's convention over :func:`attention_rate` at the key length, plus launches."""
+    FlashAttention's convention over :func:`attention_rate` at the key length, as much of it as the
+    blocks fill the GPU against the table's configuration (:func:`attention_fill`), plus launches."""
     forward = 4 * batch_heads * seq_q * seq_k * head_dim * (0.5 if causal else 1.0)
     flops = forward * (1 + BACKWARD_OVER_FORWARD if needs_grad else 1.0)
     launches = 2 if needs_grad else 1
-    return flops / attention_rate(seq_k, head_dim, causal, hardware.kernels) + launches * hardware.op_overhead_s
+    figures = hardware.kernels
+    table_heads = maximum(1, TABLE_TOKENS / seq_k) * TABLE_HIDDEN / head_dim
+    fill = attention_fill(batch_heads, seq_q, causal, figures.sms) / attention_fill(
+        table_heads, seq_k, causal, figures.sms
+    )
+    return flops / (attention_rate(seq_k, head_dim, causal, figures) * fill) + launches * hardware.op_overhead_s
 
 
 def streaming_seconds(nbytes, hardware: HardwareProfile):

@@ -58,7 +58,7 @@ from autopar.passes.cost.axis_terms import AxisContext, axis_contexts, partial_g
 from autopar.passes.cost.evaluate import stage_mesh
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
-from autopar.passes.cost.ops import optimizer_time
+from autopar.passes.cost.ops import optimizer_time, recasts
 from autopar.passes.cost.schedule import dropped, forward_share
 from autopar.passes.search.pins import chunks_per_rank, expert_params
 from autopar.passes.sharding.rules import node_strategies
@@ -215,6 +215,14 @@ class LowerBounds:
             self._works[key] = math.prod(1 / s for a, s in degrees.items() if a != skip and self.splits(name, s))
         return self._works[key]
 
+    def _state_update_s(self, degrees: dict[str, int], zero: int, stage: Mesh) -> float:
+        """The optimizer step and mixed precision's casts of the busiest device (all stages')."""
+        dp = degrees.get(Axis.DP, 1)
+        elements = {p: self._param_elements(p, degrees) for p in self.params}
+        recast = sum(n for p, n in elements.items() if recasts(self.facts[p].precision)) / (dp if zero >= 3 else 1)
+        stepped = sum(elements.values()) / (dp if zero else 1)
+        return optimizer_time(stepped, self.hardware, self.hardware.contention(stage.shape), recast)
+
     def _param_elements(self, name: str, degrees: dict[str, int]) -> float:
         fact = self.facts[name]
         split = [Axis.TP] + ([Axis.EP] if name in self.experts else [])
@@ -241,7 +249,7 @@ class LowerBounds:
     def step_s(self, mesh: Mesh, stages: int, degrees: dict[str, int], zero: int, bubble: float = 0.0) -> float:
         """Seconds of a step, at least, on ``mesh`` (the whole mesh) under any layout and any
         schedule whose pipeline bubble is at least ``bubble`` (a share of the busiest device's work)."""
-        facts, hardware = self.facts, self.hardware
+        facts = self.facts
         stage = stage_mesh(mesh, stages)
         rows: dict[str, float] = {}  # per layer, what its ops cost at least (ops outside layers: first or last)
         layers: list[str] = []
@@ -260,9 +268,7 @@ class LowerBounds:
             ends = {layers[0]: rows.get("prefix", 0.0), layers[-1]: rows.get("suffix", 0.0)}
             biggest = max(rows[layer] + ends.get(layer, 0.0) for layer in rows if layer not in ("prefix", "suffix"))
         busiest = max(total / stages, biggest if stages > 1 else 0.0)
-        dp = degrees.get(Axis.DP, 1)
-        elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
-        optimizer = optimizer_time(elements, hardware, hardware.contention(stage.shape))
+        optimizer = self._state_update_s(degrees, zero, stage)
         return busiest * (1 + bubble) + (optimizer + self._gradients_s(stage, degrees, zero)) / stages
 
     def recompute_s(self, stages: int, degrees: dict[str, int], level: str) -> float:
@@ -287,9 +293,7 @@ class LowerBounds:
                 comm += moved.comm_s * (1 - self.hardware.tp_overlap if ctx.name == Axis.TP else 1.0)
                 sync += moved.sync_s * (1 - ctx.overlap)
         work, last_sync = floor
-        dp = degrees.get(Axis.DP, 1)
-        elements = sum(self._param_elements(p, degrees) for p in self.params) / (dp if zero else 1)
-        optimizer = optimizer_time(elements, self.hardware, self.hardware.contention(stage.shape))
+        optimizer = self._state_update_s(degrees, zero, stage)
         return ((comm + work) * (1 + bubble) + sync + last_sync + optimizer) / stages
 
     def _gradients_s(self, stage: Mesh, degrees: dict[str, int], zero: int) -> float:

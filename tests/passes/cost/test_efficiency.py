@@ -6,12 +6,21 @@ dtypes as their peaks do; attention grows with sequence and head size and flatte
 """
 
 import dataclasses
+import json
+import statistics
+from pathlib import Path
 
 import pytest
 import torch
 
-from autopar.ir import get_profile
-from autopar.passes.cost.efficiency import attention_rate, attention_seconds, gemm_efficiency, gemm_seconds
+from autopar.ir import HardwareProfile, get_profile
+from autopar.passes.cost.efficiency import (
+    attention_fill,
+    attention_rate,
+    attention_seconds,
+    gemm_efficiency,
+    gemm_seconds,
+)
 from autopar.passes.cost.ops import moves_no_data
 from autopar.passes.cost.overlap import boundary_seconds, exposed_grad_sync, exposed_tp_comm, pipeline_messages
 
@@ -81,10 +90,49 @@ def test_attention_time_is_quadratic_in_sequence_at_a_rising_rate():
         return attention_seconds(32, seq, seq, 128, True, A100, needs_grad=True)
 
     assert 2 < seconds(2048) / seconds(1024) < 4  # the kernel gets more efficient as the sequence grows
-    assert seconds(65536) / seconds(32768) == pytest.approx(4, rel=1e-3)
+
+    # past the table the rate is flat: quadratic FLOPs, at the blocks' fill against the table's (16 heads)
+    def fill(seq):
+        return attention_fill(32, seq, True, 108) / attention_fill(16, seq, True, 108)
+
+    launches = 2 * A100.op_overhead_s
+    ratio = (seconds(65536) - launches) / (seconds(32768) - launches)
+    assert ratio == pytest.approx(4 * fill(32768) / fill(65536), rel=1e-9)
+    assert 1 < fill(32768) / fill(65536) < 1.01
     # FlashAttention's convention: forward 4·b·h·s²·d, halved when causal; backward 2.5x the forward
     flops = 4 * 32 * 8192**2 * 128 * 0.5 * 3.5
     assert seconds(8192) == pytest.approx(flops / 182e12 + 2 * A100.op_overhead_s)
+
+
+def test_attention_slows_as_fewer_blocks_fill_the_gpu():
+    """At the tables' own configuration (16k tokens, hidden 2048) the rate is the table's; one
+    sequence over a tensor-parallel rank's few heads keeps a fraction of it, the less the fewer."""
+    h100 = get_profile("h100-80gb")
+
+    def rate(heads, seq, causal=True):
+        forward = 4 * heads * seq * seq * 128 * (0.5 if causal else 1.0)
+        return forward * 3.5 / (attention_seconds(heads, seq, seq, 128, causal, h100, True) - 2 * h100.op_overhead_s)
+
+    assert rate(4 * 16, 4096) == pytest.approx(attention_rate(4096, 128, True, h100.kernels))
+    rates = [rate(heads, 4096) for heads in (1, 2, 4, 8, 16, 32, 64)]
+    assert rates == sorted(rates) and rates[0] < 0.2 * rates[-1]
+    assert 0.55 < attention_fill(8, 4096, True, 132) / attention_fill(64, 4096, True, 132) < 0.7
+    assert attention_fill(8, 4096, False, 132) > attention_fill(8, 4096, True, 132)  # no short blocks
+
+
+def test_attention_fill_reproduces_the_h200_measurements():
+    """The rule against what one H200 measured (benchmarks/gpu.py's record): 1 to 128 heads of one
+    sequence of 1k to 16k tokens, full and causal, head sizes 64 and 128, on the table that
+    `autopar calibrate` measured in the same run."""
+    data = Path(__file__).parents[3] / "benchmarks" / "data" / "gpu"
+    measured = json.loads((data / "h200-2026-11-26.json").read_text())["attention_occupancy"]
+    profile = HardwareProfile.load(data / "h200-2026-11-26-calibrated.json")
+    errors = [
+        attention_seconds(r["heads"], r["seq"], r["seq"], r["head_dim"], r["causal"], profile, True) / r["seconds"] - 1
+        for r in measured
+    ]
+    assert len(errors) == 32 and statistics.median(map(abs, errors)) < 0.1
+    assert sum(abs(e) < 0.25 for e in errors) >= 24, sorted(errors)
 
 
 def test_views_launch_nothing():

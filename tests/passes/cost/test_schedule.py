@@ -7,7 +7,7 @@ import pytest
 from planning import plan_example
 
 from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, Schedule, get_profile
-from autopar.passes.cost.ops import OPTIMIZER_BYTES_PER_PARAM, collective_time, optimizer_time
+from autopar.passes.cost.ops import OPTIMIZER_BYTES_PER_PARAM, RECAST_BYTES_PER_PARAM, collective_time, optimizer_time
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
 
@@ -21,9 +21,16 @@ def test_gradients_replace_activations_in_the_peak():
 
 
 def test_optimizer_step_is_memory_bound_and_slowed_by_contention():
-    hardware = get_profile("a100-80gb")
-    assert optimizer_time(1e9, hardware) == pytest.approx(1e9 * OPTIMIZER_BYTES_PER_PARAM / hardware.memory_bandwidth)
+    hardware = get_profile("a100-80gb")  # streams at 0.8 of HBM, as elementwise kernels do
+    streaming = 0.8 * hardware.memory_bandwidth
+    assert optimizer_time(1e9, hardware) == pytest.approx(1e9 * OPTIMIZER_BYTES_PER_PARAM / streaming)
     assert optimizer_time(1e9, hardware, contention=2.0) == pytest.approx(2 * optimizer_time(1e9, hardware))
+    # mixed precision recasts what a rank holds: 16-bit copies of the masters, fp32 gradients
+    assert optimizer_time(1e9, hardware, recast=2e9) - optimizer_time(1e9, hardware) == pytest.approx(
+        2e9 * RECAST_BYTES_PER_PARAM / streaming
+    )
+    cpu = get_profile("cpu-local")  # a measured copy rate: all of it
+    assert optimizer_time(1e9, cpu) == pytest.approx(1e9 * OPTIMIZER_BYTES_PER_PARAM / cpu.memory_bandwidth)
 
 
 def test_blocking_collectives_pay_the_rendezvous_scaled_by_contention():
