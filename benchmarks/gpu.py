@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
+from gpu_report import KINDS, render  # noqa: E402
 from publish import write_section  # noqa: E402
 from step_time import _load_gpt  # noqa: E402
 
@@ -217,9 +218,6 @@ def check_equivalence(device: str) -> dict:
         }
         _log(f"equivalence {label}: {results[label]}")
     return results
-
-
-KINDS = ("GEMM", "attention", "other ops", "optimizer")
 
 
 def kernel_kind(name: str) -> str:
@@ -406,139 +404,6 @@ def measure(out: Path, quick: bool) -> dict:
         save()
     dist.destroy_process_group()
     return record
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if a and b else "-"
-
-
-def _table(title: str, columns: list[str], rows: list[list], note: str = "") -> list[str]:
-    """A markdown table under its heading, and a note after it."""
-    lines = [f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
-    return lines + ([""] + [note] if note else []) + [""]
-
-
-def _kernel_rows(kernels: list, labels: list[str]) -> tuple[list[list], str]:
-    rows, ratios = [], {label: [] for label in labels}
-    for entry in kernels:
-        for name, part in [*entry["gemms"].items(), ("attention", entry["attention"])]:
-            for label in labels:
-                ratios[label].append(part[f"{label}_s"] / part["measured_s"])
-            row = entry["row"].split("|")[1].strip()
-            priced = [_ratio(part[f"{label}_s"], part["measured_s"]) for label in labels]
-            rows.append([row, entry["tp"], name, f"{part['measured_s'] * 1e3:.3f}", *priced])
-    note = "; ".join(
-        f"{label}: predicted / measured median {statistics.median(r):.2f} (range {min(r):.2f}-{max(r):.2f}) "
-        f"over {len(r)} kernels"
-        for label, r in ratios.items()
-    )
-    return rows, note
-
-
-def _step_rows(steps: list) -> list[list]:
-    rows = []
-    for entry in steps:
-        shape = entry["shape"]
-        name = f"{entry['name']} (h {shape['hidden']}, {shape['layers']} layers, seq {shape['seq']})"
-        for label, run in entry["runs"].items():
-            if "error" in run:
-                rows.append([name, "", label, f"failed: {run['error'][:200]}", "", "", "", ""])
-                continue
-            ours = label.startswith("autopar")
-            rows.append(
-                [
-                    name,
-                    f"{entry['predicted_step_s'] * 1e3:.1f}" if ours else "",
-                    label,
-                    f"{run['median_s'] * 1e3:.1f}",
-                    _ratio(entry["predicted_step_s"], run["median_s"]) if ours else "",
-                    f"{entry['model_flops'] / run['median_s'] / 1e12:.0f}",
-                    f"{run['first_s']:.1f}",
-                    f"{run['first_loss']:.4f}",
-                ]
-            )
-    return rows
-
-
-def render(record: dict) -> str:
-    """The BENCHMARKS.md section of one record: per part a table, or the error it raised."""
-    lines = [
-        "## One GPU: the cost model's kernels and a one-GPU step, measured",
-        "",
-        f"- measured: `autopar calibrate --backend nccl --out gpu-calibrated.json` then `python benchmarks/gpu.py "
-        f"--out gpu.json` on one {record['device']} (torch {record['torch']}, {record['measured_at']}); the record "
-        "and the profile are kept in `benchmarks/data/gpu/`",
-        "- priced: `python benchmarks/gpu.py --render RECORD --calibrated PROFILE` prices every measurement with "
-        f"this code's cost model, on autopar's `{record['preset']}` preset"
-        + (" and on the calibrated profile" if _has_calibrated(record) else "")
-        + "; predicted / measured above 1: the model is pessimistic",
-        "- kernels: the best of three back-to-back loops of about 20 ms each, over their calls; steps: the "
-        "median of 10 after 3 warm-up steps (the first step, which compiles, timed apart)",
-        "- one GPU: NCCL refuses two ranks on one device, so no collective, tensor parallelism, ZeRO or "
-        "pipeline ran on CUDA here; the calibrated profile keeps the preset's links",
-        "",
-    ]
-    labels = ["preset", "calibrated"] if _has_calibrated(record) else ["preset"]
-    priced = [f"{label} / measured" for label in labels]
-    parts = {part: record.get(part) for part in ("kernels", "attention_occupancy", "optimizer", "equivalence", "steps")}
-    for part, value in parts.items():
-        if not value or (isinstance(value, dict) and "error" in value):
-            lines += [f"{part}: not measured ({(value or {}).get('error', 'no record')})", ""]
-    if isinstance(parts["kernels"], list):
-        rows, note = _kernel_rows(parts["kernels"], labels)
-        title = "Kernels of each Megatron-Core r0.8 H100 row's layer (one sequence, its tp; GEMMs fwd + 2 bwd, bf16)"
-        lines += _table(title, ["row", "tp", "GEMM", "measured ms", *priced], rows, note)
-    if isinstance(parts["attention_occupancy"], list):
-        rows = [
-            [r["seq"], r["head_dim"], "causal" if r["causal"] else "full", r["heads"], f"{r['flops_per_s'] / 1e12:.0f}"]
-            + [_ratio(r[f"{label}_s"], r["seconds"]) for label in labels]
-            for r in parts["attention_occupancy"]
-        ]
-        columns = ["sequence", "head size", "mask", "heads", "measured TFLOP/s", *priced]
-        lines += _table("Attention (one sequence) as fewer heads fill the GPU", columns, rows)
-    if isinstance(parts["optimizer"], list):
-        rows = [
-            [
-                r["optimizer"],
-                f"{r['elements'] / 1e6:.0f} M",
-                f"{r['seconds'] * 1e3:.2f}",
-                _ratio(r["preset_s"], r["seconds"]),
-            ]
-            for r in parts["optimizer"]
-        ]
-        note = "The model prices foreach AdamW, what autopar's runtime and torch run by default."
-        columns = ["optimizer", "parameters", "measured ms", "preset / measured"]
-        lines += _table("One AdamW step over fp32 parameters", columns, rows, note)
-    if isinstance(parts["equivalence"], dict) and "error" not in parts["equivalence"]:
-        rows = [
-            [label, f"{r['loss']:.6f}", f"{r['reference_loss']:.6f}", f"{r['max_grad_diff']:.2e}", r["grads_compared"]]
-            for label, r in parts["equivalence"].items()
-        ]
-        title = f"autopar on {record['backend']} (one rank), fp32, one step against the plain model"
-        columns = ["program", "loss", "plain model's", "max full-gradient difference", "gradients compared"]
-        lines += _table(title, columns, rows)
-    if isinstance(parts["steps"], list):
-        title = "One-GPU training step, bf16 mixed precision, AdamW, one sequence (first step, which compiles, apart)"
-        columns = ["shape", "predicted ms", "run", "measured ms", "predicted / measured", "TFLOP/s (model)"]
-        lines += _table(title, [*columns, "first step s", "first loss"], _step_rows(parts["steps"]))
-        rows = [
-            [entry["name"], label]
-            + [f"{measured[k] * 1e3:.1f} / {entry['predicted_by_kind'][k] * 1e3:.1f}" for k in KINDS]
-            for entry in parts["steps"]
-            for label, measured in entry.get("measured_by_kind", {}).items()
-        ]
-        title = (
-            "Where the eager steps spend their time: device seconds per kind of kernel (torch.profiler, two steps) "
-            "against the cost model's one-GPU time per kind"
-        )
-        lines += _table(title, ["shape", "run", *(f"{kind} measured / predicted ms" for kind in KINDS)], rows)
-    return "\n".join(lines)
-
-
-def _has_calibrated(record: dict) -> bool:
-    kernels = record.get("kernels")
-    return isinstance(kernels, list) and bool(kernels) and "calibrated_s" in kernels[0]["attention"]
 
 
 def main(argv: list[str] | None = None) -> int:
