@@ -183,7 +183,7 @@ def analyze(
     the policy's compute dtype (FLOP rates, bytes moved and saved), parameters' state kept and
     gradients reduced as the policy says. An op's time is measured on this machine when
     ``hardware`` is this machine (``measure_ops``), else GEMMs and attention at the efficiency
-    their shapes reach (with kernel figures) and other ops at their roofline; views are free;
+    their shapes reach (with kernel figures) and other ops at the roofline of their kernels; views are free;
     ``contention`` (ranks per core) slows all of them.
 
     >>> facts = analyze(captured, get_profile("a100-80gb"), policy=PrecisionPolicy.of("bf16-mixed"))  # doctest: +SKIP

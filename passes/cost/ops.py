@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -135,11 +136,11 @@ class OpProfile:
 
     forward_flops: float
     backward_flops: float
-    io_bytes: float  # read and written by the forward
+    io_bytes: float  # read and written by the forward's kernels
     saved_inputs: tuple[int, ...] = ()  # tensor-input slots autograd keeps for backward
     saves_output: bool = False
     saved_extra_bytes: float = 0.0  # tensors the op creates and autograd keeps (softmax stats, ...)
-    backward_io_bytes: float = 0.0  # read and written by the backward: output gradients, saved tensors, input gradients
+    backward_io_bytes: float = 0.0  # read and written by the backward's kernels (0: none ran, as add's)
 
 
 _PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
@@ -208,26 +209,22 @@ def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | Non
             inputs.append(values[k])
     args, kwargs = tree_unflatten(values, spec)
     saved = []
-    forward = FlopCounterMode(display=False)
-    with forward, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+    forward, traffic = FlopCounterMode(display=False), _Traffic()
+    with forward, traffic, torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         out = target(*args, **kwargs)
     outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
-    io_bytes = sum(_nbytes(t) for t in inputs + outputs)
+    # the kernels the op runs (a composite one several: cross-entropy writes and reads its log-softmax)
+    io_bytes = traffic.bytes or sum(_nbytes(t) for t in inputs + outputs)
     forward_flops = forward.get_total_flops() or _formula_flops(target, inputs, args)
     differentiable = [o for o in outputs if o.requires_grad]
-    backward_flops = 0.0
+    backward_flops = backward_io = 0.0
     if differentiable:
-        backward = FlopCounterMode(display=False)
-        with backward:
-            wrt = [i for i in inputs if i.requires_grad]
-            torch.autograd.grad(differentiable, wrt, [torch.ones_like(o) for o in differentiable], allow_unused=True)
+        backward, traffic = FlopCounterMode(display=False), _Traffic()
+        wrt, seeds = [i for i in inputs if i.requires_grad], [torch.ones_like(o) for o in differentiable]
+        with backward, traffic:
+            torch.autograd.grad(differentiable, wrt, seeds, allow_unused=True)
         backward_flops = backward.get_total_flops() or 2 * forward_flops
-    # a memory-bound backward reads its output gradients and what it saved, and writes input gradients
-    backward_io = (
-        sum(_nbytes(t) for t in differentiable + saved + [i for i in inputs if i.requires_grad])
-        if differentiable
-        else 0.0
-    )
+        backward_io = traffic.bytes
     slots, saves_output, extra = set(), False, 0.0
     for tensor in saved:
         base = tensor._base if tensor._base is not None else tensor
@@ -246,6 +243,22 @@ def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | Non
         extra,
         float(backward_io),
     )
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes the kernels an op dispatches read and write: each one's tensor arguments and results
+    (views and queries launch none)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if results and not moves_no_data(func):  # a kernel: not a view, nor a query (prim.device)
+            self.bytes += sum(_nbytes(t) for t in tree_leaves((args, kwargs)) + results if isinstance(t, torch.Tensor))
+        return out
 
 
 def _nbytes(tensor: torch.Tensor) -> float:

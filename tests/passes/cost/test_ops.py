@@ -106,6 +106,27 @@ def test_ops_are_profiled_forward_and_backward_with_what_autograd_saves():
     assert op_profile(_only_op(torch.nn.Linear(64, 32), torch.randn(16, 64)), needs_grad=False).backward_flops == 0
 
 
+class Loss(torch.nn.Module):
+    def forward(self, logits, labels):
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def test_memory_bound_ops_move_what_their_kernels_read_and_write():
+    """A one-kernel op moves its inputs and outputs; cross-entropy runs a log-softmax and a
+    negative log-likelihood, so its log-probabilities are written and read again, and its
+    backward writes the dense gradient of the loss before log-softmax's backward reads it."""
+    gelu = op_profile(_only_op(torch.nn.GELU(), torch.randn(64, 512)), needs_grad=True)
+    whole = 64 * 512 * 4
+    assert gelu.io_bytes == 2 * whole and gelu.backward_io_bytes == 3 * whole  # gelu_backward(grad, x) -> grad x
+    logits = torch.randn(64, 512, requires_grad=True)
+    loss = op_profile(_only_op(Loss(), logits, torch.randint(0, 512, (64,))), needs_grad=True)
+    assert 3 * whole <= loss.io_bytes < 3.1 * whole  # logits read, log-probabilities written and read
+    # nll's dense gradient filled and scattered into, then read with the log-probabilities by log-softmax's
+    # backward, which writes the logits' gradient: 4 to 5 logits' worth (an H200 moved about 8 logits' worth
+    # forward and backward for a 131072-class loss: benchmarks/gpu.py)
+    assert 4 * whole <= loss.backward_io_bytes < 5.1 * whole
+
+
 def test_ops_are_timed_on_this_machine_when_it_is_the_target():
     node = _only_op(torch.nn.Linear(256, 256), torch.randn(64, 256))
     profile = op_profile(node, needs_grad=True)
