@@ -54,7 +54,7 @@ BACKWARD_OVER_FORWARD = 2.5  # FlashAttention's FLOP convention: backward counts
 ATTENTION_TILE = 128  # query (forward) or key (backward) rows one block of the fused kernel takes
 TABLE_TOKENS, TABLE_HIDDEN = 16384, 2048  # the tables' configuration: batch x sequence, heads x head size
 # How sharply a fused attention kernel's rate saturates as its blocks fill the GPU (the p of a smooth
-# min(x, 1)): fitted to 32 attention measurements on one H200, median error 7% (benchmarks/gpu.py)
+# min(x, 1)): fitted to 32 attention measurements on one H200, median error 8% (benchmarks/gpu.py)
 FILL_SHARPNESS = 1.5
 
 
