@@ -58,6 +58,7 @@ from autopar.ir import HardwareProfile, get_profile  # noqa: E402
 from autopar.passes.cost.calibration import gpu_preset  # noqa: E402
 from autopar.passes.cost.efficiency import attention_seconds, gemm_list, gemm_seconds  # noqa: E402
 from autopar.passes.cost.ops import optimizer_time  # noqa: E402
+from autopar.runtime.measure import timed  # noqa: E402
 from autopar.runtime.measure_gpu import measure_attention, measure_gemms  # noqa: E402
 
 SECTION = "gpu"
@@ -138,28 +139,14 @@ def measure_attention_occupancy(device: str, quick: bool) -> list[dict]:
     return measure_attention(cases, "bfloat16", device)
 
 
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _timed_steps(step, device: str) -> dict:
     """First step (compile, if any) timed apart, then the median of TIMED_STEPS after warm-up."""
-    _synchronize(device)
-    start = time.perf_counter()
-    loss = step()
-    _synchronize(device)
-    first = time.perf_counter() - start
+    losses = []
+    first = timed(lambda: losses.append(step()), device)
     for _ in range(WARMUP_STEPS - 1):
         step()
-    times = []
-    for _ in range(TIMED_STEPS):
-        _synchronize(device)
-        start = time.perf_counter()
-        step()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return {"first_s": first, "median_s": statistics.median(times), "times_s": times, "first_loss": float(loss)}
+    times = [timed(step, device) for _ in range(TIMED_STEPS)]
+    return {"first_s": first, "median_s": statistics.median(times), "times_s": times, "first_loss": float(losses[0])}
 
 
 def _autopar_step(pmodel, inputs):
@@ -238,13 +225,8 @@ def measured_by_kind(step, device: str, steps: int = 2) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CUDA] if device == "cuda" else [ProfilerActivity.CPU]
-    _synchronize(device)
-    start = time.perf_counter()
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
-        _synchronize(device)
-    wall = (time.perf_counter() - start) / steps
+        wall = timed(lambda: [step() for _ in range(steps)], device) / steps
     totals = dict.fromkeys(KINDS, 0.0)
     kernels = []
     for event in prof.key_averages():
@@ -325,7 +307,8 @@ def measure_optimizer(device: str, quick: bool) -> list[dict]:
         if label == "fused" and device != "cuda":
             continue
         adamw = torch.optim.AdamW(params, lr=1e-4, **options)
-        seconds = min(_timed_steps(lambda adamw=adamw: (adamw.step(), torch.zeros(()))[1], device)["times_s"])
+        adamw.step()  # warm-up: allocates the moments
+        seconds = min(timed(adamw.step, device) for _ in range(TIMED_STEPS))
         results.append({"optimizer": label, "elements": sum(sizes), "seconds": seconds})
         del adamw
     return results

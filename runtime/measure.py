@@ -52,26 +52,26 @@ def _one_thread():
         torch.set_num_threads(threads)
 
 
-def _synchronize(device) -> None:
+def synchronize(device) -> None:
     """Wait for the device's queued work: a GPU op returns before it runs."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _timed(fn, device="cpu") -> float:
-    _synchronize(device)
+def timed(fn, device="cpu") -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
-    _synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start
 
 
 def _best_time(fn, repeats: int, device="cpu") -> float:
-    return min(_timed(fn, device) for _ in range(repeats))
+    return min(timed(fn, device) for _ in range(repeats))
 
 
 @contextmanager
-def _matmul_dtype(dtype: str):
+def matmul_dtype(dtype: str):
     """``tf32`` is float32 storage with TensorFloat-32 matmuls (off by default in torch)."""
     allowed = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"
@@ -95,7 +95,7 @@ def measure_matmul(
     rates = {}
     with _one_thread(), torch.no_grad():
         for name in dtypes:
-            with _matmul_dtype(name) as dtype:
+            with matmul_dtype(name) as dtype:
                 for n in sizes:
                     a = torch.randn(n, n, device=device).to(dtype)
                     b = torch.randn(n, n, device=device).to(dtype)
@@ -187,7 +187,7 @@ def measure_collectives(
         for case, (kind, _, run, count) in enumerate(cases):
             if round_index < count:
                 dist.barrier()
-                elapsed = _timed(run, device)
+                elapsed = timed(run, device)
                 seconds[case].append(elapsed / 2 if kind == "send_recv" else elapsed)
     by_rank = [None] * world_size
     dist.all_gather_object(by_rank, seconds)

@@ -24,12 +24,12 @@ import torch.nn.functional as F
 from autopar.ir import ConfigError
 from autopar.runtime.measure import (
     KINDS,
-    _matmul_dtype,
-    _synchronize,
-    _timed,
+    matmul_dtype,
     measure_collectives,
     measure_matmul,
     measure_memory_bandwidth,
+    synchronize,
+    timed,
 )
 from autopar.runtime.spawn import run_local
 
@@ -49,20 +49,20 @@ def per_call_seconds(fn, device, repeats: int = 3) -> float:
     """Seconds of one call of ``fn`` when calls run back to back, as a step launches its kernels:
     the best of ``repeats`` loops, each about ``LOOP_S`` long, over its number of calls."""
     fn()  # warm-up: library heuristics, workspace allocation
-    _synchronize(device)
-    calls = max(3, min(200, int(LOOP_S / max(_timed(fn, device), 1e-6))))
+    synchronize(device)
+    calls = max(3, min(200, int(LOOP_S / max(timed(fn, device), 1e-6))))
 
     def loop():
         for _ in range(calls):
             fn()
 
-    return min(_timed(loop, device) for _ in range(repeats)) / calls
+    return min(timed(loop, device) for _ in range(repeats)) / calls
 
 
 def measure_gemms(shapes, dtype: str = "bfloat16", device="cuda") -> list[dict]:
     """Seconds of each (batch, m, n, k) product ``[batch,] m x k @ k x n`` in ``dtype``."""
     records = []
-    with torch.no_grad(), _matmul_dtype(dtype) as torch_dtype:
+    with torch.no_grad(), matmul_dtype(dtype) as torch_dtype:
         for batch, m, n, k in shapes:
             lead = (batch,) if batch > 1 else ()
             a = torch.randn(*lead, m, k, device=device, dtype=torch_dtype)

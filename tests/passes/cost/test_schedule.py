@@ -33,6 +33,26 @@ def test_optimizer_step_is_memory_bound_and_slowed_by_contention():
     assert optimizer_time(1e9, cpu) == pytest.approx(1e9 * OPTIMIZER_BYTES_PER_PARAM / cpu.memory_bandwidth)
 
 
+def test_plans_price_mixed_precision_casts_of_what_each_rank_holds():
+    """bf16-mixed recasts every parameter a rank holds each step, besides the AdamW step over the
+    ones it updates: ZeRO-1 updates half of them over dp 2 but holds (and recasts) them all, ZeRO-3
+    holds half."""
+
+    def ratio(zero: int, dp: int) -> float:
+        def optimizer_s(precision):
+            plan = plan_example(
+                "mlp.py", dp, batch=64, hardware="a100-80gb", precision=precision, zero=zero, degrees={"dp": dp}
+            )
+            return plan.cost.optimizer_s
+
+        return optimizer_s("bf16-mixed") / optimizer_s("fp32")
+
+    steps, casts = OPTIMIZER_BYTES_PER_PARAM, RECAST_BYTES_PER_PARAM
+    assert ratio(0, 1) == pytest.approx((steps + casts) / steps)
+    assert ratio(1, 2) == pytest.approx((steps / 2 + casts) / (steps / 2))
+    assert ratio(3, 2) == pytest.approx((steps + casts) / steps)
+
+
 def test_blocking_collectives_pay_the_rendezvous_scaled_by_contention():
     link = LinkTier("test", 1e-5, 1e9, sync_s=1e-3)
     assert collective_time("all_gather", 4e6, 4, link) == pytest.approx(3 * 1e-5 + 3 / 4 * 4e6 / 1e9 + 1e-3)
