@@ -29,6 +29,7 @@ from autopar.passes.capture.calls import bind_call, example_call
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
 from autopar.passes.program import build_programs
+from autopar.passes.rewrite.async_tp import pipeline_tp_matmuls
 from autopar.passes.rewrite.compiled import sync_in_program
 from autopar.passes.rewrite.overlap import schedule_communication
 from autopar.passes.runner import PassLog, verify_graph
@@ -274,7 +275,9 @@ def _compiler(synced_in_program: set[str]):
     """What runs each program through ``torch.compile`` with its communication scheduled."""
     from autopar.runtime.compile import Compiler
 
-    return Compiler(schedule=schedule_communication, synced_in_program=frozenset(synced_in_program))
+    return Compiler(
+        schedule=schedule_communication, prepare=pipeline_tp_matmuls, synced_in_program=frozenset(synced_in_program)
+    )
 
 
 def _rank_module(

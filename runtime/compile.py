@@ -14,10 +14,10 @@ with the program that calls them) into a callable that runs the same computation
   :func:`autopar.passes.rewrite.overlap.schedule_communication`) replaces every collective by
   its functional form (:mod:`autopar.runtime.functional`) and places issues and waits;
   inductor's own reordering for peak memory is switched off so it keeps that order.
-- Inductor's caches (the FX graph cache and AOTAutograd's, on by default) keep compiled
-  graphs on disk, keyed by the graph and the passes' source; local ranks whose programs are
-  the same compile one at a time under a file lock, so the first fills the cache and the others
-  load from it (on 2 cores, 4 ranks compiling the same graph at once would take 4 times as long).
+- Inductor's FX graph cache keeps compiled graphs on disk, keyed by the graph and the passes'
+  source (AOTAutograd's cache stays off, see :func:`_locked_inductor`); local ranks whose
+  programs are the same compile one at a time under a file lock, so the first fills the cache
+  and the others load from it (on 2 cores, 4 ranks compiling the same graph at once would take 4 times as long).
 
 Example::
 
@@ -61,34 +61,43 @@ class Compiler:
     """
 
     schedule: Callable[[fx.Graph, dict], None] | None = None
+    prepare: Callable[[fx.GraphModule, tuple], tuple[fx.GraphModule, int]] | None = None
     synced_in_program: frozenset[str] = frozenset()
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __call__(self, program: fx.GraphModule) -> CompiledProgram:
         """The compiled form of ``program`` (the same object for the same program)."""
         if id(program) not in self._compiled:
-            self._compiled[id(program)] = CompiledProgram(program, self.schedule)
+            self._compiled[id(program)] = CompiledProgram(program, self.schedule, self.prepare)
         return self._compiled[id(program)]
 
 
 class CompiledProgram:
     """A program compiled on its first call; ``compile_s`` is how long that call took
-    (tracing, compiling or loading from the cache, and running once)."""
+    (the ``prepare`` pass on the first inputs' shapes, tracing, compiling or loading from the
+    cache, and running once); ``prepared``: what ``prepare`` reported (how many collectives the
+    async tensor-parallel pass split)."""
 
-    def __init__(self, program: fx.GraphModule, schedule: Callable | None):
+    def __init__(self, program: fx.GraphModule, schedule: Callable | None, prepare: Callable | None = None):
         self.program = program
         self.compile_s: float | None = None
+        self.prepared = 0
+        self._prepare = prepare
         options = {
             "joint_custom_pre_pass": _RecomputeGathers(),
             "reorder_for_peak_memory": schedule is None,
         }
         if schedule is not None:
             options["post_grad_custom_post_pass"] = _SchedulePass(schedule)
-        backend = functools.partial(_locked_inductor, config_patches=options)
-        self._run = torch.compile(program, backend=backend, fullgraph=True, dynamic=False)
+        self._backend = functools.partial(_locked_inductor, config_patches=options)
+        self._run = None
 
     def __call__(self, *args):
         start = time.perf_counter()
+        if self._run is None:
+            if self._prepare is not None:
+                self.program, self.prepared = self._prepare(self.program, args)
+            self._run = torch.compile(self.program, backend=self._backend, fullgraph=True, dynamic=False)
         try:
             outputs = self._run(*args)
         except torch._dynamo.exc.Unsupported as error:
@@ -106,9 +115,17 @@ class CompiledProgram:
 def _locked_inductor(graph_module: fx.GraphModule, example_inputs, *, config_patches: dict):
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
-    return compile_fx(
-        graph_module, example_inputs, inner_compile=_one_rank_at_a_time(compile_fx_inner), config_patches=config_patches
-    )
+    # AOTAutograd's cache is off: loaded from it (a second run, warm cache), a TP+SP program's
+    # gradients came out wrong on one rank (GPT hidden 256, 2 ranks, torch 2.13), while fresh
+    # compiles, and inductor's own FX graph cache alone, were exact. Inductor's cache still
+    # spares every rank but the first the code generation.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(
+            graph_module,
+            example_inputs,
+            inner_compile=_one_rank_at_a_time(compile_fx_inner),
+            config_patches=config_patches,
+        )
 
 
 def _one_rank_at_a_time(inner_compile):

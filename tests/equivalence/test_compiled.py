@@ -1,8 +1,9 @@
 """``compile=True`` against the unparallelized model: same loss, full gradients and parameters
 after AdamW (fp32), for DP, TP+SP, ZeRO-3, PP2, CP2 (ring attention) and EP2 on 2 gloo ranks,
 in one spawn. Each case also shows that its programs really ran compiled (one graph each:
-``fullgraph=True`` raises on a break) and that a program sums its own gradients where
-:func:`autopar.ir.zero.syncs_whole_in_program` says so. Last, a rank stalls: the other's compiled
+``fullgraph=True`` raises on a break), that a program sums its own gradients where
+:func:`autopar.ir.zero.syncs_whole_in_program` says so, and that TP+SP's matmuls ran in pieces
+with their collectives (async tensor parallelism). Last, a rank stalls: the other's compiled
 step fails at the collective timeout naming the program node its generated code waited for.
 
 First compiles take tens of seconds here; inductor's cache (shared by the ranks, and by
@@ -54,6 +55,7 @@ def _compiled(module) -> dict:
     compiler = module._compiler
     return {
         "compiled": [program.compile_s is not None for program in compiler._compiled.values()],
+        "pieced": sum(program.prepared for program in compiler._compiled.values()),  # async TP's collectives
         "synced_in_program": len(compiler.synced_in_program),
         "synced_by_runtime": module._grad_sync.num_buckets,
     }
@@ -91,6 +93,8 @@ def _check(case, result):
     assert_matches(name, result)
     assert result["schedule"].compiled, result
     assert result["compiled"] and all(result["compiled"]), result  # every program ran compiled
+    if name == "TP+SP":  # its gathers before linears (and the all-reduces after) ran in pieces
+        assert result["pieced"] > 0, result
     if name in ("DP", "ZeRO-3"):  # the program sums its gradients; the runtime has nothing left to sync
         assert result["synced_in_program"] > 0 and result["synced_by_runtime"] == 0, result
 

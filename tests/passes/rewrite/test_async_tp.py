@@ -1,0 +1,85 @@
+"""Async tensor parallelism's pieces (passes/rewrite/async_tp.py) on one gloo rank: the program
+computes the same loss and gradients in pieces as whole, and the pieces are really there (two
+collectives and two matmuls where there was one each). Two ranks, where a gathered piece holds
+every rank's slice, are the compiled equivalence suite's TP+SP case (tests/equivalence/test_compiled.py)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
+from autopar.passes.rewrite.async_tp import pipeline_tp_matmuls
+
+ops = torch.ops.autopar
+aten = torch.ops.aten
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def _traced(function) -> fx.GraphModule:
+    return fx.symbolic_trace(function)
+
+
+def _loss_and_grads(program, inputs):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    loss = program(*leaves)
+    loss.backward()
+    return loss.detach(), [leaf.grad for leaf in leaves]
+
+
+def _count(program, target) -> int:
+    return len(program.graph.find_nodes(op="call_function", target=target))
+
+
+def test_a_gather_before_linears_runs_in_pieces_and_computes_the_same(group):
+    def layer(x, wq, wk):  # a sequence-split activation gathered for two column-parallel linears
+        full = ops.all_gather.default(x, group, 1, True)
+        q = aten.linear.default(full, wq)
+        k = aten.linear.default(full, wk)
+        return (q * k).sum()
+
+    program = _traced(layer)
+    inputs = (torch.randn(2, 8, 4), torch.randn(6, 4), torch.randn(6, 4))
+    pieced, split = pipeline_tp_matmuls(program, inputs)
+    assert split == 1
+    assert _count(pieced, ops.all_gather.default) == 2 and _count(pieced, aten.linear.default) == 4
+    expected, pieced_result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
+    torch.testing.assert_close(pieced_result, expected)
+
+
+def test_a_partial_residual_all_reduced_runs_in_pieces_and_the_sum_read_later_is_whole(group):
+    def layer(residual, h, w_out, w_next):  # row-parallel linear plus a residual kept partial, as the search plans it
+        partial = aten.add.Tensor(residual, aten.linear.default(h, w_out))
+        summed = ops.all_reduce.default(partial, group, "sum")
+        later = aten.add.Tensor(partial, aten.linear.default(summed, w_next))  # the partial sum, read again
+        return ops.all_reduce.default(later, group, "sum").pow(2).sum()
+
+    program = _traced(layer)
+    inputs = (torch.randn(4, 6, 8), torch.randn(4, 6, 5), torch.randn(8, 5), torch.randn(8, 8))
+    pieced, split = pipeline_tp_matmuls(program, inputs)
+    assert split == 2
+    assert _count(pieced, ops.all_reduce.default) == 4 and _count(pieced, aten.linear.default) == 4
+    expected, pieced_result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
+    torch.testing.assert_close(pieced_result, expected)
+
+
+def test_what_cannot_run_in_pieces_is_left_as_it_is(group):
+    def layer(x, w, h):
+        full = ops.all_gather.default(x, group, 1, True)
+        used_twice = aten.linear.default(full, w) + full.sum()  # a reader that is not a linear
+        odd = ops.all_gather.default(h, group, 1, True)  # 3 rows do not divide in 2 pieces
+        partial = aten.linear.default(h, w)
+        early = partial * 2  # read before the all-reduce: it would wait for the pieces
+        return ops.all_reduce.default(partial, group, "sum").sum() + used_twice.sum() + odd.sum() + early.sum()
+
+    program = _traced(layer)
+    inputs = (torch.randn(2, 4, 5), torch.randn(5, 5), torch.randn(4, 3, 5))
+    pieced, split = pipeline_tp_matmuls(program, inputs)
+    assert split == 0
+    assert _count(pieced, ops.all_gather.default) == 2 and _count(pieced, ops.all_reduce.default) == 1
