@@ -175,8 +175,10 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
         # one search, shared: ops timed while planning differ from rank to rank, and ranks
         # running different plans would wait on each other forever
         plan = from_rank_zero(lambda: _search(captured, mesh, options, log), "searching for a plan")
-    if options.compile and not plan.schedule.compiled:  # a given plan runs compiled when asked
-        plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, compiled=True))
+    if options.compile and not plan.schedule.compiled or options.async_tp and not plan.schedule.async_tp:
+        # a given plan runs compiled (with async TP) when asked
+        compiled = dict(compiled=True, async_tp=options.async_tp or plan.schedule.async_tp)
+        plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, **compiled))
     _check_runnable(plan)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     stages = plan.schedule.stages
@@ -220,7 +222,7 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
         lambda args, kwargs: bind_call(model, args, kwargs), compile_call, stage_mesh, plan.inputs, local_batches
     )
     calls.add(first)
-    compiler = _compiler(synced_in_program) if plan.schedule.compiled else None
+    compiler = _compiler(synced_in_program, plan.schedule.async_tp) if plan.schedule.compiled else None
     return agree(
         lambda: _rank_module(model, captured, plan, device_mesh, calls, first, check_finite, compiler),
         "building this rank's module",
@@ -271,12 +273,15 @@ def _synced_in_program(program, plan: Plan, params: dict[str, str], group_of, lo
     return one(program), synced
 
 
-def _compiler(synced_in_program: set[str]):
-    """What runs each program through ``torch.compile`` with its communication scheduled."""
+def _compiler(synced_in_program: set[str], async_tp: bool):
+    """What runs each program through ``torch.compile`` with its communication scheduled (and
+    its tensor-parallel matmuls in pieces: ``async_tp``)."""
     from autopar.runtime.compile import Compiler
 
     return Compiler(
-        schedule=schedule_communication, prepare=pipeline_tp_matmuls, synced_in_program=frozenset(synced_in_program)
+        schedule=schedule_communication,
+        prepare=pipeline_tp_matmuls if async_tp else None,
+        synced_in_program=frozenset(synced_in_program),
     )
 
 

@@ -6,8 +6,9 @@ inside a measured step: the step minus its no-communication twin.
 The cases are some of ``benchmarks/cost_model.py``'s (GPT example M: DP and TP + sequence
 parallelism on 2 ranks, DP and DP x TP on 4) plus ZeRO-3 (the DP plan with ``zero=3``) on both,
 each planned once with the calibrated profile; the compiled plan is the same plan with ``schedule.compiled`` set and its
-cost evaluated again, so the two differ only in the schedule. On the ranks each plan runs
-eagerly and compiled, each with its twin:
+cost evaluated again, so the two differ only in the schedule; a plan with tensor parallelism also
+runs compiled with ``schedule.async_tp`` (its matmuls in pieces with their collectives). On the
+ranks each plan runs eagerly and compiled, each with its twin:
 
 - eager twin: the same step with ``torch.distributed``'s collectives replaced by local
   stand-ins (``measure.no_communication``);
@@ -70,8 +71,12 @@ FULL = Settings(warmup_steps=1, rounds=4, steps_per_round=2, timeout_s=1200)
 QUICK = Settings(warmup_steps=1, rounds=2, steps_per_round=2, timeout_s=1200)
 
 
-def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, object, object]]:
-    """(case, eager plan, compiled plan): one search, the compiled one re-priced."""
+MODES = ("eager", "compiled", "async TP")
+
+
+def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, dict]]:
+    """(case, mode → plan): one search, re-priced compiled and, where it has tensor parallelism,
+    compiled with async TP (:attr:`Schedule.async_tp`)."""
     gpt, profile = _load_gpt(), get_profile(hardware)
     planned = []
     for case in cases:
@@ -83,9 +88,14 @@ def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, object, obj
         if case.strategy == "ZeRO-3":
             plan = dataclasses.replace(plan, zero=3)
             plan = dataclasses.replace(plan, cost=evaluate_plan(capture(model, inputs), plan, profile))
-        compiled = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, compiled=True))
-        compiled = dataclasses.replace(compiled, cost=evaluate_plan(capture(model, inputs), compiled, profile))
-        planned.append((case, plan, compiled))
+        modes = {"eager": plan}
+        for mode, async_tp in (("compiled", False), ("async TP", True)):
+            if async_tp and plan.degrees.get("tp", 1) == 1:
+                continue
+            schedule = dataclasses.replace(plan.schedule, compiled=True, async_tp=async_tp)
+            scheduled = dataclasses.replace(plan, schedule=schedule)
+            modes[mode] = dataclasses.replace(scheduled, cost=evaluate_plan(capture(model, inputs), scheduled, profile))
+        planned.append((case, modes))
     return planned
 
 
@@ -101,15 +111,19 @@ def _runner(pmodel, optimizer, batch):
 def bench_rank(rank: int, world: int, planned: list, settings: Settings) -> list[dict]:
     gpt = _load_gpt()
     runs = []  # per plan and mode: (step, twin step)
-    for case, eager_plan, compiled_plan in planned:
-        for plan in (eager_plan, compiled_plan):
+    for case, modes in planned:
+        for plan in modes.values():
             model, inputs = _build(gpt, case)
             pmodel = autopar.parallelize(model, world, inputs, plan=plan)
             optimizer = pmodel.optimizer(torch.optim.AdamW, lr=LR)
             step = _runner(pmodel, optimizer, pmodel.shard_batch(*inputs))
             real, twin = pmodel._compiler, None
             if real is not None:
-                twin = Compiler(schedule=schedule_without_communication, synced_in_program=real.synced_in_program)
+                twin = Compiler(  # the same program (async TP's pieces too), its communication local
+                    schedule=schedule_without_communication,
+                    prepare=real.prepare,
+                    synced_in_program=real.synced_in_program,
+                )
 
             def twin_step(pmodel=pmodel, step=step, real=real, twin=twin):
                 pmodel._compiler = twin  # None for an eager plan: unchanged
@@ -150,30 +164,54 @@ def render_section(rows: list[dict], settings: Settings, command: str, elapsed_s
         "(gradient sync hidden by the profile's overlap share); compiled: the same plan with `schedule.compiled` "
         "(each collective's window in the replayed schedule). Measured exposed = step − no-communication twin "
         "(medians, slowest rank). Models as in the cost-model section; ZeRO-3 = the DP plan with `zero=3`.",
+        "- async TP: the compiled plan with `schedule.async_tp` (plans with tensor parallelism): each "
+        "tensor-parallel matmul runs in two pieces with its collective, priced piece by piece; its twin runs the "
+        "same pieces with the communication local.",
         "",
-        "| plan | ranks | eager predicted ms | eager measured ms | eager error ms | compiled predicted ms | "
-        "compiled measured ms | compiled error ms | compiled step ms | compiled twin ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| plan | ranks | "
+        + " | ".join(f"{mode} {what}" for mode in MODES for what in ("predicted ms", "measured ms", "error ms"))
+        + " | compiled step ms | async TP step ms |",
+        "| --- | ---: |" + " ---: |" * (3 * len(MODES) + 2),
     ]
-    errors = {"eager": [], "compiled": []}
+    errors = {mode: [] for mode in MODES}
     for row in rows:
         cells = []
-        for mode in ("eager", "compiled"):
+        for mode in MODES:
+            if mode not in row:
+                cells += ["—"] * 3
+                continue
             cost, measured = row[mode]["plan"].cost, row[mode]["measured"]
             predicted = cost.comm_s + cost.grad_sync_s
             errors[mode].append(abs(predicted - measured))
             cells += [f"{predicted * 1e3:.1f}", f"{measured * 1e3:.1f}", f"{(predicted - measured) * 1e3:+.1f}"]
-        lines.append(
-            f"| {row['case'].name} | {row['case'].world} | {' | '.join(cells)} | {row['compiled']['step'] * 1e3:.1f} "
-            f"| {row['compiled']['twin'] * 1e3:.1f} |"
-        )
-    eager, compiled = (statistics.median(errors[mode]) for mode in ("eager", "compiled"))
+        steps = [f"{row[mode]['step'] * 1e3:.1f}" if mode in row else "—" for mode in MODES[1:]]
+        lines.append(f"| {row['case'].name} | {row['case'].world} | {' | '.join(cells + steps)} |")
+    median = {mode: statistics.median(errors[mode]) * 1e3 for mode in MODES if errors[mode]}
     lines += [
         "",
-        f"Median absolute error of the exposed-communication prediction: eager **{eager * 1e3:.1f} ms**, compiled "
-        f"**{compiled * 1e3:.1f} ms** (target: compiled ≤ eager): "
-        + ("**met**" if compiled <= eager else "**missed**"),
+        f"Median absolute error of the exposed-communication prediction: eager **{median['eager']:.1f} ms**, "
+        f"compiled **{median['compiled']:.1f} ms** (target: compiled ≤ eager): "
+        + ("**met**" if median["compiled"] <= median["eager"] else "**missed**"),
     ]
+    if "async TP" in median:
+        tp_rows = [row for row in rows if "async TP" in row]
+        compiled_tp = statistics.median(
+            abs(
+                row["compiled"]["plan"].cost.comm_s
+                + row["compiled"]["plan"].cost.grad_sync_s
+                - row["compiled"]["measured"]
+            )
+            for row in tp_rows
+        )
+        lines.append(
+            f"On the plans with tensor parallelism: compiled **{compiled_tp * 1e3:.1f} ms**, with async TP "
+            f"**{median['async TP']:.1f} ms**; async TP's step / compiled step: "
+            + ", ".join(
+                f"{row['case'].name} {row['case'].world} ranks {row['async TP']['step'] / row['compiled']['step']:.2f}"
+                for row in tp_rows
+            )
+            + "."
+        )
     return "\n".join(lines)
 
 
@@ -193,10 +231,11 @@ def main(argv: list[str] | None = None) -> int:
         before = _loadavg()
         results = run_local(bench_rank, world, planned, settings, timeout_s=settings.timeout_s)[0]
         loads[world] = f"{before} → {_loadavg()}"
-        for index, (case, eager, compiled) in enumerate(planned):
+        measured_runs = iter(results)  # one per plan and mode, in order
+        for case, modes in planned:
             measured = {}
-            modes = (("eager", eager, results[2 * index]), ("compiled", compiled, results[2 * index + 1]))
-            for mode, plan, result in modes:
+            for mode, plan in modes.items():
+                result = next(measured_runs)
                 step, twin = statistics.median(result["step_s"]), statistics.median(result["twin_s"])
                 measured[mode] = {"plan": plan, "measured": step - twin, "step": step, "twin": twin}
             rows.append({"case": case, **measured})

@@ -2,6 +2,7 @@
 
     autopar run examples/train.py --nproc 2 -- --steps 30
     autopar run examples/train.py --nproc 2 -- --steps 30 --compile   # compiled, communication overlapped
+    autopar run examples/train.py --nproc 2 -- --degrees tp=2 --compile --async-tp   # TP matmuls in pieces
     torchrun --nproc-per-node 2 examples/train.py --steps 30
     autopar run examples/train.py --nproc 4 --max-restarts 3 -- --checkpoint-dir ckpt --checkpoint-every 10
     torchrun --nproc-per-node 4 --max-restarts 3 examples/train.py --checkpoint-dir ckpt --checkpoint-every 10
@@ -54,6 +55,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--degrees", type=parse_degrees, help="pin parallel sizes, e.g. pp=2 (default: searched)")
     parser.add_argument("--compile", action="store_true", help="run the per-rank program through torch.compile")
+    parser.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="tensor-parallel matmuls in pieces with their collectives (implies --compile)",
+    )
     parser.add_argument("--log-every", type=int, default=5, help="print the loss every N steps")
     parser.add_argument("--checkpoint-dir", help="save checkpoints here, and resume from the newest one")
     parser.add_argument("--checkpoint-every", type=int, default=10, help="steps between checkpoints")
@@ -70,7 +76,9 @@ def main() -> None:
         checkpointer = Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
     plan = checkpointer and checkpointer.plan(world)
     pins = {"degrees": args.degrees} if args.degrees and plan is None else {}
-    pmodel = autopar.parallelize(model, world, example, plan=plan, compile=args.compile, **pins)
+    pmodel = autopar.parallelize(
+        model, world, example, plan=plan, compile=args.compile or args.async_tp, async_tp=args.async_tp, **pins
+    )
     if rank == 0:
         print(pmodel.plan, flush=True)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)

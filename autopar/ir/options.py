@@ -41,6 +41,9 @@ class PlanOptions:
       natural choice, ``HardwareProfile.precision``); see :mod:`autopar.ir.precision`.
     - ``compile``: run each program through ``torch.compile`` with its communication scheduled
       for overlap (:attr:`Schedule.compiled`); the cost model prices that schedule.
+    - ``async_tp``: with ``compile``, run each tensor-parallel matmul in pieces with the
+      collective before or after it, one piece's communication behind another's matmul
+      (:attr:`Schedule.async_tp`; opt-in, as torchtitan's and Megatron's TP overlap are).
     - ``reduce_dtype``: the dtype gradients are reduced in (default "float32").
 
     >>> PlanOptions(degrees={"dp": 2, "tp": 2}, zero=1).zero
@@ -58,6 +61,7 @@ class PlanOptions:
     stage_cuts: tuple[str, ...] = ()
     precision: Precision | None = None
     compile: bool = False
+    async_tp: bool = False
     reduce_dtype: str | None = None
 
     def __post_init__(self):
@@ -82,6 +86,10 @@ class PlanOptions:
             raise ConfigError(f"memory_limit={self.memory_limit!r}: pass a positive number of bytes")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile={self.compile!r}: pass True or False")
+        if not isinstance(self.async_tp, bool):
+            raise ConfigError(f"async_tp={self.async_tp!r}: pass True or False")
+        if self.async_tp and not self.compile:
+            raise ConfigError("async_tp=True runs in compiled programs only: pass compile=True with it")
         object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts or ()))
 
     @classmethod

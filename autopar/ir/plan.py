@@ -93,7 +93,9 @@ class Schedule:
     after the first starts with (``("layers.4",)``), empty for an even split of the layers;
     ``compiled``: each program runs through ``torch.compile`` with its communication scheduled
     for overlap (issued early, waited for late, bucketed: ``parallelize(..., compile=True)``),
-    which the cost model prices (:mod:`autopar.passes.cost.replay`).
+    which the cost model prices (:mod:`autopar.passes.cost.replay`); ``async_tp``: compiled
+    programs also run each tensor-parallel matmul in pieces with its collective
+    (:mod:`autopar.passes.rewrite.async_tp`), priced piece by piece.
     """
 
     stages: int = 1
@@ -103,6 +105,7 @@ class Schedule:
     virtual: int = 1
     cuts: tuple[str, ...] = ()
     compiled: bool = False
+    async_tp: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -119,6 +122,8 @@ class Schedule:
                 f"schedule {self.kind!r} cannot run {self.virtual} stage modules per device (zbv runs 2, gpipe and "
                 "1f1b 1)"
             )
+        if self.async_tp and not self.compiled:
+            raise ConfigError("async tensor parallelism runs in compiled programs only: pass compile=True with it")
         if self.cuts and len(self.cuts) != self.modules - 1:
             raise ConfigError(f"{self.modules} stage modules need {self.modules - 1} cut points, got {list(self.cuts)}")
 
@@ -146,7 +151,7 @@ class Schedule:
             virtual = f" x {self.virtual} virtual" if self.virtual > 1 else ""
             parts.insert(0, f"{self.stages} stages{virtual}, {self.kind}")
         if self.compiled:
-            parts.append("compiled")
+            parts.append("compiled, async TP" if self.async_tp else "compiled")
         return ", ".join(parts)
 
 

@@ -62,6 +62,7 @@ SCHEDULE_FIELDS = {
     "virtual": int,
     "cuts": LIST,
     "compiled": bool,
+    "async_tp": bool,
 }
 
 
@@ -82,7 +83,7 @@ def check_plan_json(data) -> None:
         _expect(axis in set(Axis) - {Axis.PP}, f"degrees.{axis}", axis, f"a parallel dimension {_words(Axis)}")
         _expect(_positive(size), f"degrees.{axis}", size, "a positive integer")
     schedule = data["schedule"]
-    _fields(schedule, SCHEDULE_FIELDS, "schedule")
+    _fields({"async_tp": False, **schedule}, SCHEDULE_FIELDS, "schedule")  # older files: no async TP
     for name in ("stages", "microbatches", "virtual"):
         _expect(_positive(schedule[name]), f"schedule.{name}", schedule[name], "a positive integer")
     _expect(schedule["recompute"] in set(Recompute), "schedule.recompute", schedule["recompute"], _words(Recompute))

@@ -10,7 +10,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from autopar.ir import Axis, HardwareProfile, LinkTier, Placement, Replicate, Schedule, Shard, model_state_bytes
+from autopar.ir import (
+    Axis,
+    HardwareProfile,
+    LinkTier,
+    Partial,
+    Placement,
+    Replicate,
+    Schedule,
+    Shard,
+    model_state_bytes,
+)
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
 from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.cost.ops import (
@@ -25,6 +35,7 @@ from autopar.passes.cost.ops import (
 )
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import kept_share
+from autopar.passes.rewrite.async_tp import LINEAR, ROW_SUM
 from autopar.passes.sharding.strategies import Strategy, local_shape, numel, work_fraction
 
 R = Replicate()
@@ -177,6 +188,29 @@ def edges(facts, ctx: AxisContext):
                 yield slot.name, consumer, slot_index, ctx.local.shapes[slot.name][0]
             else:
                 yield slot.name, consumer, slot_index, ctx.local.slot_shapes[consumer][slot_index]
+
+
+def pieced_linear(facts, producer: str, consumer: str, slot_index: int, src: Placement, dst: Placement) -> str:
+    """The linear a compiled program runs in pieces with this move (async tensor parallelism,
+    :mod:`autopar.passes.rewrite.async_tp`), "" for none: a gather along a leading dim into a
+    linear's input, or the all-reduce of a linear's partial output (or of a sum with one)."""
+    if not isinstance(dst, Replicate):
+        return ""
+    if isinstance(src, Shard) and slot_index == 0 and _is_linear(facts[consumer]):
+        rank = len(facts[producer].out_shapes[0]) if facts[producer].out_shapes else 0
+        return consumer if src.dim % max(rank, 1) != rank - 1 else ""
+    if isinstance(src, Partial):
+        if _is_linear(facts[producer]):
+            return producer
+        if facts[producer].node.target is ROW_SUM:
+            return next(
+                (slot.name for slot in facts[producer].slots if slot.name in facts and _is_linear(facts[slot.name])), ""
+            )
+    return ""
+
+
+def _is_linear(fact: NodeFacts) -> bool:
+    return fact.kind == "op" and fact.node.target is LINEAR
 
 
 def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
@@ -334,5 +368,6 @@ def traffic(
             if step is not None and seconds:
                 forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
                 weight = facts[consumer].weight
-                step.moves.append((producer, consumer, forward * weight, (seconds - forward) * weight))
+                linear = pieced_linear(facts, producer, consumer, slot_index, chosen[producer].output, dst)
+                step.moves.append((producer, consumer, forward * weight, (seconds - forward) * weight, linear))
     return Traffic(comm, sync, once_s, frozenset(synced))

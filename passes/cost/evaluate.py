@@ -98,7 +98,9 @@ class LayoutTerms:
         for ctx, _, _ in axis_contexts(self.facts, degrees, strategies, mesh, hardware, zero, step=step):
             if ctx is None:
                 break
-        comm, sync = step.exposed(self.facts, self.local.work, syncs_whole_in_program(zero, schedule), zero == 3)
+        comm, sync = step.exposed(
+            self.facts, self.local.work, syncs_whole_in_program(zero, schedule), zero == 3, schedule.async_tp
+        )
         return comm + step.kernel_s, sync
 
     @property

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from autopar.ir.buckets import bucket_cap
 from autopar.passes.cost.schedule import forward_share
+from autopar.passes.rewrite.async_tp import PIECES
 
 
 @dataclass(frozen=True)
@@ -82,32 +83,45 @@ def exposed_time(compute: list[float], transfers: list[Transfer]) -> Exposure:
 
 @dataclass(frozen=True)
 class StepOrder:
-    """Where each node's forward and backward run among a step's compute items."""
+    """Where each node's forward and backward run among a step's compute items; a node run in
+    pieces (async tensor parallelism) has one item per piece, its first at ``forward[node]``."""
 
     compute: list[float]
-    forward: dict[str, int]  # node → index of its forward item
-    backward: dict[str, int]  # node → index of its backward item (nodes a gradient flows through)
+    forward: dict[str, int]  # node → index of its (first) forward item
+    backward: dict[str, int]  # node → index of its (first) backward item (nodes a gradient flows through)
+    pieces: dict[str, int] = field(default_factory=dict)  # node → items it runs in, where more than one
 
     @property
     def end(self) -> int:
         return len(self.compute)
 
+    def forward_done(self, name: str) -> int:
+        """The item after which ``name``'s forward is done (-1: not an op, ready at the start)."""
+        return self.forward[name] + self.pieces.get(name, 1) - 1 if name in self.forward else -1
 
-def step_order(facts: dict, work: dict[str, float]) -> StepOrder:
+    def backward_done(self, name: str) -> int:
+        return self.backward[name] + self.pieces.get(name, 1) - 1
+
+
+def step_order(facts: dict, work: dict[str, float], pieces: dict[str, int] | None = None) -> StepOrder:
     """The compute items of one step: each op's forward in graph order, then each op's backward
     in reverse order, each its share (:func:`forward_share`) of the op's time (``full_time_s``,
     the share ``work`` of it this rank does), times the layers it stands for
-    (:attr:`NodeFacts.weight`: a folded graph's inner layer runs as often as it stands for)."""
+    (:attr:`NodeFacts.weight`: a folded graph's inner layer runs as often as it stands for);
+    a node of ``pieces`` as that many equal items."""
+    pieces = pieces or {}
     ops = [(name, fact) for name, fact in facts.items() if fact.kind == "op"]
     compute, forward, backward = [], {}, {}
     for name, fact in ops:
         forward[name] = len(compute)
-        compute.append(fact.full_time_s * work[name] * fact.weight * forward_share(fact))
+        n = pieces.get(name, 1)
+        compute += [fact.full_time_s * work[name] * fact.weight * forward_share(fact) / n] * n
     for name, fact in reversed(ops):
         if fact.needs_grad:
             backward[name] = len(compute)
-            compute.append(fact.full_time_s * work[name] * fact.weight * (1 - forward_share(fact)))
-    return StepOrder(compute, forward, backward)
+            n = pieces.get(name, 1)
+            compute += [fact.full_time_s * work[name] * fact.weight * (1 - forward_share(fact)) / n] * n
+    return StepOrder(compute, forward, backward, pieces)
 
 
 def bucketed(transfers: list[Transfer], layers: dict[int, str] | None = None) -> list[Transfer]:
@@ -145,7 +159,8 @@ class CompiledStep:
     sums a layout's terms: value moves (forward seconds at the move, backward seconds at its dual),
     partial gradients of activations, and gradient syncs of parameters."""
 
-    moves: list[tuple[str, str, float, float]] = field(default_factory=list)  # producer, first consumer, fwd, bwd
+    # producer, first consumer, fwd, bwd, the linear run in pieces with it (async TP; "": none)
+    moves: list[tuple[str, str, float, float, str]] = field(default_factory=list)
     partials: list[tuple[str, float]] = field(default_factory=list)  # activation, backward all-reduce seconds
     syncs: list[tuple[str, float, float]] = field(default_factory=list)  # parameter, seconds, bytes
     kernel_s: float = 0.0  # parallel kernels (ring attention, experts...): their own overlap is in their time
@@ -159,31 +174,41 @@ class CompiledStep:
             self.partials.append((slot, seconds * fact.weight))
 
     def exposed(
-        self, facts: dict, work: dict[str, float], syncs_in_program: bool, per_layer: bool = False
+        self,
+        facts: dict,
+        work: dict[str, float],
+        syncs_in_program: bool,
+        per_layer: bool = False,
+        async_tp: bool = False,
     ) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) seconds of the scheduled step.
 
         A gradient synced in the program is bucketed (``per_layer``: ZeRO-3's one reduce-scatter,
         and regather, per layer) and waited for at the end of backward; otherwise the runtime
-        syncs after the compiled backward returns, with nothing to hide behind.
+        syncs after the compiled backward returns, with nothing to hide behind. ``async_tp``: the
+        linears noted with a move run in pieces with it (:func:`_in_pieces`).
         """
-        order = step_order(facts, work)
+        pieced = {linear: PIECES for *_, linear in self.moves if linear} if async_tp else {}
+        order = step_order(facts, work, pieced)
         consumers: dict[str, list[str]] = {}
         for name, fact in facts.items():
             for slot in fact.slots:
                 consumers.setdefault(slot.name, []).append(name)
 
         def gradient_ready(name: str) -> int:  # the last backward item adding to ``name``'s gradient
-            return max((order.backward[c] for c in consumers.get(name, ()) if c in order.backward), default=-1)
+            return max((order.backward_done(c) for c in consumers.get(name, ()) if c in order.backward), default=-1)
 
         transfers = []
-        for producer, consumer, forward, backward in self.moves:
+        for producer, consumer, forward, backward, linear in self.moves:
             label = f"{producer} -> {consumer}"
+            if linear in pieced:
+                transfers += _in_pieces(order, producer, consumer, forward, backward, linear, label)
+                continue
             needed = order.forward.get(consumer, order.end)
-            transfers.append(Transfer(order.forward.get(producer, -1), needed, forward, label=label))
+            transfers.append(Transfer(order.forward_done(producer), needed, forward, label=label))
             if backward and consumer in order.backward:
                 dual_needed = order.backward.get(producer, order.end)
-                transfers.append(Transfer(order.backward[consumer], dual_needed, backward, label=label))
+                transfers.append(Transfer(order.backward_done(consumer), dual_needed, backward, label=label))
         for activation, seconds in self.partials:
             needed = order.backward.get(activation, order.end)
             transfers.append(Transfer(gradient_ready(activation), needed, seconds, label=f"{activation} gradient"))
@@ -192,3 +217,23 @@ class CompiledStep:
         exposure = exposed_time(order.compute, transfers + (bucketed(syncs, layers) if syncs_in_program else []))
         sync = exposure.stalls.get(SYNC, 0.0) + (0.0 if syncs_in_program else sum(t.seconds for t in syncs))
         return exposure.exposed - exposure.stalls.get(SYNC, 0.0), sync
+
+
+def _in_pieces(
+    order: StepOrder, producer: str, consumer: str, forward: float, backward: float, linear: str, label: str
+) -> list[Transfer]:
+    """A move run in pieces with ``linear`` (:mod:`autopar.passes.rewrite.async_tp`): a gather
+    into the linear (``linear == consumer``) moves piece j before the linear's piece j, and its
+    dual after the linear's backward piece j; a sum out of the linear moves piece j after the
+    linear's piece j (its dual moves nothing)."""
+    share, first = 1 / PIECES, order.forward[linear]
+    if linear == consumer:
+        moves = [Transfer(order.forward_done(producer), first + j, forward * share, label=label) for j in range(PIECES)]
+        if backward and consumer in order.backward:
+            needed = order.backward.get(producer, order.end)
+            moves += [
+                Transfer(order.backward[consumer] + j, needed, backward * share, label=label) for j in range(PIECES)
+            ]
+        return moves
+    needed = order.forward.get(consumer, order.end)
+    return [Transfer(first + j, needed, forward * share, label=label) for j in range(PIECES)]

@@ -38,7 +38,7 @@ def leanest(options: PlanOptions, stages: int, local_batch: int, level: Recomput
     micro = options.microbatches or (max(1, local_batch) if stages > 1 else 1)
     kind = options.pipeline or PipelineKind.ONE_F_ONE_B
     virtual = VIRTUAL_STAGES if kind in VIRTUAL_PIPELINES else 1
-    return Schedule(stages, micro, level, kind, virtual, options.stage_cuts, options.compile)
+    return Schedule(stages, micro, level, kind, virtual, options.stage_cuts, options.compile, options.async_tp)
 
 
 def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int) -> list[Schedule]:

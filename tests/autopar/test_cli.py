@@ -87,6 +87,7 @@ def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):
         "virtual": 1,
         "cuts": ["layers.2"],
         "compiled": False,
+        "async_tp": False,
     }
     assert summary["pipeline_s"] > 0 and summary["model_tflops_per_device"] > 0
     assert set(summary["memory"]) == {"params", "grads", "optimizer", "grad_buckets", "activations", "temporary"}

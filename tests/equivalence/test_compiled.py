@@ -31,7 +31,7 @@ BATCH = 4
 STALL_TIMEOUT_S = 3
 CASES = [
     ("DP", "gpt", GPT, dict(degrees={"dp": 2})),
-    ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP)),
+    ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, async_tp=True)),
     ("ZeRO-3", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=3)),
     ("PP2", "gpt", GPT, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="1f1b")),
     ("CP2", "long_context_gpt", LONG, dict(degrees={"cp": 2}, constraints={"layers.*.attn": "ring"})),

@@ -10,6 +10,7 @@ from autopar.ir import (
     PlanOptions,
     PrecisionPolicy,
     Replicate,
+    Schedule,
     Shard,
     StalePlanError,
     check_degrees,
@@ -57,6 +58,17 @@ def test_a_plan_records_its_precision_and_the_hardware_picks_the_default(tmp_pat
     assert loaded.precision_policy.loss_scaling
     assert PlanOptions().precision_policy.precision == "fp32"  # this CPU's preset
     assert PlanOptions(hardware="a100-80gb").precision_policy == PrecisionPolicy.of("bf16-mixed")
+
+
+def test_async_tp_is_recorded_in_the_plan_and_asks_for_compiled_programs(tmp_path):
+    tiny = dict(hidden=32, layers=1, heads=2, vocab=64, seq=8)
+    plan = plan_example("gpt.py", 2, batch=4, model_kwargs=tiny, degrees={"tp": 2}, compile=True, async_tp=True)
+    loaded = Plan.load(plan.save(tmp_path / "plan.json"))
+    assert loaded.schedule == Schedule(compiled=True, async_tp=True) and "async TP" in str(loaded.schedule)
+    with pytest.raises(ConfigError, match="compile=True"):
+        PlanOptions(async_tp=True)
+    with pytest.raises(ConfigError, match="compile=True"):
+        Schedule(async_tp=True)
 
 
 def test_a_plan_file_of_another_format_is_stale(tmp_path):

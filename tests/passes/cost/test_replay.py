@@ -60,8 +60,14 @@ def test_compiled_data_parallel_hides_gradient_sync_behind_the_rest_of_backward(
     assert 0 < compiled.cost.grad_sync_s < 0.8 * whole
 
 
-def test_compiled_megatron_tensor_parallelism_has_nothing_to_hide_its_all_reduces_behind():
+def test_compiled_megatron_tensor_parallelism_hides_its_all_reduces_only_with_async_tp():
     eager = _plan(False, degrees={"dp": 1, "tp": 4}, constraints=MEGATRON)
     compiled = _plan(True, degrees={"dp": 1, "tp": 4}, constraints=MEGATRON)
-    # each row-parallel output is all-reduced and read at once by the next norm and residual add
+    pieced = _plan(True, degrees={"dp": 1, "tp": 4}, constraints=MEGATRON, async_tp=True)
+    assert pieced.schedule.async_tp and not compiled.schedule.async_tp
+    # each row-parallel output is all-reduced and read at once by the next norm and residual add:
+    # nothing to hide it behind, unless the linear runs in two pieces (the first piece's
+    # all-reduce behind the second piece's matmul; the second's stays exposed)
     assert compiled.cost.comm_s == pytest.approx(eager.cost.comm_s, rel=0.05)
+    assert 0.5 * compiled.cost.comm_s < pieced.cost.comm_s < compiled.cost.comm_s
+    assert pieced.cost.compute_s == pytest.approx(compiled.cost.compute_s)
