@@ -90,6 +90,8 @@ def source_table(results: list[dict]) -> list[str]:
 
 
 def trend_lines(results: list[dict]) -> list[str]:
+    if len({r["params"] for r in results}) < 3:  # a slope needs sizes to fit (--only, --quick)
+        return [f"Trend with size: {len(results)} row(s), too few sizes to fit one."]
     slope, error = rows_.trend(results)
     lines = [
         f"Trend with size: signed error = a + b·log10(parameters), least squares over all {len(results)} rows: "
@@ -151,7 +153,9 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         "microbatches (global batch / dp / microbatch size) and pipeline schedule pinned and Megatron's "
         "tensor-parallel layout pinned by module; the published virtual stages priced by `evaluate_plan`. "
         "Hardware: the `a100-80gb` and `h100-80gb` presets, one set of figures for every row (GEMM efficiency "
-        "from shapes through the published MAMF, FlashAttention-2 figures, per-GPU InfiniBand), with each "
+        "from shapes through the published MAMF, attention tables (FlashAttention-2's on the A100, cuDNN's "
+        "measured on an H200 for Hopper), per-GPU InfiniBand; BLOOM's Jean Zay: `a100-80gb-opa`, the A100's "
+        "figures with four 100 Gb/s Omni-Path links per node), with each "
         "source's training-stack overlaps (below). Predicted metric = the source's FLOPs per iteration "
         "/ GPUs / predicted step time (or tokens). FLOPs / source: the busiest GPU's FLOPs per step as "
         "autopar counts them over the source's per GPU, both without recomputation (`published_rows.flops_ratio`): "
@@ -197,8 +201,8 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
     lines += [
         "",
         f"Planning time: {len(slow)} of {len(results)} rows took over {SLOW_PLAN_S:.0f} s to plan "
-        f"(slowest {max((r['plan_s'] for r in results), default=0):.0f} s; every layer is its own set of ILP "
-        "variables until repeated layers are folded, issue 13's part A).",
+        f"(slowest {max((r['plan_s'] for r in results), default=0):.0f} s; repeated layers share one set of ILP "
+        "variables).",
         "",
         "ZeRO paper worked example (7.5B parameters, mixed-precision Adam: 2 + 2 + 12 bytes per parameter, "
         "64 data-parallel ranks), model state per device from `autopar.ir.model_state_bytes` with the paper's layout "

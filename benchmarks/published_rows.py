@@ -25,7 +25,6 @@ from autopar.ir import HardwareProfile, MemoryLimitError, Schedule, get_profile
 from autopar.passes.cost.evaluate import evaluate_plan
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
-PEAK_16BIT = {"a100-80gb": 312e12, "h100-80gb": 989e12}  # the dense bf16/fp16 peak MFU is quoted against
 
 # Megatron's tensor-parallel layout, pinned by module (column-parallel: output split; row-parallel: partial sums)
 COLUMN, ROW = "S(-1)", "P"
@@ -120,7 +119,9 @@ def metric(row: dict, step_s: float, params: float) -> float:
     if row["metric"] == "tflops":
         return per_gpu / 1e12
     if row["metric"] == "mfu":
-        return per_gpu / PEAK_16BIT[row["hardware"]]
+        return (
+            per_gpu / get_profile(row["hardware"]).peak_flops["bfloat16"]
+        )  # the dense 16-bit peak MFU is quoted against
     return per_gpu  # tokens
 
 

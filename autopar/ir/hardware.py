@@ -341,6 +341,17 @@ PROFILES: dict[str, HardwareProfile] = {
         ),
     ]
 }
+# Jean Zay's A100 partition, where BLOOM trained (Le Scao et al. 2022, §3.4.1; bigscience tr11 README):
+# the DGX A100's GPUs inside a node, four 100 Gb/s Omni-Path links per node of eight between nodes
+PROFILES["a100-80gb-opa"] = dataclasses.replace(
+    PROFILES["a100-80gb"],
+    name="a100-80gb-opa",
+    description=(
+        "8x A100 80GB SXM per node (Jean Zay): NVLink inside a node as the DGX A100's, four 100 Gb/s Omni-Path "
+        "links per node between nodes (6.25 GB/s per GPU); the A100's compute and kernel figures"
+    ),
+    links=(PROFILES["a100-80gb"].links[0], LinkTier("omni-path", 20e-6, 6.25 * GB)),
+)
 
 DEFAULT_PROFILE = "cpu-local"
 

@@ -20,6 +20,9 @@ from autopar.ir import RECOMPUTE, VIRTUAL_PIPELINES, ConfigError, Cost, Pipeline
 from autopar.passes.cost.evaluate import PricedConfiguration
 from autopar.passes.search.ranking import SIMPLEST_FIRST
 
+# torch's interleaved schedules run their microbatches in rounds of one per stage
+ROUNDS_PIPELINES = (PipelineKind.INTERLEAVED_1F1B, PipelineKind.INTERLEAVED_ZB)
+
 VIRTUAL_STAGES = 2  # stage modules per device for the interleaved schedules (zbv always runs 2)
 
 
@@ -60,8 +63,10 @@ def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int
         if base.stages * virtual > layers or (cuts and len(cuts) != base.stages * virtual - 1):
             continue
         for micro in counts:
-            # torch's 1F1B needs m >= p; the interleaved schedules m a multiple of their rounds
-            if kind != PipelineKind.GPIPE and (micro < base.stages or micro % max(1, micro // base.stages)):
+            # torch's 1F1B and V schedules need m >= p; the interleaved ones also m a multiple of their rounds
+            if kind != PipelineKind.GPIPE and micro < base.stages:
+                continue
+            if kind in ROUNDS_PIPELINES and micro % max(1, micro // base.stages):
                 continue
             out.append(dataclasses.replace(base, kind=kind, virtual=virtual, microbatches=micro, cuts=cuts))
     if not out:

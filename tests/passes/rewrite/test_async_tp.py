@@ -1,7 +1,8 @@
-"""Async tensor parallelism's pieces (passes/rewrite/async_tp.py) on one gloo rank: the program
-computes the same loss and gradients in pieces as whole, and the pieces are really there (two
-collectives and two matmuls where there was one each). Two ranks, where a gathered piece holds
-every rank's slice, are the compiled equivalence suite's TP+SP case (tests/equivalence/test_compiled.py)."""
+"""Async tensor parallelism's pieces (passes/rewrite/async_tp.py): the program computes the same
+loss and gradients in pieces as whole, on one gloo rank (the pieces really there: two collectives
+and two matmuls where there was one each, and what cannot be pieced left alone) and on two,
+where a gathered or reduce-scattered piece holds rows of every rank's block (run eagerly: the
+pieces are plain ops; compiled, the equivalence suite's TP+SP case)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.fx as fx
 
 import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
 from autopar.passes.rewrite.async_tp import pipeline_tp_matmuls
+from autopar.runtime.spawn import run_local
 
 ops = torch.ops.autopar
 aten = torch.ops.aten
@@ -83,3 +85,43 @@ def test_what_cannot_run_in_pieces_is_left_as_it_is(group):
     pieced, split = pipeline_tp_matmuls(program, inputs)
     assert split == 0
     assert _count(pieced, ops.all_gather.default) == 2 and _count(pieced, ops.all_reduce.default) == 1
+
+
+def _layers(group: str) -> dict:
+    """Each program two ranks run: (function, local input shapes)."""
+
+    def gather_for_linears(x, wq, wk):
+        full = ops.all_gather.default(x, group, 1, True)
+        return (aten.linear.default(full, wq) * aten.linear.default(full, wk)).sum()
+
+    def scatter_a_partial_residual(residual, h, w_out):
+        partial = aten.add.Tensor(residual, aten.linear.default(h, w_out))
+        mine = ops.reduce_scatter.default(partial, group, 1, "sum")
+        return mine.pow(2).sum() + partial.mean()  # the partial sum read again: put back whole
+
+    def all_reduce_a_linear(h, w):
+        return ops.all_reduce.default(aten.linear.default(h, w), group, "sum").pow(2).sum()
+
+    return {
+        "gather": (gather_for_linears, [(2, 8, 4), (6, 4), (6, 4)]),
+        "reduce-scatter": (scatter_a_partial_residual, [(2, 8, 5), (2, 8, 3), (5, 3)]),
+        "all-reduce": (all_reduce_a_linear, [(4, 3, 5), (6, 5)]),
+    }
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    torch.manual_seed(rank)  # every rank its own local values
+    found = {}
+    for name, (function, shapes) in _layers(dist.group.WORLD.group_name).items():
+        program = _traced(function)
+        inputs = tuple(torch.randn(shape) for shape in shapes)
+        pieced, split = pipeline_tp_matmuls(program, inputs)
+        expected, result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
+        found[name] = (split, max((a - b).abs().max().item() for a, b in zip([result[0], *result[1]], [expected[0], *expected[1]])))
+    return found
+
+
+def test_on_two_ranks_every_piece_holds_the_rows_of_every_ranks_block():
+    for found in run_local(_two_ranks, 2, timeout_s=120):
+        for name, (split, difference) in found.items():
+            assert split == 1 and difference < 1e-5, (name, split, difference)
