@@ -193,11 +193,12 @@ def edges(facts, ctx: AxisContext):
 def pieced_linear(facts, producer: str, consumer: str, slot_index: int, src: Placement, dst: Placement) -> str:
     """The linear a compiled program runs in pieces with this move (async tensor parallelism,
     :mod:`autopar.passes.rewrite.async_tp`), "" for none: a gather along a leading dim into a
-    linear's input, or the all-reduce of a linear's partial output (or of a sum with one)."""
-    if not isinstance(dst, Replicate):
+    linear's input, or the all-reduce or reduce-scatter (along a leading dim) of a linear's
+    partial output (or of a sum with one)."""
+    rank = len(facts[producer].out_shapes[0]) if facts[producer].out_shapes else 0
+    if isinstance(dst, Shard) and dst.dim % max(rank, 1) == rank - 1 or not isinstance(dst, Replicate | Shard):
         return ""
-    if isinstance(src, Shard) and slot_index == 0 and _is_linear(facts[consumer]):
-        rank = len(facts[producer].out_shapes[0]) if facts[producer].out_shapes else 0
+    if isinstance(src, Shard) and isinstance(dst, Replicate) and slot_index == 0 and _is_linear(facts[consumer]):
         return consumer if src.dim % max(rank, 1) != rank - 1 else ""
     if isinstance(src, Partial):
         if _is_linear(facts[producer]):

@@ -9,8 +9,11 @@ all of the gather, and the all-reduce for all of the matmul. Run in ``pieces``:
 - **gather, then linears**: the input is sliced along the gathered dim; each slice is gathered
   on its own and every linear that reads the gathered value runs on it; the pieces of each
   linear's output are put back in order (rank k's rows of piece j go to rank k's block, slot j);
-- **linear, then all-reduce**: the linear's rows are sliced along the first leading dim that
-  divides; each piece is all-reduced on its own and the sums are laid end to end again.
+- **linear, then all-reduce or reduce-scatter**: the linear's rows are taken in pieces (an
+  all-reduce's along the first leading dim that divides; a reduce-scatter's along its dim, piece
+  j being rows j of every rank's block, so that each rank receives its block's rows j); each
+  piece is reduced on its own and the results are laid end to end again. The value reduced may
+  be a sum with the linear (a residual kept partial): the sum is computed in pieces too.
 
 Once compiled, the scheduling pass (:mod:`autopar.passes.rewrite.overlap`) issues every piece's
 collective as soon as its input is ready and waits right before its first use, so piece j+1
@@ -26,7 +29,8 @@ programs, where the collectives are asynchronous (in eager mode autopar's collec
 Every piece computes exactly the rows the whole op computed, so the program computes the same
 values; gradients of the weights are sums over the pieces (summed in another order, within fp32
 rounding). Not pieced (left as they are): a gather any of whose readers is not a linear taking
-it as input, a reduce-scatter after a linear, a dim that does not divide into ``pieces``.
+it as input, a reduction whose linear or sum another node reads before it, a dim that does not
+divide into ``pieces``.
 
 Pre: a per-rank program of :func:`autopar.passes.rewrite.rewrite.rewrite` and the inputs it is
 about to run on, on a rank whose process groups exist. Post: a copy computing the same.
@@ -37,6 +41,7 @@ about to run on, on a rank whose process groups exist. Post: a copy computing th
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -53,7 +58,7 @@ ROW_SUM = aten.add.Tensor  # a sum of row-aligned values (a partial residual plu
 
 
 def pipeline_tp_matmuls(program: fx.GraphModule, inputs: tuple, pieces: int = PIECES) -> tuple[fx.GraphModule, int]:
-    """``program`` with its gather-then-linear and linear-then-all-reduce pairs run in ``pieces``
+    """``program`` with its gather-then-linear and linear-then-reduction pairs run in ``pieces``
     (see the module docstring), for ``inputs`` (this rank's: their shapes are what it reads); and
     how many collectives it split."""
     ops = getattr(torch.ops, OP_NAMESPACE)
@@ -66,8 +71,8 @@ def pipeline_tp_matmuls(program: fx.GraphModule, inputs: tuple, pieces: int = PI
             continue
         if node.target is ops.all_gather.default and _feeds_only_linears(node):
             split += _gather_in_pieces(graph, node, pieces)
-        elif node.target is ops.all_reduce.default and _reduces_a_linear(node):
-            split += _reduce_in_pieces(graph, node, pieces)
+        elif node.target in (ops.all_reduce.default, ops.reduce_scatter.default) and _reduces_a_linear(node):
+            split += _reduce_in_pieces(graph, node, pieces, scatter=node.target is ops.reduce_scatter.default)
     graph.lint()
     program.recompile()
     return program, split
@@ -100,84 +105,114 @@ def _has_linear(node: fx.Node) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """A dim of ``ranks * pieces * rows`` elements as the pieces see it: rank k's block of
+    ``pieces * rows``, piece j of each block ``rows`` long; ``dim`` counted from the last (negative),
+    as broadcasting aligns dims."""
+
+    dim: int
+    ranks: int
+    pieces: int
+    rows: int
+
+
+def _take(graph: fx.Graph, node: fx.Node, layout: _Layout, j: int) -> fx.Node:
+    """Piece j of ``node``: rows j of every rank's block, side by side ([ranks * rows])."""
+    dim = node.meta["val"].dim() + layout.dim
+    if layout.ranks == 1:
+        return _call(graph, aten.slice.Tensor, (node, dim, j * layout.rows, (j + 1) * layout.rows))
+    blocks = _call(graph, aten.unflatten.int, (node, dim, [layout.ranks, layout.pieces, layout.rows]))
+    return _call(graph, aten.flatten.using_ints, (_call(graph, aten.select.int, (blocks, dim + 1, j)), dim, dim + 1))
+
+
+def _put_back(graph: fx.Graph, parts: list[fx.Node], layout: _Layout) -> fx.Node:
+    """The whole from its pieces (:func:`_take`'s inverse): each rank's rows of piece j into slot j of its block."""
+    dim = parts[0].meta["val"].dim() + layout.dim
+    if layout.ranks == 1:
+        return _call(graph, aten.cat.default, (parts, dim))
+    blocks = [_call(graph, aten.unflatten.int, (part, dim, [layout.ranks, 1, layout.rows])) for part in parts]
+    return _call(graph, aten.flatten.using_ints, (_call(graph, aten.cat.default, (blocks, dim + 1)), dim, dim + 2))
+
+
 def _gather_in_pieces(graph: fx.Graph, gather: fx.Node, pieces: int) -> int:
     """Slice the gathered input along the gathered dim; gather and multiply each slice; put
-    each linear's rows back: gathered piece j holds slice j of every rank, [ranks, rows / pieces]."""
+    each linear's rows back: gathered piece j holds slice j of every rank."""
     x, group, dim, reduce_grad = gather.args
     local = x.meta["val"]
     dim %= local.dim()
     if dim == local.dim() - 1 or local.shape[dim] % pieces:
         return 0
-    ranks = gather.meta["val"].shape[dim] // local.shape[dim]
     rows = local.shape[dim] // pieces
+    ranks = gather.meta["val"].shape[dim] // local.shape[dim]
+    layout = _Layout(dim - local.dim(), ranks, pieces, rows)
     with graph.inserting_before(gather):
+        own = _Layout(layout.dim, 1, pieces, rows)
         gathered = [
-            _call(
-                graph,
-                gather.target,
-                (_call(graph, aten.slice.Tensor, (x, dim, j * rows, (j + 1) * rows)), group, dim, reduce_grad),
-            )
-            for j in range(pieces)
+            _call(graph, gather.target, (_take(graph, x, own, j), group, dim, reduce_grad)) for j in range(pieces)
         ]
     for linear in list(gather.users):
         with graph.inserting_before(linear):
             outputs = [_call(graph, LINEAR, (piece, *linear.args[1:])) for piece in gathered]
-            # piece j, [..., ranks * rows, ...] → [..., ranks, 1, rows, ...]; side by side over j
-            blocks = [_call(graph, aten.unflatten.int, (out, dim, [ranks, 1, rows])) for out in outputs]
-            whole = _call(graph, aten.cat.default, (blocks, dim + 1))
-            merged = _call(graph, aten.flatten.using_ints, (whole, dim, dim + 2))
-        linear.replace_all_uses_with(merged)
+            linear.replace_all_uses_with(_put_back(graph, outputs, layout))
         graph.erase_node(linear)
     graph.erase_node(gather)
     return 1
 
 
-def _reduce_in_pieces(graph: fx.Graph, reduce: fx.Node, pieces: int) -> int:
-    """Slice the all-reduced value's rows along the first leading dim that divides, computing each
-    slice from its linear's rows (through the sums that lead to it); all-reduce each slice; lay
-    the sums end to end. A linear or sum another node also reads is put back whole for it."""
+def _reduce_in_pieces(graph: fx.Graph, reduce: fx.Node, pieces: int, scatter: bool) -> int:
+    """Compute the reduced value in pieces from its linear's rows (through the sums that lead
+    to it) and reduce each piece: an all-reduce's along the first leading dim that divides, a
+    reduce-scatter's along its dim (piece j: rows j of every rank's block, so each rank receives
+    its block's rows j); the reduced pieces laid end to end. A linear or sum another node also
+    reads is put back whole for it."""
     value = reduce.args[0]
     shape = value.meta["val"].shape
-    dim = next((d for d in range(len(shape) - 1) if shape[d] % pieces == 0 and shape[d] >= pieces), None)
-    if dim is None:
+    if scatter:
+        dim = reduce.args[2] % len(shape)
+        ranks = shape[dim] // reduce.meta["val"].shape[dim]
+        divides = dim < len(shape) - 1 and (shape[dim] // ranks) % pieces == 0
+    else:
+        dim = next((d for d in range(len(shape) - 1) if shape[d] % pieces == 0 and shape[d] >= pieces), None)
+        ranks, divides = 1, dim is not None
+    if not divides:
         return 0
-    rows = shape[dim] // pieces
+    layout = _Layout(dim - len(shape), ranks, pieces, shape[dim] // ranks // pieces)
     order = {node: index for index, node in enumerate(graph.nodes)}
     chain = _chain(value)
     if any(user not in chain and order[user] < order[reduce] for node in chain for user in node.users):
-        return 0  # a node read before the all-reduce would have to wait for the pieces put back together
+        return 0  # a node read before the reduction would have to wait for the pieces put back together
     pieced: dict[fx.Node, list[fx.Node]] = {}
     with graph.inserting_before(reduce):
-        sums = [
-            _call(graph, reduce.target, (_rows(graph, value, dim - len(shape), j, rows, pieced), *reduce.args[1:]))
+        reduced = [
+            _call(graph, reduce.target, (_rows(graph, value, layout, j, pieced), *reduce.args[1:]))
             for j in range(pieces)
         ]
-        whole = _call(graph, aten.cat.default, (sums, dim))
+        whole = _call(graph, aten.cat.default, (reduced, dim))
     reduce.replace_all_uses_with(whole)
     graph.erase_node(reduce)
     for node in reversed(list(pieced)):  # consumers first
         if node.users:
             with graph.inserting_before(whole):
-                node.replace_all_uses_with(_call(graph, aten.cat.default, (pieced[node], dim)))
+                node.replace_all_uses_with(_put_back(graph, pieced[node], layout))
         graph.erase_node(node)
     return 1
 
 
-def _rows(graph: fx.Graph, node: fx.Node, dim: int, j: int, rows: int, pieced: dict) -> fx.Node:
-    """Rows ``[j * rows, (j + 1) * rows)`` along ``dim`` (negative: counted from the last, as
-    broadcasting aligns dims) of ``node``: a linear on its input's rows, a sum of its operands'
-    rows, else a slice; an operand broadcast along ``dim`` as it is. The linears and sums
+def _rows(graph: fx.Graph, node: fx.Node, layout: _Layout, j: int, pieced: dict) -> fx.Node:
+    """Piece j of ``node`` (:func:`_take`): a linear on its input's piece, a sum of its operands'
+    pieces, else taken; an operand broadcast along the dim as it is. The linears and sums
     computed in pieces are noted in ``pieced``."""
     value = node.meta["val"]
-    if value.dim() + dim < 0 or value.shape[dim] == 1:
+    if value.dim() + layout.dim < 0 or value.shape[layout.dim] == 1:
         return node
     if node.target is LINEAR:
-        piece = _call(graph, LINEAR, (_rows(graph, node.args[0], dim, j, rows, pieced), *node.args[1:]))
+        piece = _call(graph, LINEAR, (_rows(graph, node.args[0], layout, j, pieced), *node.args[1:]))
     elif node.target is ROW_SUM and _has_linear(node):
-        args = tuple(_rows(graph, a, dim, j, rows, pieced) if isinstance(a, fx.Node) else a for a in node.args)
+        args = tuple(_rows(graph, a, layout, j, pieced) if isinstance(a, fx.Node) else a for a in node.args)
         piece = _call(graph, ROW_SUM, args)
     else:
-        return _call(graph, aten.slice.Tensor, (node, value.dim() + dim, j * rows, (j + 1) * rows))
+        return _take(graph, node, layout, j)
     pieced.setdefault(node, []).append(piece)
     return piece
 
