@@ -56,7 +56,9 @@ class Compiler:
 
     ``schedule(graph, forms)`` is the pass that places communication in each compiled forward
     and backward graph (``forms``: :data:`autopar.runtime.functional.FUNCTIONAL_FORMS`), None to
-    leave autopar's collectives as blocking ops. ``synced_in_program``: the parameters whose
+    leave autopar's collectives as blocking ops. ``prepare(program, inputs)`` rewrites a program
+    on its first inputs before it is compiled (async tensor parallelism's pieces), returning the
+    program and a count it reports. ``synced_in_program``: the parameters whose
     gradient sync the program does itself; the module's bucketed sync leaves them out.
     """
 

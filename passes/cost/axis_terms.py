@@ -196,17 +196,20 @@ def pieced_linear(facts, producer: str, consumer: str, slot_index: int, src: Pla
     linear's input, or the all-reduce or reduce-scatter (along a leading dim) of a linear's
     partial output (or of a sum with one)."""
     rank = len(facts[producer].out_shapes[0]) if facts[producer].out_shapes else 0
-    if isinstance(dst, Shard) and dst.dim % max(rank, 1) == rank - 1 or not isinstance(dst, Replicate | Shard):
-        return ""
-    if isinstance(src, Shard) and isinstance(dst, Replicate) and slot_index == 0 and _is_linear(facts[consumer]):
-        return consumer if src.dim % max(rank, 1) != rank - 1 else ""
-    if isinstance(src, Partial):
+
+    def leading(placement: Placement) -> bool:  # split along a row dim (not the features a linear reads or makes)
+        return isinstance(placement, Shard) and placement.dim % max(rank, 1) != rank - 1
+
+    if isinstance(src, Shard) and isinstance(dst, Replicate):  # a gather
+        return consumer if leading(src) and slot_index == 0 and _is_linear(facts[consumer]) else ""
+    if isinstance(src, Partial) and (isinstance(dst, Replicate) or leading(dst)):  # an all-reduce, a reduce-scatter
         if _is_linear(facts[producer]):
             return producer
         if facts[producer].node.target is ROW_SUM:
-            return next(
-                (slot.name for slot in facts[producer].slots if slot.name in facts and _is_linear(facts[slot.name])), ""
+            linears = (
+                slot.name for slot in facts[producer].slots if slot.name in facts and _is_linear(facts[slot.name])
             )
+            return next(linears, "")
     return ""
 
 

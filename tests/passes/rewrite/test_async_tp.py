@@ -25,9 +25,16 @@ def group():
     dist.destroy_process_group()
 
 
-def _traced(function) -> fx.GraphModule:
-    torch.manual_seed(0)  # the inputs the test draws next
-    return fx.symbolic_trace(function)
+def _pieced_and_checked(function, shapes: list[tuple], seed: int = 0) -> tuple[fx.GraphModule, int]:
+    """``function``'s program in pieces and how many collectives it split, once checked to compute
+    the same loss and gradients on random inputs of ``shapes``."""
+    program = fx.symbolic_trace(function)
+    torch.manual_seed(seed)
+    inputs = tuple(torch.randn(shape) for shape in shapes)
+    pieced, split = pipeline_tp_matmuls(program, inputs)
+    expected, result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
+    torch.testing.assert_close(result, expected, rtol=RTOL, atol=ATOL)  # fp32, summed in pieces
+    return pieced, split
 
 
 def _loss_and_grads(program, inputs):
@@ -48,13 +55,9 @@ def test_a_gather_before_linears_runs_in_pieces_and_computes_the_same(group):
         k = aten.linear.default(full, wk)
         return (q * k).sum()
 
-    program = _traced(layer)
-    inputs = (torch.randn(2, 8, 4), torch.randn(6, 4), torch.randn(6, 4))
-    pieced, split = pipeline_tp_matmuls(program, inputs)
+    pieced, split = _pieced_and_checked(layer, [(2, 8, 4), (6, 4), (6, 4)])
     assert split == 1
     assert _count(pieced, ops.all_gather.default) == 2 and _count(pieced, aten.linear.default) == 4
-    expected, pieced_result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
-    torch.testing.assert_close(pieced_result, expected, rtol=RTOL, atol=ATOL)  # fp32, summed in pieces
 
 
 def test_a_partial_residual_all_reduced_runs_in_pieces_and_the_sum_read_later_is_whole(group):
@@ -64,13 +67,9 @@ def test_a_partial_residual_all_reduced_runs_in_pieces_and_the_sum_read_later_is
         later = aten.add.Tensor(partial, aten.linear.default(summed, w_next))  # the partial sum, read again
         return ops.all_reduce.default(later, group, "sum").pow(2).sum()
 
-    program = _traced(layer)
-    inputs = (torch.randn(4, 6, 8), torch.randn(4, 6, 5), torch.randn(8, 5), torch.randn(8, 8))
-    pieced, split = pipeline_tp_matmuls(program, inputs)
+    pieced, split = _pieced_and_checked(layer, [(4, 6, 8), (4, 6, 5), (8, 5), (8, 8)])
     assert split == 2
     assert _count(pieced, ops.all_reduce.default) == 4 and _count(pieced, aten.linear.default) == 4
-    expected, pieced_result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
-    torch.testing.assert_close(pieced_result, expected, rtol=RTOL, atol=ATOL)  # fp32, summed in pieces
 
 
 def test_what_cannot_run_in_pieces_is_left_as_it_is(group):
@@ -82,9 +81,7 @@ def test_what_cannot_run_in_pieces_is_left_as_it_is(group):
         early = partial * 2  # read before the all-reduce: it would wait for the pieces
         return ops.all_reduce.default(partial, group, "sum").sum() + used_twice.sum() + odd.sum() + early.sum()
 
-    program = _traced(layer)
-    inputs = (torch.randn(2, 4, 5), torch.randn(5, 5), torch.randn(4, 3, 5))
-    pieced, split = pipeline_tp_matmuls(program, inputs)
+    pieced, split = _pieced_and_checked(layer, [(2, 4, 5), (5, 5), (4, 3, 5)])
     assert split == 0
     assert _count(pieced, ops.all_gather.default) == 2 and _count(pieced, ops.all_reduce.default) == 1
 
@@ -113,19 +110,11 @@ def _layers(group: str) -> dict:
 
 
 def _two_ranks(rank: int, world: int) -> dict:
-    found = {}
-    for name, (function, shapes) in _layers(dist.group.WORLD.group_name).items():
-        program = _traced(function)
-        torch.manual_seed(rank)  # every rank its own local values
-        inputs = tuple(torch.randn(shape) for shape in shapes)
-        pieced, split = pipeline_tp_matmuls(program, inputs)
-        expected, result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
-        pairs = zip([result[0], *result[1]], [expected[0], *expected[1]])
-        found[name] = (split, all(torch.allclose(a, b, rtol=RTOL, atol=ATOL) for a, b in pairs))
-    return found
+    """Each program's collectives split, once checked on this rank's own inputs (a mismatch fails the rank)."""
+    layers = _layers(dist.group.WORLD.group_name).items()
+    return {name: _pieced_and_checked(function, shapes, seed=rank)[1] for name, (function, shapes) in layers}
 
 
 def test_on_two_ranks_every_piece_holds_the_rows_of_every_ranks_block():
     for found in run_local(_two_ranks, 2, timeout_s=120):
-        for name, (split, close) in found.items():
-            assert split == 1 and close, (name, split)
+        assert found == {"gather": 1, "reduce-scatter": 1, "all-reduce": 1}, found
