@@ -87,7 +87,9 @@ class HardwareProfile:
     memory_bandwidth: float  # bytes/s, for memory-bound ops
     links: tuple[LinkTier, ...]  # innermost tier first
     description: str = ""
-    overlap: float = 0.0  # share of gradient sync that runs behind backward (at most the last microbatch's)
+    # share of gradient sync that runs behind backward (at most the last microbatch's); in a compiled
+    # step's replay, the share of what its schedule puts behind compute that really hides there
+    overlap: float = 0.0
     op_overhead_s: float = 0.0  # fixed cost of launching one op
     cores_per_host: int = 0  # CPU processes share this many cores; 0: every device computes on its own
     measure_ops: bool = False  # this profile is the planning machine: time ops on it instead of the roofline

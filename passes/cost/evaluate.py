@@ -99,7 +99,12 @@ class LayoutTerms:
             if ctx is None:
                 break
         comm, sync = step.exposed(
-            self.facts, self.local.work, syncs_whole_in_program(zero, schedule), zero == 3, schedule.async_tp
+            self.facts,
+            self.local.work,
+            syncs_whole_in_program(zero, schedule),
+            zero == 3,
+            schedule.async_tp,
+            concurrency=hardware.overlap,
         )
         return comm + step.kernel_s, sync
 

@@ -180,13 +180,17 @@ class CompiledStep:
         syncs_in_program: bool,
         per_layer: bool = False,
         async_tp: bool = False,
+        concurrency: float = 1.0,
     ) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) seconds of the scheduled step.
 
         A gradient synced in the program is bucketed (``per_layer``: ZeRO-3's one reduce-scatter,
         and regather, per layer) and waited for at the end of backward; otherwise the runtime
         syncs after the compiled backward returns, with nothing to hide behind. ``async_tp``: the
-        linears noted with a move run in pieces with it (:func:`_in_pieces`).
+        linears noted with a move run in pieces with it (:func:`_in_pieces`). ``concurrency``: the
+        share of what the schedule puts behind compute that really hides there (the profile's
+        ``overlap``: 1 where collectives run on engines of their own, as on GPUs; 0 on a CPU whose
+        cores the compute already fills, where gloo's copies take turns with it).
         """
         pieced = {linear: PIECES for *_, linear in self.moves if linear} if async_tp else {}
         order = step_order(facts, work, pieced)
@@ -216,7 +220,10 @@ class CompiledStep:
         layers = {i: facts[p].layer or "" for i, (p, _, _) in enumerate(self.syncs)} if per_layer else None
         exposure = exposed_time(order.compute, transfers + (bucketed(syncs, layers) if syncs_in_program else []))
         sync = exposure.stalls.get(SYNC, 0.0) + (0.0 if syncs_in_program else sum(t.seconds for t in syncs))
-        return exposure.exposed - exposure.stalls.get(SYNC, 0.0), sync
+        comm = exposure.exposed - exposure.stalls.get(SYNC, 0.0)
+        hidden_comm = sum(t.seconds for t in transfers) - comm
+        hidden_sync = sum(t.seconds for t in syncs) - sync
+        return comm + (1 - concurrency) * hidden_comm, sync + (1 - concurrency) * hidden_sync
 
 
 def _in_pieces(

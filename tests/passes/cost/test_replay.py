@@ -58,6 +58,10 @@ def test_compiled_data_parallel_hides_gradient_sync_behind_the_rest_of_backward(
     bare = dataclasses.replace(get_profile("a100-80gb"), overlap=0.0)
     whole = plan_example("gpt.py", 4, batch=16, hardware=bare, compile=False, **pins).cost.grad_sync_s
     assert 0 < compiled.cost.grad_sync_s < 0.8 * whole
+    # where nothing runs beside compute (overlap 0: this CPU, whose cores the compute fills), the
+    # schedule's windows hide nothing either
+    unhidden = plan_example("gpt.py", 4, batch=16, hardware=bare, compile=True, **pins).cost.grad_sync_s
+    assert unhidden == pytest.approx(whole)
 
 
 def test_compiled_megatron_tensor_parallelism_hides_its_all_reduces_only_with_async_tp():
