@@ -71,7 +71,7 @@ def pipeline_tp_matmuls(program: fx.GraphModule, inputs: tuple, pieces: int = PI
             continue
         if node.target is ops.all_gather.default and _feeds_only_linears(node):
             split += _gather_in_pieces(graph, node, pieces)
-        elif node.target in (ops.all_reduce.default, ops.reduce_scatter.default) and _reduces_a_linear(node):
+        elif node.target in (ops.all_reduce.default, ops.reduce_scatter.default) and _has_linear(node.args[0]):
             split += _reduce_in_pieces(graph, node, pieces, scatter=node.target is ops.reduce_scatter.default)
     graph.lint()
     program.recompile()
@@ -80,14 +80,6 @@ def pipeline_tp_matmuls(program: fx.GraphModule, inputs: tuple, pieces: int = PI
 
 def _feeds_only_linears(gather: fx.Node) -> bool:
     return bool(gather.users) and all(u.target is LINEAR and u.args[0] is gather for u in gather.users)
-
-
-def _reduces_a_linear(reduce: fx.Node) -> bool:
-    """Whether the all-reduced value is a linear's output, or a sum with one (a residual kept partial)."""
-    node = reduce.args[0]
-    while isinstance(node, fx.Node) and node.target is ROW_SUM:
-        node = next((a for a in node.args if isinstance(a, fx.Node) and _has_linear(a)), None)
-    return isinstance(node, fx.Node) and node.target is LINEAR
 
 
 def _chain(node: fx.Node) -> set[fx.Node]:
@@ -100,6 +92,7 @@ def _chain(node: fx.Node) -> set[fx.Node]:
 
 
 def _has_linear(node: fx.Node) -> bool:
+    """Whether ``node`` is a linear's output, or a sum with one (a residual kept partial)."""
     return node.target is LINEAR or (
         node.target is ROW_SUM and any(isinstance(a, fx.Node) and _has_linear(a) for a in node.args)
     )
