@@ -119,9 +119,7 @@ def metric(row: dict, step_s: float, params: float) -> float:
     if row["metric"] == "tflops":
         return per_gpu / 1e12
     if row["metric"] == "mfu":
-        return (
-            per_gpu / get_profile(row["hardware"]).peak_flops["bfloat16"]
-        )  # the dense 16-bit peak MFU is quoted against
+        return per_gpu / get_profile(row["hardware"]).peak_flops["bfloat16"]  # MFU: of the dense 16-bit peak
     return per_gpu  # tokens
 
 

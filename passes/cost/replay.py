@@ -100,6 +100,7 @@ class StepOrder:
         return self.forward[name] + self.pieces.get(name, 1) - 1 if name in self.forward else -1
 
     def backward_done(self, name: str) -> int:
+        """The item after which ``name``'s backward is done."""
         return self.backward[name] + self.pieces.get(name, 1) - 1
 
 
@@ -231,8 +232,9 @@ def _in_pieces(
 ) -> list[Transfer]:
     """A move run in pieces with ``linear`` (:mod:`autopar.passes.rewrite.async_tp`): a gather
     into the linear (``linear == consumer``) moves piece j before the linear's piece j, and its
-    dual after the linear's backward piece j; a sum out of the linear moves piece j after the
-    linear's piece j (its dual moves nothing)."""
+    dual (a reduce-scatter) after the linear's backward piece j; a reduction out of the linear
+    moves piece j after the linear's piece j, and its dual (a reduce-scatter's all-gather; an
+    all-reduce's moves nothing) before the linear's backward piece j."""
     share, first = 1 / PIECES, order.forward[linear]
     if linear == consumer:
         moves = [Transfer(order.forward_done(producer), first + j, forward * share, label=label) for j in range(PIECES)]
@@ -243,4 +245,8 @@ def _in_pieces(
             ]
         return moves
     needed = order.forward.get(consumer, order.end)
-    return [Transfer(first + j, needed, forward * share, label=label) for j in range(PIECES)]
+    moves = [Transfer(first + j, needed, forward * share, label=label) for j in range(PIECES)]
+    if backward and linear in order.backward:
+        ready = order.backward_done(consumer) if consumer in order.backward else -1
+        moves += [Transfer(ready, order.backward[linear] + j, backward * share, label=label) for j in range(PIECES)]
+    return moves

@@ -199,6 +199,8 @@ def _rows(graph: fx.Graph, node: fx.Node, layout: _Layout, j: int, pieced: dict)
     value = node.meta["val"]
     if value.dim() + layout.dim < 0 or value.shape[layout.dim] == 1:
         return node
+    if len(pieced.get(node, ())) > j:  # read twice in one piece (a sum of a node with itself): computed once
+        return pieced[node][j]
     if node.target is LINEAR:
         piece = _call(graph, LINEAR, (_rows(graph, node.args[0], layout, j, pieced), *node.args[1:]))
     elif node.target is ROW_SUM and _has_linear(node):

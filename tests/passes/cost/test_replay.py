@@ -9,7 +9,7 @@ from planning import plan_example
 
 from autopar.ir import get_profile
 from autopar.ir.buckets import BUCKET_BYTES, FIRST_BUCKET_BYTES
-from autopar.passes.cost.replay import SYNC, Transfer, bucketed, exposed_time
+from autopar.passes.cost.replay import SYNC, StepOrder, Transfer, _in_pieces, bucketed, exposed_time
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
 
@@ -37,6 +37,15 @@ def test_gradients_fill_a_small_first_bucket_then_large_ones_in_order_of_readine
     assert len(bucketed(big)) == 3
     per_layer = bucketed(syncs, layers={0: "layers.0", 1: "layers.1", 2: "layers.1", 3: "layers.0"})
     assert sorted((b.ready, b.seconds) for b in per_layer) == [(2, 2.0), (4, 2.0)]
+
+
+def test_a_move_in_pieces_moves_its_seconds_both_ways_around_the_linears_pieces():
+    # items: producer 0, linear 1-2 (two pieces), consumer 3; backward: consumer 4, linear 5-6, producer 7
+    order = StepOrder([1.0] * 8, {"p": 0, "lin": 1, "c": 3}, {"c": 4, "lin": 5, "p": 7}, {"lin": 2})
+    gather = _in_pieces(order, "p", "lin", 2.0, 4.0, "lin", "x")  # into the linear: a gather, its reduce-scatter
+    assert [(t.ready, t.needed, t.seconds) for t in gather] == [(0, 1, 1.0), (0, 2, 1.0), (5, 7, 2.0), (6, 7, 2.0)]
+    scatter = _in_pieces(order, "lin", "c", 2.0, 4.0, "lin", "x")  # out of it: a reduce-scatter, its all-gather
+    assert [(t.ready, t.needed, t.seconds) for t in scatter] == [(1, 3, 1.0), (2, 3, 1.0), (4, 5, 2.0), (4, 6, 2.0)]
 
 
 def _plan(compile: bool, **options):

@@ -72,6 +72,15 @@ def test_a_partial_residual_all_reduced_runs_in_pieces_and_the_sum_read_later_is
     assert _count(pieced, ops.all_reduce.default) == 4 and _count(pieced, aten.linear.default) == 4
 
 
+def test_a_linear_summed_with_itself_is_computed_once_per_piece(group):
+    def layer(h, w):
+        product = aten.linear.default(h, w)
+        return ops.all_reduce.default(aten.add.Tensor(product, product), group, "sum").pow(2).sum()
+
+    pieced, split = _pieced_and_checked(layer, [(4, 3, 5), (6, 5)])
+    assert split == 1 and _count(pieced, aten.linear.default) == 2
+
+
 def test_what_cannot_run_in_pieces_is_left_as_it_is(group):
     def layer(x, w, h):
         full = ops.all_gather.default(x, group, 1, True)
