@@ -179,9 +179,9 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         "",
         "### Training stacks (overlaps as each source describes them)",
         "",
-        "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | gradient buckets | "
+        "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | gradient buckets | ZeRO-3 gathers | "
         "what and where from |",
-        "| --- | ---: | --- | ---: | --- | --- |",
+        "| --- | ---: | --- | ---: | --- | --- | --- |",
     ]
     for name, stack in data["stacks"].items():
         fixed, per_rank = stack.get("grad_bucket_params", (0, 0))
@@ -189,7 +189,8 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         cite = f"; {stack['grad_bucket_cite']}" if fixed else ""
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
-            f"| {buckets} | {stack['description']}; {stack['cite']}{cite} |"
+            f"| {buckets} | {'per parameter' if stack.get('zero3_per_parameter') else 'per layer'} "
+            f"| {stack['description']}; {stack['cite']}{cite} |"
         )
     lines += ["", "### FLOPs definitions", ""]
     lines += [f"- `{key}`: {text}" for key, text in data["flops"].items()]

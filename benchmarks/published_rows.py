@@ -59,6 +59,7 @@ def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
         p2p_overlap=stack["p2p_overlap"],
         overlap=stack["dp_overlap"],
         grad_bucket_bytes=4.0 * max(fixed, per_rank * row["config"]["dp"]),  # fp32 gradients; 0: autopar's
+        zero3_per_parameter=stack.get("zero3_per_parameter", False),
     )
 
 

@@ -102,6 +102,7 @@ class HardwareProfile:
     tp_overlap: float = 0.0  # share of tensor-parallel collectives the stack hides behind GEMMs (overlap.py)
     p2p_overlap: bool = False  # pipeline sends of the steady state run behind compute (only fill and drain wait)
     grad_bucket_bytes: float = 0.0  # the stack's gradient-sync bucket; 0: autopar's runtime's (autopar.ir.buckets)
+    zero3_per_parameter: bool = False  # ZeRO-3 gathers each parameter on its own, not a layer's at once
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency

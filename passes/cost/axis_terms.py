@@ -8,6 +8,7 @@ here, one mesh axis at a time; :func:`traffic` sums the same terms over one solv
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from autopar.ir import (
@@ -19,6 +20,7 @@ from autopar.ir import (
     Replicate,
     Schedule,
     Shard,
+    layer_of,
     model_state_bytes,
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
@@ -116,14 +118,31 @@ def param_sync(param_bytes: float, grad_bytes: float, ctx: AxisContext) -> tuple
     microbatch and all-gathers the updated parameter once per step; stage 3 also gathers the
     parameter for forward and again for backward, every microbatch. (For stages 2-3 the first
     figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration` counts it
-    once per microbatch.) Gradients go in the stack's buckets (``grad_bucket_bytes``), each
-    paying a collective's latency once."""
+    once per microbatch.) Gradients (and ZeRO-2's gathers) go in the stack's buckets
+    (``grad_bucket_bytes``), each paying a collective's latency once; ZeRO-3 moves a layer's
+    parameters in one collective each way, whose latency :func:`zero3_layer_s` adds per layer."""
     bucket = (ctx.hardware.grad_bucket_bytes if ctx.hardware else 0.0) or GRAD_BUCKET_BYTES
     if ctx.name != Axis.DP or ctx.zero < 2:
         return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0
+    bucket = math.inf if ctx.zero == 3 else bucket  # bandwidth only: the layer pays the latency
     scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter")
-    gather = collective_time("all_gather", param_bytes, ctx.size, dataclasses.replace(ctx.link, sync_s=0.0))
+    alone = ctx.zero == 3 and ctx.hardware is not None and ctx.hardware.zero3_per_parameter
+    gather = grad_sync_time(param_bytes, ctx.size, ctx.link, param_bytes if alone else bucket, kind="all_gather")
     return (scatter + 2 * gather, 0.0) if ctx.zero == 3 else (scatter, gather)
+
+
+def zero3_layer_s(ctx: AxisContext) -> float:
+    """The latency ZeRO-3 pays per layer on the data-parallel axis, per microbatch: the runtime
+    gathers a layer's parameters in one collective for forward and again for backward, and
+    reduce-scatters their gradients in one (:mod:`autopar.runtime.zero.gather`, as FSDP2 does
+    per block); 0 elsewhere."""
+    if ctx.name != Axis.DP or ctx.zero != 3 or ctx.size <= 1:
+        return 0.0
+    quiet = dataclasses.replace(ctx.link, sync_s=0.0)
+    gathers = 0 if ctx.hardware is not None and ctx.hardware.zero3_per_parameter else 2  # else in param_sync
+    return collective_time("reduce_scatter", 1.0, ctx.size, quiet) + gathers * collective_time(
+        "all_gather", 1.0, ctx.size, quiet
+    )
 
 
 def local_slot_shapes(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> list[tuple[int, ...]]:
@@ -343,7 +362,11 @@ def traffic(
             partial[slot] = (maximum(before[0], seconds), maximum(before[1], once))
     kernels = sum(kernel_time(facts[name], s, ctx) * facts[name].weight for name, s in chosen.items() if s.kernel)
     comm += kernels
+    layer_s, layers = zero3_layer_s(ctx), set()
     for slot, (seconds, once) in partial.items():
+        if facts[slot].kind == "param" and layer_s and (layer := layer_of(facts[slot].name) or "") not in layers:
+            layers.add(layer)  # the layer's collectives' latency, charged with its first parameter
+            seconds += layer_s
         if facts[slot].kind == "param":
             sync += seconds * facts[slot].weight
             once_s += once * facts[slot].weight
