@@ -179,7 +179,8 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         "",
         "### Training stacks (overlaps as each source describes them)",
         "",
-        "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | gradient buckets | ZeRO-3 gathers | "
+        "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | gradient buckets | "
+        "ZeRO-1 sync; ZeRO-3 gathers | "
         "what and where from |",
         "| --- | ---: | --- | ---: | --- | --- | --- |",
     ]
@@ -189,7 +190,8 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         cite = f"; {stack['grad_bucket_cite']}" if fixed else ""
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
-            f"| {buckets} | {'per parameter' if stack.get('zero3_per_parameter') else 'per layer'} "
+            f"| {buckets} | {'reduce-scatter' if stack.get('zero1_reduce_scatter') else 'all-reduce'} + gather; "
+            f"{'per parameter' if stack.get('zero3_per_parameter') else 'per layer'} "
             f"| {stack['description']}; {stack['cite']}{cite} |"
         )
     lines += ["", "### FLOPs definitions", ""]

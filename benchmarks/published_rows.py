@@ -50,7 +50,8 @@ def load(path: Path = DATA) -> dict:
 
 def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
     """The row's GPU preset with its training stack's overlaps (``tp_overlap``, ``p2p_overlap``,
-    and the data-parallel share ``overlap``) and, where the source states it, gradient buckets."""
+    and the data-parallel share ``overlap``), how its ZeRO moves data and, where the source
+    states it, gradient buckets."""
     stack = stacks[row["stack"]]
     fixed, per_rank = stack.get("grad_bucket_params", (0, 0))  # parameters per bucket: fixed, or per dp rank
     return dataclasses.replace(
@@ -60,6 +61,7 @@ def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
         overlap=stack["dp_overlap"],
         grad_bucket_bytes=4.0 * max(fixed, per_rank * row["config"]["dp"]),  # fp32 gradients; 0: autopar's
         zero3_per_parameter=stack.get("zero3_per_parameter", False),
+        zero1_reduce_scatter=stack.get("zero1_reduce_scatter", False),
     )
 
 

@@ -103,6 +103,7 @@ class HardwareProfile:
     p2p_overlap: bool = False  # pipeline sends of the steady state run behind compute (only fill and drain wait)
     grad_bucket_bytes: float = 0.0  # the stack's gradient-sync bucket; 0: autopar's runtime's (autopar.ir.buckets)
     zero3_per_parameter: bool = False  # ZeRO-3 gathers each parameter on its own, not a layer's at once
+    zero1_reduce_scatter: bool = False  # ZeRO-1 reduce-scatters gradients; autopar's all-reduces them whole
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency
@@ -259,6 +260,16 @@ H100_KERNELS = KernelFigures(
     sources=_GEMM_SOURCES,
 )
 
+# gloo over loopback on this machine, (alpha s, bus bandwidth B/s) by collective and ranks: `autopar calibrate`,
+# 2026-11-25 (one thread per rank, 2 cores)
+GLOO_LOOPBACK = {
+    "all_reduce": {2: (220e-6, 1.42 * GB), 4: (925e-6, 1.29 * GB)},
+    "all_gather": {2: (301e-6, 1.02 * GB), 4: (1.36e-3, 0.99 * GB)},
+    "reduce_scatter": {2: (457e-6, 0.58 * GB), 4: (1.71e-3, 0.40 * GB)},
+    "all_to_all": {2: (234e-6, 1.60 * GB), 4: (1.02e-3, 1.03 * GB)},
+    "send_recv": {2: (120e-6, 3.84 * GB), 4: (365e-6, 2.14 * GB)},
+}
+
 PROFILES: dict[str, HardwareProfile] = {
     profile.name: profile
     for profile in [
@@ -267,14 +278,16 @@ PROFILES: dict[str, HardwareProfile] = {
             description=(
                 "this machine: one CPU process (one thread) per rank, gloo over loopback; rates from "
                 "`autopar calibrate` on 2026-11-22 (fp32 matmul 92 GFLOP/s, copy 25 GB/s, 2-rank "
-                "all-reduce alpha 197 us, 1.4 GB/s, 0.75 ms rendezvous per blocking collective); ops are timed "
-                "on this machine when planning; run it again for this machine's current figures"
+                "all-reduce alpha 197 us, 1.4 GB/s, 0.75 ms rendezvous per blocking collective; each "
+                "collective's alpha-beta on 2 and 4 ranks from its run of 2026-11-25: gloo's reduce-scatter "
+                "moves half as fast as its all-reduce); ops are timed on this machine when planning; run it "
+                "again for this machine's current figures"
             ),
             peak_flops={"float32": 92e9, "bfloat16": 200e9},
             compute_efficiency=0.8,
             memory_bytes=4 * GIB,
             memory_bandwidth=25 * GB,
-            links=(LinkTier("loopback", 200e-6, 1.4 * GB, sync_s=0.75e-3),),
+            links=(LinkTier("loopback", 200e-6, 1.4 * GB, fitted=GLOO_LOOPBACK, sync_s=0.75e-3),),
             op_overhead_s=15e-6,
             cores_per_host=os.cpu_count() or 1,
             measure_ops=True,

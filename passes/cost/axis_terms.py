@@ -113,17 +113,21 @@ def partial_gradients(
 
 def param_sync(param_bytes: float, grad_bytes: float, ctx: AxisContext) -> tuple[float, float]:
     """(seconds, seconds once per step) of one parameter's data-parallel traffic under ZeRO
-    (Rajbhandari et al. 2020, §5-7): stages 0-1 all-reduce the gradient once per step (stage 1's
-    reduce-scatter and parameter all-gather move as much); stage 2 reduce-scatters it every
+    (Rajbhandari et al. 2020, §5-7): stages 0-1 all-reduce the gradient once per step; stage 1
+    then all-gathers the updated parameter, as autopar's runtime and DeepSpeed's bf16 pipeline
+    do (a stack that reduce-scatters instead, ``zero1_reduce_scatter``, moves as much as the
+    all-reduce alone: Megatron's distributed optimizer); stage 2 reduce-scatters it every
     microbatch and all-gathers the updated parameter once per step; stage 3 also gathers the
     parameter for forward and again for backward, every microbatch. (For stages 2-3 the first
     figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration` counts it
-    once per microbatch.) Gradients (and ZeRO-2's gathers) go in the stack's buckets
+    once per microbatch.) Gradients (and ZeRO-1/2's gathers) go in the stack's buckets
     (``grad_bucket_bytes``), each paying a collective's latency once; ZeRO-3 moves a layer's
     parameters in one collective each way, whose latency :func:`zero3_layer_s` adds per layer."""
     bucket = (ctx.hardware.grad_bucket_bytes if ctx.hardware else 0.0) or GRAD_BUCKET_BYTES
     if ctx.name != Axis.DP or ctx.zero < 2:
-        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0
+        reduce = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket)
+        gathers = ctx.name == Axis.DP and ctx.zero == 1 and not (ctx.hardware and ctx.hardware.zero1_reduce_scatter)
+        return reduce, grad_sync_time(param_bytes, ctx.size, ctx.link, bucket, kind="all_gather") if gathers else 0.0
     bucket = math.inf if ctx.zero == 3 else bucket  # bandwidth only: the layer pays the latency
     scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter")
     alone = ctx.zero == 3 and ctx.hardware is not None and ctx.hardware.zero3_per_parameter
@@ -270,7 +274,7 @@ class Traffic:
 
     comm_s: float = 0.0  # parallel kernels, activations' partial gradients, value moves
     sync_s: float = 0.0  # parameters' gradient sync (ZeRO-2/3: per microbatch)
-    sync_once_s: float = 0.0  # ZeRO-2's parameter all-gather, once per step
+    sync_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather, once per step
     synced: frozenset[str] = frozenset()  # the parameters synced
 
 

@@ -70,7 +70,7 @@ class LayoutTerms:
     local: ShardedShapes  # every node's local shapes once all axes are solved
     link: LinkTier  # the tier a pipeline's stage boundaries cross
     parts: StepParts = StepParts()
-    sync_once_s: float = 0.0  # ZeRO-2's parameter all-gather, once per step (cost.grad_sync_s: per microbatch)
+    sync_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather, once per step (after the optimizer)
     made_of: tuple = ()  # (degrees, strategies, mesh, hardware): for :meth:`compiled_traffic`
     _terms: LayerTerms | None = None
     _times: dict = field(default_factory=dict)
@@ -176,15 +176,16 @@ class PricedConfiguration:
 
     def under(self, schedule: Schedule) -> Cost:
         """The cost under ``schedule`` (as :func:`evaluate`)."""
-        cost, parts, once = self.cost, dataclasses.replace(self.layout.parts, zero=self.zero), 0.0
-        if self.zero >= 2:  # ZeRO-2's parameter gather runs once per step, after the optimizer
-            once = self.layout.sync_once_s if self.zero == 2 else 0.0
+        # ZeRO-1/2's parameter gather runs once per step, after the optimizer: nothing to hide behind
+        once = self.layout.sync_once_s if self.zero in (1, 2) else 0.0  # ZeRO-0 may price on ZeRO-1's layout
+        parts = dataclasses.replace(self.layout.parts, zero=self.zero, gather_once_s=once)
+        cost = self.cost
         if schedule.compiled:  # what the compiled schedule leaves exposed replaces the profile's overlap
             comm, sync = self.layout.compiled_traffic(self.zero, schedule)
             cost = dataclasses.replace(cost, comm_s=comm, grad_sync_s=sync)
-            parts, once = dataclasses.replace(parts, tp_comm_s=0.0, replayed=True), 0.0
+            parts = dataclasses.replace(parts, tp_comm_s=0.0, replayed=True, gather_once_s=0.0)
         if self.zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
-            cost = dataclasses.replace(cost, grad_sync_s=cost.grad_sync_s * schedule.microbatches + once)
+            cost = dataclasses.replace(cost, grad_sync_s=cost.grad_sync_s * schedule.microbatches)
         times = self.layout.times(schedule.microbatches)
         return scheduled(
             cost,

@@ -110,6 +110,7 @@ class StepParts:
     replicated: frozenset[str] = frozenset()  # nodes whose output every tensor-parallel rank holds whole
     zero: int = 0  # the ZeRO stage: when data-parallel traffic flows (overlap.exposed_grad_sync)
     replayed: bool = False  # a compiled step's replay (:mod:`replay`) already placed what hides
+    gather_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather after the optimizer, exposed
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,7 @@ def scheduled(
     sync = cost.grad_sync_s * param_share
     if not parts.replayed:
         sync = exposed_grad_sync(sync, sync_window_s(times, parts.zero, time_share, micro), hardware.overlap)
+    sync += parts.gather_once_s * param_share
     return dataclasses.replace(
         cost,
         compute_s=(times.compute_s + recompute_s) * time_share,

@@ -281,7 +281,7 @@ class _Weighing:
             accumulating = accumulations(base, options, local_batch)  # the local batch does not fit at once
             tried += [(strategies, s, c) for s, c in price(free, accumulating)]
             schedules += accumulating
-            if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less, no slower
+            if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less (for a gather)
                 continue
             if not within_reach(floor + self.bounds.recompute_s(ctx.stages, degrees, level), self.fastest):
                 continue  # the rule "bound": no layout recomputing this much can win

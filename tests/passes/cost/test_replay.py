@@ -73,7 +73,6 @@ def test_compiled_data_parallel_hides_gradient_sync_behind_the_rest_of_backward(
     assert unhidden == pytest.approx(whole)
 
 
-
 def test_compiled_zero3_reduces_each_layer_behind_the_backward_of_the_layers_before_it():
     # one reduce-scatter per layer (ZeRO-3's groups by parameter name): the last layer's, first
     # ready, hides behind the backward of the layers below it; one bucket for all would be ready
@@ -83,6 +82,7 @@ def test_compiled_zero3_reduces_each_layer_behind_the_backward_of_the_layers_bef
     bare = dataclasses.replace(get_profile("a100-80gb"), overlap=0.0)
     whole = plan_example("gpt.py", 4, batch=16, model_kwargs=GPT, hardware=bare, compile=False, **pins)
     assert 0 < compiled.cost.grad_sync_s < 0.8 * whole.cost.grad_sync_s
+
 
 def test_compiled_megatron_tensor_parallelism_hides_its_all_reduces_only_with_async_tp():
     eager = _plan(False, degrees={"dp": 1, "tp": 4}, constraints=MEGATRON)

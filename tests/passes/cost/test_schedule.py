@@ -7,10 +7,17 @@ import pytest
 from planning import meta_model, plan_example
 
 from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, Schedule, get_profile
+from autopar.ir.buckets import BUCKET_BYTES
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.axis_terms import AxisContext, param_sync, zero3_layer_s
 from autopar.passes.cost.evaluate import evaluate_plan
-from autopar.passes.cost.ops import OPTIMIZER_BYTES_PER_PARAM, RECAST_BYTES_PER_PARAM, collective_time, optimizer_time
+from autopar.passes.cost.ops import (
+    OPTIMIZER_BYTES_PER_PARAM,
+    RECAST_BYTES_PER_PARAM,
+    collective_time,
+    grad_sync_time,
+    optimizer_time,
+)
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
 
@@ -155,7 +162,6 @@ def test_a_tight_memory_limit_turns_recomputation_on():
     assert tight.schedule.recompute != "none" and tight.cost.peak_memory <= limit
 
 
-
 def test_zero3_pays_each_collectives_latency_per_layer_or_per_parameter_as_the_stack_gathers():
     """autopar's ZeRO-3 gathers a layer's parameters in one collective for forward, again for
     backward, and reduce-scatters their gradients in one: a parameter's own share is bandwidth
@@ -179,9 +185,8 @@ def test_zero3_pays_each_collectives_latency_per_layer_or_per_parameter_as_the_s
     graph = capture(model, model.example_inputs(16, device="meta"))
     per_layer = evaluate_plan(graph, plan, hardware)
     per_parameter = evaluate_plan(graph, plan, dataclasses.replace(hardware, zero3_per_parameter=True))
-    no_latency = evaluate_plan(
-        graph, plan, dataclasses.replace(hardware, links=tuple(dataclasses.replace(t, alpha_s=0.0) for t in hardware.links))
-    )
+    instant = tuple(dataclasses.replace(tier, alpha_s=0.0) for tier in hardware.links)
+    no_latency = evaluate_plan(graph, plan, dataclasses.replace(hardware, links=instant))
     link = dataclasses.replace(hardware.link((2, 4), 8, 8), sync_s=0.0)
     latency = {kind: collective_time(kind, 1.0, 8, link) for kind in ("all_gather", "reduce_scatter")}
     groups = GPT["layers"] + 1
@@ -191,3 +196,24 @@ def test_zero3_pays_each_collectives_latency_per_layer_or_per_parameter_as_the_s
     extra = (per_parameter.grad_sync_s - per_layer.grad_sync_s) / (2 * latency["all_gather"])
     assert extra == pytest.approx(round(extra), abs=1e-6)  # whole parameters: the GPT's 4 x 9 in layers and more
     assert round(extra) + groups >= 9 * GPT["layers"]
+
+
+def test_zero1_gathers_the_updated_parameters_after_the_optimizer_with_nothing_to_hide_behind():
+    """autopar's ZeRO-1 (as DeepSpeed's bf16 pipeline) all-reduces the gradients and, once the
+    optimizer has stepped this rank's chunks, all-gathers the parameters in buckets: ZeRO-0's sync
+    plus that gather, which no overlap hides. A stack that reduce-scatters instead (Megatron's
+    distributed optimizer) moves what the all-reduce alone moves."""
+    mlp = dict(hidden=64, ffn=256, layers=2)
+    model = meta_model("mlp.py", **mlp)
+    graph = capture(model, model.example_inputs(16, device="meta"))
+    pins = dict(degrees={"dp": 8}, zero=0, microbatches=1, precision="fp32", hardware=FLAT_A100)
+    plan = plan_example("mlp.py", (2, 4), batch=16, model_kwargs=mlp, **pins)
+
+    def sync(zero: int, **profile) -> float:
+        return evaluate_plan(graph, dataclasses.replace(plan, zero=zero), dataclasses.replace(FLAT_A100, **profile))
+
+    hidden, bare = (sync(1, overlap=o).grad_sync_s - sync(0, overlap=o).grad_sync_s for o in (1.0, 0.0))
+    link = dataclasses.replace(FLAT_A100.link((2, 4), 8, 8), sync_s=0.0)
+    expected = sum(grad_sync_time(4.0 * p.numel(), 8, link, BUCKET_BYTES, "all_gather") for p in model.parameters())
+    assert hidden == pytest.approx(bare) and bare == pytest.approx(expected, rel=1e-6)
+    assert sync(1, zero1_reduce_scatter=True).grad_sync_s == pytest.approx(sync(0).grad_sync_s)
