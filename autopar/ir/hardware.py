@@ -260,14 +260,15 @@ H100_KERNELS = KernelFigures(
     sources=_GEMM_SOURCES,
 )
 
-# gloo over loopback on this machine, (alpha s, bus bandwidth B/s) by collective and ranks: `autopar calibrate`,
-# 2026-11-25 (one thread per rank, 2 cores)
+# gloo over loopback on this machine, (alpha s, bus bandwidth B/s) by collective, 2 ranks: `autopar calibrate`,
+# 2026-11-25 (one thread per rank, 2 cores). More ranks than cores slow every collective alike: the profile's
+# contention rule, not these figures (its 4-rank run measured them oversubscribed).
 GLOO_LOOPBACK = {
-    "all_reduce": {2: (220e-6, 1.42 * GB), 4: (925e-6, 1.29 * GB)},
-    "all_gather": {2: (301e-6, 1.02 * GB), 4: (1.36e-3, 0.99 * GB)},
-    "reduce_scatter": {2: (457e-6, 0.58 * GB), 4: (1.71e-3, 0.40 * GB)},
-    "all_to_all": {2: (234e-6, 1.60 * GB), 4: (1.02e-3, 1.03 * GB)},
-    "send_recv": {2: (120e-6, 3.84 * GB), 4: (365e-6, 2.14 * GB)},
+    "all_reduce": {2: (220e-6, 1.42 * GB)},
+    "all_gather": {2: (301e-6, 1.02 * GB)},
+    "reduce_scatter": {2: (457e-6, 0.58 * GB)},
+    "all_to_all": {2: (234e-6, 1.60 * GB)},
+    "send_recv": {2: (120e-6, 3.84 * GB)},
 }
 
 PROFILES: dict[str, HardwareProfile] = {
@@ -279,7 +280,7 @@ PROFILES: dict[str, HardwareProfile] = {
                 "this machine: one CPU process (one thread) per rank, gloo over loopback; rates from "
                 "`autopar calibrate` on 2026-11-22 (fp32 matmul 92 GFLOP/s, copy 25 GB/s, 2-rank "
                 "all-reduce alpha 197 us, 1.4 GB/s, 0.75 ms rendezvous per blocking collective; each "
-                "collective's alpha-beta on 2 and 4 ranks from its run of 2026-11-25: gloo's reduce-scatter "
+                "collective's alpha-beta on 2 ranks from its run of 2026-11-25: gloo's reduce-scatter "
                 "moves half as fast as its all-reduce); ops are timed on this machine when planning; run it "
                 "again for this machine's current figures"
             ),

@@ -105,34 +105,43 @@ def partial_gradients(
         shape = (param_shapes or {}).get(slot.name, shape)
         nbytes = numel(shape) * producer.elem_bytes
         if producer.kind == "param":
-            out.append((slot.name, *param_sync(nbytes, numel(shape) * producer.grad_bytes, ctx)))
+            grad, master = (numel(shape) * per for per in (producer.grad_bytes, producer.master_bytes))
+            out.append((slot.name, *param_sync(nbytes, grad, ctx, master)))
         else:
             out.append((slot.name, collective_time("all_reduce", nbytes, ctx.size, ctx.link), 0.0))
     return out
 
 
-def param_sync(param_bytes: float, grad_bytes: float, ctx: AxisContext) -> tuple[float, float]:
+def param_sync(
+    param_bytes: float, grad_bytes: float, ctx: AxisContext, master_bytes: float | None = None
+) -> tuple[float, float]:
     """(seconds, seconds once per step) of one parameter's data-parallel traffic under ZeRO
-    (Rajbhandari et al. 2020, §5-7): stages 0-1 all-reduce the gradient once per step; stage 1
-    then all-gathers the updated parameter, as autopar's runtime and DeepSpeed's bf16 pipeline
-    do (a stack that reduce-scatters instead, ``zero1_reduce_scatter``, moves as much as the
-    all-reduce alone: Megatron's distributed optimizer); stage 2 reduce-scatters it every
-    microbatch and all-gathers the updated parameter once per step; stage 3 also gathers the
-    parameter for forward and again for backward, every microbatch. (For stages 2-3 the first
-    figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration` counts it
-    once per microbatch.) Gradients (and ZeRO-1/2's gathers) go in the stack's buckets
-    (``grad_bucket_bytes``), each paying a collective's latency once; ZeRO-3 moves a layer's
-    parameters in one collective each way, whose latency :func:`zero3_layer_s` adds per layer."""
+    (Rajbhandari et al. 2020, §5-7). Stages 0-1 all-reduce the gradient once per step; stage 1
+    then all-gathers the stepped weight (``master_bytes``: fp32 masters under mixed precision), as
+    autopar's runtime and DeepSpeed's bf16 pipeline do; a stack that reduce-scatters instead
+    (``zero1_reduce_scatter``: Megatron's distributed optimizer) moves what the all-reduce alone
+    moves. Stage 2 reduce-scatters the gradient every microbatch and gathers the stepped weight
+    once per step; stage 3 reduce-scatters it and gathers the parameter's compute copy
+    (``param_bytes``) for forward and again for backward, every microbatch (for stages 2-3 the
+    first figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration`
+    counts it so). Gradients and stepped weights go in the stack's buckets (``grad_bucket_bytes``),
+    each paying a collective's latency once; ZeRO-3 moves a layer's parameters in one collective
+    each way, whose latency :func:`zero3_layer_s` adds per layer."""
     bucket = (ctx.hardware.grad_bucket_bytes if ctx.hardware else 0.0) or GRAD_BUCKET_BYTES
-    if ctx.name != Axis.DP or ctx.zero < 2:
-        reduce = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket)
-        gathers = ctx.name == Axis.DP and ctx.zero == 1 and not (ctx.hardware and ctx.hardware.zero1_reduce_scatter)
-        return reduce, grad_sync_time(param_bytes, ctx.size, ctx.link, bucket, kind="all_gather") if gathers else 0.0
-    bucket = math.inf if ctx.zero == 3 else bucket  # bandwidth only: the layer pays the latency
-    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter")
-    alone = ctx.zero == 3 and ctx.hardware is not None and ctx.hardware.zero3_per_parameter
-    gather = grad_sync_time(param_bytes, ctx.size, ctx.link, param_bytes if alone else bucket, kind="all_gather")
-    return (scatter + 2 * gather, 0.0) if ctx.zero == 3 else (scatter, gather)
+    if ctx.name != Axis.DP or ctx.zero == 0:
+        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0
+    stepped = grad_sync_time(
+        param_bytes if master_bytes is None else master_bytes, ctx.size, ctx.link, bucket, kind="all_gather"
+    )
+    if ctx.zero == 1:
+        reduce_scatters = ctx.hardware is not None and ctx.hardware.zero1_reduce_scatter
+        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0 if reduce_scatters else stepped
+    if ctx.zero == 2:
+        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter"), stepped
+    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, math.inf, kind="reduce_scatter")  # the layer's latency
+    alone = ctx.hardware is not None and ctx.hardware.zero3_per_parameter
+    gather = grad_sync_time(param_bytes, ctx.size, ctx.link, param_bytes if alone else math.inf, kind="all_gather")
+    return scatter + 2 * gather, 0.0
 
 
 def zero3_layer_s(ctx: AxisContext) -> float:

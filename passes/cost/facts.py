@@ -63,6 +63,12 @@ class NodeFacts:
     pacing: Pacing | None = None  # a GEMM or attention whose efficiency follows its local shapes
 
     @property
+    def master_bytes(self) -> int:
+        """Bytes per element of the weight the optimizer steps: an fp32 master under mixed
+        precision (what ZeRO-1/2 gather after the step), else the parameter itself."""
+        return 4 if self.precision != "fp32" else self.elem_bytes
+
+    @property
     def out_shape(self) -> tuple[int, ...]:
         return self.out_shapes[0] if self.out_shapes else ()
 

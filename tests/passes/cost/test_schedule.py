@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from planning import meta_model, plan_example
 
-from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, Schedule, get_profile
+from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, Precision, Schedule, get_profile
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.axis_terms import AxisContext, param_sync, zero3_layer_s
@@ -209,11 +209,15 @@ def test_zero1_gathers_the_updated_parameters_after_the_optimizer_with_nothing_t
     pins = dict(degrees={"dp": 8}, zero=0, microbatches=1, precision="fp32", hardware=FLAT_A100)
     plan = plan_example("mlp.py", (2, 4), batch=16, model_kwargs=mlp, **pins)
 
-    def sync(zero: int, **profile) -> float:
-        return evaluate_plan(graph, dataclasses.replace(plan, zero=zero), dataclasses.replace(FLAT_A100, **profile))
+    def sync(zero: int, precision: str = "fp32", **profile) -> float:
+        pinned = dataclasses.replace(plan, zero=zero, precision=Precision(precision))
+        return evaluate_plan(graph, pinned, dataclasses.replace(FLAT_A100, **profile))
 
     hidden, bare = (sync(1, overlap=o).grad_sync_s - sync(0, overlap=o).grad_sync_s for o in (1.0, 0.0))
     link = dataclasses.replace(FLAT_A100.link((2, 4), 8, 8), sync_s=0.0)
     expected = sum(grad_sync_time(4.0 * p.numel(), 8, link, BUCKET_BYTES, "all_gather") for p in model.parameters())
     assert hidden == pytest.approx(bare) and bare == pytest.approx(expected, rel=1e-6)
+    # bf16-mixed steps fp32 masters: the gather still moves 4 bytes per element
+    mixed = sync(1, "bf16-mixed").grad_sync_s - sync(0, "bf16-mixed").grad_sync_s
+    assert mixed == pytest.approx(expected, rel=1e-6)
     assert sync(1, zero1_reduce_scatter=True).grad_sync_s == pytest.approx(sync(0).grad_sync_s)
