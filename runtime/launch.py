@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.errors import ConfigError
+from autopar.runtime.faults import collective, reported
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 TIMEOUT_EXIT_CODE = 124  # what coreutils' `timeout` returns
@@ -80,7 +81,8 @@ def finish() -> None:
     A rank that closes its gloo connections while a peer is still in a collective on them can
     abort that peer's process at exit (seen as SIGABRT, "terminate called", after the last step)."""
     if dist.is_initialized():
-        dist.barrier()
+        with reported("the end of the run"), collective("barrier", where="after this rank's last step"):
+            dist.barrier()  # a peer that stalls in a step with no collective (a replicated plan) shows here
         dist.destroy_process_group()
 
 

@@ -110,7 +110,10 @@ BETWEEN_STAGES = (
 
 @pytest.mark.parametrize(
     "fault, pins, place",
-    [("stall-in-backward", [], IN_BACKWARD), ("stall", ["--degrees", "pp=2"], BETWEEN_STAGES)],
+    [
+        ("stall-in-backward", ["--degrees", "dp=2"], IN_BACKWARD),
+        ("stall", ["--degrees", "pp=2"], BETWEEN_STAGES),
+    ],
     ids=["dp", "pipeline"],
 )
 def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout(fault, pins, place):
