@@ -15,7 +15,9 @@
    ``shared/reference/published-megatron-a100.json`` are checked against ±15%.
 2. The ZeRO paper's worked example (Rajbhandari et al., 2020, Figure 1): 7.5B parameters,
    mixed-precision Adam, 64 data-parallel ranks, model state per device for stages 0-3.
-3. The planning process's peak resident memory and each row's planning time.
+3. The file's ``scaling`` entries: one stack's throughput per GPU at more GPUs over that at fewer,
+   published and predicted (a check that needs no GPU peak: the ratio cancels it).
+4. The planning process's peak resident memory and each row's planning time.
 
 Writes the "published" section of BENCHMARKS.md.
 """
@@ -134,7 +136,50 @@ def reference_lines(results: list[dict]) -> list[str]:
     return [f"Megatron-LM Table 1 rows of `shared/reference` (target ±15%): {cells}; worst {worst:.1%}: {verdict}"]
 
 
-def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: float, command: str) -> str:
+def predict_scaling(data: dict, captures) -> list[tuple[dict, list[dict]]]:
+    """Each of the file's ``scaling`` entries: one stack and local batch measured at fewer GPUs and
+    at more, each configuration predicted as a row is."""
+    return [
+        (
+            entry,
+            [
+                rows_.predict({**entry, "config": config, "value": value}, data["stacks"], captures)
+                for config, value in zip(entry["configs"], entry["values"])
+            ],
+        )
+        for entry in data.get("scaling", [])
+    ]
+
+
+def scaling_lines(scaled: list[tuple[dict, list[dict]]]) -> list[str]:
+    """Throughput per GPU at more GPUs over that at fewer, published and predicted: a check of how
+    the data-parallel traffic grows with the group that needs no GPU peak (it cancels)."""
+    lines = [
+        "### Scaling at one stack: throughput per GPU at more GPUs over that at fewer",
+        "",
+        "The runs below are on a GPU no preset describes (dropped as rows): the ratio of two of its throughputs "
+        "cancels its peak, so it checks how the predicted data-parallel traffic grows with the group (priced "
+        "on the `h100-80gb` preset).",
+        "",
+        "| source | GPUs | published tokens/s per GPU | predicted tokens/s per GPU | published ratio | predicted ratio "
+        "| difference (points) |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for entry, (few, more) in scaled:
+        published, predicted = more["row"]["value"] / few["row"]["value"], more["predicted"] / few["predicted"]
+        lines.append(
+            f"| {entry['id']} | {few['row']['config']['gpus']} -> {more['row']['config']['gpus']} "
+            f"| {few['row']['value']:.0f} -> {more['row']['value']:.0f} "
+            f"| {few['predicted']:.0f} -> {more['predicted']:.0f} "
+            f"| {published:.3f} | {predicted:.3f} | {(predicted - published) * 100:+.1f} |"
+        )
+    lines += ["", *(f"- {entry['id']}: {entry['citation']}. {entry['published_notes']}." for entry, _ in scaled)]
+    return lines
+
+
+def render(
+    data: dict, results: list[dict], scaled: list, zero, peak_rss_gib: float, elapsed: float, command: str
+) -> str:
     known = [r for r in results if not r["row"]["missing"]]
     worst_known = max((abs(r["error"]) for r in known), default=0.0)
     slow = [r for r in results if r["plan_s"] > SLOW_PLAN_S]
@@ -172,6 +217,8 @@ def render(data: dict, results: list[dict], zero, peak_rss_gib: float, elapsed: 
         *reference_lines(results),
         "",
         *trend_lines(results),
+        "",
+        *scaling_lines(scaled),
         "",
         "### Every row",
         "",
@@ -248,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
+    scaled = predict_scaling(data, captures) if args.only is None and not args.quick else []
     zero = [
         (
             stage,
@@ -258,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     peak_rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     command = "python benchmarks/published.py" + (" --quick" if args.quick else "")
-    section = render(data, results, zero, peak_rss_gib, time.perf_counter() - started, command)
+    section = render(data, results, scaled, zero, peak_rss_gib, time.perf_counter() - started, command)
     publish("published", section, quick=args.quick or args.only is not None)
     return 0
 
