@@ -161,19 +161,22 @@ def scaling_lines(scaled: list[tuple[dict, list[dict]]]) -> list[str]:
         "cancels its peak, so it checks how the predicted data-parallel traffic grows with the group (priced "
         "on the `h100-80gb` preset).",
         "",
-        "| source | GPUs | published tokens/s per GPU | predicted tokens/s per GPU | published ratio | predicted ratio "
-        "| difference (points) |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: |",
+        "| source | model | GPUs | published tokens/s per GPU | predicted tokens/s per GPU | published ratio "
+        "| predicted ratio | difference (points) |",
+        "| --- | --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for entry, (few, more) in scaled:
         published, predicted = more["row"]["value"] / few["row"]["value"], more["predicted"] / few["predicted"]
         lines.append(
-            f"| {entry['id']} | {few['row']['config']['gpus']} -> {more['row']['config']['gpus']} "
+            f"| {entry['group']} | {entry['id'].split(' | ')[1]} "
+            f"| {few['row']['config']['gpus']} -> {more['row']['config']['gpus']} "
             f"| {few['row']['value']:.0f} -> {more['row']['value']:.0f} "
             f"| {few['predicted']:.0f} -> {more['predicted']:.0f} "
             f"| {published:.3f} | {predicted:.3f} | {(predicted - published) * 100:+.1f} |"
         )
-    lines += ["", *(f"- {entry['id']}: {entry['citation']}. {entry['published_notes']}." for entry, _ in scaled)]
+    lines.append("")
+    for entry, _ in scaled:
+        lines.append(f"- {entry['id'].replace(' | ', ', ')}: {entry['citation']}. {entry['published_notes']}.")
     return lines
 
 

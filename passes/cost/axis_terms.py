@@ -138,7 +138,8 @@ def param_sync(
         return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0 if reduce_scatters else stepped
     if ctx.zero == 2:
         return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter"), stepped
-    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, math.inf, kind="reduce_scatter")  # the layer's latency
+    # bandwidth only: the layer pays the latency (zero3_layer_s), or each gather its own for a stack that gathers alone
+    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, math.inf, kind="reduce_scatter")
     alone = ctx.hardware is not None and ctx.hardware.zero3_per_parameter
     gather = grad_sync_time(param_bytes, ctx.size, ctx.link, param_bytes if alone else math.inf, kind="all_gather")
     return scatter + 2 * gather, 0.0
