@@ -20,7 +20,6 @@ from autopar.ir import (
     Replicate,
     Schedule,
     Shard,
-    layer_of,
     model_state_bytes,
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
@@ -378,8 +377,8 @@ def traffic(
     comm += kernels
     layer_s, layers = zero3_layer_s(ctx), set()
     for slot, (seconds, once) in partial.items():
-        if facts[slot].kind == "param" and layer_s and (layer := layer_of(facts[slot].name) or "") not in layers:
-            layers.add(layer)  # the layer's collectives' latency, charged with its first parameter
+        if facts[slot].kind == "param" and layer_s and facts[slot].gather_group not in layers:
+            layers.add(facts[slot].gather_group)  # the layer's collectives' latency, charged with its first parameter
             seconds += layer_s
         if facts[slot].kind == "param":
             sync += seconds * facts[slot].weight

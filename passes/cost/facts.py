@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from autopar.ir import HardwareProfile, PrecisionPolicy, Shard
+from autopar.ir import HardwareProfile, PrecisionPolicy, Shard, layer_of
 from autopar.passes.capture.graph import CapturedGraph, node_layer
 from autopar.passes.cost.efficiency import ATTENTION, shaped_seconds, work_units
 from autopar.passes.cost.ops import (
@@ -61,6 +61,12 @@ class NodeFacts:
     precision: str = "fp32"  # the policy training keeps a parameter's state under (autopar.ir.precision)
     grad_bytes: int = 4  # bytes per gradient element as gradients are reduced (the policy's reduce_dtype)
     pacing: Pacing | None = None  # a GEMM or attention whose efficiency follows its local shapes
+
+    @property
+    def gather_group(self) -> str:
+        """A parameter's ZeRO-3 group, gathered and reduce-scattered at once: its layer, "" for the
+        parameters outside layers (:func:`autopar.runtime.zero.gather.gather_groups`)."""
+        return layer_of(self.name) or ""
 
     @property
     def master_bytes(self) -> int:

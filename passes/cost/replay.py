@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from autopar.ir import layer_of
 from autopar.ir.buckets import bucket_cap
 from autopar.passes.cost.schedule import forward_share
 from autopar.passes.rewrite.async_tp import PIECES
@@ -219,7 +218,7 @@ class CompiledStep:
             needed = order.backward.get(activation, order.end)
             transfers.append(Transfer(gradient_ready(activation), needed, seconds, label=f"{activation} gradient"))
         syncs = [Transfer(gradient_ready(p), order.end, seconds, nbytes, SYNC) for p, seconds, nbytes in self.syncs]
-        layers = {i: layer_of(facts[p].name) or "" for i, (p, _, _) in enumerate(self.syncs)} if per_layer else None
+        layers = {i: facts[p].gather_group for i, (p, _, _) in enumerate(self.syncs)} if per_layer else None
         exposure = exposed_time(order.compute, transfers + (bucketed(syncs, layers) if syncs_in_program else []))
         sync = exposure.stalls.get(SYNC, 0.0) + (0.0 if syncs_in_program else sum(t.seconds for t in syncs))
         comm = exposure.exposed - exposure.stalls.get(SYNC, 0.0)
