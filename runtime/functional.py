@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.runtime.collectives import _chunks_from_front, _chunks_to_front, _normalize_dim
-from autopar.runtime.zero.compiled import chunk_shapes, scatter_rows, split_columns
+from autopar.runtime.zero.compiled import chunk_shapes, layer_shards, scatter_rows, split_columns
 from autopar.runtime.zero.gather import unflatten_gathered
 
 functional = torch.ops._c10d_functional
@@ -63,9 +63,9 @@ def _all_to_all(x: Tensor, group_name: str, split_dim: int, concat_dim: int) -> 
     return _chunks_from_front(received, _normalize_dim(x, concat_dim))
 
 
-def _zero_gather_layer(shards: list[Tensor], group_name: str, dims: list[int], reduce_grads: list[bool]):
+def _zero_gather_layer(shards: list[Tensor], group_name: str, dims: list[int], reduce_grads: list[bool], dtype):
     size = _size(group_name)
-    sent = torch.cat([shard.reshape(-1) for shard in shards])
+    sent = layer_shards(shards, dtype)
     received = functional.wait_tensor(functional.all_gather_into_tensor(sent, size, group_name))
     return unflatten_gathered(received.view(size, -1), [shard.shape for shard in shards], dims)
 

@@ -12,7 +12,9 @@ the optimizer steps them. The program computes with 16-bit copies of them:
   so microbatches and pipeline stages share one cast per step. A rewrite pass inserting casts
   at parameter uses would cast once per use and per microbatch, and could not recover the
   model's upcasts from a graph captured in fp32. Under ZeRO-3 the copy is of the shard, so the
-  per-layer all-gathers move 16-bit data, as FSDP2's do.
+  per-layer all-gathers move 16-bit data, as FSDP2's do. A compiled program casts its masters
+  itself (``cast_in_program``: :mod:`autopar.passes.rewrite.compiled`), fused into its step and
+  placed against its own gradient sums so they run in ``reduce_dtype``; then there are no copies here.
 - **Gradients** leave the 16-bit graph through each leaf's backward, which casts the gradient
   to the master's fp32, so they accumulate (over microbatches too) and are reduced in fp32
   by default; ``reduce_dtype`` makes the reduction buckets that dtype instead (``GradSync``,
@@ -142,7 +144,7 @@ class MixedPrecision:
         skip = precision.finish(grads, group)        # fp16: unscale; True: inf/NaN somewhere
     """
 
-    def __init__(self, policy: PrecisionPolicy, masters: dict[str, Tensor]):
+    def __init__(self, policy: PrecisionPolicy, masters: dict[str, Tensor], cast_in_program: bool = False):
         self.policy = policy
         self.param_dtype = getattr(torch, policy.param_dtype) if policy.mixed else None
         self.reduce_dtype = getattr(torch, policy.reduce_dtype)
@@ -151,7 +153,7 @@ class MixedPrecision:
         self._copies = {
             name: torch.empty_like(master, dtype=self.param_dtype)
             for name, master in masters.items()
-            if self.param_dtype is not None and master.is_floating_point()
+            if self.param_dtype is not None and master.is_floating_point() and not cast_in_program
         }
         self._cast_at_version = dict.fromkeys(self._copies, -1)
 

@@ -125,7 +125,7 @@ class ParallelModule(nn.Module):
             _register(self, alias, self._params[name])
         for name in buffer_order:
             _register(self, name, state[name].detach().to(device, copy=True), buffer=True)
-        self._precision = MixedPrecision(policy, self._locals)
+        self._precision = MixedPrecision(policy, self._locals, cast_in_program=compiler is not None)
         self._finishing_later = False  # inside a step of several backward passes (AccumulatingModule)
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
         entries = [

@@ -42,13 +42,14 @@ def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
 
 def syncs_whole_in_program(zero: int, schedule: Schedule) -> bool:
     """Whether a compiled program (``schedule.compiled``) sums the gradients of the parameters
-    ZeRO does not split itself (:mod:`autopar.passes.rewrite.compiled`): without ZeRO in a
-    single-pass step (no microbatches, no stages: their runtime sums the accumulated gradient
-    once, after the last backward), and always under ZeRO-3, which syncs every microbatch
-    anyway. ZeRO-3's split parameters are always summed in the program.
+    ZeRO does not split itself (:mod:`autopar.passes.rewrite.compiled`): without ZeRO or under
+    ZeRO-1 (whose gradients are all-reduced whole, as without ZeRO) in a single-pass step (no
+    microbatches, no stages: their runtime sums the accumulated gradient once, after the last
+    backward), and always under ZeRO-3, which syncs every microbatch anyway. ZeRO-3's split
+    parameters are always summed in the program; ZeRO-2's are reduce-scattered by the runtime.
 
-    >>> syncs_whole_in_program(0, Schedule(compiled=True)), syncs_whole_in_program(1, Schedule(compiled=True))
+    >>> syncs_whole_in_program(1, Schedule(compiled=True)), syncs_whole_in_program(2, Schedule(compiled=True))
     (True, False)
     """
     single_pass = schedule.microbatches == 1 and schedule.stages == 1
-    return zero == 3 or (zero == 0 and single_pass)
+    return zero == 3 or (zero <= 1 and single_pass)

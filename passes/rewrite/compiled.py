@@ -17,13 +17,21 @@ gradient sync becomes part of the program, as in SimpleFSDP and Meta's autoparal
   ``grad_all_reduce`` over its gradient axes (identity in forward, the all-reduce in backward,
   right where backward completes the gradient).
 
+Under mixed precision the program also casts its parameters (:func:`cast_in_program`): it
+takes the fp32 masters and casts each to the compute dtype itself, where inductor fuses the
+cast into the step, and where the cast sits against the sum says which dtype the gradient is
+summed in (``reduce_dtype``): a sum before the cast sums the master's fp32 gradient, one after it
+sums the compute dtype's (FSDP2's ``MixedPrecisionPolicy`` either way). Outside a program the runtime casts
+(:mod:`autopar.runtime.mixed_precision`).
+
 The scheduling pass then buckets and places these collectives like every other
 (:mod:`autopar.passes.rewrite.overlap`). Syncing in the program is exact in every case (the sum
 is linear); under ``no_sync`` or over microbatches it communicates once per backward.
 
 Pre: a program of :func:`rewrite` (after recomputation and the stage split; ``params`` maps its
-parameter placeholders to parameter names). Post: the same computation, no ``zero_gather`` left;
-the returned names are the parameters whose gradients the program sums itself.
+parameter placeholders to parameter names), its parameters in the compute dtype. Post: the same
+computation, no ``zero_gather`` left, taking fp32 masters under mixed precision; the returned
+names are the parameters whose gradients the program sums itself.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from autopar.ir import OP_NAMESPACE, Axis, Plan, layer_of
+from autopar.ir import OP_NAMESPACE, Axis, Plan, PrecisionPolicy, layer_of
+
+aten = torch.ops.aten
 
 
 def sync_in_program(
@@ -52,56 +62,121 @@ def sync_in_program(
     """
     ops = getattr(torch.ops, OP_NAMESPACE)
     graph = program.graph
+    casts = _Casts.of(plan.precision_policy)
     synced: set[str] = set()
     layers: dict[tuple, list[fx.Node]] = {}
     for gather in graph.find_nodes(op="call_function", target=ops.zero_gather.default):
         shard = gather.args[0]
         key = (layer_of(params[shard.name]) or "", shard.meta["val"].dtype, gather.args[1])
         layers.setdefault(key, []).append(gather)
+    gathered = {gather.args[0] for gathers in layers.values() for gather in gathers}
     for gathers in layers.values():
-        synced |= _gather_layer(graph, gathers, plan, params, group_of, ops)
-    if whole:
-        for placeholder in graph.find_nodes(op="placeholder"):
-            name = params.get(placeholder.name)
-            if name in plan.grad_sync and name not in synced and placeholder.users:
-                _sum_gradient(graph, placeholder, group_of(plan.grad_sync[name]), ops)
-                synced.add(name)
+        synced |= _gather_layer(graph, gathers, plan, params, group_of, ops, casts)
+    for placeholder in graph.find_nodes(op="placeholder"):
+        name = params.get(placeholder.name)
+        if name is None or placeholder in gathered or not placeholder.users:
+            continue
+        group = group_of(plan.grad_sync[name]) if whole and name in plan.grad_sync and name not in synced else None
+        _feed(graph, placeholder, casts.around_sum(placeholder, group, ops))
+        if group is not None:
+            synced.add(name)
     graph.lint()
     return fx.GraphModule(program, graph), frozenset(synced)
 
 
-def _gather_layer(graph: fx.Graph, gathers: list[fx.Node], plan: Plan, params, group_of, ops) -> set[str]:
+class _Casts:
+    """Where a mixed-precision program casts a parameter: the masters are fp32; ``param`` is the
+    compute dtype, ``reduce`` the dtype gradients are summed in (None without mixed precision)."""
+
+    def __init__(self, param: torch.dtype | None, reduce: torch.dtype | None):
+        self.param, self.reduce = param, reduce
+
+    @classmethod
+    def of(cls, policy: PrecisionPolicy) -> _Casts:
+        if not policy.mixed:
+            return cls(None, None)
+        return cls(getattr(torch, policy.param_dtype), getattr(torch, policy.reduce_dtype))
+
+    def master(self, placeholder: fx.Node) -> bool:
+        """Whether the placeholder now takes an fp32 master (its meta says so from here on)."""
+        val = placeholder.meta["val"]
+        if self.param is None or not val.is_floating_point():
+            return False
+        if val.dtype != torch.float32:
+            placeholder.meta["val"] = val.to(torch.float32)
+        return True
+
+    def around_sum(self, placeholder: fx.Node, group: str | None, ops) -> list[tuple]:
+        """The steps from a parameter to its uses: summed over ``group`` (None: not summed) in
+        the reduce dtype, and cast to the compute dtype."""
+        steps = [(ops.grad_all_reduce.default, group)] if group is not None else []
+        if not self.master(placeholder):
+            return steps
+        if not steps:
+            return _cast_to(self.param)
+        return [*_cast_to(self.reduce), *steps, *([] if self.reduce == self.param else _cast_to(self.param))]
+
+
+def _cast_to(dtype: torch.dtype) -> list[tuple]:
+    """A cast step (none to fp32: the masters are fp32 already)."""
+    return [] if dtype == torch.float32 else [(aten._to_copy.default, dtype)]
+
+
+def _chain(graph: fx.Graph, value: fx.Node, steps: list[tuple]) -> fx.Node:
+    """``value`` through ``steps`` at the graph's insertion point: (``aten._to_copy``, dtype) casts,
+    (a collective, group name) sums; returns the last node."""
+    for target, extra in steps:
+        val = value.meta["val"]
+        if target is aten._to_copy.default:
+            value = graph.call_function(target, (value,), {"dtype": extra})
+            value.meta["val"] = val.to(extra)
+        else:
+            value = graph.call_function(target, (value, extra))
+            value.meta["val"] = val
+    return value
+
+
+def _feed(graph: fx.Graph, value: fx.Node, steps: list[tuple]) -> None:
+    """Route every use of ``value`` through ``steps`` (:func:`_chain`), placed before its first use."""
+    if not steps:
+        return
+    users = list(value.users)
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    with graph.inserting_before(min(users, key=order.__getitem__)):
+        last = _chain(graph, value, steps)
+    for user in users:
+        user.replace_input_with(value, last)
+
+
+def _gather_layer(
+    graph: fx.Graph, gathers: list[fx.Node], plan: Plan, params, group_of, ops, casts: _Casts
+) -> set[str]:
     """One ``zero_gather_layer`` in place of one layer's ``zero_gather`` ops; returns the
-    parameters whose gradients it sums."""
+    parameters whose gradients it sums. Under mixed precision each shard is cast to the reduce
+    dtype first, and the op casts to the compute dtype before gathering (FSDP2's 16-bit gathers)."""
     shards = list(dict.fromkeys(gather.args[0] for gather in gathers))  # a parameter gathered twice: once
     first = {shard: next(g for g in gathers if g.args[0] is shard) for shard in shards}
-    sources, synced = [], set()
+    sources, synced, masters = [], set(), False
     with graph.inserting_before(gathers[0]):
         for shard in shards:
             name = params[shard.name]
             others = tuple(axis for axis in plan.grad_sync.get(name, ()) if axis != Axis.DP)
-            source = shard
+            master = casts.master(shard)
+            masters |= master
+            steps = _cast_to(casts.reduce) if master else []
             if others:  # summed over them first: the sum of the chunks is the chunk of the sum
-                source = graph.call_function(ops.grad_all_reduce.default, (shard, group_of(others)))
-            sources.append(source)
+                steps.append((ops.grad_all_reduce.default, group_of(others)))
+            sources.append(_chain(graph, shard, steps))
             if name in plan.grad_sync:
                 synced.add(name)
+        compute_dtype = casts.param if masters and casts.param != casts.reduce else None
         dims = [first[shard].args[2] for shard in shards]
         reduce_grads = [first[shard].args[3] for shard in shards]
-        layer = graph.call_function(ops.zero_gather_layer.default, (sources, gathers[0].args[1], dims, reduce_grads))
+        layer = graph.call_function(
+            ops.zero_gather_layer.default, (sources, gathers[0].args[1], dims, reduce_grads, compute_dtype)
+        )
         wholes = {shard: graph.call_function(operator.getitem, (layer, index)) for index, shard in enumerate(shards)}
     for gather in gathers:
         gather.replace_all_uses_with(wholes[gather.args[0]])
         graph.erase_node(gather)
     return synced
-
-
-def _sum_gradient(graph: fx.Graph, placeholder: fx.Node, group_name: str, ops) -> None:
-    """Route every use of a parameter through ``grad_all_reduce``: its gradient is summed over
-    ``group_name`` as soon as backward has it."""
-    users = list(placeholder.users)
-    order = {node: index for index, node in enumerate(graph.nodes)}
-    with graph.inserting_before(min(users, key=order.__getitem__)):
-        summed = graph.call_function(ops.grad_all_reduce.default, (placeholder, group_name))
-    for user in users:
-        user.replace_input_with(placeholder, summed)

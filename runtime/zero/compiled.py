@@ -6,19 +6,20 @@ saved-tensor hook swaps gathered weights for notes and regathers them in backwar
 program runs as one autograd node, where no such hook sees the weights, so there the gathers
 are part of the graph, as in SimpleFSDP: the program calls
 
-- ``autopar::zero_gather_layer(shards, dp_group, dims, reduce_grads)``: every shard of one
-  layer all-gathered in one flat collective (FSDP2's per-block gather); the compiler marks it
-  for recomputation, so backward gathers the layer again instead of keeping its weights;
+- ``autopar::zero_gather_layer(shards, dp_group, dims, reduce_grads, compute_dtype)``: every
+  shard of one layer all-gathered in one flat collective (FSDP2's per-block gather), cast to
+  ``compute_dtype`` first where one is given (mixed precision's 16-bit gathers); the compiler
+  marks it for recomputation, so backward gathers the layer again instead of keeping its weights;
 - its backward ``autopar::zero_reduce_scatter_layer(grads, dp_group, dims, reduce_grads)``: the
-  layer's gradients reduce-scattered (sum) in one collective, each rank receiving the chunks of
-  its shards; a gradient not summed over dp (``reduce_grads[i]`` False) is just cut to this
-  rank's chunk.
+  layer's gradients, cast back to the shards' dtype (the reduce dtype), reduce-scattered (sum)
+  in one collective, each rank receiving the chunks of its shards; a gradient not summed over dp
+  (``reduce_grads[i]`` False) is just cut to this rank's chunk.
 
 Where each layer's gather is issued (the next layer's prefetched while this one computes) and
 where its reduce-scatter is waited for is the scheduling pass's business
 (:mod:`autopar.passes.rewrite.overlap`), on the functional forms of :mod:`autopar.runtime.functional`.
 
->>> wq, wk = torch.ops.autopar.zero_gather_layer([wq_shard, wk_shard], dp_group, [0, 0], [True, True])  # doctest: +SKIP
+>>> wq, wk = torch.ops.autopar.zero_gather_layer([wq, wk], dp_group, [0, 0], [True, True], None)  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -52,22 +53,40 @@ def chunk_shapes(grads: list[Tensor], dims: list[int], parts: int) -> list[list[
 
 
 @torch.library.custom_op("autopar::zero_gather_layer", mutates_args=())
-def zero_gather_layer(shards: list[Tensor], group_name: str, dims: list[int], reduce_grads: list[bool]) -> list[Tensor]:
-    """All-gather one layer's ZeRO-3 shards (each along its ``dims[i]``) in one collective;
-    backward: :func:`zero_reduce_scatter_layer`."""
+def zero_gather_layer(
+    shards: list[Tensor],
+    group_name: str,
+    dims: list[int],
+    reduce_grads: list[bool],
+    compute_dtype: torch.dtype | None,  # no default: autograd of a custom op drops an argument left at its default
+) -> list[Tensor]:
+    """All-gather one layer's ZeRO-3 shards (each along its ``dims[i]``, in ``compute_dtype``
+    if given) in one collective; backward: :func:`zero_reduce_scatter_layer`."""
     group = _resolve_process_group(group_name)
-    sent = torch.cat([shard.reshape(-1) for shard in shards])
+    sent = layer_shards(shards, compute_dtype)
     received = sent.new_empty(group.size(), sent.numel())
     with collective("parameter all-gather", group_name):
         dist.all_gather_single(received.view(-1), sent, group=group)
     return unflatten_gathered(received, [shard.shape for shard in shards], dims)
 
 
+def layer_shards(shards: list[Tensor], compute_dtype: torch.dtype | None) -> Tensor:
+    """A layer's shards end to end, as its gather sends them (a prims cast: the functional form
+    enters a graph inductor lowers after its decompositions, where ``aten._to_copy`` is gone)."""
+    flat = [shard.reshape(-1) for shard in shards]
+    if compute_dtype is not None:
+        flat = [torch.ops.prims.convert_element_type.default(piece, compute_dtype) for piece in flat]
+    return torch.cat(flat)
+
+
 @zero_gather_layer.register_fake
-def _(shards, group_name, dims, reduce_grads):
+def _(shards, group_name, dims, reduce_grads, compute_dtype):
     size = _resolve_process_group(group_name).size()
     return [
-        shard.new_empty(_resized(shard, _normalize_dim(shard, dim), shard.shape[_normalize_dim(shard, dim)] * size))
+        shard.new_empty(
+            _resized(shard, _normalize_dim(shard, dim), shard.shape[_normalize_dim(shard, dim)] * size),
+            dtype=compute_dtype or shard.dtype,
+        )
         for shard, dim in zip(shards, dims)
     ]
 
@@ -103,16 +122,16 @@ def _(grads, group_name, dims, reduce_grads):
 
 
 def _setup_gather(ctx, inputs, output):
-    _, ctx.group_name, ctx.dims, ctx.reduce_grads = inputs
-    ctx.wholes = [(whole.shape, whole.dtype, whole.device) for whole in output]
+    shards, ctx.group_name, ctx.dims, ctx.reduce_grads, _ = inputs
+    ctx.wholes = [(whole.shape, shard.dtype, whole.device) for whole, shard in zip(output, shards)]
 
 
 def _gather_backward(ctx, grads):
-    grads = [
-        torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
+    grads = [  # in the shards' dtype: the reduce dtype
+        torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.to(dtype)
         for grad, (shape, dtype, device) in zip(grads, ctx.wholes)
     ]
-    return zero_reduce_scatter_layer(grads, ctx.group_name, ctx.dims, ctx.reduce_grads), None, None, None
+    return zero_reduce_scatter_layer(grads, ctx.group_name, ctx.dims, ctx.reduce_grads), None, None, None, None
 
 
 register_dual(zero_gather_layer, _gather_backward, _setup_gather)

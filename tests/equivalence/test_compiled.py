@@ -1,15 +1,19 @@
 """``compile=True`` against the unparallelized model: same loss, full gradients and parameters
-after AdamW (fp32), for DP, TP+SP, ZeRO-3, PP2, CP2 (ring attention) and EP2 on 2 gloo ranks,
-in one spawn. Each case also shows that its programs really ran compiled (one graph each:
+after AdamW (fp32), for DP, TP+SP, ZeRO-1, ZeRO-3, PP2, CP2 (ring attention) and EP2 on 2 gloo
+ranks, in one spawn. Each case also shows that its programs really ran compiled (one graph each:
 ``fullgraph=True`` raises on a break), that a program sums its own gradients where
 :func:`autopar.ir.zero.syncs_whole_in_program` says so, and that TP+SP's matmuls ran in pieces
-with their collectives (async tensor parallelism). Last, a rank stalls: the other's compiled
+with their collectives (async tensor parallelism). Under bf16-mixed (DP, ZeRO-3) the programs
+cast their fp32 masters themselves, and sum gradients in the reduce dtype asked for; these
+match the single-process bf16 reference within mixed precision's tolerance
+(tests/equivalence/test_mixed_precision.py). Last, a rank stalls: the other's compiled
 step fails at the collective timeout naming the program node its generated code waited for.
 
 First compiles take tens of seconds here; inductor's cache (shared by the ranks, and by
 later runs) makes the models tiny and the compiles few.
 """
 
+import copy
 import dataclasses
 import re
 import time
@@ -18,6 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from equivalence import GPT_SP, assert_matches, check_every_case, compare_one_step, load_example, run_case
+from mixed_precision import reference_step
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import autopar
@@ -32,6 +37,7 @@ STALL_TIMEOUT_S = 3
 CASES = [
     ("DP", "gpt", GPT, dict(degrees={"dp": 2})),
     ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, async_tp=True)),
+    ("ZeRO-1", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=1)),
     ("ZeRO-3", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=3)),
     ("PP2", "gpt", GPT, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="1f1b")),
     ("CP2", "long_context_gpt", LONG, dict(degrees={"cp": 2}, constraints={"layers.*.attn": "ring"})),
@@ -39,15 +45,56 @@ CASES = [
 ]
 
 
+MIXED_CASES = [  # (name, reduce dtype, ZeRO stage): bf16-mixed, compiled, data parallel
+    ("DP bf16, reduced in bf16", "bfloat16", 0),
+    ("ZeRO-3 bf16, reduced in fp32", "float32", 3),
+]
+UNIT_ROUNDING_BF16 = 2.0**-8
+
+
 def _compiled_case(rank: int, world: int, name: str, file: str, kwargs: dict, options: dict) -> dict:
     builder = load_example(f"{file}.py").build
-    if name == "ZeRO-3":  # data parallel's own plan, ZeRO-3 on top (the search may otherwise replicate the batch)
-        model = builder(**kwargs)
-        base = from_rank_zero(
-            lambda: autopar.plan(model, world, model.example_inputs(BATCH), **{**options, "zero": 0}), "planning"
-        )
-        options = dict(plan=dataclasses.replace(base, zero=3))
+    if options.get("zero"):  # data parallel's own plan, ZeRO on top (the search may otherwise replicate the batch)
+        options = dict(plan=_data_parallel_plan(builder(**kwargs), world, options))
     return compare_one_step(builder, kwargs, BATCH, world, {**options, "compile": True}, inspect=_compiled)
+
+
+def _data_parallel_plan(model, world: int, options: dict):
+    """The plan searched for ``options`` without ZeRO, given their ZeRO stage."""
+    base = from_rank_zero(
+        lambda: autopar.plan(model, world, model.example_inputs(BATCH), **{**options, "zero": 0}), "planning"
+    )
+    return dataclasses.replace(base, zero=options["zero"])
+
+
+def _mixed_case(world: int, reduce_dtype: str, zero: int) -> dict:
+    """One bf16-mixed compiled step against the single-process bf16 reference (relative L2 error
+    of the loss and of each full gradient), and the dtypes the program's gradient sums ran in."""
+    torch.manual_seed(0)
+    model = load_example("gpt.py").build(**GPT)
+    inputs = model.example_inputs(BATCH)
+    options = dict(degrees={"dp": 2}, precision="bf16-mixed", reduce_dtype=reduce_dtype, zero=zero)
+    pmodel = autopar.parallelize(model, world, inputs, plan=_data_parallel_plan(model, world, options), compile=True)
+    reference = copy.deepcopy(model)
+    ref_loss, ref_grads = reference_step(reference, inputs, torch.bfloat16, torch.optim.SGD(reference.parameters()))
+    loss = pmodel.train_step(*pmodel.shard_batch(*inputs))
+    grads = {name: param.grad.full_tensor() for name, param in pmodel.named_parameters()}
+    graph = pmodel.program.graph
+    ops = torch.ops.autopar
+    return {
+        "loss": ((loss.float() - ref_loss.float()).abs() / ref_loss.float().abs()).item(),
+        "grad": max((((grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item(), n) for n in ref_grads),
+        "grad_dtypes": {grad.dtype for grad in grads.values()},
+        "all_reduced": {
+            node.args[0].meta["val"].dtype
+            for node in graph.find_nodes(op="call_function", target=ops.grad_all_reduce.default)
+        },
+        "gathered": {
+            (node.args[0][0].meta["val"].dtype, node.args[4])
+            for node in graph.find_nodes(op="call_function", target=ops.zero_gather_layer.default)
+        },
+        **_compiled(pmodel),
+    }
 
 
 def _compiled(module) -> dict:
@@ -61,8 +108,12 @@ def _compiled(module) -> dict:
     }
 
 
-def _run(rank: int, world: int) -> tuple[list[dict], str]:
-    return [run_case(lambda case=case: _compiled_case(rank, world, *case)) for case in CASES], _stalled(rank)
+def _run(rank: int, world: int) -> tuple[list[dict], list[dict], str]:
+    return (
+        [run_case(lambda case=case: _compiled_case(rank, world, *case)) for case in CASES],
+        [run_case(lambda case=case: _mixed_case(world, *case[1:])) for case in MIXED_CASES],
+        _stalled(rank),
+    )
 
 
 def _stalled(rank: int) -> str:
@@ -95,13 +146,26 @@ def _check(case, result):
     assert result["compiled"] and all(result["compiled"]), result  # every program ran compiled
     if name == "TP+SP":  # its gathers before linears (and the all-reduces after) ran in pieces
         assert result["pieced"] > 0, result
-    if name in ("DP", "ZeRO-3"):  # the program sums its gradients; the runtime has nothing left to sync
+    if name in ("DP", "ZeRO-1", "ZeRO-3"):  # the program sums its gradients; the runtime has nothing left to sync
         assert result["synced_in_program"] > 0 and result["synced_by_runtime"] == 0, result
 
 
+def _check_mixed(case, result):
+    name, reduce_dtype, zero = case
+    tolerance = 16 * UNIT_ROUNDING_BF16  # as tests/equivalence/test_mixed_precision.py argues
+    assert result["loss"] <= tolerance and result["grad"][0] <= tolerance, result
+    assert result["grad_dtypes"] == {torch.float32}, result  # on the fp32 masters
+    assert all(result["compiled"]) and result["synced_by_runtime"] == 0, result
+    if zero == 3:  # fp32 shards in, gathered in bf16; so backward reduce-scatters the shards' fp32
+        assert result["gathered"] == {(torch.float32, torch.bfloat16)}, result
+    else:  # cast to bf16, then summed
+        assert result["all_reduced"] == {getattr(torch, reduce_dtype)}, result
+
+
 def test_compiled_training_step_matches_single_process():
-    results, stalled = run_local(_run, 2, timeout_s=900)[0]
+    results, mixed, stalled = run_local(_run, 2, timeout_s=900)[0]
     check_every_case(CASES, results, _check)
+    check_every_case(MIXED_CASES, mixed, _check_mixed)
     # a collective of the compiled forward (TP+SP's first all-gather) waits for rank 1 in vain
     named = (
         r"rank 0 of 2: a collective in a compiled program waiting for node all_gather\w* "

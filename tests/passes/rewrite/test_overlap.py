@@ -100,7 +100,7 @@ def test_dependent_all_reduces_are_not_bucketed(group):
 def test_parameter_gathers_prefetch_one_layer_ahead(group):
     def forward(w0, w1, w2, x):
         for weight in (w0, w1, w2):
-            (whole,) = ops.zero_gather_layer([weight], group, [0], [True])
+            (whole,) = ops.zero_gather_layer([weight], group, [0], [True], None)
             x = torch.tanh(x @ whole)
         return x
 
