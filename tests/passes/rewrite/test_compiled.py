@@ -1,5 +1,6 @@
 """Sync in program: a program about to be compiled sums its own gradients (one grad_all_reduce
-per synced parameter) and gathers ZeRO-3 weights one layer per op."""
+per synced parameter) and gathers ZeRO-3 weights one layer per op; under mixed precision it
+casts its fp32 masters itself, on the side of each sum that makes it run in the reduce dtype."""
 
 import dataclasses
 
@@ -15,9 +16,9 @@ GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 ops = torch.ops.autopar
 
 
-def _program(plan):
+def _program(plan, param_dtype=None):
     model = meta_model("gpt.py", **GPT)
-    captured = capture(model, model.example_inputs(8, device="meta"))
+    captured = capture(model, model.example_inputs(8, device="meta"), param_dtype=param_dtype)
     program = rewrite(captured, plan, groups={"dp": "dp", "tp": "tp"}, device="cpu")
     return program, captured.params
 
@@ -59,3 +60,56 @@ def test_without_whole_parameters_the_runtime_keeps_their_sync():
     program, params = _program(plan)
     program, synced = sync_in_program(program, plan, params, _group_of, whole=False)
     assert not synced and not program.graph.find_nodes(op="call_function", target=ops.grad_all_reduce.default)
+
+
+def _mixed_plan(reduce_dtype: str, zero: int = 0):
+    base = plan_example(
+        "gpt.py",
+        2,
+        batch=8,
+        model_kwargs=GPT,
+        degrees={"dp": 2, "tp": 1},
+        precision="bf16-mixed",
+        zero=0,
+        reduce_dtype=reduce_dtype,
+    )
+    return dataclasses.replace(base, zero=zero)
+
+
+def _path(node) -> list:
+    """The targets from a parameter to its first use that is neither a cast nor a sum."""
+    path = []
+    while len(node.users) == 1 and (user := next(iter(node.users))).target in (CAST, ops.grad_all_reduce.default):
+        path.append(user.target)
+        node = user
+    return path
+
+
+CAST = torch.ops.aten._to_copy.default
+
+
+def test_mixed_precision_casts_masters_in_the_program_around_the_sum():
+    for reduce_dtype, whole, expected in (
+        ("float32", True, [ops.grad_all_reduce.default, CAST]),  # the fp32 gradient summed, then cast
+        ("bfloat16", True, [CAST, ops.grad_all_reduce.default]),  # the bf16 gradient summed
+        ("float32", False, [CAST]),  # the runtime sums it (in the reduce dtype, on the master's gradient)
+    ):
+        plan = _mixed_plan(reduce_dtype)
+        program, params = _program(plan, torch.bfloat16)
+        program, _ = sync_in_program(program, plan, params, _group_of, whole=whole)
+        for node in program.graph.find_nodes(op="placeholder"):
+            if node.name in params:
+                assert node.meta["val"].dtype == torch.float32, node  # takes the master
+                assert _path(node) == expected, (reduce_dtype, whole, node, _path(node))
+
+
+def test_mixed_precision_zero3_gathers_in_the_compute_dtype_and_sums_in_the_reduce_dtype():
+    for reduce_dtype, source, compute in (("float32", "placeholder", torch.bfloat16), ("bfloat16", CAST, None)):
+        plan = _mixed_plan(reduce_dtype, zero=3)
+        program, params = _program(plan, torch.bfloat16)
+        program, _ = sync_in_program(program, plan, params, _group_of, whole=True)
+        layers = program.graph.find_nodes(op="call_function", target=ops.zero_gather_layer.default)
+        for layer in layers:
+            # the op reduce-scatters its gradients in its sources' dtype: fp32 shards, or their bf16 casts
+            assert {(s.op if s.op == "placeholder" else s.target) for s in layer.args[0]} == {source}
+            assert layer.args[4] == compute, layer
