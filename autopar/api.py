@@ -5,7 +5,9 @@ This is, with the CLI, the only place that imports both ``passes`` and ``runtime
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -24,7 +26,7 @@ from autopar.ir import (
     StalePlanError,
     batch_split,
 )
-from autopar.ir.zero import syncs_whole_in_program
+from autopar.ir.zero import accumulates_in_program, syncs_whole_in_program
 from autopar.passes.capture.calls import bind_call, example_call
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
@@ -200,17 +202,25 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
             captured=known,
         )
         program = built.stages if built.stages is not None else built.program
-        loss_program = built.loss_program
+        loss_program, accumulating = built.loss_program, None
         if plan.schedule.compiled:  # the programs sum their gradients; the runtime leaves those alone
             group_of = lambda axes: group_name(device_mesh, tuple(axes))  # noqa: E731
-            program, synced = _synced_in_program(program, built.plan, built.captured.params, group_of, log)
-            if loss_program is not None:
-                loss_program, more = _synced_in_program(loss_program, built.plan, built.captured.params, group_of, log)
+            sync = functools.partial(
+                _synced_in_program, plan=built.plan, params=built.captured.params, group_of=group_of, log=log
+            )
+            program, synced = sync(program)
+            if loss_program is not None and accumulates_in_program(built.plan.zero, built.plan.schedule):
+                accumulating, _ = sync(copy.deepcopy(loss_program), whole=False)
+                loss_program, more = sync(loss_program, accumulated=True)
+                synced |= more
+            elif loss_program is not None:
+                loss_program, more = sync(loss_program)
                 synced |= more
             synced_in_program.update(synced)
         return CallProgram(
             program=program,
             loss_program=loss_program,
+            accumulating_loss_program=accumulating,
             inputs={name: built.plan.inputs[name] for name in built.captured.user_inputs},
             out_spec=built.captured.out_spec,
             signature=Calls.signature(bound),
@@ -249,10 +259,15 @@ def _captured_with_plan(model, mesh: Mesh, call: tuple, plan: Plan | str | None,
     return example, captured, plan
 
 
-def _synced_in_program(program, plan: Plan, params: dict[str, str], group_of, log: PassLog):
+def _synced_in_program(
+    program, *, plan: Plan, params: dict[str, str], group_of, log: PassLog, whole: bool | None = None, accumulated=False
+):
     """A compiled call's program (or stage programs) summing their own gradients where the plan
-    lets them (:func:`syncs_whole_in_program`), and the names of the parameters they sum."""
-    whole, synced = syncs_whole_in_program(plan.zero, plan.schedule), set()
+    lets them (:func:`syncs_whole_in_program`; ``whole``: False where it must not), and the names
+    of the parameters they sum; ``accumulated``: as the last microbatch's program
+    (:func:`autopar.passes.rewrite.compiled.sync_in_program`)."""
+    whole = syncs_whole_in_program(plan.zero, plan.schedule) if whole is None else whole
+    synced = set()
 
     def one(graph):
         graph, names = log.run(
@@ -263,6 +278,7 @@ def _synced_in_program(program, plan: Plan, params: dict[str, str], group_of, lo
             params,
             group_of,
             whole=whole,
+            accumulated=accumulated,
             verify=lambda result: verify_graph(result[0]),
         )
         synced.update(names)

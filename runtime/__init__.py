@@ -30,6 +30,7 @@ from autopar.runtime.collectives import (
     all_to_all,
     chunk,
     grad_all_reduce,
+    grad_all_reduce_accumulated,
     keep_on_first,
     reduce_scatter,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "chunk",
     "free_port",
     "grad_all_reduce",
+    "grad_all_reduce_accumulated",
     "finish",
     "group_name",
     "init_from_env",

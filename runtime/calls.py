@@ -40,6 +40,9 @@ class CallProgram:
     inputs: dict[str, tuple]  # placeholder name → placements, one per tensor leaf of the call, in order
     out_spec: TreeSpec | None  # rebuilds the model's result from the program's outputs
     signature: tuple  # what :meth:`Calls.signature` gives the calls it runs
+    # compiled gradient accumulation: the loss program of the microbatches before the last, which
+    # sums nothing (``loss_program`` then runs the last, summing what these accumulated); else None
+    accumulating_loss_program: Any = None
 
 
 def local_chunk(full: torch.Tensor, placements, mesh: DeviceMesh, skip: tuple[str, ...] = ()) -> torch.Tensor:

@@ -105,6 +105,19 @@ def _(x, group_name):
     return x.new_empty(x.shape)
 
 
+@torch.library.custom_op("autopar::grad_all_reduce_accumulated", mutates_args=())
+def grad_all_reduce_accumulated(x: Tensor, earlier: Tensor, group_name: str) -> Tensor:
+    """Identity in forward; in backward, the all-reduce (sum) of the gradient plus ``earlier``:
+    the gradient earlier microbatches of the step accumulated on this rank (the last microbatch
+    of gradient accumulation sums the whole step's gradient once). ``earlier`` gets none."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@grad_all_reduce_accumulated.register_fake
+def _(x, earlier, group_name):
+    return x.new_empty(x.shape)
+
+
 @torch.library.custom_op("autopar::all_gather", mutates_args=())
 def all_gather(x: Tensor, group_name: str, dim: int, reduce_grad: bool) -> Tensor:
     """All-gather along ``dim`` in forward (Shard(dim) → Replicate); in backward the dual:
@@ -262,6 +275,16 @@ def _grad_all_reduce_backward(ctx, grad):
     return _grad_and_nones(ctx, all_reduce(grad, group_name, "sum"))
 
 
+def _setup_accumulated(ctx, inputs, output):
+    _, earlier, ctx.group_name = inputs
+    ctx.save_for_backward(earlier)
+
+
+def _grad_all_reduce_accumulated_backward(ctx, grad):
+    (earlier,) = ctx.saved_tensors
+    return all_reduce(grad + earlier, ctx.group_name, "sum"), None, None
+
+
 def _all_gather_backward(ctx, grad):
     group_name, dim, reduce_grad = ctx.args
     if reduce_grad:
@@ -301,3 +324,4 @@ for _op, _backward in [
     (keep_on_first, _keep_on_first_backward),
 ]:
     register_dual(_op, _backward)
+register_dual(grad_all_reduce_accumulated, _grad_all_reduce_accumulated_backward, _setup_accumulated)

@@ -11,8 +11,9 @@ dim belongs to group rank k", :mod:`autopar.runtime.collectives`), on gloo and N
 
 Only forward computations are listed: by the time a compiled graph is scheduled, autograd has
 turned every op into its forward or its dual, which is again one of these ops. ``grad_all_reduce``
-computes nothing in forward (its form is the identity); ``chunk``, ``keep_on_first`` and the
-parallel kernels (ring and Ulysses attention, experts) stay opaque ops.
+and ``grad_all_reduce_accumulated`` compute nothing in forward (their forms are the identity);
+``chunk``, ``keep_on_first`` and the parallel kernels (ring and Ulysses attention, experts) stay
+opaque ops.
 
 >>> FUNCTIONAL_FORMS[torch.ops.autopar.all_reduce.default](x, group_name, "sum")  # doctest: +SKIP
 """
@@ -40,6 +41,10 @@ def _all_reduce(x: Tensor, group_name: str, reduce_op: str) -> Tensor:
 
 
 def _grad_all_reduce(x: Tensor, group_name: str) -> Tensor:
+    return x
+
+
+def _grad_all_reduce_accumulated(x: Tensor, earlier: Tensor, group_name: str) -> Tensor:
     return x
 
 
@@ -88,6 +93,7 @@ def _zero_reduce_scatter_layer(grads: list[Tensor], group_name: str, dims: list[
 FUNCTIONAL_FORMS = {
     autopar.all_reduce.default: _all_reduce,
     autopar.grad_all_reduce.default: _grad_all_reduce,
+    autopar.grad_all_reduce_accumulated.default: _grad_all_reduce_accumulated,
     autopar.all_gather.default: _all_gather,
     autopar.zero_gather.default: _all_gather,
     autopar.reduce_scatter.default: _reduce_scatter,

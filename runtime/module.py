@@ -35,7 +35,7 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from autopar.ir import ConfigError, NonFiniteError, Plan, Replicate, Shard
+from autopar.ir import EARLIER_GRADS, ConfigError, NonFiniteError, Plan, Replicate, Shard
 from autopar.runtime.calls import CallProgram, Calls, local_chunk
 from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
@@ -211,7 +211,7 @@ class ParallelModule(nn.Module):
         """fp16-mixed: the dynamic loss scale (GradScaler's rules; its attributes may be tuned). Else None."""
         return self._precision.loss_scaler
 
-    def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
+    def _run(self, program: fx.GraphModule, local_inputs, earlier_grads: tuple = ()) -> tuple:
         self._follow_zeroed_grads()
         leaves = self._precision.leaves()
         params = [leaves[name] for name in self._param_order]
@@ -220,7 +220,7 @@ class ParallelModule(nn.Module):
         local_inputs = self._precision.inputs(local_inputs)
         program = self._compiler(program) if self._compiler is not None else program
         if self._zero3 is None:
-            return self._precision.outputs(program(*params, *buffers, *local_inputs))
+            return self._precision.outputs(program(*params, *buffers, *local_inputs, *earlier_grads))
         with self._zero3.forward(leaves):  # gathered per layer; regathered for backward
             return self._precision.outputs(program(*params, *buffers, *local_inputs))
 
@@ -411,7 +411,9 @@ def _register(root: nn.Module, name: str, value, buffer: bool = False) -> None:
 
 class AccumulatingModule(ParallelModule):
     """Gradient accumulation without stages: the local batch in ``microbatches`` pieces, one
-    after another; the gradient sync runs with the last backward."""
+    after another; the gradient sync runs with the last backward. Compiled, the pieces but the
+    last run a program that sums nothing, and the last one's program takes the gradients they
+    accumulated and sums them with its own (:func:`autopar.ir.zero.accumulates_in_program`)."""
 
     def _pieces(self, local_inputs) -> list[tuple]:
         count = self.plan.schedule.microbatches
@@ -425,11 +427,25 @@ class AccumulatingModule(ParallelModule):
         losses = []
         with self._one_step():
             for index, piece in enumerate(pieces):
-                (loss,) = self._run(program, piece)
-                with self._accumulating(last=index == len(pieces) - 1):
+                last = index == len(pieces) - 1
+                if last:
+                    (loss,) = self._run(program, piece, self._earlier_grads(program))
+                else:
+                    (loss,) = self._run(call.accumulating_loss_program or program, piece)
+                with self._accumulating(last=last):
                     (loss / len(pieces)).backward()
                 losses.append(loss.detach())
         return torch.stack(losses).mean()
+
+    def _earlier_grads(self, program: fx.GraphModule) -> tuple:
+        """The gradients the step's earlier pieces accumulated, for a program that sums them with
+        its own (zeros where there are none); their leaves let go of them, to receive the sums."""
+        earlier = []
+        for name in program.meta.get(EARLIER_GRADS, ()):
+            local = self._locals[name]
+            earlier.append(local.grad if local.grad is not None else torch.zeros_like(local))
+            local.grad = None
+        return tuple(earlier)
 
     def _accumulating(self, last: bool):
         """ZeRO-2/3: each backward synced on its own (``ZeroLayout.syncs_each_microbatch``);

@@ -62,6 +62,9 @@ class Precision(StrEnum):
 
 
 OP_NAMESPACE = "autopar"  # torch.ops.autopar.*: the collectives and kernels rewritten graphs call
+# A compiled program's meta: the parameters whose earlier microbatches' gradients it takes as
+# inputs after its own, in order (autopar.passes.rewrite.compiled, read by the runtime)
+EARLIER_GRADS = "autopar_earlier_grads"
 
 
 def module_label(path: str) -> str:

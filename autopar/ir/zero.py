@@ -43,13 +43,24 @@ def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
 def syncs_whole_in_program(zero: int, schedule: Schedule) -> bool:
     """Whether a compiled program (``schedule.compiled``) sums the gradients of the parameters
     ZeRO does not split itself (:mod:`autopar.passes.rewrite.compiled`): without ZeRO or under
-    ZeRO-1 (whose gradients are all-reduced whole, as without ZeRO) in a single-pass step (no
-    microbatches, no stages: their runtime sums the accumulated gradient once, after the last
-    backward), and always under ZeRO-3, which syncs every microbatch anyway. ZeRO-3's split
-    parameters are always summed in the program; ZeRO-2's are reduce-scattered by the runtime.
+    ZeRO-1 (whose gradients are all-reduced whole, as without ZeRO) in a step without stages (over
+    microbatches, the last one's program sums what the others accumulated:
+    :func:`accumulates_in_program`; a pipeline's runtime sums after its last backward), and always
+    under ZeRO-3, which syncs every microbatch anyway. ZeRO-3's split parameters are always summed
+    in the program; ZeRO-2's are reduce-scattered by the runtime.
 
     >>> syncs_whole_in_program(1, Schedule(compiled=True)), syncs_whole_in_program(2, Schedule(compiled=True))
     (True, False)
     """
-    single_pass = schedule.microbatches == 1 and schedule.stages == 1
-    return zero == 3 or (zero <= 1 and single_pass)
+    return zero == 3 or (zero <= 1 and schedule.stages == 1)
+
+
+def accumulates_in_program(zero: int, schedule: Schedule) -> bool:
+    """Whether a compiled step's microbatches but the last leave their gradients to accumulate
+    locally, and the last one's program sums them with its own, behind its backward (DDP's
+    ``no_sync`` then a synced backward): gradient accumulation without stages, below ZeRO-2.
+
+    >>> accumulates_in_program(0, Schedule(microbatches=4, compiled=True))
+    True
+    """
+    return zero <= 1 and schedule.stages == 1 and schedule.microbatches > 1

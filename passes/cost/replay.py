@@ -182,12 +182,15 @@ class CompiledStep:
         per_layer: bool = False,
         async_tp: bool = False,
         concurrency: float = 1.0,
+        sync_window: float = 1.0,
     ) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) seconds of the scheduled step.
 
         A gradient synced in the program is bucketed (``per_layer``: ZeRO-3's one reduce-scatter,
         and regather, per layer) and waited for at the end of backward; otherwise the runtime
-        syncs after the compiled backward returns, with nothing to hide behind. ``async_tp``: the
+        syncs after the compiled backward returns, with nothing to hide behind. ``sync_window``:
+        the share of the step's compute that runs in the program that syncs (1/microbatches where
+        only the last microbatch's program sums the step's gradients). ``async_tp``: the
         linears noted with a move run in pieces with it (:func:`_in_pieces`). ``concurrency``: the
         share of what the schedule puts behind compute that really hides there (the profile's
         ``overlap``: 1 where collectives run on engines of their own, as on GPUs; 0 on a CPU whose
@@ -219,8 +222,15 @@ class CompiledStep:
             transfers.append(Transfer(gradient_ready(activation), needed, seconds, label=f"{activation} gradient"))
         syncs = [Transfer(gradient_ready(p), order.end, seconds, nbytes, SYNC) for p, seconds, nbytes in self.syncs]
         layers = {i: facts[p].gather_group for i, (p, _, _) in enumerate(self.syncs)} if per_layer else None
-        exposure = exposed_time(order.compute, transfers + (bucketed(syncs, layers) if syncs_in_program else []))
-        sync = exposure.stalls.get(SYNC, 0.0) + (0.0 if syncs_in_program else sum(t.seconds for t in syncs))
+        if syncs_in_program and sync_window < 1:  # the sync replays against the last microbatch alone
+            exposure = exposed_time(order.compute, transfers)
+            stall = exposed_time([c * sync_window for c in order.compute], bucketed(syncs, layers)).stalls.get(
+                SYNC, 0.0
+            )
+        else:
+            exposure = exposed_time(order.compute, transfers + (bucketed(syncs, layers) if syncs_in_program else []))
+            stall = exposure.stalls.get(SYNC, 0.0)
+        sync = stall + (0.0 if syncs_in_program else sum(t.seconds for t in syncs))
         comm = exposure.exposed - exposure.stalls.get(SYNC, 0.0)
         hidden_comm = sum(t.seconds for t in transfers) - comm
         hidden_sync = sum(t.seconds for t in syncs) - sync

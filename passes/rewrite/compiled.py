@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from autopar.ir import OP_NAMESPACE, Axis, Plan, PrecisionPolicy, layer_of
+from autopar.ir import EARLIER_GRADS, OP_NAMESPACE, Axis, Plan, PrecisionPolicy, layer_of
 
 aten = torch.ops.aten
 
@@ -54,9 +54,14 @@ def sync_in_program(
     group_of: Callable[[tuple[str, ...]], str],
     *,
     whole: bool,
+    accumulated: bool = False,
 ) -> tuple[fx.GraphModule, frozenset[str]]:
     """``program`` summing its own gradients (see the module docstring); ``group_of(axes)`` names
-    the process group of mesh axes; ``whole``: also the parameters ZeRO does not split.
+    the process group of mesh axes; ``whole``: also the parameters ZeRO does not split;
+    ``accumulated``: the program runs the last microbatch of a step whose earlier microbatches
+    left their gradients of those parameters to accumulate: it takes them as inputs after its
+    own (one per name in ``program.meta[EARLIER_GRADS]``) and sums them with its own
+    (``grad_all_reduce_accumulated``), so a step communicates once, behind the last backward.
 
     >>> program, synced = sync_in_program(program, plan, captured.params, group_of, whole=True)  # doctest: +SKIP
     """
@@ -72,16 +77,30 @@ def sync_in_program(
     gathered = {gather.args[0] for gathers in layers.values() for gather in gathers}
     for gathers in layers.values():
         synced |= _gather_layer(graph, gathers, plan, params, group_of, ops, casts)
-    for placeholder in graph.find_nodes(op="placeholder"):
+    earlier: list[str] = []  # accumulated: the parameters whose earlier gradients the program takes, in order
+    inputs = graph.find_nodes(op="placeholder")
+    anchor = inputs[-1] if inputs else None
+    for placeholder in inputs:
         name = params.get(placeholder.name)
         if name is None or placeholder in gathered or not placeholder.users:
             continue
-        group = group_of(plan.grad_sync[name]) if whole and name in plan.grad_sync and name not in synced else None
-        _feed(graph, placeholder, casts.around_sum(placeholder, group, ops))
-        if group is not None:
+        master = casts.master(placeholder)
+        sum_step = None
+        if whole and name in plan.grad_sync and name not in synced:
+            group = group_of(plan.grad_sync[name])
+            sum_step = (ops.grad_all_reduce.default, (group,))
+            if accumulated:
+                with graph.inserting_after(anchor):
+                    anchor = graph.placeholder(f"{placeholder.name}_earlier_grad")
+                anchor.meta["val"] = placeholder.meta["val"]
+                sum_step = (ops.grad_all_reduce_accumulated.default, (anchor, group))
+                earlier.append(name)
             synced.add(name)
+        _feed(graph, placeholder, casts.around(master, sum_step))
     graph.lint()
-    return fx.GraphModule(program, graph), frozenset(synced)
+    result = fx.GraphModule(program, graph)
+    result.meta[EARLIER_GRADS] = earlier
+    return result, frozenset(synced)
 
 
 class _Casts:
@@ -106,11 +125,11 @@ class _Casts:
             placeholder.meta["val"] = val.to(torch.float32)
         return True
 
-    def around_sum(self, placeholder: fx.Node, group: str | None, ops) -> list[tuple]:
-        """The steps from a parameter to its uses: summed over ``group`` (None: not summed) in
-        the reduce dtype, and cast to the compute dtype."""
-        steps = [(ops.grad_all_reduce.default, group)] if group is not None else []
-        if not self.master(placeholder):
+    def around(self, master: bool, sum_step: tuple | None) -> list[tuple]:
+        """The steps from a parameter to its uses: its sum (None: not summed) in the reduce
+        dtype, and a cast to the compute dtype (``master``: it takes an fp32 master)."""
+        steps = [sum_step] if sum_step is not None else []
+        if not master:
             return steps
         if not steps:
             return _cast_to(self.param)
@@ -124,15 +143,22 @@ def _cast_to(dtype: torch.dtype) -> list[tuple]:
 
 def _chain(graph: fx.Graph, value: fx.Node, steps: list[tuple]) -> fx.Node:
     """``value`` through ``steps`` at the graph's insertion point: (``aten._to_copy``, dtype) casts,
-    (a collective, group name) sums; returns the last node."""
+    (a collective, its other arguments) sums, where an earlier gradient summed with ``value`` is
+    cast to its dtype first; returns the last node."""
     for target, extra in steps:
         val = value.meta["val"]
         if target is aten._to_copy.default:
             value = graph.call_function(target, (value,), {"dtype": extra})
             value.meta["val"] = val.to(extra)
-        else:
-            value = graph.call_function(target, (value, extra))
-            value.meta["val"] = val
+            continue
+        extra = tuple(
+            _chain(graph, arg, _cast_to(val.dtype))
+            if isinstance(arg, fx.Node) and arg.meta["val"].dtype != val.dtype
+            else arg
+            for arg in extra
+        )
+        value = graph.call_function(target, (value, *extra))
+        value.meta["val"] = val
     return value
 
 
@@ -165,7 +191,7 @@ def _gather_layer(
             masters |= master
             steps = _cast_to(casts.reduce) if master else []
             if others:  # summed over them first: the sum of the chunks is the chunk of the sum
-                steps.append((ops.grad_all_reduce.default, group_of(others)))
+                steps.append((ops.grad_all_reduce.default, (group_of(others),)))
             sources.append(_chain(graph, shard, steps))
             if name in plan.grad_sync:
                 synced.add(name)

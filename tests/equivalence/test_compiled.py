@@ -1,9 +1,10 @@
 """``compile=True`` against the unparallelized model: same loss, full gradients and parameters
-after AdamW (fp32), for DP, TP+SP, ZeRO-1, ZeRO-3, PP2, CP2 (ring attention) and EP2 on 2 gloo
-ranks, in one spawn. Each case also shows that its programs really ran compiled (one graph each:
-``fullgraph=True`` raises on a break), that a program sums its own gradients where
-:func:`autopar.ir.zero.syncs_whole_in_program` says so, and that TP+SP's matmuls ran in pieces
-with their collectives (async tensor parallelism). Under bf16-mixed (DP, ZeRO-3) the programs
+after AdamW (fp32), for DP (also over 2 microbatches), TP+SP, ZeRO-1, ZeRO-3, PP2, CP2 (ring
+attention) and EP2 on 2 gloo ranks, in one spawn. Each case also shows that its programs really
+ran compiled (one graph each: ``fullgraph=True`` raises on a break), that a program sums its own
+gradients where :func:`autopar.ir.zero.syncs_whole_in_program` says so (over microbatches, the
+last one's program sums what the earlier ones accumulated), and that TP+SP's matmuls ran in
+pieces with their collectives (async tensor parallelism). Under bf16-mixed (DP, ZeRO-3) the programs
 cast their fp32 masters themselves, and sum gradients in the reduce dtype asked for; these
 match the single-process bf16 reference within mixed precision's tolerance
 (tests/equivalence/test_mixed_precision.py). Last, a rank stalls: the other's compiled
@@ -26,6 +27,7 @@ from mixed_precision import reference_step
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import autopar
+from autopar.ir import EARLIER_GRADS
 from autopar.runtime.faults import PEER_REPORT_GRACE_S, from_rank_zero
 from autopar.runtime.spawn import run_local
 
@@ -37,6 +39,7 @@ STALL_TIMEOUT_S = 3
 CASES = [
     ("DP", "gpt", GPT, dict(degrees={"dp": 2})),
     ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, async_tp=True)),
+    ("DP 2 microbatches", "gpt", GPT, dict(degrees={"dp": 2}, microbatches=2)),
     ("ZeRO-1", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=1)),
     ("ZeRO-3", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=3)),
     ("PP2", "gpt", GPT, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="1f1b")),
@@ -105,6 +108,9 @@ def _compiled(module) -> dict:
         "pieced": sum(program.prepared for program in compiler._compiled.values()),  # async TP's collectives
         "synced_in_program": len(compiler.synced_in_program),
         "synced_by_runtime": module._grad_sync.num_buckets,
+        "earlier_grads": max(
+            len(program.program.meta.get(EARLIER_GRADS, ())) for program in compiler._compiled.values()
+        ),
     }
 
 
@@ -146,8 +152,10 @@ def _check(case, result):
     assert result["compiled"] and all(result["compiled"]), result  # every program ran compiled
     if name == "TP+SP":  # its gathers before linears (and the all-reduces after) ran in pieces
         assert result["pieced"] > 0, result
-    if name in ("DP", "ZeRO-1", "ZeRO-3"):  # the program sums its gradients; the runtime has nothing left to sync
+    if name in ("DP", "DP 2 microbatches", "ZeRO-1", "ZeRO-3"):  # the programs sum; the runtime has nothing to sync
         assert result["synced_in_program"] > 0 and result["synced_by_runtime"] == 0, result
+    if name == "DP 2 microbatches":  # the first microbatch's program sums nothing; the last sums both
+        assert len(result["compiled"]) == 2 and result["earlier_grads"] == result["synced_in_program"], result
 
 
 def _check_mixed(case, result):

@@ -73,6 +73,18 @@ def test_compiled_data_parallel_hides_gradient_sync_behind_the_rest_of_backward(
     assert unhidden == pytest.approx(whole)
 
 
+def test_compiled_accumulation_hides_its_sync_behind_the_last_microbatch_alone():
+    # over 4 microbatches the last one's program sums the step's gradients (what the others
+    # accumulated with its own): its backward, a quarter of the step's, is all there is to hide
+    # behind; a runtime sync after backward would hide nothing (as where nothing runs beside compute)
+    pins = dict(degrees={"dp": 2, "tp": 1}, zero=0, model_kwargs=dict(GPT, hidden=256), compile=True)
+    single = plan_example("gpt.py", 2, batch=8, hardware="a100-80gb", **pins).cost.grad_sync_s
+    accumulated = plan_example("gpt.py", 2, batch=8, microbatches=4, hardware="a100-80gb", **pins).cost.grad_sync_s
+    bare = dataclasses.replace(get_profile("a100-80gb"), overlap=0.0)
+    whole = plan_example("gpt.py", 2, batch=8, microbatches=4, hardware=bare, **pins).cost.grad_sync_s
+    assert 0 < single < accumulated < 0.8 * whole
+
+
 def test_compiled_zero3_reduces_each_layer_behind_the_backward_of_the_layers_before_it():
     # one reduce-scatter per layer (ZeRO-3's groups by parameter name): the last layer's, first
     # ready, hides behind the backward of the layers below it; one bucket for all would be ready

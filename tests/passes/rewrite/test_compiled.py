@@ -1,6 +1,7 @@
 """Sync in program: a program about to be compiled sums its own gradients (one grad_all_reduce
 per synced parameter) and gathers ZeRO-3 weights one layer per op; under mixed precision it
-casts its fp32 masters itself, on the side of each sum that makes it run in the reduce dtype."""
+casts its fp32 masters itself, on the side of each sum that makes it run in the reduce dtype;
+the last microbatch of gradient accumulation takes the earlier ones' gradients as inputs."""
 
 import dataclasses
 
@@ -8,6 +9,7 @@ import torch
 from planning import meta_model, plan_example
 
 import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
+from autopar.ir import EARLIER_GRADS
 from autopar.passes.capture.graph import capture
 from autopar.passes.rewrite.compiled import sync_in_program
 from autopar.passes.rewrite.rewrite import rewrite
@@ -113,3 +115,24 @@ def test_mixed_precision_zero3_gathers_in_the_compute_dtype_and_sums_in_the_redu
             # the op reduce-scatters its gradients in its sources' dtype: fp32 shards, or their bf16 casts
             assert {(s.op if s.op == "placeholder" else s.target) for s in layer.args[0]} == {source}
             assert layer.args[4] == compute, layer
+
+
+def test_the_last_microbatch_takes_the_earlier_gradients_and_sums_them_with_its_own():
+    plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2, "tp": 1}, microbatches=2)
+    program, params = _program(plan)
+    program, synced = sync_in_program(program, plan, params, _group_of, whole=True, accumulated=True)
+    earlier = program.meta[EARLIER_GRADS]
+    assert set(earlier) == synced == set(plan.grad_sync)
+    inputs = program.graph.find_nodes(op="placeholder")
+    assert [node.name for node in inputs[-len(earlier) :]] == [
+        f"{_placeholder(params, n)}_earlier_grad" for n in earlier
+    ]
+    sums = program.graph.find_nodes(op="call_function", target=ops.grad_all_reduce_accumulated.default)
+    assert {(params[node.args[0].name], node.args[1].name) for node in sums} == {
+        (name, f"{_placeholder(params, name)}_earlier_grad") for name in earlier
+    }
+    assert not program.graph.find_nodes(op="call_function", target=ops.grad_all_reduce.default)
+
+
+def _placeholder(params: dict[str, str], name: str) -> str:
+    return next(placeholder for placeholder, param in params.items() if param == name)
