@@ -26,7 +26,7 @@ from autopar.ir import (
     StalePlanError,
     batch_split,
 )
-from autopar.ir.zero import accumulates_in_program, syncs_whole_in_program
+from autopar.ir.zero import accumulates_in_program, scatters_in_program, syncs_whole_in_program, zero_dims
 from autopar.passes.capture.calls import bind_call, example_call
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
@@ -206,7 +206,7 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
         if plan.schedule.compiled:  # the programs sum their gradients; the runtime leaves those alone
             group_of = lambda axes: group_name(device_mesh, tuple(axes))  # noqa: E731
             sync = functools.partial(
-                _synced_in_program, plan=built.plan, params=built.captured.params, group_of=group_of, log=log
+                _synced_in_program, plan=built.plan, captured=built.captured, group_of=group_of, log=log
             )
             program, synced = sync(program)
             if loss_program is not None and accumulates_in_program(built.plan.zero, built.plan.schedule):
@@ -260,14 +260,28 @@ def _captured_with_plan(model, mesh: Mesh, call: tuple, plan: Plan | str | None,
 
 
 def _synced_in_program(
-    program, *, plan: Plan, params: dict[str, str], group_of, log: PassLog, whole: bool | None = None, accumulated=False
+    program,
+    *,
+    plan: Plan,
+    captured: CapturedGraph,
+    group_of,
+    log: PassLog,
+    whole: bool | None = None,
+    accumulated=False,
 ):
     """A compiled call's program (or stage programs) summing their own gradients where the plan
-    lets them (:func:`syncs_whole_in_program`; ``whole``: False where it must not), and the names
-    of the parameters they sum; ``accumulated``: as the last microbatch's program
-    (:func:`autopar.passes.rewrite.compiled.sync_in_program`)."""
+    lets them (:func:`syncs_whole_in_program`, :func:`scatters_in_program`; ``whole``: False where
+    it must not), and the names of the parameters they sum; ``accumulated``: as the last
+    microbatch's program (:func:`autopar.passes.rewrite.compiled.sync_in_program`)."""
     whole = syncs_whole_in_program(plan.zero, plan.schedule) if whole is None else whole
-    synced = set()
+    params, scattered, synced = captured.params, None, set()
+    if scatters_in_program(plan.zero, plan.schedule):
+        shapes = {
+            params[node.name]: node.meta["val"].shape
+            for node in captured.graph.find_nodes(op="placeholder")
+            if node.name in params
+        }
+        scattered = zero_dims(plan, shapes)
 
     def one(graph):
         graph, names = log.run(
@@ -279,6 +293,7 @@ def _synced_in_program(
             group_of,
             whole=whole,
             accumulated=accumulated,
+            scattered=scattered,
             verify=lambda result: verify_graph(result[0]),
         )
         synced.update(names)

@@ -42,7 +42,7 @@ from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import finish, free_port, init_from_env, launch_local
 from autopar.runtime.process_groups import build_device_mesh, group_name
 from autopar.runtime.spawn import run_local
-from autopar.runtime.zero.compiled import zero_gather_layer, zero_reduce_scatter_layer
+from autopar.runtime.zero.compiled import zero_gather_layer, zero_reduce_scatter_layer, zero_scatter_layer
 from autopar.runtime.zero.gather import zero_gather
 
 __all__ = [
@@ -73,5 +73,6 @@ __all__ = [
     "zero_gather",
     "zero_gather_layer",
     "zero_reduce_scatter_layer",
+    "zero_scatter_layer",
     "zigzag",
 ]

@@ -10,10 +10,10 @@ Every form computes exactly what its op computes, with the same chunk layout ("c
 dim belongs to group rank k", :mod:`autopar.runtime.collectives`), on gloo and NCCL alike.
 
 Only forward computations are listed: by the time a compiled graph is scheduled, autograd has
-turned every op into its forward or its dual, which is again one of these ops. ``grad_all_reduce``
-and ``grad_all_reduce_accumulated`` compute nothing in forward (their forms are the identity);
-``chunk``, ``keep_on_first`` and the parallel kernels (ring and Ulysses attention, experts) stay
-opaque ops.
+turned every op into its forward or its dual, which is again one of these ops. ``grad_all_reduce``,
+``grad_all_reduce_accumulated`` and ``zero_scatter_layer`` compute nothing in forward (their
+forms are the identity); ``chunk``, ``keep_on_first`` and the parallel kernels (ring and Ulysses
+attention, experts) stay opaque ops.
 
 >>> FUNCTIONAL_FORMS[torch.ops.autopar.all_reduce.default](x, group_name, "sum")  # doctest: +SKIP
 """
@@ -90,6 +90,10 @@ def _zero_reduce_scatter_layer(grads: list[Tensor], group_name: str, dims: list[
     ]
 
 
+def _zero_scatter_layer(wholes: list[Tensor], chunks: list[Tensor], group_name: str, dims: list[int]):
+    return list(wholes)
+
+
 FUNCTIONAL_FORMS = {
     autopar.all_reduce.default: _all_reduce,
     autopar.grad_all_reduce.default: _grad_all_reduce,
@@ -100,4 +104,5 @@ FUNCTIONAL_FORMS = {
     autopar.all_to_all.default: _all_to_all,
     autopar.zero_gather_layer.default: _zero_gather_layer,
     autopar.zero_reduce_scatter_layer.default: _zero_reduce_scatter_layer,
+    autopar.zero_scatter_layer.default: _zero_scatter_layer,
 }

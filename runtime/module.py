@@ -35,7 +35,7 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from autopar.ir import EARLIER_GRADS, ConfigError, NonFiniteError, Plan, Replicate, Shard
+from autopar.ir import EXTRA_INPUTS, GRAD_CHUNK, ConfigError, NonFiniteError, Plan, Replicate, Shard
 from autopar.runtime.calls import CallProgram, Calls, local_chunk
 from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
@@ -211,18 +211,32 @@ class ParallelModule(nn.Module):
         """fp16-mixed: the dynamic loss scale (GradScaler's rules; its attributes may be tuned). Else None."""
         return self._precision.loss_scaler
 
-    def _run(self, program: fx.GraphModule, local_inputs, earlier_grads: tuple = ()) -> tuple:
+    def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
         self._follow_zeroed_grads()
         leaves = self._precision.leaves()
         params = [leaves[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
         self._zero3 = self._derived(program, "zero3", lambda: self._zero3_runtime(program))
-        local_inputs = self._precision.inputs(local_inputs)
+        local_inputs = (*self._precision.inputs(local_inputs), *self._extra_inputs(program))
         program = self._compiler(program) if self._compiler is not None else program
         if self._zero3 is None:
-            return self._precision.outputs(program(*params, *buffers, *local_inputs, *earlier_grads))
+            return self._precision.outputs(program(*params, *buffers, *local_inputs))
         with self._zero3.forward(leaves):  # gathered per layer; regathered for backward
             return self._precision.outputs(program(*params, *buffers, *local_inputs))
+
+    def _extra_inputs(self, program: fx.GraphModule) -> tuple:
+        """What a compiled program takes after the call's inputs (:data:`autopar.ir.EXTRA_INPUTS`):
+        ZeRO-2's chunk leaves, its gradients' destination; the gradients the step's earlier pieces
+        accumulated (zeros where there are none), whose leaves let go of them to receive the sums."""
+        extras = []
+        for kind, name in program.meta.get(EXTRA_INPUTS, ()):
+            if kind == GRAD_CHUNK:
+                extras.append(self._zero_chunks[name])
+                continue
+            local = self._locals[name]
+            extras.append(local.grad if local.grad is not None else torch.zeros_like(local))
+            local.grad = None
+        return tuple(extras)
 
     def _zero3_runtime(self, program: fx.GraphModule, **kwargs) -> Zero3Runtime | None:
         """ZeRO-3's per-layer gathers and gradient reduce-scatters for one program, or None."""
@@ -392,7 +406,9 @@ def _peel_loss_reduction(program: fx.GraphModule) -> tuple[fx.GraphModule, str |
         return program, None, None  # reduced over several axes in turn: keep it simple and synchronous
     graph.output((partial,))
     graph.erase_node(reduced)
-    return fx.GraphModule(program, graph), group, reduce_op
+    peeled = fx.GraphModule(program, graph)
+    peeled.meta.update(program.meta)  # what it takes after the call's inputs, as the program did
+    return peeled, group, reduce_op
 
 
 def _register(root: nn.Module, name: str, value, buffer: bool = False) -> None:
@@ -428,24 +444,11 @@ class AccumulatingModule(ParallelModule):
         with self._one_step():
             for index, piece in enumerate(pieces):
                 last = index == len(pieces) - 1
-                if last:
-                    (loss,) = self._run(program, piece, self._earlier_grads(program))
-                else:
-                    (loss,) = self._run(call.accumulating_loss_program or program, piece)
+                (loss,) = self._run(program if last else call.accumulating_loss_program or program, piece)
                 with self._accumulating(last=last):
                     (loss / len(pieces)).backward()
                 losses.append(loss.detach())
         return torch.stack(losses).mean()
-
-    def _earlier_grads(self, program: fx.GraphModule) -> tuple:
-        """The gradients the step's earlier pieces accumulated, for a program that sums them with
-        its own (zeros where there are none); their leaves let go of them, to receive the sums."""
-        earlier = []
-        for name in program.meta.get(EARLIER_GRADS, ()):
-            local = self._locals[name]
-            earlier.append(local.grad if local.grad is not None else torch.zeros_like(local))
-            local.grad = None
-        return tuple(earlier)
 
     def _accumulating(self, last: bool):
         """ZeRO-2/3: each backward synced on its own (``ZeroLayout.syncs_each_microbatch``);

@@ -23,7 +23,9 @@ from autopar.ir.errors import (
 from autopar.ir.hardware import PROFILES, HardwareProfile, KernelFigures, LinkTier, get_profile
 from autopar.ir.mesh import BATCH_DIMS, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
 from autopar.ir.names import (
-    EARLIER_GRADS,
+    EARLIER_GRAD,
+    EXTRA_INPUTS,
+    GRAD_CHUNK,
     OP_NAMESPACE,
     Axis,
     Kernel,
@@ -53,7 +55,9 @@ from autopar.ir.precision import PrecisionPolicy, model_state_bytes
 __all__ = [
     "BATCH_DIMS",
     "KERNEL_DIMS",
-    "EARLIER_GRADS",
+    "EARLIER_GRAD",
+    "EXTRA_INPUTS",
+    "GRAD_CHUNK",
     "OP_NAMESPACE",
     "module_label",
     "wait_name",

@@ -62,9 +62,12 @@ class Precision(StrEnum):
 
 
 OP_NAMESPACE = "autopar"  # torch.ops.autopar.*: the collectives and kernels rewritten graphs call
-# A compiled program's meta: the parameters whose earlier microbatches' gradients it takes as
-# inputs after its own, in order (autopar.passes.rewrite.compiled, read by the runtime)
-EARLIER_GRADS = "autopar_earlier_grads"
+# A compiled program's meta: what it takes after the call's inputs, in order, as (kind, parameter
+# name) pairs: EARLIER_GRAD, the gradient the step's earlier microbatches accumulated (the last
+# one's program sums it with its own); GRAD_CHUNK, ZeRO-2's chunk of the parameter, into which
+# the program reduce-scatters its gradient (autopar.passes.rewrite.compiled; the runtime reads it)
+EXTRA_INPUTS = "autopar_extra_inputs"
+EARLIER_GRAD, GRAD_CHUNK = "earlier grad", "grad chunk"
 
 
 def module_label(path: str) -> str:

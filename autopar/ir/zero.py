@@ -42,17 +42,31 @@ def zero_shard_dim(plan: Plan, param: str, shape) -> int | None:
 
 def syncs_whole_in_program(zero: int, schedule: Schedule) -> bool:
     """Whether a compiled program (``schedule.compiled``) sums the gradients of the parameters
-    ZeRO does not split itself (:mod:`autopar.passes.rewrite.compiled`): without ZeRO or under
-    ZeRO-1 (whose gradients are all-reduced whole, as without ZeRO) in a step without stages (over
-    microbatches, the last one's program sums what the others accumulated:
-    :func:`accumulates_in_program`; a pipeline's runtime sums after its last backward), and always
-    under ZeRO-3, which syncs every microbatch anyway. ZeRO-3's split parameters are always summed
-    in the program; ZeRO-2's are reduce-scattered by the runtime.
+    ZeRO does not split itself (:mod:`autopar.passes.rewrite.compiled`): in a step without stages
+    (over microbatches below ZeRO-2, the last one's program sums what the others accumulated:
+    :func:`accumulates_in_program`; ZeRO-2 and 3 sync every microbatch anyway), and with stages
+    under ZeRO-3 alone (a pipeline's runtime sums after its last backward). ZeRO-3's split
+    parameters are always summed in the program, ZeRO-2's where :func:`scatters_in_program`.
 
-    >>> syncs_whole_in_program(1, Schedule(compiled=True)), syncs_whole_in_program(2, Schedule(compiled=True))
+    >>> syncs_whole_in_program(2, Schedule(compiled=True)), syncs_whole_in_program(2, Schedule(stages=2))
     (True, False)
     """
-    return zero == 3 or (zero <= 1 and schedule.stages == 1)
+    return zero == 3 or schedule.stages == 1
+
+
+def scatters_in_program(zero: int, schedule: Schedule) -> bool:
+    """Whether a compiled program reduce-scatters ZeRO-2's split gradients into their chunks
+    itself (one collective per layer, behind backward): in a step without stages.
+
+    >>> scatters_in_program(2, Schedule(compiled=True))
+    True
+    """
+    return zero == 2 and schedule.stages == 1
+
+
+def zero_dims(plan: Plan, shapes: dict[str, tuple]) -> dict[str, int]:
+    """name → the dim ZeRO splits, for the parameters of ``shapes`` (name → full shape) it splits."""
+    return {name: dim for name, shape in shapes.items() if (dim := zero_shard_dim(plan, name, shape)) is not None}
 
 
 def accumulates_in_program(zero: int, schedule: Schedule) -> bool:

@@ -27,7 +27,7 @@ from autopar.ir import (
     model_state_bytes,
 )
 from autopar.ir.buckets import bucket_cap
-from autopar.ir.zero import accumulates_in_program, syncs_whole_in_program
+from autopar.ir.zero import accumulates_in_program, scatters_in_program, syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.axis_terms import R, axis_contexts
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze
@@ -102,7 +102,7 @@ class LayoutTerms:
             self.facts,
             self.local.work,
             syncs_whole_in_program(zero, schedule),
-            zero == 3,
+            zero == 3 or scatters_in_program(zero, schedule),
             schedule.async_tp,
             concurrency=hardware.overlap,
             sync_window=1 / schedule.microbatches if accumulates_in_program(zero, schedule) else 1.0,

@@ -64,8 +64,9 @@ class NodeFacts:
 
     @property
     def gather_group(self) -> str:
-        """A parameter's ZeRO-3 group, gathered and reduce-scattered at once: its layer, "" for the
-        parameters outside layers (:func:`autopar.runtime.zero.gather.gather_groups`)."""
+        """A parameter's ZeRO group, gathered (ZeRO-3) and reduce-scattered (a compiled ZeRO-2
+        program too) at once: its layer, "" for the parameters outside layers
+        (:func:`autopar.runtime.zero.gather.gather_groups`)."""
         return layer_of(self.name) or ""
 
     @property

@@ -186,8 +186,8 @@ class CompiledStep:
     ) -> tuple[float, float]:
         """(exposed communication, exposed gradient sync) seconds of the scheduled step.
 
-        A gradient synced in the program is bucketed (``per_layer``: ZeRO-3's one reduce-scatter,
-        and regather, per layer) and waited for at the end of backward; otherwise the runtime
+        A gradient synced in the program is bucketed (``per_layer``: ZeRO's one reduce-scatter per
+        layer, and ZeRO-3's regather) and waited for at the end of backward; otherwise the runtime
         syncs after the compiled backward returns, with nothing to hide behind. ``sync_window``:
         the share of the step's compute that runs in the program that syncs (1/microbatches where
         only the last microbatch's program sums the step's gradients). ``async_tp``: the

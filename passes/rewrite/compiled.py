@@ -13,11 +13,17 @@ gradient sync becomes part of the program, as in SimpleFSDP and Meta's autoparal
   one collective per layer, whose backward reduce-scatters the layer's gradients in one
   collective (:mod:`autopar.runtime.zero.compiled`). A parameter whose gradient is also summed
   over other axes (:attr:`Plan.grad_sync`) takes a ``grad_all_reduce`` over those first;
+- ZeRO-2 (``scattered``, :func:`autopar.ir.zero.scatters_in_program`): each layer's split
+  parameters pass whole through one ``zero_scatter_layer`` op, whose backward reduce-scatters
+  their gradients in one collective into the chunk leaves the program takes as extra inputs
+  (then summed over the other gradient axes), so no whole gradient outlives backward;
 - whole parameters (:func:`autopar.ir.zero.syncs_whole_in_program`): each synced parameter passes through
   ``grad_all_reduce`` over its gradient axes (identity in forward, the all-reduce in backward,
-  right where backward completes the gradient).
+  right where backward completes the gradient). Over microbatches (gradient accumulation below
+  ZeRO-2) the earlier microbatches run the program with no sum, and the last one's takes what
+  they accumulated as extra inputs and sums it with its own (``grad_all_reduce_accumulated``).
 
-Under mixed precision the program also casts its parameters (:func:`cast_in_program`): it
+Under mixed precision the program also casts its parameters (:class:`_Casts`): it
 takes the fp32 masters and casts each to the compute dtype itself, where inductor fuses the
 cast into the step, and where the cast sits against the sum says which dtype the gradient is
 summed in (``reduce_dtype``): a sum before the cast sums the master's fp32 gradient, one after it
@@ -26,7 +32,7 @@ sums the compute dtype's (FSDP2's ``MixedPrecisionPolicy`` either way). Outside 
 
 The scheduling pass then buckets and places these collectives like every other
 (:mod:`autopar.passes.rewrite.overlap`). Syncing in the program is exact in every case (the sum
-is linear); under ``no_sync`` or over microbatches it communicates once per backward.
+is linear); under ``no_sync`` it communicates once per backward.
 
 Pre: a program of :func:`rewrite` (after recomputation and the stage split; ``params`` maps its
 parameter placeholders to parameter names), its parameters in the compute dtype. Post: the same
@@ -42,7 +48,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from autopar.ir import EARLIER_GRADS, OP_NAMESPACE, Axis, Plan, PrecisionPolicy, layer_of
+from autopar.ir import EARLIER_GRAD, EXTRA_INPUTS, GRAD_CHUNK, OP_NAMESPACE, Axis, Plan, PrecisionPolicy, layer_of
 
 aten = torch.ops.aten
 
@@ -55,34 +61,42 @@ def sync_in_program(
     *,
     whole: bool,
     accumulated: bool = False,
+    scattered: dict[str, int] | None = None,
 ) -> tuple[fx.GraphModule, frozenset[str]]:
     """``program`` summing its own gradients (see the module docstring); ``group_of(axes)`` names
     the process group of mesh axes; ``whole``: also the parameters ZeRO does not split;
     ``accumulated``: the program runs the last microbatch of a step whose earlier microbatches
-    left their gradients of those parameters to accumulate: it takes them as inputs after its
-    own (one per name in ``program.meta[EARLIER_GRADS]``) and sums them with its own
-    (``grad_all_reduce_accumulated``), so a step communicates once, behind the last backward.
+    left their gradients of those parameters to accumulate: it takes them as inputs and sums
+    them with its own (``grad_all_reduce_accumulated``), so a step communicates once, behind the
+    last backward; ``scattered``: ZeRO-2's split parameters (name → dim), reduce-scattered into
+    chunks the program takes as inputs (``zero_scatter_layer``). What it takes after the call's
+    inputs is listed in ``program.meta[EXTRA_INPUTS]``.
 
     >>> program, synced = sync_in_program(program, plan, captured.params, group_of, whole=True)  # doctest: +SKIP
     """
     ops = getattr(torch.ops, OP_NAMESPACE)
     graph = program.graph
     casts = _Casts.of(plan.precision_policy)
+    extras = _ExtraInputs(graph)
     synced: set[str] = set()
     layers: dict[tuple, list[fx.Node]] = {}
     for gather in graph.find_nodes(op="call_function", target=ops.zero_gather.default):
         shard = gather.args[0]
         key = (layer_of(params[shard.name]) or "", shard.meta["val"].dtype, gather.args[1])
         layers.setdefault(key, []).append(gather)
-    gathered = {gather.args[0] for gathers in layers.values() for gather in gathers}
+    done = {gather.args[0] for gathers in layers.values() for gather in gathers}
     for gathers in layers.values():
         synced |= _gather_layer(graph, gathers, plan, params, group_of, ops, casts)
-    earlier: list[str] = []  # accumulated: the parameters whose earlier gradients the program takes, in order
-    inputs = graph.find_nodes(op="placeholder")
-    anchor = inputs[-1] if inputs else None
-    for placeholder in inputs:
+    chunked: dict[str, list[fx.Node]] = {}
+    for placeholder in graph.find_nodes(op="placeholder"):
+        if params.get(placeholder.name) in (scattered or {}) and placeholder.users:
+            chunked.setdefault(layer_of(params[placeholder.name]) or "", []).append(placeholder)
+    for wholes in chunked.values():
+        synced |= _scatter_layer(graph, wholes, plan, params, scattered, group_of, ops, casts, extras)
+        done |= set(wholes)
+    for placeholder in extras.original:
         name = params.get(placeholder.name)
-        if name is None or placeholder in gathered or not placeholder.users:
+        if name is None or placeholder in done or not placeholder.users:
             continue
         master = casts.master(placeholder)
         sum_step = None
@@ -90,17 +104,32 @@ def sync_in_program(
             group = group_of(plan.grad_sync[name])
             sum_step = (ops.grad_all_reduce.default, (group,))
             if accumulated:
-                with graph.inserting_after(anchor):
-                    anchor = graph.placeholder(f"{placeholder.name}_earlier_grad")
-                anchor.meta["val"] = placeholder.meta["val"]
-                sum_step = (ops.grad_all_reduce_accumulated.default, (anchor, group))
-                earlier.append(name)
+                earlier = extras.add(EARLIER_GRAD, name, placeholder, placeholder.meta["val"])
+                sum_step = (ops.grad_all_reduce_accumulated.default, (earlier, group))
             synced.add(name)
         _feed(graph, placeholder, casts.around(master, sum_step))
     graph.lint()
     result = fx.GraphModule(program, graph)
-    result.meta[EARLIER_GRADS] = earlier
+    result.meta[EXTRA_INPUTS] = extras.listed
     return result, frozenset(synced)
+
+
+class _ExtraInputs:
+    """The inputs a program takes after the call's (placeholders after its own), in order, and
+    what each is (:data:`autopar.ir.EXTRA_INPUTS`)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.graph = graph
+        self.original = graph.find_nodes(op="placeholder")
+        self.last = self.original[-1] if self.original else None
+        self.listed: list[tuple[str, str]] = []
+
+    def add(self, kind: str, name: str, of: fx.Node, val) -> fx.Node:
+        with self.graph.inserting_after(self.last):
+            self.last = self.graph.placeholder(f"{of.name}_{kind.replace(' ', '_')}")
+        self.last.meta["val"] = val
+        self.listed.append((kind, name))
+        return self.last
 
 
 class _Casts:
@@ -206,3 +235,36 @@ def _gather_layer(
         gather.replace_all_uses_with(wholes[gather.args[0]])
         graph.erase_node(gather)
     return synced
+
+
+def _scatter_layer(
+    graph: fx.Graph, wholes: list[fx.Node], plan: Plan, params, scattered, group_of, ops, casts, extras
+) -> set[str]:
+    """One layer's ZeRO-2 parameters through one ``zero_scatter_layer``: they are used whole in
+    forward, and backward reduce-scatters their gradients in one collective into the chunks the
+    program takes (then summed over the gradient's other axes, as the chunk of the sum); returns
+    the parameters it syncs."""
+    users = {whole: list(whole.users) for whole in wholes}
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    first_use = min((user for found in users.values() for user in found), key=order.__getitem__)
+    sources, chunks, dims, masters = [], [], [], []
+    with graph.inserting_before(first_use):
+        for whole in wholes:
+            name = params[whole.name]
+            masters.append(casts.master(whole))
+            sources.append(_chain(graph, whole, _cast_to(casts.reduce) if masters[-1] else []))
+            dim = scattered[name]
+            val = whole.meta["val"]
+            chunk = extras.add(GRAD_CHUNK, name, whole, val.chunk(plan.degrees[Axis.DP], dim)[0].contiguous())
+            others = tuple(axis for axis in plan.grad_sync[name] if axis != Axis.DP)
+            chunks.append(_chain(graph, chunk, [(ops.grad_all_reduce.default, (group_of(others),))] if others else []))
+            dims.append(dim)
+        layer = graph.call_function(ops.zero_scatter_layer.default, (sources, chunks, group_of((Axis.DP,)), dims))
+        for index, whole in enumerate(wholes):
+            used = graph.call_function(operator.getitem, (layer, index))
+            used.meta["val"] = sources[index].meta["val"]
+            if masters[index] and casts.reduce != casts.param:
+                used = _chain(graph, used, _cast_to(casts.param))
+            for user in users[whole]:
+                user.replace_input_with(whole, used)
+    return {params[whole.name] for whole in wholes}

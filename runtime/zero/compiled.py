@@ -1,5 +1,5 @@
-"""ZeRO-3 inside a compiled program: one layer's parameters gathered by one op, and its
-gradients reduce-scattered by that op's backward.
+"""ZeRO inside a compiled program: one layer's parameters gathered by one op (ZeRO-3), and its
+gradients reduce-scattered by that op's backward (ZeRO-2 and 3).
 
 The eager runtime serves ZeRO-3 gathers from hooks (:mod:`autopar.runtime.zero.gather`): a
 saved-tensor hook swaps gathered weights for notes and regathers them in backward. A compiled
@@ -18,6 +18,11 @@ are part of the graph, as in SimpleFSDP: the program calls
 Where each layer's gather is issued (the next layer's prefetched while this one computes) and
 where its reduce-scatter is waited for is the scheduling pass's business
 (:mod:`autopar.passes.rewrite.overlap`), on the functional forms of :mod:`autopar.runtime.functional`.
+
+ZeRO-2 keeps whole parameters and only their gradients in chunks: there
+``autopar::zero_scatter_layer(wholes, chunks, dp_group, dims)`` passes a layer's parameters
+through unchanged, and its backward reduce-scatters their gradients into the chunk leaves the
+program takes (the same ``zero_reduce_scatter_layer``).
 
 >>> wq, wk = torch.ops.autopar.zero_gather_layer([wq, wk], dp_group, [0, 0], [True, True], None)  # doctest: +SKIP
 """
@@ -135,3 +140,36 @@ def _gather_backward(ctx, grads):
 
 
 register_dual(zero_gather_layer, _gather_backward, _setup_gather)
+
+
+@torch.library.custom_op("autopar::zero_scatter_layer", mutates_args=())
+def zero_scatter_layer(wholes: list[Tensor], chunks: list[Tensor], group_name: str, dims: list[int]) -> list[Tensor]:
+    """ZeRO-2 in a compiled program: one layer's whole parameters, as they are, in forward; in
+    backward their gradients reduce-scattered (sum) in one collective, each rank's chunks going to
+    ``chunks`` (this rank's chunk leaves, along ``dims``, in their dtype) and none to the wholes,
+    which hold no gradient."""
+    return [whole.clone(memory_format=torch.contiguous_format) for whole in wholes]
+
+
+@zero_scatter_layer.register_fake
+def _(wholes, chunks, group_name, dims):
+    return [whole.new_empty(whole.shape) for whole in wholes]
+
+
+def _setup_scatter(ctx, inputs, output):
+    wholes, chunks, ctx.group_name, ctx.dims = inputs
+    ctx.wholes = [(whole.shape, whole.dtype, whole.device) for whole in wholes]
+    ctx.chunk_dtypes = [chunk.dtype for chunk in chunks]
+
+
+def _scatter_backward(ctx, grads):
+    grads = [
+        torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
+        for grad, (shape, dtype, device) in zip(grads, ctx.wholes)
+    ]
+    summed = zero_reduce_scatter_layer(grads, ctx.group_name, ctx.dims, [True] * len(grads))
+    chunks = [chunk.to(dtype) for chunk, dtype in zip(summed, ctx.chunk_dtypes)]
+    return [None] * len(grads), chunks, None, None
+
+
+register_dual(zero_scatter_layer, _scatter_backward, _setup_scatter)

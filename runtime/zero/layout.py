@@ -35,7 +35,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.distributed.tensor import Shard as DShard
 
 from autopar.ir import Axis, Plan
-from autopar.ir.zero import zero_shard_dim
+from autopar.ir.zero import zero_dims
 from autopar.runtime.collectives import _chunks_from_front
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_SIZE_BYTES, Scatter
 from autopar.runtime.process_groups import group_name
@@ -46,9 +46,7 @@ class ZeroLayout:
 
     def __init__(self, plan: Plan, mesh: DeviceMesh, shapes: dict[str, torch.Size]):
         self.stage = plan.zero
-        self.dims = {
-            name: dim for name, shape in shapes.items() if (dim := zero_shard_dim(plan, name, shape)) is not None
-        }
+        self.dims = zero_dims(plan, shapes)
         self.dp_axis = plan.axes.index(Axis.DP) if Axis.DP in plan.axes else None
         self.parts = plan.degrees.get(Axis.DP, 1)
         self.rank = mesh.get_local_rank(Axis.DP) if self.dims else 0

@@ -1,5 +1,5 @@
 """``compile=True`` against the unparallelized model: same loss, full gradients and parameters
-after AdamW (fp32), for DP (also over 2 microbatches), TP+SP, ZeRO-1, ZeRO-3, PP2, CP2 (ring
+after AdamW (fp32), for DP (also over 2 microbatches), TP+SP, ZeRO-1, 2 and 3, PP2, CP2 (ring
 attention) and EP2 on 2 gloo ranks, in one spawn. Each case also shows that its programs really
 ran compiled (one graph each: ``fullgraph=True`` raises on a break), that a program sums its own
 gradients where :func:`autopar.ir.zero.syncs_whole_in_program` says so (over microbatches, the
@@ -27,7 +27,7 @@ from mixed_precision import reference_step
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import autopar
-from autopar.ir import EARLIER_GRADS
+from autopar.ir import EARLIER_GRAD, EXTRA_INPUTS, GRAD_CHUNK
 from autopar.runtime.faults import PEER_REPORT_GRACE_S, from_rank_zero
 from autopar.runtime.spawn import run_local
 
@@ -41,6 +41,7 @@ CASES = [
     ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, async_tp=True)),
     ("DP 2 microbatches", "gpt", GPT, dict(degrees={"dp": 2}, microbatches=2)),
     ("ZeRO-1", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=1)),
+    ("ZeRO-2", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=2, optimizer="shards")),
     ("ZeRO-3", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=3)),
     ("PP2", "gpt", GPT, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="1f1b")),
     ("CP2", "long_context_gpt", LONG, dict(degrees={"cp": 2}, constraints={"layers.*.attn": "ring"})),
@@ -58,7 +59,10 @@ UNIT_ROUNDING_BF16 = 2.0**-8
 def _compiled_case(rank: int, world: int, name: str, file: str, kwargs: dict, options: dict) -> dict:
     builder = load_example(f"{file}.py").build
     if options.get("zero"):  # data parallel's own plan, ZeRO on top (the search may otherwise replicate the batch)
-        options = dict(plan=_data_parallel_plan(builder(**kwargs), world, options))
+        planning = {key: value for key, value in options.items() if key != "optimizer"}
+        options = dict(
+            plan=_data_parallel_plan(builder(**kwargs), world, planning), optimizer=options.get("optimizer", "dtensor")
+        )
     return compare_one_step(builder, kwargs, BATCH, world, {**options, "compile": True}, inspect=_compiled)
 
 
@@ -108,9 +112,9 @@ def _compiled(module) -> dict:
         "pieced": sum(program.prepared for program in compiler._compiled.values()),  # async TP's collectives
         "synced_in_program": len(compiler.synced_in_program),
         "synced_by_runtime": module._grad_sync.num_buckets,
-        "earlier_grads": max(
-            len(program.program.meta.get(EARLIER_GRADS, ())) for program in compiler._compiled.values()
-        ),
+        "extra_inputs": {
+            kind for program in compiler._compiled.values() for kind, _ in program.program.meta.get(EXTRA_INPUTS, ())
+        },
     }
 
 
@@ -152,10 +156,12 @@ def _check(case, result):
     assert result["compiled"] and all(result["compiled"]), result  # every program ran compiled
     if name == "TP+SP":  # its gathers before linears (and the all-reduces after) ran in pieces
         assert result["pieced"] > 0, result
-    if name in ("DP", "DP 2 microbatches", "ZeRO-1", "ZeRO-3"):  # the programs sum; the runtime has nothing to sync
+    if name in ("DP", "DP 2 microbatches", "ZeRO-1", "ZeRO-2", "ZeRO-3"):  # the programs sum: the runtime, nothing
         assert result["synced_in_program"] > 0 and result["synced_by_runtime"] == 0, result
     if name == "DP 2 microbatches":  # the first microbatch's program sums nothing; the last sums both
-        assert len(result["compiled"]) == 2 and result["earlier_grads"] == result["synced_in_program"], result
+        assert len(result["compiled"]) == 2 and result["extra_inputs"] == {EARLIER_GRAD}, result
+    if name == "ZeRO-2":  # reduce-scattered into the chunk leaves the program takes
+        assert result["extra_inputs"] == {GRAD_CHUNK}, result
 
 
 def _check_mixed(case, result):

@@ -85,11 +85,12 @@ def test_compiled_accumulation_hides_its_sync_behind_the_last_microbatch_alone()
     assert 0 < single < accumulated < 0.8 * whole
 
 
-def test_compiled_zero3_reduces_each_layer_behind_the_backward_of_the_layers_before_it():
-    # one reduce-scatter per layer (ZeRO-3's groups by parameter name): the last layer's, first
-    # ready, hides behind the backward of the layers below it; one bucket for all would be ready
-    # only when backward ends and hide nothing
-    pins = dict(degrees={"dp": 4, "tp": 1}, zero=3)
+@pytest.mark.parametrize("zero", [2, 3])
+def test_compiled_zero_reduces_each_layer_behind_the_backward_of_the_layers_before_it(zero):
+    # one reduce-scatter per layer (ZeRO's groups by parameter name; ZeRO-2's too, in a compiled
+    # program): the last layer's, first ready, hides behind the backward of the layers below it;
+    # one bucket for all would be ready only when backward ends and hide nothing
+    pins = dict(degrees={"dp": 4, "tp": 1}, zero=zero)
     compiled = plan_example("gpt.py", 4, batch=16, model_kwargs=GPT, hardware="a100-80gb", compile=True, **pins)
     bare = dataclasses.replace(get_profile("a100-80gb"), overlap=0.0)
     whole = plan_example("gpt.py", 4, batch=16, model_kwargs=GPT, hardware=bare, compile=False, **pins)

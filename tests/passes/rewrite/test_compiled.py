@@ -1,7 +1,8 @@
 """Sync in program: a program about to be compiled sums its own gradients (one grad_all_reduce
 per synced parameter) and gathers ZeRO-3 weights one layer per op; under mixed precision it
 casts its fp32 masters itself, on the side of each sum that makes it run in the reduce dtype;
-the last microbatch of gradient accumulation takes the earlier ones' gradients as inputs."""
+the last microbatch of gradient accumulation takes the earlier ones' gradients as inputs, and a
+ZeRO-2 program the chunks it reduce-scatters its gradients into."""
 
 import dataclasses
 
@@ -9,7 +10,8 @@ import torch
 from planning import meta_model, plan_example
 
 import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
-from autopar.ir import EARLIER_GRADS
+from autopar.ir import EARLIER_GRAD, EXTRA_INPUTS, GRAD_CHUNK
+from autopar.ir.zero import zero_dims
 from autopar.passes.capture.graph import capture
 from autopar.passes.rewrite.compiled import sync_in_program
 from autopar.passes.rewrite.rewrite import rewrite
@@ -121,17 +123,41 @@ def test_the_last_microbatch_takes_the_earlier_gradients_and_sums_them_with_its_
     plan = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2, "tp": 1}, microbatches=2)
     program, params = _program(plan)
     program, synced = sync_in_program(program, plan, params, _group_of, whole=True, accumulated=True)
-    earlier = program.meta[EARLIER_GRADS]
-    assert set(earlier) == synced == set(plan.grad_sync)
-    inputs = program.graph.find_nodes(op="placeholder")
-    assert [node.name for node in inputs[-len(earlier) :]] == [
-        f"{_placeholder(params, n)}_earlier_grad" for n in earlier
-    ]
+    extras = program.meta[EXTRA_INPUTS]
+    assert {kind for kind, _ in extras} == {EARLIER_GRAD} and {name for _, name in extras} == synced == set(
+        plan.grad_sync
+    )
+    inputs = program.graph.find_nodes(op="placeholder")[-len(extras) :]
+    assert [node.name for node in inputs] == [f"{_placeholder(params, name)}_earlier_grad" for _, name in extras]
     sums = program.graph.find_nodes(op="call_function", target=ops.grad_all_reduce_accumulated.default)
     assert {(params[node.args[0].name], node.args[1].name) for node in sums} == {
-        (name, f"{_placeholder(params, name)}_earlier_grad") for name in earlier
+        (name, f"{_placeholder(params, name)}_earlier_grad") for _, name in extras
     }
     assert not program.graph.find_nodes(op="call_function", target=ops.grad_all_reduce.default)
+
+
+def test_zero2_reduce_scatters_one_layer_per_op_into_the_chunks_the_program_takes():
+    base = plan_example("gpt.py", 2, batch=8, model_kwargs=GPT, degrees={"dp": 2, "tp": 1}, zero=0)
+    plan = dataclasses.replace(base, zero=2)
+    program, params = _program(plan)
+    shapes = {
+        params[n.name]: n.meta["val"].shape for n in program.graph.find_nodes(op="placeholder") if n.name in params
+    }
+    dims = zero_dims(plan, shapes)
+    program, synced = sync_in_program(program, plan, params, _group_of, whole=True, scattered=dims)
+    layers = program.graph.find_nodes(op="call_function", target=ops.zero_scatter_layer.default)
+    assert len(layers) == 3  # the root's, layers.0's, layers.1's
+    extras = program.meta[EXTRA_INPUTS]
+    assert {kind for kind, _ in extras} == {GRAD_CHUNK} and {name for _, name in extras} == set(dims) == synced
+    chunks = dict(zip((name for _, name in extras), program.graph.find_nodes(op="placeholder")[-len(extras) :]))
+    for layer in layers:
+        wholes, taken, _, layer_dims = layer.args
+        for whole, chunk, dim in zip(wholes, taken, layer_dims):
+            name = params[whole.name]
+            assert chunk is chunks[name] and dim == dims[name]
+            expected = list(shapes[name])
+            expected[dim] //= 2
+            assert list(chunk.meta["val"].shape) == expected
 
 
 def _placeholder(params: dict[str, str], name: str) -> str:
