@@ -84,16 +84,22 @@ class Case:
 
     model: str  # key of MODELS
     batch: int
-    strategy: str  # "DP", "TP", "TP+SP", "DPxTP", "auto"
+    strategy: str  # "DP", "ZeRO-1", "ZeRO-2", "TP", "TP+SP", "DPxTP", "auto"
     world: int
 
     @property
     def name(self) -> str:
         return f"{self.model} b{self.batch} {self.strategy}"
 
+    def zero(self) -> int | None:
+        """The ZeRO stage pinned (data parallelism with ``zero``), None: the search's choice."""
+        return int(self.strategy[-1]) if self.strategy.startswith("ZeRO-") else None
+
     def degrees(self) -> dict[str, int] | None:
         return {
             "DP": {"dp": self.world, "tp": 1},
+            "ZeRO-1": {"dp": self.world, "tp": 1},
+            "ZeRO-2": {"dp": self.world, "tp": 1},
             "TP": {"dp": 1, "tp": self.world},
             "TP+SP": {"dp": 1, "tp": self.world},
             "DPxTP": {"dp": 2, "tp": self.world // 2},
@@ -113,9 +119,11 @@ def _cases(world: int, specs: str) -> list[Case]:
 
 
 FULL_CASES = {
-    2: _cases(2, "M:8:DP M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:TP L:8:DP L:8:TP M:16:DP M:16:TP"),
+    2: _cases(2, "M:8:DP M:8:ZeRO-1 M:8:ZeRO-2 M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:TP L:8:DP L:8:TP M:16:DP M:16:TP"),
     4: _cases(
-        4, "M:8:DP M:8:DPxTP M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:DPxTP L:8:DP L:8:DPxTP L:8:auto M:16:DP M:16:DPxTP"
+        4,
+        "M:8:DP M:8:ZeRO-1 M:8:ZeRO-2 M:8:DPxTP M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:DPxTP L:8:DP L:8:DPxTP L:8:auto "
+        "M:16:DP M:16:DPxTP",
     ),
 }
 QUICK_CASES = {2: _cases(2, "S:8:DP S:8:TP"), 4: _cases(4, "S:8:DP S:8:DPxTP")}
@@ -234,7 +242,13 @@ def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, object]]:
             (
                 case,
                 autopar.plan(
-                    model, case.world, inputs, degrees=case.degrees(), constraints=case.constraints(), hardware=hardware
+                    model,
+                    case.world,
+                    inputs,
+                    degrees=case.degrees(),
+                    constraints=case.constraints(),
+                    zero=case.zero(),
+                    hardware=hardware,
                 ),
             )
         )
@@ -280,6 +294,8 @@ def _plan_key(row) -> tuple:
         row["case"].batch,
         plan.mesh.size,
         tuple(plan.degrees.items()),
+        plan.zero,
+        str(plan.schedule),
         tuple(sorted((k, str(v)) for k, v in plan.params.items())),
         tuple(sorted((k, str(v.output), str(v.inputs)) for k, v in plan.nodes.items())),
     )

@@ -37,11 +37,18 @@ def persistent_tensors(pmodel, optimizer) -> dict[str, dict[int, int]]:
     return {
         "params": _storages(params),
         "grads": _storages(p.grad for p in params if p.grad is not None),
-        "optimizer": _storages(v for state in optimizer.state.values() for v in state.values()),
+        # its state, and the tensors it steps where they are not the parameters' own (ZeRO-1/2's chunks)
+        "optimizer": _storages(
+            [*(v for state in optimizer.state.values() for v in state.values()), *_stepped(optimizer)]
+        ),
         "buffers": _storages(pmodel.buffers()),
         # GradSync's flat buckets (private: no public accessor), one per synced gradient byte
         "grad_buckets": _storages(bucket.buffer for bucket in pmodel._grad_sync._buckets),
     }
+
+
+def _stepped(optimizer) -> list:
+    return [param for group in optimizer.param_groups for param in group["params"]]
 
 
 def _live_bytes(categories: dict[str, dict[int, int]]) -> int:

@@ -104,6 +104,9 @@ class HardwareProfile:
     grad_bucket_bytes: float = 0.0  # the stack's gradient-sync bucket; 0: autopar's runtime's (autopar.ir.buckets)
     zero3_per_parameter: bool = False  # ZeRO-3 gathers each parameter on its own, not a layer's at once
     zero1_reduce_scatter: bool = False  # ZeRO-1 reduce-scatters gradients; autopar's all-reduces them whole
+    # ZeRO-1/2's gathered weights land in the parameters' own storage (flat buffers the parameters
+    # are views of: Megatron-Core, DeepSpeed); autopar's runtime copies them in
+    zero_gathers_in_place: bool = False
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency

@@ -30,9 +30,8 @@ from autopar.passes.cost.ops import (
     grad_sync_time,
     maximum,
     minimum,
-    optimizer_time,
-    recasts,
     reshard_time,
+    state_update_s,
 )
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import kept_share
@@ -175,9 +174,7 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
         )
         if ctx.hardware is None:
             return 0.0, 0.0, 0.0
-        zero_share = ctx.data_parallel if ctx.zero else 1
-        recast = elements / (ctx.data_parallel if ctx.zero >= 3 else 1) if recasts(fact.precision) else 0.0
-        return optimizer_time(elements / zero_share, ctx.hardware, ctx.contention, recast), 0.0, 0.0
+        return state_update_s(elements, fact, ctx.zero, ctx.data_parallel, ctx.hardware, ctx.contention), 0.0, 0.0
     work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
     compute = fact.seconds(work, local_slot_shapes(fact, s, ctx), ctx.schedule.microbatches)
     comm, sync = kernel_time(fact, s, ctx), 0.0

@@ -31,7 +31,7 @@ from autopar.ir.zero import accumulates_in_program, scatters_in_program, syncs_w
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.axis_terms import R, axis_contexts
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze
-from autopar.passes.cost.ops import maximum, minimum, optimizer_time, recasts
+from autopar.passes.cost.ops import maximum, minimum, state_update_s
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import LayerTerms, StepParts, StepTimes, layer_terms, scheduled, step_times
 from autopar.passes.search.partition import StageSplit, balanced_starts, layer_costs, split_rows
@@ -243,7 +243,8 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
     the optimizer step's seconds) under ZeRO ``zero``."""
     dp = degrees.get(Axis.DP, 1)
     memory = dict.fromkeys(("params", "grads", "optimizer", "grad_buckets"), 0.0)
-    optimizer_elements = recast = 0.0
+    update_s = 0.0
+    contention = hardware.contention(mesh.shape)
     synced_by_layer: dict[str, float] = {}  # one layer's (or a leaf outside layers') synced gradient bytes
     largest_synced = 0.0
     for name, fact in facts.items():
@@ -259,15 +260,14 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
             one = elements * fact.grad_bytes / fact.weight
             synced_by_layer[group] = synced_by_layer.get(group, 0.0) + one
             largest_synced = maximum(largest_synced, one)
-        optimizer_elements += elements / (dp if zero else 1)
-        recast += elements / (dp if zero >= 3 else 1) if recasts(fact.precision) else 0.0
+        update_s += state_update_s(elements, fact, zero, dp, hardware, contention)
     if zero >= 2 and dp > 1 and synced_by_layer:
         # DDP and ZeRO-1 keep a flat copy of every synced gradient for the whole step; ZeRO-2 frees
         # each bucket once reduce-scattered (runtime/grad_sync.py), ZeRO-3 each layer group's
         # (runtime/zero/reduce_scatter.py, as FSDP2): one filling while the one before is in flight
         in_flight = 2 * (maximum(*synced_by_layer.values()) if zero >= 3 else maximum(bucket_cap(1), largest_synced))
         memory["grad_buckets"] = minimum(memory["grad_buckets"], in_flight)
-    return memory, optimizer_time(optimizer_elements, hardware, hardware.contention(mesh.shape), recast)
+    return memory, update_s
 
 
 def strategies_from_plan(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, dict[str, Strategy]]:

@@ -372,13 +372,40 @@ OPTIMIZER_BYTES_PER_PARAM = 80
 RECAST_BYTES_PER_PARAM = 12
 
 
-def optimizer_time(elements: float, hardware: HardwareProfile, contention: float = 1.0, recast: float = 0.0) -> float:
-    """Seconds of one AdamW step over ``elements`` local parameters, and of mixed precision's
-    casts of the ``recast`` parameter elements this rank holds: memory-bound, streaming as
-    elementwise kernels do (on an H200, foreach AdamW over 740 M parameters took 16.8 ms, this
-    gives 15.4; the casts 3.3 ms, this 2.3: benchmarks/gpu.py)."""
-    nbytes = elements * OPTIMIZER_BYTES_PER_PARAM + recast * RECAST_BYTES_PER_PARAM
+def optimizer_time(
+    elements: float, hardware: HardwareProfile, contention: float = 1.0, recast: float = 0.0, copied: float = 0.0
+) -> float:
+    """Seconds of one AdamW step over ``elements`` local parameters, of mixed precision's casts
+    of the ``recast`` parameter elements this rank holds, and of ``copied`` more bytes moved:
+    memory-bound, streaming as elementwise kernels do (on an H200, foreach AdamW over 740 M
+    parameters took 16.8 ms, this gives 15.4; the casts 3.3 ms, this 2.3: benchmarks/gpu.py)."""
+    nbytes = elements * OPTIMIZER_BYTES_PER_PARAM + recast * RECAST_BYTES_PER_PARAM + copied
     return nbytes / hardware.streaming_bandwidth * contention
+
+
+def state_update_s(
+    elements: float, fact, zero: int, data_parallel: int, hardware: HardwareProfile, contention: float = 1.0
+) -> float:
+    """Seconds the step spends updating a parameter of ``elements`` (this rank's before ZeRO;
+    ``fact``: its :class:`~autopar.passes.cost.facts.NodeFacts`) after backward: AdamW over its
+    1/dp under ZeRO, mixed precision's recast (of its 1/dp under ZeRO-3), and ZeRO-1/2's copies
+    around the gather of the stepped weights (:func:`zero_copy_bytes`)."""
+    recast = elements / (data_parallel if zero >= 3 else 1) if recasts(fact.precision) else 0.0
+    copied = elements * zero_copy_bytes(zero, data_parallel, fact.master_bytes, hardware)
+    stepped = elements / (data_parallel if zero else 1)
+    return optimizer_time(stepped, hardware, contention, recast, copied)
+
+
+def zero_copy_bytes(zero: int, data_parallel: int, master_bytes: int, hardware: HardwareProfile) -> float:
+    """Bytes per element of a whole parameter that autopar's ZeRO-1/2 step copies
+    (:class:`autopar.runtime.zero.layout.ZeroOptimizer`): under ZeRO-1 its gradient's chunk
+    made contiguous, then the stepped chunks packed for the all-gather and the gathered weights
+    unpacked into the whole parameter (read and written). None where the stack gathers into the
+    parameters' own storage (``HardwareProfile.zero_gathers_in_place``)."""
+    if zero not in (1, 2) or data_parallel <= 1 or hardware.zero_gathers_in_place:
+        return 0.0
+    gradient_chunk = 2 * master_bytes / data_parallel if zero == 1 else 0.0
+    return 2 * master_bytes * (1 + 1 / data_parallel) + gradient_chunk
 
 
 @functools.cache

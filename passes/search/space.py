@@ -58,7 +58,7 @@ from autopar.passes.cost.axis_terms import AxisContext, axis_contexts, partial_g
 from autopar.passes.cost.evaluate import stage_mesh
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
-from autopar.passes.cost.ops import optimizer_time, recasts
+from autopar.passes.cost.ops import state_update_s
 from autopar.passes.cost.schedule import dropped, forward_share
 from autopar.passes.search.pins import chunks_per_rank, expert_params
 from autopar.passes.sharding.rules import node_strategies
@@ -217,11 +217,11 @@ class LowerBounds:
 
     def _state_update_s(self, degrees: dict[str, int], zero: int, stage: Mesh) -> float:
         """The optimizer step and mixed precision's casts of the busiest device (all stages')."""
-        dp = degrees.get(Axis.DP, 1)
-        elements = {p: self._param_elements(p, degrees) for p in self.params}
-        recast = sum(n for p, n in elements.items() if recasts(self.facts[p].precision)) / (dp if zero >= 3 else 1)
-        stepped = sum(elements.values()) / (dp if zero else 1)
-        return optimizer_time(stepped, self.hardware, self.hardware.contention(stage.shape), recast)
+        dp, contention = degrees.get(Axis.DP, 1), self.hardware.contention(stage.shape)
+        return sum(
+            state_update_s(self._param_elements(p, degrees), self.facts[p], zero, dp, self.hardware, contention)
+            for p in self.params
+        )
 
     def _param_elements(self, name: str, degrees: dict[str, int]) -> float:
         fact = self.facts[name]

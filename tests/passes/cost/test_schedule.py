@@ -17,6 +17,7 @@ from autopar.passes.cost.ops import (
     collective_time,
     grad_sync_time,
     optimizer_time,
+    zero_copy_bytes,
 )
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
@@ -59,7 +60,8 @@ def test_plans_price_mixed_precision_casts_of_what_each_rank_holds():
 
     steps, casts = OPTIMIZER_BYTES_PER_PARAM, RECAST_BYTES_PER_PARAM
     assert ratio(0, 1) == pytest.approx((steps + casts) / steps)
-    assert ratio(1, 2) == pytest.approx((steps / 2 + casts) / (steps / 2))
+    copies = zero_copy_bytes(1, 2, 4, get_profile("a100-80gb"))  # the same fp32 masters gathered either way
+    assert ratio(1, 2) == pytest.approx((steps / 2 + casts + copies) / (steps / 2 + copies))
     assert ratio(3, 2) == pytest.approx((steps + casts) / steps)
 
 
@@ -221,3 +223,28 @@ def test_zero1_gathers_the_updated_parameters_after_the_optimizer_with_nothing_t
     mixed = sync(1, "bf16-mixed").grad_sync_s - sync(0, "bf16-mixed").grad_sync_s
     assert mixed == pytest.approx(expected, rel=1e-6)
     assert sync(1, zero1_reduce_scatter=True).grad_sync_s == pytest.approx(sync(0).grad_sync_s)
+
+
+def test_zero1_and_2_pay_the_copies_around_the_gather_of_the_stepped_weights():
+    """autopar's ZeRO-1/2 step copies: the gradient's chunk made contiguous (ZeRO-1), the stepped
+    chunks packed for the all-gather, the gathered weights unpacked into the whole parameters
+    (ZeroOptimizer.step); a stack whose parameters are views of the buffer it gathers into
+    (Megatron-Core, DeepSpeed) copies nothing. Streamed at the preset's elementwise bandwidth."""
+    mlp = dict(hidden=64, ffn=256, layers=2)
+    model = meta_model("mlp.py", **mlp)
+    graph = capture(model, model.example_inputs(16, device="meta"))
+    pins = dict(degrees={"dp": 8}, zero=0, microbatches=1, precision="fp32", hardware=FLAT_A100)
+    plan = plan_example("mlp.py", (2, 4), batch=16, model_kwargs=mlp, **pins)
+    elements = sum(p.numel() for p in model.parameters())
+
+    def update_s(zero: int, **profile) -> float:
+        hardware = dataclasses.replace(FLAT_A100, **profile)
+        return evaluate_plan(graph, dataclasses.replace(plan, zero=zero), hardware).optimizer_s
+
+    in_place = dict(zero_gathers_in_place=True)
+    for zero, per_element in ((1, 2 * 4 * (1 + 1 / 8) + 2 * 4 / 8), (2, 2 * 4 * (1 + 1 / 8))):
+        copies = update_s(zero) - update_s(zero, **in_place)
+        assert copies == pytest.approx(elements * per_element / FLAT_A100.streaming_bandwidth, rel=1e-6)
+    assert update_s(0) == pytest.approx(update_s(0, **in_place)) and update_s(3) == pytest.approx(
+        update_s(3, **in_place)
+    )
