@@ -12,9 +12,10 @@ the optimizer steps them. The program computes with 16-bit copies of them:
   so microbatches and pipeline stages share one cast per step. A rewrite pass inserting casts
   at parameter uses would cast once per use and per microbatch, and could not recover the
   model's upcasts from a graph captured in fp32. Under ZeRO-3 the copy is of the shard, so the
-  per-layer all-gathers move 16-bit data, as FSDP2's do. A compiled program casts its masters
-  itself (``cast_in_program``: :mod:`autopar.passes.rewrite.compiled`), fused into its step and
-  placed against its own gradient sums so they run in ``reduce_dtype``; then there are no copies here.
+  per-layer all-gathers move 16-bit data, as FSDP2's do. A compiled program that sums gradients
+  itself casts the masters itself (``leaves(cast_by_program=True)``:
+  :mod:`autopar.passes.rewrite.compiled`), placed against its sums so they run in
+  ``reduce_dtype``; the copies here are made only for programs that take them.
 - **Gradients** leave the 16-bit graph through each leaf's backward, which casts the gradient
   to the master's fp32, so they accumulate (over microbatches too) and are reduced in fp32
   by default; ``reduce_dtype`` makes the reduction buckets that dtype instead (``GradSync``,
@@ -144,27 +145,30 @@ class MixedPrecision:
         skip = precision.finish(grads, group)        # fp16: unscale; True: inf/NaN somewhere
     """
 
-    def __init__(self, policy: PrecisionPolicy, masters: dict[str, Tensor], cast_in_program: bool = False):
+    def __init__(self, policy: PrecisionPolicy, masters: dict[str, Tensor]):
         self.policy = policy
         self.param_dtype = getattr(torch, policy.param_dtype) if policy.mixed else None
         self.reduce_dtype = getattr(torch, policy.reduce_dtype)
         self.loss_scaler = LossScaler() if policy.loss_scaling else None
         self.masters = masters  # name → the leaf a DTensor parameter shares storage with
-        self._copies = {
-            name: torch.empty_like(master, dtype=self.param_dtype)
-            for name, master in masters.items()
-            if self.param_dtype is not None and master.is_floating_point() and not cast_in_program
-        }
-        self._cast_at_version = dict.fromkeys(self._copies, -1)
+        self._copies: dict[str, Tensor] = {}  # made on first use: a program casting for itself needs none
+        self._cast_at_version: dict[str, int] = {}
 
-    def leaves(self, through: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    def leaves(self, through: dict[str, Tensor] | None = None, cast_by_program: bool = False) -> dict[str, Tensor]:
         """name → the tensor the programs take for that parameter: the master itself, or its
         16-bit copy (recast if the master changed since), through which gradients reach the master
         (or the leaf ``through`` names for it: a pipeline stage's own leaf of a shared weight,
-        sharing the master's storage)."""
+        sharing the master's storage); the masters where the program casts them itself."""
         leaves = {**self.masters, **(through or {})}
-        for name, copy in self._copies.items():
-            master = self.masters[name]
+        if self.param_dtype is None or cast_by_program:
+            return leaves
+        for name, master in self.masters.items():
+            if not master.is_floating_point():
+                continue
+            if name not in self._copies:
+                self._copies[name] = torch.empty_like(master, dtype=self.param_dtype)
+                self._cast_at_version[name] = -1
+            copy = self._copies[name]
             if self._cast_at_version[name] != master._version:
                 with torch.no_grad():
                     copy.copy_(master)

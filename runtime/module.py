@@ -35,7 +35,7 @@ from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from autopar.ir import EXTRA_INPUTS, GRAD_CHUNK, ConfigError, NonFiniteError, Plan, Replicate, Shard
+from autopar.ir import CASTS_IN_PROGRAM, EXTRA_INPUTS, GRAD_CHUNK, ConfigError, NonFiniteError, Plan, Replicate, Shard
 from autopar.runtime.calls import CallProgram, Calls, local_chunk
 from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
@@ -125,7 +125,7 @@ class ParallelModule(nn.Module):
             _register(self, alias, self._params[name])
         for name in buffer_order:
             _register(self, name, state[name].detach().to(device, copy=True), buffer=True)
-        self._precision = MixedPrecision(policy, self._locals, cast_in_program=compiler is not None)
+        self._precision = MixedPrecision(policy, self._locals)
         self._finishing_later = False  # inside a step of several backward passes (AccumulatingModule)
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
         entries = [
@@ -213,7 +213,7 @@ class ParallelModule(nn.Module):
 
     def _run(self, program: fx.GraphModule, local_inputs) -> tuple:
         self._follow_zeroed_grads()
-        leaves = self._precision.leaves()
+        leaves = self._precision.leaves(cast_by_program=program.meta.get(CASTS_IN_PROGRAM, False))
         params = [leaves[name] for name in self._param_order]
         buffers = [self.get_buffer(name) for name in self._buffer_order]
         self._zero3 = self._derived(program, "zero3", lambda: self._zero3_runtime(program))

@@ -42,7 +42,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining.schedules import _ComputationType
 
-from autopar.ir import ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
+from autopar.ir import CASTS_IN_PROGRAM, ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
 from autopar.runtime.calls import Calls
 from autopar.runtime.faults import collective, listing
 from autopar.runtime.mixed_precision import MixedPrecision
@@ -98,11 +98,12 @@ class _StageModule(nn.Module):
         self._own = {name: leaf for name, leaf in zip(names, leaves) if leaf is not precision.masters[name]}
         self._input_names, self._first, self._last = stage.inputs, first, last
         self._zero3 = zero3
+        self._casts_itself = stage.graph_module.meta.get(CASTS_IN_PROGRAM, False)  # compiled, summing in program
 
     def forward(self, *received, **user_inputs):
         received = () if self._first else received  # the first stage reads the inputs by name
         inputs = self._precision.inputs(user_inputs[_keyword(name)] for name in self._input_names)
-        leaves = self._precision.leaves(self._own)
+        leaves = self._precision.leaves(self._own, cast_by_program=self._casts_itself)
         params = [leaves[name] for name in self._names]
         with self._zero3.forward(leaves) if self._zero3 is not None else contextlib.nullcontext():
             outputs = self._run(*params, *self._buffer_values, *inputs, *received)

@@ -23,6 +23,7 @@ from autopar.ir.errors import (
 from autopar.ir.hardware import PROFILES, HardwareProfile, KernelFigures, LinkTier, get_profile
 from autopar.ir.mesh import BATCH_DIMS, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
 from autopar.ir.names import (
+    CASTS_IN_PROGRAM,
     EARLIER_GRAD,
     EXTRA_INPUTS,
     GRAD_CHUNK,
@@ -55,6 +56,7 @@ from autopar.ir.precision import PrecisionPolicy, model_state_bytes
 __all__ = [
     "BATCH_DIMS",
     "KERNEL_DIMS",
+    "CASTS_IN_PROGRAM",
     "EARLIER_GRAD",
     "EXTRA_INPUTS",
     "GRAD_CHUNK",

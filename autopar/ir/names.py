@@ -68,6 +68,9 @@ OP_NAMESPACE = "autopar"  # torch.ops.autopar.*: the collectives and kernels rew
 # the program reduce-scatters its gradient (autopar.passes.rewrite.compiled; the runtime reads it)
 EXTRA_INPUTS = "autopar_extra_inputs"
 EARLIER_GRAD, GRAD_CHUNK = "earlier grad", "grad chunk"
+# A compiled program's meta: True where, under mixed precision, it takes the fp32 masters and casts
+# them itself (it sums gradients itself, in the reduce dtype); else it takes the runtime's copies
+CASTS_IN_PROGRAM = "autopar_casts_in_program"
 
 
 def module_label(path: str) -> str:

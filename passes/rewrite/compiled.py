@@ -23,12 +23,13 @@ gradient sync becomes part of the program, as in SimpleFSDP and Meta's autoparal
   ZeRO-2) the earlier microbatches run the program with no sum, and the last one's takes what
   they accumulated as extra inputs and sums it with its own (``grad_all_reduce_accumulated``).
 
-Under mixed precision the program also casts its parameters (:class:`_Casts`): it
-takes the fp32 masters and casts each to the compute dtype itself, where inductor fuses the
-cast into the step, and where the cast sits against the sum says which dtype the gradient is
-summed in (``reduce_dtype``): a sum before the cast sums the master's fp32 gradient, one after it
-sums the compute dtype's (FSDP2's ``MixedPrecisionPolicy`` either way). Outside a program the runtime casts
-(:mod:`autopar.runtime.mixed_precision`).
+Under mixed precision a program that sums gradients itself also casts its parameters
+(:class:`_Casts`): it takes the fp32 masters and casts each to the compute dtype itself, and
+where the cast sits against the sum says which dtype the gradient is summed in
+(``reduce_dtype``): a sum before the cast sums the master's fp32 gradient, one after it sums the
+compute dtype's (FSDP2's ``MixedPrecisionPolicy`` either way). A program that sums nothing (a
+pipeline stage below ZeRO-3, a microbatch before the last) takes the 16-bit copies the runtime
+casts once per step (:mod:`autopar.runtime.mixed_precision`), not one cast per microbatch.
 
 The scheduling pass then buckets and places these collectives like every other
 (:mod:`autopar.passes.rewrite.overlap`). Syncing in the program is exact in every case (the sum
@@ -36,8 +37,9 @@ is linear); under ``no_sync`` it communicates once per backward.
 
 Pre: a program of :func:`rewrite` (after recomputation and the stage split; ``params`` maps its
 parameter placeholders to parameter names), its parameters in the compute dtype. Post: the same
-computation, no ``zero_gather`` left, taking fp32 masters under mixed precision; the returned
-names are the parameters whose gradients the program sums itself.
+computation, no ``zero_gather`` left, taking fp32 masters under mixed precision where it sums
+gradients (``program.meta[CASTS_IN_PROGRAM]``); the returned names are the parameters whose
+gradients the program sums itself.
 """
 
 from __future__ import annotations
@@ -48,7 +50,17 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from autopar.ir import EARLIER_GRAD, EXTRA_INPUTS, GRAD_CHUNK, OP_NAMESPACE, Axis, Plan, PrecisionPolicy, layer_of
+from autopar.ir import (
+    CASTS_IN_PROGRAM,
+    EARLIER_GRAD,
+    EXTRA_INPUTS,
+    GRAD_CHUNK,
+    OP_NAMESPACE,
+    Axis,
+    Plan,
+    PrecisionPolicy,
+    layer_of,
+)
 
 aten = torch.ops.aten
 
@@ -76,11 +88,13 @@ def sync_in_program(
     """
     ops = getattr(torch.ops, OP_NAMESPACE)
     graph = program.graph
-    casts = _Casts.of(plan.precision_policy)
+    gathers = graph.find_nodes(op="call_function", target=ops.zero_gather.default)
+    sums = whole or gathers or scattered  # the program sums gradients: it casts its masters itself
+    casts = _Casts.of(plan.precision_policy) if sums else _Casts(None, None)
     extras = _ExtraInputs(graph)
     synced: set[str] = set()
     layers: dict[tuple, list[fx.Node]] = {}
-    for gather in graph.find_nodes(op="call_function", target=ops.zero_gather.default):
+    for gather in gathers:
         shard = gather.args[0]
         key = (layer_of(params[shard.name]) or "", shard.meta["val"].dtype, gather.args[1])
         layers.setdefault(key, []).append(gather)
@@ -111,6 +125,7 @@ def sync_in_program(
     graph.lint()
     result = fx.GraphModule(program, graph)
     result.meta[EXTRA_INPUTS] = extras.listed
+    result.meta[CASTS_IN_PROGRAM] = casts.param is not None
     return result, frozenset(synced)
 
 

@@ -10,7 +10,7 @@ import torch
 from planning import meta_model, plan_example
 
 import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
-from autopar.ir import EARLIER_GRAD, EXTRA_INPUTS, GRAD_CHUNK
+from autopar.ir import CASTS_IN_PROGRAM, EARLIER_GRAD, EXTRA_INPUTS, GRAD_CHUNK
 from autopar.ir.zero import zero_dims
 from autopar.passes.capture.graph import capture
 from autopar.passes.rewrite.compiled import sync_in_program
@@ -96,15 +96,16 @@ def test_mixed_precision_casts_masters_in_the_program_around_the_sum():
     for reduce_dtype, whole, expected in (
         ("float32", True, [ops.grad_all_reduce.default, CAST]),  # the fp32 gradient summed, then cast
         ("bfloat16", True, [CAST, ops.grad_all_reduce.default]),  # the bf16 gradient summed
-        ("float32", False, [CAST]),  # the runtime sums it (in the reduce dtype, on the master's gradient)
+        ("float32", False, None),  # sums nothing: takes the runtime's copies (cast once per step)
     ):
         plan = _mixed_plan(reduce_dtype)
         program, params = _program(plan, torch.bfloat16)
         program, _ = sync_in_program(program, plan, params, _group_of, whole=whole)
+        assert program.meta[CASTS_IN_PROGRAM] == (expected is not None)
         for node in program.graph.find_nodes(op="placeholder"):
             if node.name in params:
-                assert node.meta["val"].dtype == torch.float32, node  # takes the master
-                assert _path(node) == expected, (reduce_dtype, whole, node, _path(node))
+                takes = torch.float32 if expected else torch.bfloat16  # the master, or the runtime's copy
+                assert node.meta["val"].dtype == takes and _path(node) == (expected or []), (reduce_dtype, whole, node)
 
 
 def test_mixed_precision_zero3_gathers_in_the_compute_dtype_and_sums_in_the_reduce_dtype():
