@@ -33,6 +33,7 @@ from autopar.passes.capture.graph import capture as capture_graph
 from autopar.passes.program import build_programs
 from autopar.passes.rewrite.async_tp import pipeline_tp_matmuls
 from autopar.passes.rewrite.compiled import sync_in_program
+from autopar.passes.rewrite.loss import loss_count
 from autopar.passes.rewrite.overlap import schedule_communication
 from autopar.passes.runner import PassLog, verify_graph
 from autopar.passes.search.search import SearchProgress, search
@@ -203,6 +204,8 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
         )
         program = built.stages if built.stages is not None else built.program
         loss_program, accumulating = built.loss_program, None
+        pieces = built.plan.schedule.microbatches
+        counted = loss_count(loss_program) if loss_program is not None and pieces > 1 else None
         if plan.schedule.compiled:  # the programs sum their gradients; the runtime leaves those alone
             group_of = lambda axes: group_name(device_mesh, tuple(axes))  # noqa: E731
             sync = functools.partial(
@@ -221,6 +224,7 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
             program=program,
             loss_program=loss_program,
             accumulating_loss_program=accumulating,
+            loss_count=counted,
             inputs={name: built.plan.inputs[name] for name in built.captured.user_inputs},
             out_spec=built.captured.out_spec,
             signature=Calls.signature(bound),

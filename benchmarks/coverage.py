@@ -129,9 +129,10 @@ top-2), unmodified. `autopar.parallelize(model, 4)` plans it with no example inp
 dp=4 (DP), tp=4 (TP), pp=2 x dp=2 or cp=2 x dp=2 on a 2x2 mesh, or free (auto: the degrees it
 chose); one step as a script takes it
 (`pmodel(input_ids=..., labels=...).loss.backward()`, AdamW) against the same step in one
-process. ✓: loss, every full gradient and every parameter after the step allclose (rtol 1e-4,
-atol 1e-6). **{passing} of {len(rows)} families pass all {len(PLANS)}** (anchor: Meta's autoparallel
-passes 14 of 20).
+process; the labels right-padded with -100, another length per row (so ranks and microbatches
+count different numbers of targets). ✓: loss, every full gradient and every parameter after the
+step allclose (rtol 1e-4, atol 1e-6). **{passing} of {len(rows)} families pass all {len(PLANS)}**
+(anchor: Meta's autoparallel passes 14 of 20).
 
 {tabulate(table, headers=["family", *PLANS, "why not"], tablefmt="github")}
 """

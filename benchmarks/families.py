@@ -8,7 +8,9 @@ comes. ``autopar.parallelize(model, 4)`` plans it with no example inputs, pinned
 to ``tp=4``, to ``pp=2, dp=2`` or ``cp=2, dp=2`` on a 2x2 mesh, or not pinned (the search's own
 choice); then one step as a script takes it:
 ``pmodel(input_ids=..., labels=...).loss.backward()`` and AdamW, against the same step of the
-model in one process. A case passes when the loss, every full gradient and every parameter
+model in one process. The labels are padded as a batch of texts of different lengths is
+(right padding labelled -100, another length per row), so the ranks and the microbatches each
+count another number of targets. A case passes when the loss, every full gradient and every parameter
 after the step are allclose (rtol 1e-4, atol 1e-6). A family that cannot run says why: the
 first line of the error autopar raises (for a model torch.export cannot trace, the file and
 line of the construct).
@@ -49,6 +51,14 @@ def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
     return ((value - reference).abs() / (1e-6 + 1e-4 * reference.abs())).max().item()
 
 
+def padded(tokens: torch.Tensor) -> torch.Tensor:
+    """The labels of ``tokens`` as a right-padded batch has them: row b's last 3b + 1 ignored (-100)."""
+    labels = tokens.clone()
+    for row in range(labels.shape[0]):
+        labels[row, labels.shape[1] - 3 * row - 1 :] = -100
+    return labels
+
+
 def one_step(family: str, pins: dict) -> dict:
     """One training step of ``family`` under ``pins`` against one process (see the module docstring)."""
     torch.manual_seed(0)
@@ -59,12 +69,13 @@ def one_step(family: str, pins: dict) -> dict:
     planned = time.perf_counter() - started
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
     tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    out = pmodel(input_ids=tokens, labels=tokens)
+    labels = padded(tokens)
+    out = pmodel(input_ids=tokens, labels=labels)
     out.loss.backward()
     grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters() if p.grad is not None}
     optimizer.step()
     reference_optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    reference = model(input_ids=tokens, labels=tokens)
+    reference = model(input_ids=tokens, labels=labels)
     reference.loss.backward()
     reference_grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     reference_optimizer.step()

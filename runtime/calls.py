@@ -43,6 +43,9 @@ class CallProgram:
     # compiled gradient accumulation: the loss program of the microbatches before the last, which
     # sums nothing (``loss_program`` then runs the last, summing what these accumulated); else None
     accumulating_loss_program: Any = None
+    # over microbatches, a mean loss's count of targets (autopar.passes.rewrite.loss.LossCount): the
+    # runtime weighs each microbatch's loss by its share of the step's targets; else None (equal shares)
+    loss_count: Any = None
 
 
 def local_chunk(full: torch.Tensor, placements, mesh: DeviceMesh, skip: tuple[str, ...] = ()) -> torch.Tensor:

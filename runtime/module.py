@@ -440,15 +440,27 @@ class AccumulatingModule(ParallelModule):
         call, inputs = self._calls.prepare(local_inputs, local_kwargs, split=self._calls.given(shards=True))
         program = self._loss_program(call)  # a piece's whole loss, reduced (backward runs per piece)
         pieces = self._pieces(inputs)
-        losses = []
+        shares = self._shares(call, pieces)
+        loss = 0.0
         with self._one_step():
-            for index, piece in enumerate(pieces):
+            for index, (piece, share) in enumerate(zip(pieces, shares)):
                 last = index == len(pieces) - 1
-                (loss,) = self._run(program if last else call.accumulating_loss_program or program, piece)
+                (piece_loss,) = self._run(program if last else call.accumulating_loss_program or program, piece)
                 with self._accumulating(last=last):
-                    (loss / len(pieces)).backward()
-                losses.append(loss.detach())
-        return torch.stack(losses).mean()
+                    (piece_loss * share).backward()
+                loss = loss + piece_loss.detach().float() * share
+        return loss.to(piece_loss.dtype)
+
+    def _shares(self, call: CallProgram, pieces: list[tuple]) -> list[float]:
+        """Each piece's weight in the step's loss: a mean loss's, its share of the step's
+        targets (a piece of padding counts fewer, :func:`autopar.passes.rewrite.loss.loss_count`);
+        another loss's, equal."""
+        if call.loss_count is None:
+            return [1 / len(pieces)] * len(pieces)
+        leaves = self._precision.leaves(cast_by_program=True)  # the count reads targets (and detached class weights)
+        state = [*(leaves[name] for name in self._param_order), *(self.get_buffer(n) for n in self._buffer_order)]
+        names = call.loss_count.placeholders
+        return shares_of(call.loss_count([dict(zip(names, (*state, *piece))) for piece in pieces]))
 
     def _accumulating(self, last: bool):
         """ZeRO-2/3: each backward synced on its own (``ZeroLayout.syncs_each_microbatch``);
@@ -460,20 +472,28 @@ class AccumulatingModule(ParallelModule):
     @communicating
     def forward(self, *args, **kwargs):
         """The pieces one after another (one backward through all of them: no memory saved,
-        use ``train_step`` for that); scalar outputs (the loss) averaged, others concatenated."""
+        use ``train_step`` for that); scalar outputs (the loss) averaged by the pieces' shares
+        (:meth:`_shares`), others concatenated."""
         call, inputs = self._calls.prepare(args, kwargs, split=self._calls.given())
-        runs = [self._run(call.program, piece) for piece in self._pieces(inputs)]
-        return self._calls.result(call, tuple(self._merge(values) for values in zip(*runs)))
+        pieces = self._pieces(inputs)
+        shares = torch.tensor(self._shares(call, pieces))
+        runs = [self._run(call.program, piece) for piece in pieces]
+        return self._calls.result(call, tuple(self._merge(values, shares) for values in zip(*runs)))
 
-    def _merge(self, pieces: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """One output of every piece as one: a scalar averaged; a batch gathered over the dp ranks
-        per piece ([rank 0's piece 0, rank 1's piece 0, rank 0's piece 1, ...]) back in batch order."""
+    def _merge(self, pieces: tuple[torch.Tensor, ...], shares: torch.Tensor) -> torch.Tensor:
+        """One output of every piece as one: a scalar averaged by ``shares``; a batch gathered over the dp
+        ranks per piece ([rank 0's piece 0, rank 1's piece 0, rank 0's piece 1, ...]) back in batch order."""
         if pieces[0].dim() == 0:
-            return torch.stack(pieces).mean()
+            return (torch.stack(pieces) * shares.to(pieces[0].dtype)).sum()
         ranks = self.dp_size
         if pieces[0].shape[0] % ranks:
             return torch.cat(pieces)
         return torch.stack(pieces).unflatten(1, (ranks, -1)).transpose(0, 1).flatten(0, 2)
+
+
+def shares_of(counts: torch.Tensor) -> list[float]:
+    """Each microbatch's weight in the step's mean loss: its share of the step's ``counts``."""
+    return (counts / counts.sum()).tolist()
 
 
 def whole_leaves(module: ParallelModule) -> list[torch.Tensor]:

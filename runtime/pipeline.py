@@ -46,7 +46,7 @@ from autopar.ir import CASTS_IN_PROGRAM, ZERO_BUBBLE_PIPELINES, Axis, ConfigErro
 from autopar.runtime.calls import Calls
 from autopar.runtime.faults import collective, listing
 from autopar.runtime.mixed_precision import MixedPrecision
-from autopar.runtime.module import ParallelModule, communicating, whole_leaves
+from autopar.runtime.module import ParallelModule, communicating, shares_of, whole_leaves
 from autopar.runtime.process_groups import rank_device
 from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -189,8 +189,11 @@ def _keyword(input_name: str) -> str:
     return f"input_{input_name}"
 
 
-def _loss_of(output: torch.Tensor, _target) -> torch.Tensor:
-    return output.sum()  # the 1-element loss as a scalar that is not a view
+def _loss_of(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The microbatch's 1-element loss as a scalar (not a view), times its weight: the
+    microbatch count times its share of the step's loss (1 for equal shares), which
+    ``scale_grads`` then divides by the count."""
+    return output.sum() * weight.sum()
 
 
 class PipelineModule(ParallelModule):
@@ -240,7 +243,6 @@ class PipelineModule(ParallelModule):
         self._param_names, self._buffer_names, self._mine = param_names, buffer_names, mine
         self._ties = TiedWeights(shared, schedule, mesh, mine)
         self._whole_leaves = whole_leaves(self)
-        self._no_target = torch.zeros(schedule.microbatches)  # the loss is the model's own: the target is unused
         self._last_rank = dist.get_global_rank(mesh.get_group(Axis.PP), schedule.device_of(schedule.modules - 1))
         self._anchor = torch.zeros((), requires_grad=True)  # what a deferred backward hangs from (see forward)
         self._pending: dict[str, torch.Tensor | None] | None = None
@@ -332,7 +334,7 @@ class PipelineModule(ParallelModule):
         with self._grad_sync.no_sync(), self._transfers_named():
             self._schedule.step(
                 *(inputs if self._holds_first else ()),
-                target=self._no_target,
+                target=self._weights(call, inputs),
                 losses=losses,
                 return_outputs=False,
                 **self._keywords(call, inputs),
@@ -347,12 +349,25 @@ class PipelineModule(ParallelModule):
         return self._from_last_stage(loss)
 
     def _forward_only(self, call, inputs) -> torch.Tensor:
+        weights = self._weights(call, inputs)
         with _forward_actions_only(self._schedule), self._transfers_named():
             merged = self._schedule.eval(
-                *(inputs if self._holds_first else ()), target=self._no_target, **self._keywords(call, inputs)
+                *(inputs if self._holds_first else ()), target=weights, **self._keywords(call, inputs)
             )
-        loss = merged.detach().mean() if self._holds_last else torch.zeros(())
+        loss = (merged.detach().float().reshape(-1) * weights).mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
+
+    def _weights(self, call, inputs) -> torch.Tensor:
+        """Each microbatch's weight in the step's loss (the schedule's ``target``, see :func:`_loss_of`):
+        a mean loss's, the count times its share of the step's targets (a microbatch of padding
+        counts fewer), where the last stage counts them from the inputs alone; else ones."""
+        micro = self.plan.schedule.microbatches
+        count = call.loss_count
+        values = dict(zip(call.inputs, inputs))
+        if not self._holds_last or count is None or not set(count.reads) <= values.keys():
+            return torch.ones(micro)
+        pieces = [dict(zip(values, piece)) for piece in zip(*(value.tensor_split(micro) for value in values.values()))]
+        return torch.tensor(shares_of(count(pieces))) * micro
 
     def _transfers_named(self):
         """Around a schedule run: a send or receive that fails names what this rank last posted."""

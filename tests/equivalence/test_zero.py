@@ -128,8 +128,8 @@ def _micro_plan(builder, kwargs: dict, stage: int):
 
 def _grad_collectives_by_microbatch(gpt, stage: int) -> list[int]:
     """DP2, 2 microbatches: the gradient collectives (reduce-scatters, and all-reduces of more
-    than the scalar loss) issued before the first microbatch's forward, before the second's,
-    and by the end of the step."""
+    than the scalar loss or the microbatches' counts of targets) issued before the first
+    microbatch's forward, before the second's, and by the end of the step."""
     model = gpt.build(**GPT)
     inputs = model.example_inputs(BATCH)
     pmodel = autopar.parallelize(model, 2, inputs, plan=_micro_plan(gpt.build, GPT, stage))
@@ -137,7 +137,7 @@ def _grad_collectives_by_microbatch(gpt, stage: int) -> list[int]:
     reduce_scatter, all_reduce, run = dist.reduce_scatter_single, dist.all_reduce, pmodel._run
 
     def counted(collective, tensor, *args, **kwargs):
-        issued[0] += collective is reduce_scatter or tensor.numel() > 1
+        issued[0] += collective is reduce_scatter or tensor.numel() > 2
         return collective(tensor, *args, **kwargs)
 
     dist.reduce_scatter_single = lambda *args, **kwargs: counted(reduce_scatter, *args, **kwargs)

@@ -9,6 +9,7 @@ import autopar
 import autopar.runtime.collectives  # noqa: F401
 from autopar.ir import Replicate, Shard, StalePlanError
 from autopar.passes.capture.graph import capture
+from autopar.passes.rewrite.loss import loss_count, loss_only
 from autopar.passes.rewrite.rewrite import rewrite
 
 GPT = dict(hidden=64, layers=1, heads=4, vocab=128, seq=16)
@@ -60,6 +61,18 @@ def test_data_parallel_plan_only_reduces_the_loss_and_its_target_count():
     assert divide.target is torch.ops.aten.div.Tensor and divide.args[1] is count
     assert divide.args[0].target is torch.ops.aten.cross_entropy_loss.default and divide.args[0].args[3] == 2  # sum
     assert all(p[0] == plan.params[name][0] for name, p in plan.params.items())
+
+
+def test_over_microbatches_the_mean_loss_counts_the_targets_each_microbatch_weighs_by():
+    plan = plan_example("gpt.py", 1, batch=8, model_kwargs=GPT, microbatches=2, hardware="a100-80gb")
+    count = loss_count(loss_only(_rewritten(plan)))
+    assert count.reads == ("labels",) and not count.reductions  # one rank: nothing to sum over
+    padded = torch.zeros(4, GPT["seq"], dtype=torch.long)
+    padded[0, :5] = -100  # ignored targets
+    counts = count([{"labels": padded}, {"labels": torch.zeros_like(padded)}])
+    assert counts.tolist() == [4 * GPT["seq"] - 5, 4 * GPT["seq"]]
+    whole = plan_example("gpt.py", 1, batch=8, model_kwargs=GPT, hardware="a100-80gb")
+    assert loss_count(loss_only(_rewritten(whole))) is None  # one microbatch: the mean stays one op
 
 
 def test_a_plan_for_another_graph_is_stale():
