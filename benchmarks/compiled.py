@@ -10,6 +10,9 @@ Three comparisons, fp32, AdamW, each with three competitors:
 - TP: autopar ``compile=True`` with the Megatron constraints vs ``torch.compile`` of the model
   ``parallelize_module`` made (ColwiseParallel wq/wk/wv/fc1, RowwiseParallel wo/fc2) vs autopar eager.
 
+DP also times a diagnostic twin (``TWIN``): DDP compiled making the two scalar collectives autopar's
+data-parallel step makes and DDP's does not, to show what separates the two.
+
 A compiled competitor's first step compiles (or loads from inductor's cache): it is timed on its
 own (barrier, slowest rank) and reported as compile time, never counted in step time. The pairs
 (autopar compiled, torch compiled) and (autopar compiled, autopar eager) must agree on the losses
@@ -72,6 +75,11 @@ COMPARISONS = {  # comparison: (autopar compiled, torch compiled, autopar eager)
     "ZeRO-3": ("autopar ZeRO-3 compiled", "torch FSDP2 compiled", "autopar ZeRO-3 eager"),
     "TP": ("autopar TP compiled", "torch TP compiled", "autopar TP eager"),
 }
+# DP's diagnostic twin: DDP compiled making the two scalar collectives autopar's data-parallel step makes and
+# DDP's does not (the global count of targets, which autopar's forward waits for, so that ranks counting
+# different numbers of ignored targets still average to the global mean; the global loss train_step
+# returns, all-reduced during backward): what separates the DP row's two columns when nothing else does
+TWIN = "torch DDP compiled + autopar's collectives"
 PAIRS = tuple(
     pair
     for comparison, (ours, torch_compiled, eager) in COMPARISONS.items()
@@ -152,6 +160,25 @@ def _tp_compiled(model, global_inputs, rank: int, world_size: int) -> Competitor
     return Competitor("torch TP compiled", tp, _backward(compiled, global_inputs), _adamw(tp), _as_is)
 
 
+def _ddp_compiled_twin(model, global_inputs, rank: int, world_size: int) -> Competitor:
+    """DDP compiled with autopar's two scalar collectives added (see ``TWIN``); its loss is DDP's."""
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    compiled = torch.compile(ddp)
+    batch = _ddp_local_batch(global_inputs, rank, world_size)
+
+    def forward_backward():
+        count = (batch[-1] != -100).sum(dtype=torch.float32)
+        dist.all_reduce(count)
+        loss = compiled(*batch)
+        total = loss.detach().clone()
+        work = dist.all_reduce(total, async_op=True)
+        loss.backward()
+        work.wait()
+        return loss.detach()
+
+    return Competitor(TWIN, ddp, forward_backward, _adamw(ddp), _mean_over_ranks, "module.")
+
+
 TORCH = {"DP": _ddp_compiled, "ZeRO-3": _fsdp2_compiled, "TP": _tp_compiled}
 
 
@@ -185,6 +212,7 @@ def bench_rank(rank: int, world_size: int, settings: Settings, size: str) -> dic
             _autopar(model, global_inputs, world_size, comparison, compile=False),
         ):
             competitors[built.name] = _first_step_timed(built, first_step)
+    competitors[TWIN] = _first_step_timed(_ddp_compiled_twin(model, global_inputs, rank, world_size), first_step)
     losses = check_equivalence(competitors, pairs=PAIRS)
     names = list(first_step)
     compile_s = dict(zip(names, _slowest_rank([first_step[name] for name in names])))
@@ -193,7 +221,8 @@ def bench_rank(rank: int, world_size: int, settings: Settings, size: str) -> dic
             _timed_step(competitor)
     rounds = {name: [] for name in competitors}
     for round_index in range(settings.rounds):
-        for group in COMPARISONS.values():
+        for comparison, group in COMPARISONS.items():
+            group = group + ((TWIN,) if comparison == "DP" else ())
             shift = round_index % len(group)
             for name in group[shift:] + group[:shift]:
                 seconds = [_timed_step(competitors[name]) for _ in range(settings.steps_per_round)]
@@ -222,8 +251,8 @@ def render_section(results: dict, settings: Settings, command: str, elapsed_s: f
         "before `fully_shard` vs autopar eager; TP: autopar `compile=True` (Megatron constraints) vs "
         "`torch.compile` of `parallelize_module`'s model vs autopar eager.",
         f"- step: forward + backward + AdamW step + zero_grad; after the 2 checked steps and {settings.warmup_steps} "
-        f"warm-up steps, {settings.rounds} rounds of {settings.steps_per_round} steps per competitor, the three of a "
-        "comparison in an order rotating each round; a barrier before each step; slowest rank; median. The first "
+        f"warm-up steps, {settings.rounds} rounds of {settings.steps_per_round} steps per competitor, the competitors "
+        "of a comparison in an order rotating each round; a barrier before each step; slowest rank; median. The first "
         "step of each compiled competitor is the compile time column (inductor's cache may hold graphs from "
         "earlier runs: it is what a rerun costs), never part of step time.",
         "",
@@ -242,6 +271,24 @@ def render_section(results: dict, settings: Settings, command: str, elapsed_s: f
                 f"{_ms(medians[eager])} | {medians[ours] / medians[eager]:.2f} | "
                 f"{result['compile_s'][ours]:.1f} | {result['compile_s'][theirs]:.1f} |"
             )
+    lines += [
+        "",
+        f"DP's diagnostic twin: `{TWIN}` is DDP compiled making the two scalar collectives autopar's "
+        "data-parallel step makes and DDP's does not: the global count of targets before forward (autopar's "
+        "forward waits for it, so that ranks counting different numbers of ignored targets still average to the "
+        "global mean) and the global loss, all-reduced during backward (what `train_step` returns). Rotated "
+        "with the DP comparison's three.",
+        "",
+        "| size | ranks | autopar DP compiled ms | torch DDP compiled ms | twin ms | autopar / twin |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for (size, world_size), result in results.items():
+        medians = {name: statistics.median(t for r in rounds for t in r) for name, rounds in result["rounds"].items()}
+        ours, theirs, _ = COMPARISONS["DP"]
+        lines.append(
+            f"| {size} | {world_size} | {_ms(medians[ours])} | {_ms(medians[theirs])} | {_ms(medians[TWIN])} | "
+            f"{medians[ours] / medians[TWIN]:.2f} |"
+        )
     lines += [
         "",
         "Equivalence check (passed): autopar compiled against torch compiled and against autopar eager, the "
