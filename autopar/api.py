@@ -204,8 +204,9 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
         )
         program = built.stages if built.stages is not None else built.program
         loss_program, accumulating = built.loss_program, None
-        pieces = built.plan.schedule.microbatches
-        counted = loss_count(loss_program) if loss_program is not None and pieces > 1 else None
+        counted = None  # over microbatches: what weighs each one's loss, its count of targets
+        if loss_program is not None and built.plan.schedule.microbatches > 1:
+            counted = loss_count(loss_program)
         if plan.schedule.compiled:  # the programs sum their gradients; the runtime leaves those alone
             group_of = lambda axes: group_name(device_mesh, tuple(axes))  # noqa: E731
             sync = functools.partial(

@@ -361,13 +361,13 @@ class PipelineModule(ParallelModule):
         """Each microbatch's weight in the step's loss (the schedule's ``target``, see :func:`_loss_of`):
         a mean loss's, the count times its share of the step's targets (a microbatch of padding
         counts fewer), where the last stage counts them from the inputs alone; else ones."""
-        micro = self.plan.schedule.microbatches
-        count = call.loss_count
+        micro, count = self.plan.schedule.microbatches, call.loss_count
         values = dict(zip(call.inputs, inputs))
         if not self._holds_last or count is None or not set(count.reads) <= values.keys():
             return torch.ones(micro)
-        pieces = [dict(zip(values, piece)) for piece in zip(*(value.tensor_split(micro) for value in values.values()))]
-        return torch.tensor(shares_of(count(pieces))) * micro
+        chunks = {name: values[name].tensor_split(micro) for name in count.reads}  # as the schedule splits
+        counts = count([{name: parts[index] for name, parts in chunks.items()} for index in range(micro)])
+        return torch.tensor(shares_of(counts)) * micro
 
     def _transfers_named(self):
         """Around a schedule run: a send or receive that fails names what this rank last posted."""
