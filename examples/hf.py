@@ -278,10 +278,12 @@ def from_config(
     seq: int = 32,
     experts: int = 4,
     tie_embeddings: bool | None = None,
+    dropout: float = 0.0,
 ) -> PreTrainedModel:
     """An unmodified ``AutoModelForCausalLM.from_config`` model of ``family`` ("llama", "mixtral",
-    "gpt2", "qwen2") with a small config: no dropout, no router jitter; ``tie_embeddings``
-    None keeps the family's default (GPT-2 and small Qwen2 tie the embedding and the head).
+    "gpt2", "qwen2") with a small config: no dropout (GPT-2's residual, embedding and attention
+    dropout ``dropout``), no router jitter; ``tie_embeddings`` None keeps the family's default
+    (GPT-2 and small Qwen2 tie the embedding and the head).
 
     Example::
 
@@ -294,7 +296,7 @@ def from_config(
     if family == "gpt2":
         config = GPT2Config(
             n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, bos_token_id=vocab - 1,
-            eos_token_id=vocab - 1, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **common,
+            eos_token_id=vocab - 1, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **common,
         )  # fmt: skip
     else:
         sizes = dict(

@@ -332,15 +332,18 @@ def measured_time(
         return None
     key, values, spec = signature
     if key not in _TIMES:
-        args, kwargs = tree_unflatten([_real_like(v, needs_grad, cast) for v in values], spec)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        try:
-            _TIMES[key] = min([_time_once(node.target, args, kwargs, needs_grad) for _ in range(repeats + 2)][2:])
-        except (RuntimeError, ValueError, IndexError, AssertionError):  # needs real data or its own dtype: roofline
-            _TIMES[key] = None
-        finally:
-            torch.set_num_threads(threads)
+        # the caller's random stream stays as it was: planning runs on one rank, and ranks whose streams
+        # differ would draw different dropout masks for what they compute alike
+        with torch.random.fork_rng(devices=[]):
+            args, kwargs = tree_unflatten([_real_like(v, needs_grad, cast) for v in values], spec)
+            try:
+                _TIMES[key] = min([_time_once(node.target, args, kwargs, needs_grad) for _ in range(repeats + 2)][2:])
+            except (RuntimeError, ValueError, IndexError, AssertionError):  # needs real data or its own dtype
+                _TIMES[key] = None  # the roofline then
+            finally:
+                torch.set_num_threads(threads)
     return _TIMES[key]
 
 

@@ -4,7 +4,8 @@ out.loss.backward(); optimizer.step()`` with the optimizer built before the firs
 the model itself: the loss, every full gradient and every parameter after AdamW (fp32,
 rtol 1e-4), on 4 gloo ranks, in one spawn.
 
-Llama, Mixtral and GPT-2 (tied embedding and head) on DP2xTP2 (Llama from a per-rank data
+Llama, Mixtral and GPT-2 (tied embedding and head, and dropout: its masks are the ones one process
+draws) on DP2xTP2 (Llama from a per-rank data
 loader, ``local_batches``), Mixtral on EP4; a Qwen2 with tied embeddings across pipeline stages
 on PP4, PP2xDP2 with ZeRO-1 (its labels right-padded, another length per row, so microbatches
 count unequal targets) and ZeRO-3, and the zero-bubble V schedule (both uses on one
@@ -25,7 +26,8 @@ BATCH, SEQ = 8, 16
 PP2xDP2, DP2xTP2 = (dict(mesh="2x2", degrees={a: 2, "dp": 2}) for a in ("pp", "tp"))
 CASES = [
     ("llama", SIZES, dict(DP2xTP2, local_batches=True)),  # each rank passes its data-parallel share
-    *[(family, SIZES, DP2xTP2) for family in ("mixtral", "gpt2")],
+    ("mixtral", SIZES, DP2xTP2),
+    ("gpt2", dict(SIZES, dropout=0.1), DP2xTP2),  # its dropout draws the masks one process draws
     ("mixtral", SIZES, dict(degrees={"ep": 4})),
     ("qwen2", TIED, dict(degrees={"pp": 4})),
     ("qwen2", TIED, dict(PP2xDP2, zero=1, padded=True)),  # microbatches counting unequal targets
@@ -44,6 +46,7 @@ def _one_step(family: str, sizes: dict, options: dict) -> dict:
     torch.manual_seed(0)
     model = load_example("hf.py").from_config(family, **sizes)
     padded = options.pop("padded", False)
+    stream = torch.get_rng_state()  # parallelize must leave it as it is on every rank (planning runs on one)
     pmodel = autopar.parallelize(model, options.pop("mesh", 4), **options)
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)  # before any call
     batch = _batch(1)
@@ -62,6 +65,7 @@ def _one_step(family: str, sizes: dict, options: dict) -> dict:
     params = {name: p.full_tensor() for name, p in pmodel.named_parameters()}
 
     reference_optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)
+    torch.set_rng_state(stream)  # the reference draws its dropout masks from where the script's stream was
     reference = model(**batch)
     reference.loss.backward()
     reference_grads = {name: p.grad.clone() for name, p in model.named_parameters()}

@@ -136,6 +136,16 @@ def test_ops_are_timed_on_this_machine_when_it_is_the_target():
     assert measured_time(node, True, too_big) is None  # left to the roofline
 
 
+def test_timing_ops_leaves_the_random_stream_as_it_was():
+    """Planning runs on one rank: a random stream it advanced there would give that rank other
+    dropout masks than its peers draw for what they compute alike."""
+    captured = capture(torch.nn.Dropout(0.5), (torch.randn(37, 251),))  # a shape no other test times: not cached
+    node = next(n for n in captured.graph.nodes if n.target is torch.ops.aten.native_dropout.default)
+    state = torch.get_rng_state()
+    assert measured_time(node, True, op_profile(node, needs_grad=True)) is not None  # dropout drew, inputs too
+    assert torch.equal(torch.get_rng_state(), state)
+
+
 class Attention(torch.nn.Module):
     def forward(self, q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
