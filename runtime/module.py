@@ -459,8 +459,7 @@ class AccumulatingModule(ParallelModule):
             return [1 / len(pieces)] * len(pieces)
         leaves = self._precision.leaves(cast_by_program=True)  # the count reads targets (and detached class weights)
         state = [*(leaves[name] for name in self._param_order), *(self.get_buffer(n) for n in self._buffer_order)]
-        names = call.loss_count.placeholders
-        return shares_of(call.loss_count([dict(zip(names, (*state, *piece))) for piece in pieces]))
+        return call.loss_count.shares([dict(zip(call.loss_count.placeholders, (*state, *p))) for p in pieces])
 
     def _accumulating(self, last: bool):
         """ZeRO-2/3: each backward synced on its own (``ZeroLayout.syncs_each_microbatch``);
@@ -489,11 +488,6 @@ class AccumulatingModule(ParallelModule):
         if pieces[0].shape[0] % ranks:
             return torch.cat(pieces)
         return torch.stack(pieces).unflatten(1, (ranks, -1)).transpose(0, 1).flatten(0, 2)
-
-
-def shares_of(counts: torch.Tensor) -> list[float]:
-    """Each microbatch's weight in the step's mean loss: its share of the step's ``counts``."""
-    return (counts / counts.sum()).tolist()
 
 
 def whole_leaves(module: ParallelModule) -> list[torch.Tensor]:

@@ -46,7 +46,7 @@ from autopar.ir import CASTS_IN_PROGRAM, ZERO_BUBBLE_PIPELINES, Axis, ConfigErro
 from autopar.runtime.calls import Calls
 from autopar.runtime.faults import collective, listing
 from autopar.runtime.mixed_precision import MixedPrecision
-from autopar.runtime.module import ParallelModule, communicating, shares_of, whole_leaves
+from autopar.runtime.module import ParallelModule, communicating, whole_leaves
 from autopar.runtime.process_groups import rank_device
 from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -366,8 +366,8 @@ class PipelineModule(ParallelModule):
         if not self._holds_last or count is None or not set(count.reads) <= values.keys():
             return torch.ones(micro)
         chunks = {name: values[name].tensor_split(micro) for name in count.reads}  # as the schedule splits
-        counts = count([{name: parts[index] for name, parts in chunks.items()} for index in range(micro)])
-        return torch.tensor(shares_of(counts)) * micro
+        shares = count.shares([{name: parts[index] for name, parts in chunks.items()} for index in range(micro)])
+        return torch.tensor(shares) * micro
 
     def _transfers_named(self):
         """Around a schedule run: a send or receive that fails names what this rank last posted."""

@@ -89,9 +89,10 @@ class LossCount:
         self.reads = tuple(node.name for node in graph.find_nodes(op="placeholder"))
         self.placeholders = tuple(node.name for node in program.graph.find_nodes(op="placeholder"))  # the program's
 
-    def __call__(self, pieces: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The counts of the microbatches whose placeholder values are ``pieces``, one each."""
+    def shares(self, pieces: list[dict[str, torch.Tensor]]) -> list[float]:
+        """Each microbatch's weight in the step's mean loss, its share of the step's targets, for the
+        microbatches whose placeholder values are ``pieces``."""
         counts = torch.stack([self.local(*(values[name] for name in self.reads)) for values in pieces])
         for reduction in self.reductions:
             counts = torch.ops.autopar.all_reduce.default(counts, *reduction)
-        return counts
+        return (counts / counts.sum()).tolist()
