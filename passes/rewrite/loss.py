@@ -22,8 +22,8 @@ import torch.fx as fx
 from autopar.ir import LOSS_COUNT
 
 aten = torch.ops.aten
-# Between the mean and the program's output: its cast back to a 16-bit dtype, the reduction over
-# the shards that split the targets (the loss's own all-reduce, or a pipeline's 1-element reshape)
+# Between the mean and the program's output: its cast back to a 16-bit dtype, a view of it, the
+# reduction over the shards that split the targets (the loss's own all-reduce)
 _PASSED = (aten._to_copy.default, aten.reshape.default, aten.view.default, torch.ops.autopar.all_reduce.default)
 
 

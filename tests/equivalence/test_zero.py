@@ -137,7 +137,7 @@ def _grad_collectives_by_microbatch(gpt, stage: int) -> list[int]:
     reduce_scatter, all_reduce, run = dist.reduce_scatter_single, dist.all_reduce, pmodel._run
 
     def counted(collective, tensor, *args, **kwargs):
-        issued[0] += collective is reduce_scatter or tensor.numel() > 2
+        issued[0] += collective is reduce_scatter or tensor.numel() > pmodel.plan.schedule.microbatches
         return collective(tensor, *args, **kwargs)
 
     dist.reduce_scatter_single = lambda *args, **kwargs: counted(reduce_scatter, *args, **kwargs)
