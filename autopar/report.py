@@ -6,6 +6,7 @@ Rows are plain dicts (the ``--json`` output); the ``*_text`` functions render th
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 
 import torch
@@ -266,9 +267,14 @@ def modules_text(rows: list[dict]) -> str:
     note = (
         "collective bytes: the local size of each collective's input tensor on one rank, summed over the forward\n"
         "graph (backward runs each collective's dual on a gradient of the same size); grad sum: axes the runtime\n"
-        "all-reduces the module's parameter gradients over after backward (not counted in collective bytes).\n"
-        "layers.0-95 x96: 96 identical layers, shown once with one layer's numbers (--json lists every one)."
+        "all-reduces the module's parameter gradients over after backward (not counted in collective bytes)."
     )
+    spans = (re.match(r"(.*?\.(\d+)-(\d+))(\.| x|$)", row["module"]) for row in rows)
+    span = next((m for m in spans if m), None)  # the first run of identical layers, as the table names it
+    if span:
+        count = int(span[3]) - int(span[2]) + 1
+        note += f"\n{span[1]} x{count}: {count} identical layers, shown once with one layer's numbers"
+        note += " (--json lists every one)."
     return tabulate(table, headers=headers) + "\n" + note
 
 

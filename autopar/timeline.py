@@ -86,11 +86,17 @@ def _urgency(action, schedule: Schedule, history: list[Action], device: int) -> 
     return (1, group, -k, i)
 
 
-def timeline_text(schedule: Schedule) -> str:
+def timeline_text(schedule: Schedule, max_width: int | None = None) -> str:
     """Rows of 3-character cells: ``F3`` forward of microbatch 3 (lower case: the device's
-    second stage module), ``B``/``I``/``W`` backward, input and weight gradient, ``.`` idle."""
+    second stage module), ``B``/``I``/``W`` backward, input and weight gradient, ``.`` idle.
+    Rows wider than ``max_width`` characters are left out (the SVG draws any length)."""
     rows = simulate(schedule)
     length = max((a.end for row in rows for a in row), default=0)
+    busy = sum(DURATION[a.kind] for row in rows for a in row)
+    idle = 1 - busy / (length * len(rows)) if length else 0.0
+    summary = f"({length} time units; forward 1, backward 2; idle {idle:.0%} of device time)"
+    if max_width is not None and 3 * length + 10 > max_width:
+        return f"timeline: too wide to draw here ({summary[1:-1]}); --timeline FILE.svg draws it"
     lines = []
     for device, row in enumerate(rows):
         cells = [" . "] * length
@@ -100,9 +106,7 @@ def timeline_text(schedule: Schedule) -> str:
             for t in range(action.start, action.end):
                 cells[t] = f"{label}{action.microbatch:<2d}"[:3]
         lines.append(f"stage {device} |" + "".join(cells) + "|")
-    busy = sum(DURATION[a.kind] for row in rows for a in row)
-    idle = 1 - busy / (length * len(rows)) if length else 0.0
-    return "\n".join(lines) + f"\n({length} time units; forward 1, backward 2; idle {idle:.0%} of device time)"
+    return "\n".join(lines) + "\n" + summary
 
 
 def timeline_svg(schedule: Schedule, unit: int = 24, row_height: int = 28) -> str:

@@ -188,6 +188,11 @@ def prepare(
     mesh, kwargs = Mesh.of(mesh), dict(kwargs or {})
     with torch.device("meta"):
         model = factory(*args, **kwargs)
+    if not callable(getattr(model, "example_inputs", None)):
+        raise ConfigError(
+            f"verify runs the model on its example_inputs(batch_size, device=None), and the {type(model).__name__} "
+            "the factory builds has none: wrap it in a module that has one (as examples/hf.py's CausalLM does)"
+        )
     if plan is None:
         batch = batch or BATCH_PER_DEVICE * mesh.size
         options = PlanOptions.of(options, precision="fp32")

@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+from autopar.api import EXAMPLE_SEQ
 from autopar.ir import KERNEL_DIMS, PIPELINES, RECOMPUTE, AutoparError, Mesh, MeshError, Precision, parse_placement
 
 DEFAULT_FACTORY = "build"
@@ -161,6 +162,12 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mesh", type=_mesh, required=True, help="device mesh, outermost first, e.g. 2x4")
     parser.add_argument(
         "--batch", type=_positive_int, help=f"global batch size (default: {BATCH_PER_DEVICE} per device)"
+    )
+    parser.add_argument(
+        "--seq",
+        type=_positive_int,
+        help="tokens per sequence of the inputs autopar makes for a model without example_inputs (a Hugging Face "
+        f"causal LM: random input_ids as labels; default {EXAMPLE_SEQ}, or the model's maximum if shorter)",
     )
     parser.add_argument("--degrees", type=parse_degrees, help="pin parallel sizes, e.g. dp=2,tp=4")
     parser.add_argument(

@@ -11,7 +11,7 @@ from pathlib import Path
 from autopar.api import capture
 from autopar.api import plan as make_plan
 from autopar.cli.arguments import BATCH_PER_DEVICE, VERIFY_MISMATCH, UsageError, VerifyFailed, default_profile_path
-from autopar.cli.models import load_model, model_factory
+from autopar.cli.models import load_model, model_call, model_factory
 from autopar.cli.progress import ProgressLine
 from autopar.ir import InvalidPlanError, Plan, PlanOptions, get_profile
 from autopar.passes.cost.symbolic import symbolic_cost
@@ -30,6 +30,8 @@ from autopar.report import (
 )
 from autopar.timeline import timeline_svg, timeline_text
 
+TIMELINE_WIDTH = 240  # characters: a longer schedule is summarized (--timeline draws it)
+
 
 def _make_plan(args):
     """MODEL on meta → (captured graph, plan, this rank's program with axis-named groups, and with
@@ -43,16 +45,16 @@ def _make_plan(args):
     hardware = get_profile(hardware_name)  # fail on a typo before the model is built
     model = load_model(args.model)
     batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
-    inputs = model.example_inputs(batch, device="meta")
+    call = model_call(model, batch, args.seq)
     options = _options(args, hardware)
-    captured = capture(model, inputs, precision=options.precision_policy.precision)
+    captured = capture(model, (), call, precision=options.precision_policy.precision)
     live = sys.stderr.isatty() and not getattr(args, "json", False)  # the progress line: a terminal, no --json
     with ProgressLine(sys.stderr) if live else contextlib.nullcontext() as line:
         plan = make_plan(captured, args.mesh, options=options, progress=line)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")
     at = getattr(args, "at", None)  # only `plan` has it
     symbolic = at and symbolic_cost(
-        captured, plan, hardware, model=model, example_inputs=inputs, seq_dim=1 if "seq" in at else None
+        captured, plan, hardware, model=model, example_inputs=call, seq_dim=1 if "seq" in at else None
     )
     return captured, plan, program, symbolic
 
@@ -104,7 +106,7 @@ def _cmd_plan(args) -> int:
         if plan.schedule.stages > 1:
             print()
             print(stages_text(stage_rows(captured, plan), plan))
-            print(timeline_text(plan.schedule))
+            print(timeline_text(plan.schedule, max_width=TIMELINE_WIDTH))
     if getattr(args, "timeline", None):
         Path(args.timeline).write_text(timeline_svg(plan.schedule))
         print(f"wrote the schedule's timeline to {args.timeline}", file=sys.stderr if args.json else sys.stdout)
@@ -147,6 +149,8 @@ def _cmd_export(args) -> int:
 def _cmd_verify(args) -> int:
     from autopar.verify import prepare, run
 
+    if args.seq is not None:
+        raise UsageError("--seq: verify runs the model on its own example_inputs; drop --seq")
     factory, model_args, kwargs = model_factory(args.model)
     pinned = _options(args, args.hardware)
     if args.plan and pinned != PlanOptions():

@@ -12,7 +12,10 @@ from pathlib import Path
 
 import torch
 
+from autopar.api import EXAMPLE_SEQ
 from autopar.cli.arguments import DEFAULT_FACTORY, UsageError
+from autopar.ir import ConfigError
+from autopar.passes.capture.calls import bind_call, example_call
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # where examples/ lives in a source checkout
 
@@ -63,12 +66,28 @@ def load_model(spec: str) -> torch.nn.Module:
             model = factory(*args, **kwargs)
     except Exception as error:  # the user's factory: any failure is a bad MODEL
         raise UsageError(f"MODEL {spec!r}: {factory.name}(...) raised {type(error).__name__}: {error}") from error
-    if not callable(getattr(model, "example_inputs", None)):
+    try:
+        callable(getattr(model, "example_inputs", None)) or example_call(model, 2, 2)  # the call autopar would make
+    except ConfigError:
         raise UsageError(
             f"MODEL {spec!r}: {factory.name}() returned a {type(model).__name__} without "
-            "example_inputs(batch_size, device=None), which autopar needs to trace it"
-        )
+            "example_inputs(batch_size, device=None), which autopar needs to trace it (or a Hugging Face causal LM, "
+            "whose input_ids and labels autopar makes)"
+        ) from None
     return model
+
+
+def model_call(model: torch.nn.Module, batch: int, seq: int | None) -> dict:
+    """The call MODEL is planned with, its arguments by name: ``example_inputs(batch)`` on meta,
+    else (a Hugging Face causal LM) ``seq`` tokens per sequence (``--seq``)."""
+    if callable(getattr(model, "example_inputs", None)):
+        if seq is not None:
+            raise UsageError(
+                f"--seq: {type(model).__name__} makes its own inputs (example_inputs); set their length through "
+                "its factory's arguments"
+            )
+        return bind_call(model, tuple(model.example_inputs(batch, device="meta")), {})
+    return example_call(model, batch, seq or EXAMPLE_SEQ)
 
 
 def model_factory(spec: str) -> tuple[Factory, list, dict]:

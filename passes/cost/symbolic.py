@@ -150,12 +150,12 @@ def symbolic_cost(
     hardware: str | HardwareProfile,
     *,
     model: torch.nn.Module,
-    example_inputs: tuple,
+    example_inputs: tuple | dict,
     seq_dim: int | None = 1,
 ) -> SymbolicCost:
     """``plan``'s predicted cost as expressions in the global batch ``b`` and sequence length ``s``
-    (see the module docstring). ``model``/``example_inputs`` are what ``captured`` came from;
-    ``seq_dim=None`` for inputs without a sequence dimension (then only ``b``).
+    (see the module docstring). ``model``/``example_inputs`` (a tuple, or a call by name) are what
+    ``captured`` came from; ``seq_dim=None`` for inputs without a sequence dimension (then only ``b``).
 
     >>> symbolic = symbolic_cost(captured, plan, "a100-80gb", model=model, example_inputs=inputs)  # doctest: +SKIP
     >>> symbolic.expressions["compute_s"]                                                          # doctest: +SKIP
@@ -210,7 +210,7 @@ def symbolic_facts(
     hardware: str | HardwareProfile,
     *,
     model: torch.nn.Module,
-    example_inputs: tuple,
+    example_inputs: tuple | dict,
     seq_dim: int | None = 1,
     contention: float = 1.0,
     precision: str | None = None,
@@ -247,7 +247,7 @@ class Grid:
 
 
 def sample_facts(
-    captured: CapturedGraph, model, example_inputs: tuple, seq_dim: int | None, policy: PrecisionPolicy
+    captured: CapturedGraph, model, example_inputs: tuple | dict, seq_dim: int | None, policy: PrecisionPolicy
 ) -> tuple[Grid, list[dict[str, NodeFacts]]]:
     """The grid around the example inputs' sizes and the facts of the graph captured at each
     point (``captured`` itself first) under ``policy``, the check point's last. Op times are
@@ -263,7 +263,9 @@ def sample_facts(
         where = f"batch={batch}" + (f", seq={seq}" if seq is not None else "")
         try:
             # captured as ``captured`` was (mixed precision: in its 16-bit param_dtype)
-            graph = capture(model, _inputs_at(example_inputs, batch, seq, seq_dim), param_dtype=captured.param_dtype)
+            at = _inputs_at(example_inputs, batch, seq, seq_dim)
+            args, kwargs = ((), at) if isinstance(at, dict) else (at, None)
+            graph = capture(model, args, kwargs, param_dtype=captured.param_dtype)
         except TraceError as error:
             raise ConfigError(
                 f"symbolic costs capture the model at {where} too, and it failed: {str(error).splitlines()[0]}\n"
@@ -286,7 +288,8 @@ def sample_facts(
 
 
 def _sizes(captured: CapturedGraph, example_inputs, seq_dim: int | None) -> tuple[int, int | None]:
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    values = example_inputs.values() if isinstance(example_inputs, dict) else example_inputs
+    tensors = [x for x in values if isinstance(x, torch.Tensor)]
     given = [tuple(t.shape) for t in tensors]
     shapes = [tuple(n.meta["val"].shape) for n in captured.graph.nodes if n.name in captured.user_inputs]
     if given != shapes:
@@ -314,14 +317,18 @@ def _grid(batch: int, seq: int | None) -> Grid:
     return Grid((batch, other), seqs, (batch + other, check))
 
 
-def _inputs_at(example_inputs, batch: int, seq: int | None, seq_dim: int | None) -> tuple:
-    out = []
-    for x in example_inputs:
+def _inputs_at(example_inputs, batch: int, seq: int | None, seq_dim: int | None) -> tuple | dict:
+    """The inputs (a tuple, or a call by name) at another batch and sequence size."""
+
+    def at(x):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             x = _resized(x, 0, batch)
             x = _resized(x, seq_dim, seq) if seq_dim is not None and x.dim() > seq_dim else x
-        out.append(x)
-    return tuple(out)
+        return x
+
+    if isinstance(example_inputs, dict):
+        return {name: at(x) for name, x in example_inputs.items()}
+    return tuple(at(x) for x in example_inputs)
 
 
 def _resized(tensor: torch.Tensor, dim: int, size: int) -> torch.Tensor:

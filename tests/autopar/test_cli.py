@@ -24,8 +24,23 @@ def test_plan_prints_module_table_and_predicted_step(capsys):
     out = capsys.readouterr().out
     assert "layers.0-1 x2" in out and "layers.0-1.attn.wq" in out and "weight (" in out  # identical layers once
     assert "layers.1.attn" not in out
+    assert "layers.0-1 x2: 2 identical layers" in out  # the footnote names this model's run
     assert "predicted step time:" in out and " ms" in out
     assert "peak memory per device:" in out and "<- chosen" in out
+
+
+def test_plan_makes_the_inputs_of_an_unmodified_hugging_face_model(capsys):
+    """A model without example_inputs (``from_config``'s Qwen2ForCausalLM): autopar makes random
+    input_ids as labels, ``--seq`` tokens long, and ``--at`` re-captures the same call by name."""
+    model = "hf:from_config('qwen2', layers=1, seq=64)"
+    assert main(["plan", model, "--mesh", "2", "--seq", "16", "--at", "batch=8,seq=32"]) == 0
+    out = capsys.readouterr().out
+    assert "planned at batch 4, seq 16: step" in out and "re-evaluated at batch 8, seq 32: step" in out
+    assert "predicted step time:" in out
+    assert main(["plan", "gpt", "--mesh", "2", "--seq", "16"]) == 2  # gpt makes its own inputs
+    assert "--seq" in capsys.readouterr().err
+    assert main(["verify", model, "--mesh", "2"]) == 1  # verify needs example_inputs: said before any rank starts
+    assert "example_inputs" in capsys.readouterr().err
 
 
 def test_plan_pins_a_parallel_kernel_and_shows_its_traffic(capsys):

@@ -30,3 +30,11 @@ def test_stage_modules_loop_over_devices_and_zbv_runs_a_v():
     assert Schedule(2, 4, kind="zbv", virtual=2).device_modules() == [[0, 3], [1, 2]]
     assert Schedule(4, 4).device_modules() == [[0], [1], [2], [3]]
     assert Schedule(2, 4, kind="zbv", virtual=2).device_of(3) == 0
+
+
+def test_a_timeline_too_wide_for_a_terminal_is_summarized():
+    wide = Schedule(8, 64)
+    assert timeline_text(wide).count("stage ") == 8
+    text = timeline_text(wide, max_width=240)
+    assert "stage " not in text and "too wide" in text and "--timeline" in text and "idle" in text
+    assert timeline_text(Schedule(2, 4), max_width=240).count("stage ") == 2
