@@ -45,6 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from autopar.ir import CompileError
 from autopar.runtime.functional import FUNCTIONAL_FORMS
+from autopar.runtime.weight_pass import WeightPasses
 
 # Ops a compiled program recomputes in backward rather than keeping their outputs (ZeRO-3's gathers).
 RECOMPUTED_OPS = (torch.ops.autopar.zero_gather_layer.default,)
@@ -67,10 +68,11 @@ class Compiler:
     synced_in_program: frozenset[str] = frozenset()
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def __call__(self, program: fx.GraphModule) -> CompiledProgram:
-        """The compiled form of ``program`` (the same object for the same program)."""
+    def __call__(self, program: fx.GraphModule, weights: tuple[str, ...] = ()) -> CompiledProgram:
+        """The compiled form of ``program`` (the same object for the same program); with
+        ``weights``, the placeholders whose gradients a zero-bubble schedule's weight pass makes."""
         if id(program) not in self._compiled:
-            self._compiled[id(program)] = CompiledProgram(program, self.schedule, self.prepare)
+            self._compiled[id(program)] = CompiledProgram(program, self.schedule, self.prepare, weights)
         return self._compiled[id(program)]
 
 
@@ -80,7 +82,13 @@ class CompiledProgram:
     cache, and running once); ``prepared``: what ``prepare`` reported (how many collectives the
     async tensor-parallel pass split)."""
 
-    def __init__(self, program: fx.GraphModule, schedule: Callable | None, prepare: Callable | None = None):
+    def __init__(
+        self,
+        program: fx.GraphModule,
+        schedule: Callable | None,
+        prepare: Callable | None = None,
+        weights: tuple[str, ...] = (),
+    ):
         self.program = program
         self.compile_s: float | None = None
         self.prepared = 0
@@ -92,6 +100,10 @@ class CompiledProgram:
         if schedule is not None:
             options["post_grad_custom_post_pass"] = _SchedulePass(schedule)
         self._backend = functools.partial(_locked_inductor, config_patches=options)
+        # a zero-bubble stage: the gradients of ``weights`` (placeholders) come from a pass of their own
+        self.weight_passes = WeightPasses(weights) if weights else None
+        if self.weight_passes is not None:
+            self._backend = self.weight_passes.wrap(self._backend)
         self._run = None
 
     def __call__(self, *args):
@@ -114,18 +126,31 @@ class CompiledProgram:
         return outputs
 
 
-def _locked_inductor(graph_module: fx.GraphModule, example_inputs, *, config_patches: dict):
+def _locked_inductor(graph_module: fx.GraphModule, example_inputs, *, config_patches: dict, split=None):
+    """Inductor, with ``split(inner_compile, graph, inputs, **options)`` compiling each backward
+    graph where given (:class:`autopar.runtime.weight_pass.WeightPasses`)."""
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    inner = _one_rank_at_a_time(compile_fx_inner)
+    if split is not None:
+        plain = inner
+
+        def inner(graph, inputs, **options):
+            if options.get("is_backward"):
+                return split(plain, graph, inputs, **options)
+            return plain(graph, inputs, **options)
 
     # AOTAutograd's cache is off: loaded from it (a second run, warm cache), a TP+SP program's
     # gradients came out wrong on one rank (GPT hidden 256, 2 ranks, torch 2.13), while fresh
     # compiles, and inductor's own FX graph cache alone, were exact. Inductor's cache still
     # spares every rank but the first the code generation.
-    with torch._functorch.config.patch(enable_autograd_cache=False):
+    # Split, the backward's input pass must leave what autograd saved for the weight pass:
+    # no donated buffers (inductor reusing a saved tensor's memory once backward read it)
+    with torch._functorch.config.patch(enable_autograd_cache=False, donated_buffer=split is None):
         return compile_fx(
             graph_module,
             example_inputs,
-            inner_compile=_one_rank_at_a_time(compile_fx_inner),
+            inner_compile=inner,
             config_patches=config_patches,
         )
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,10 +89,15 @@ class _StageModule(nn.Module):
         last: bool,
         zero3: Zero3Runtime | None = None,
         compiler: Compiler | None = None,
+        weight_pass: bool = False,
     ):
         super().__init__()
         self.program = stage.graph_module
-        self._run = compiler(stage.graph_module) if compiler is not None else stage.graph_module
+        # the placeholders the leaves are passed as (first, in order) → the parameters' names
+        placeholders = [node.name for node in stage.graph_module.graph.find_nodes(op="placeholder")]
+        self._weight_of = dict(zip(placeholders, names))
+        weights = tuple(placeholders[: len(names)]) if weight_pass else ()  # compiled, a zero-bubble schedule's
+        self._run = compiler(stage.graph_module, weights) if compiler is not None else stage.graph_module
         for index, leaf in enumerate(leaves):
             self._parameters[f"param_{index}"] = leaf
         self._names, self._precision, self._buffer_values = names, precision, buffers
@@ -113,6 +119,19 @@ class _StageModule(nn.Module):
             (loss,) = self._precision.outputs(outputs[:1])
             return loss.reshape(1).clone()
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
+
+    def weight_pass(self) -> Callable[[], None]:
+        """The zero-bubble weight pass of this compiled stage's last backward (its ``dw_builder``,
+        :mod:`autopar.runtime.weight_pass`): run, it adds the weights' gradients to theirs, through
+        the leaves the forward took (a 16-bit copy passes them on to its master)."""
+        run = self._run.weight_passes.take()
+
+        def add_weight_gradients():
+            grads = run()
+            leaves = self._precision.leaves(self._own, cast_by_program=self._casts_itself)
+            torch.autograd.backward([leaves[self._weight_of[p]] for p in grads], list(grads.values()))
+
+        return add_weight_gradients
 
 
 class _Transfers:
@@ -142,6 +161,9 @@ class _Stage(PipelineStage):
     Each send and receive it posts is logged in ``transfers`` with the values it carries."""
 
     def __init__(self, *args, program: StageProgram, transfers: _Transfers, sync_now=None, **kwargs):
+        if kwargs.get("dw_builder") is not None and sync_now is not None:  # a compiled stage's weight pass
+            build = kwargs["dw_builder"]
+            kwargs["dw_builder"] = lambda: _synced(build(), sync_now)
         super().__init__(*args, **kwargs)
         self._sync_now = sync_now
         self._program, self._transfers = program, transfers
@@ -177,10 +199,19 @@ class _Stage(PipelineStage):
         return tensor
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if self._sync_now is None or backward_type == "input":
+        if self._sync_now is None or backward_type == "input" or self.dw_builder is not None:
+            # (with a dw_builder the "full" backward makes input gradients only: the builder's pass syncs)
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         with self._sync_now():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def _synced(weight_pass: Callable[[], None], sync_now) -> Callable[[], None]:
+    def run():
+        with sync_now():
+            weight_pass()
+
+    return run
 
 
 def _keyword(input_name: str) -> str:
@@ -259,6 +290,7 @@ class PipelineModule(ParallelModule):
         schedule = self.plan.schedule
         device = rank_device(self.pipeline_mesh)
         stages = []
+        split = self._compiler is not None and schedule.kind in ZERO_BUBBLE_PIPELINES  # runtime.weight_pass
         for index in self._mine:
             stage = stage_programs[index]
             names = [self._param_names[p] for p in stage.params]
@@ -281,6 +313,7 @@ class PipelineModule(ParallelModule):
                 last=index == schedule.modules - 1,
                 zero3=zero3,
                 compiler=self._compiler,
+                weight_pass=split,
             )
             sync_now = self._synced_microbatch if self.zero.syncs_each_microbatch else None
             group = self.pipeline_mesh.get_group(Axis.PP)
@@ -294,6 +327,7 @@ class PipelineModule(ParallelModule):
                     program=stage,
                     transfers=self._transfers,
                     sync_now=sync_now,
+                    dw_builder=module.weight_pass if split else None,
                 )
             )
         single = schedule.kind in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)

@@ -16,7 +16,6 @@ from autopar.ir.hardware import HardwareProfile, get_profile
 from autopar.ir.mesh import PARALLEL_DIMS
 from autopar.ir.names import Axis, PipelineKind, Precision, Recompute
 from autopar.ir.placement import Placement
-from autopar.ir.plan import check_compiled_pipeline
 from autopar.ir.precision import PrecisionPolicy
 
 
@@ -91,8 +90,6 @@ class PlanOptions:
             raise ConfigError(f"async_tp={self.async_tp!r}: pass True or False")
         if self.async_tp and not self.compile:
             raise ConfigError("async_tp=True runs in compiled programs only: pass compile=True with it")
-        if self.pipeline is not None:
-            check_compiled_pipeline(self.pipeline, self.compile)
         object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts or ()))
 
     @classmethod

@@ -80,18 +80,6 @@ VIRTUAL_PIPELINES = (PipelineKind.INTERLEAVED_1F1B, PipelineKind.INTERLEAVED_ZB,
 ZERO_BUBBLE_PIPELINES = (PipelineKind.INTERLEAVED_ZB, PipelineKind.ZBV)
 
 
-def check_compiled_pipeline(kind: PipelineKind, compiled: bool) -> None:
-    """A compiled stage's backward is one graph that makes input and weight gradients together,
-    so it cannot run a zero-bubble schedule's weight pass apart (torch's schedules refuse compiled
-    stages too): a :class:`ConfigError` naming the schedules that can."""
-    if compiled and kind in ZERO_BUBBLE_PIPELINES:
-        raise ConfigError(
-            f"pipeline {str(kind)!r} with compile=True: a zero-bubble schedule runs each microbatch's weight "
-            "gradients in a pass of their own, which a compiled stage's one backward graph cannot split off; pick "
-            "'1f1b' or 'interleaved-1f1b' (or let the search pick), or compile=False"
-        )
-
-
 @dataclass(frozen=True)
 class Schedule:
     """How one step runs through the graph, beyond where tensors live.
@@ -136,7 +124,6 @@ class Schedule:
             )
         if self.async_tp and not self.compiled:
             raise ConfigError("async tensor parallelism runs in compiled programs only: pass compile=True with it")
-        check_compiled_pipeline(self.kind, self.compiled)
         if self.cuts and len(self.cuts) != self.modules - 1:
             raise ConfigError(f"{self.modules} stage modules need {self.modules - 1} cut points, got {list(self.cuts)}")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.ir import RECOMPUTE, VIRTUAL_PIPELINES, ZERO_BUBBLE_PIPELINES, ConfigError, Cost, PipelineKind, PlanOptions, Recompute, Schedule
+from autopar.ir import RECOMPUTE, VIRTUAL_PIPELINES, ConfigError, Cost, PipelineKind, PlanOptions, Recompute, Schedule
 from autopar.passes.cost.evaluate import PricedConfiguration
 from autopar.passes.search.ranking import SIMPLEST_FIRST
 
@@ -52,8 +52,6 @@ def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int
         return [base]
     cuts = options.stage_cuts
     kinds = [options.pipeline] if options.pipeline else list(SIMPLEST_FIRST)
-    if options.compile:  # a compiled stage cannot split its backward (check_compiled_pipeline)
-        kinds = [kind for kind in kinds if kind not in ZERO_BUBBLE_PIPELINES]
     counts = (
         [options.microbatches]
         if options.microbatches

@@ -1,14 +1,17 @@
 """``compile=True`` against the unparallelized model: same loss, full gradients and parameters
-after AdamW (fp32), for DP (also over 2 microbatches), TP+SP, ZeRO-1, 2 and 3, PP2, CP2 (ring
-attention) and EP2 on 2 gloo ranks, in one spawn. Each case also shows that its programs really
-ran compiled (one graph each: ``fullgraph=True`` raises on a break), that a program sums its own
-gradients where :func:`autopar.ir.zero.syncs_whole_in_program` says so (over microbatches, the
-last one's program sums what the earlier ones accumulated), and that TP+SP's matmuls ran in
-pieces with their collectives (async tensor parallelism). Under bf16-mixed (DP, ZeRO-3) the programs
-cast their fp32 masters themselves, and sum gradients in the reduce dtype asked for; these
-match the single-process bf16 reference within mixed precision's tolerance
-(tests/equivalence/test_mixed_precision.py). Last, a rank stalls: the other's compiled
-step fails at the collective timeout naming the program node its generated code waited for.
+after AdamW (fp32), for DP (also over 2 microbatches), TP+SP, ZeRO-1, 2 and 3, PP2 (1F1B, and
+the zero-bubble V schedule, whose compiled stages split their backward into input and weight
+passes: autopar.runtime.weight_pass), CP2 (ring attention) and EP2 on 2 gloo ranks, in one
+spawn. Each case also shows that its programs really ran compiled (one graph each:
+``fullgraph=True`` raises on a break), that a program sums its own gradients where
+:func:`autopar.ir.zero.syncs_whole_in_program` says so (over microbatches, the last one's
+program sums what the earlier ones accumulated), that TP+SP's matmuls ran in pieces with their
+collectives (async tensor parallelism) and that the V stages ran every weight pass they split
+off. Under bf16-mixed (DP, ZeRO-3) the programs cast their fp32 masters themselves, and sum
+gradients in the reduce dtype asked for; these match the single-process bf16 reference within
+mixed precision's tolerance (tests/equivalence/test_mixed_precision.py). Last, a rank stalls:
+the other's compiled step fails at the collective timeout naming the program node its generated
+code waited for.
 
 First compiles take tens of seconds here; inductor's cache (shared by the ranks, and by
 later runs) makes the models tiny and the compiles few.
@@ -32,6 +35,7 @@ from autopar.runtime.faults import PEER_REPORT_GRACE_S, from_rank_zero
 from autopar.runtime.spawn import run_local
 
 GPT = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
+GPT4 = dict(GPT, layers=4)  # a V schedule runs 4 stage modules on 2 ranks
 LONG = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32)
 MOE = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 BATCH = 4
@@ -45,6 +49,7 @@ CASES = [
     ("ZeRO-2", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=2, optimizer="shards")),
     ("ZeRO-3", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=3)),
     ("PP2", "gpt", GPT, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="1f1b", **IGNORING)),
+    ("PP2 zbv", "gpt", GPT4, dict(degrees={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, pipeline="zbv", **IGNORING)),
     ("CP2", "long_context_gpt", LONG, dict(degrees={"cp": 2}, constraints={"layers.*.attn": "ring"})),
     ("EP2", "moe_gpt", MOE, dict(degrees={"ep": 2}, constraints={"layers.*.moe": "experts"})),
 ]
@@ -111,6 +116,9 @@ def _compiled(module) -> dict:
     return {
         "compiled": [program.compile_s is not None for program in compiler._compiled.values()],
         "pieced": sum(program.prepared for program in compiler._compiled.values()),  # async TP's collectives
+        "weight_passes": [  # a zero-bubble stage's split backward: whether a weight pass is left untaken
+            program.weight_passes.last is not None for program in compiler._compiled.values() if program.weight_passes
+        ],
         "synced_in_program": len(compiler.synced_in_program),
         "synced_by_runtime": module._grad_sync.num_buckets,
         "extra_inputs": {
@@ -163,6 +171,8 @@ def _check(case, result):
         assert len(result["compiled"]) == 2 and result["extra_inputs"] == {EARLIER_GRAD}, result
     if name == "ZeRO-2":  # reduce-scattered into the chunk leaves the program takes
         assert result["extra_inputs"] == {GRAD_CHUNK}, result
+    # V stages split their compiled backward, and the schedule ran every weight pass; no other program splits
+    assert result["weight_passes"] == ([False, False] if name == "PP2 zbv" else []), result
 
 
 def _check_mixed(case, result):

@@ -246,12 +246,6 @@ MISTAKES = [
         lambda folder: caught(lambda: _long_context(seq=6, degrees={"cp": 2})),
     ),
     Mistake(
-        "pipeline='zbv' with compile=True",
-        "ConfigError",
-        r"pipeline 'zbv' with compile=True: .*cannot split off; pick '1f1b' or 'interleaved-1f1b'",
-        lambda folder: caught(lambda: _plan_mlp(degrees={"pp": 2, "dp": 1, "tp": 1}, pipeline="zbv", compile=True)),
-    ),
-    Mistake(
         "degrees={'mp': 2}: a parallel dimension autopar does not have",
         "ConfigError",
         r"unknown parallel dimension\(s\) \['mp'\]; choose from",

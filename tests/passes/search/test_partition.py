@@ -2,12 +2,10 @@
 
 import dataclasses
 
-import pytest
 from planning import plan_example
 
-from autopar.ir import ConfigError, MemoryLimitError, PlanOptions, Schedule, get_profile
+from autopar.ir import MemoryLimitError, get_profile
 from autopar.passes.search.partition import _balanced_starts
-from autopar.passes.search.schedule import variants
 
 LADDER_GPT = dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256)
 
@@ -46,20 +44,6 @@ def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
     )
     assert plan.cost.pipeline_s < one.cost.pipeline_s  # (p - 1)/(v m) against (p - 1)/m
     assert plan.cost.memory["activations"] > one.cost.memory["activations"]  # more in flight
-
-
-def test_compiled_stages_are_searched_without_zero_bubble_schedules():
-    """A compiled stage's backward cannot split off the weight pass: under compile=True the
-    search weighs the other schedules only (and never hands the runtime one it refuses)."""
-    base = Schedule(stages=2, microbatches=4)
-    kinds = {
-        compile: {s.kind for s in variants(base, PlanOptions(compile=compile), local_batch=4, layers=8)}
-        for compile in (False, True)
-    }
-    assert {"zbv", "interleaved-zb"} <= kinds[False]
-    assert kinds[True] == kinds[False] - {"zbv", "interleaved-zb"}
-    with pytest.raises(ConfigError, match="pipeline 'zbv' with compile=True"):
-        dataclasses.replace(Schedule(stages=2, microbatches=4, kind="zbv", virtual=2), compiled=True)
 
 
 def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
