@@ -144,7 +144,9 @@ def summary_text(plan: Plan) -> str:
             f"; model {cost.model_flops_per_s / 1e12:.2f} TFLOP/s per device",
             f"schedule: {plan.schedule.stages} pipeline stage(s), {plan.schedule.microbatches} microbatch(es), "
             f"recompute {plan.schedule.recompute}"
-            + (f", {plan.schedule.kind} x {plan.schedule.virtual} virtual" if plan.schedule.stages > 1 else ""),
+            + (f", {plan.schedule.kind} x {plan.schedule.virtual} virtual" if plan.schedule.stages > 1 else "")
+            + (", compiled" if plan.schedule.compiled else "")
+            + (" with async tensor parallelism" if plan.schedule.async_tp else ""),
             f"peak memory per device: {_size(cost.peak_memory)} (gradients replace activations during backward: "
             f"the larger of the two counts); by category: {memory}",
             search_text(plan),

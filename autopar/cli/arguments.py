@@ -212,6 +212,17 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         metavar="LAYER,...",
         help="pin the layers that start each pipeline stage module after the first, e.g. layers.6 (default: balanced)",
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="plan for compiled programs (torch.compile, communication scheduled for overlap: "
+        "parallelize(..., compile=True)), priced from that schedule",
+    )
+    parser.add_argument(
+        "--async-tp",
+        action="store_true",
+        help="with --compile, run each tensor-parallel matmul in pieces with its collective",
+    )
 
 
 def _int_at_least(minimum: int):

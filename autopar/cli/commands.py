@@ -71,6 +71,8 @@ def _options(args, hardware) -> PlanOptions:
         pipeline=args.pipeline,
         stage_cuts=tuple(args.stage_cuts or ()),
         precision=args.precision,
+        compile=args.compile,
+        async_tp=args.async_tp,
     )
 
 

@@ -29,6 +29,17 @@ def test_plan_prints_module_table_and_predicted_step(capsys):
     assert "peak memory per device:" in out and "<- chosen" in out
 
 
+def test_plan_for_compiled_programs(capsys, tmp_path):
+    """--compile plans what parallelize(..., compile=True) runs (priced from the compiled schedule)
+    and the saved plan says so; --async-tp needs it."""
+    saved = tmp_path / "plan.json"
+    assert main(["plan", "gpt", *MESH, "--compile", "--save", str(saved)]) == 0
+    assert ", compiled" in capsys.readouterr().out
+    assert Plan.load(saved).schedule.compiled
+    assert main(["plan", "gpt", *MESH, "--async-tp"]) == 1
+    assert "pass compile=True" in capsys.readouterr().err
+
+
 def test_plan_makes_the_inputs_of_an_unmodified_hugging_face_model(capsys):
     """A model without example_inputs (``from_config``'s Qwen2ForCausalLM): autopar makes random
     input_ids as labels, ``--seq`` tokens long, and ``--at`` re-captures the same call by name."""
