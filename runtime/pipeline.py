@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -50,6 +51,7 @@ from autopar.runtime.mixed_precision import MixedPrecision
 from autopar.runtime.module import ParallelModule, communicating, whole_leaves
 from autopar.runtime.process_groups import rank_device
 from autopar.runtime.tied import TiedWeights, shared_weights
+from autopar.runtime.weight_pass import adding_weight_gradients
 from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
 
@@ -120,18 +122,10 @@ class _StageModule(nn.Module):
             return loss.reshape(1).clone()
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
-    def weight_pass(self) -> Callable[[], None]:
-        """The zero-bubble weight pass of this compiled stage's last backward (its ``dw_builder``,
-        :mod:`autopar.runtime.weight_pass`): run, it adds the weights' gradients to theirs, through
-        the leaves the forward took (a 16-bit copy passes them on to its master)."""
-        run = self._run.weight_passes.take()
-
-        def add_weight_gradients():
-            grads = run()
-            leaves = self._precision.leaves(self._own, cast_by_program=self._casts_itself)
-            torch.autograd.backward([leaves[self._weight_of[p]] for p in grads], list(grads.values()))
-
-        return add_weight_gradients
+    def weight_pass(self, sync=None) -> Callable[[], None]:
+        """The zero-bubble W action of this compiled stage's last backward (:mod:`autopar.runtime.weight_pass`)."""
+        leaves = functools.partial(self._precision.leaves, self._own, cast_by_program=self._casts_itself)
+        return adding_weight_gradients(self._run.weight_passes, leaves, self._weight_of, sync)
 
 
 class _Transfers:
@@ -161,9 +155,6 @@ class _Stage(PipelineStage):
     Each send and receive it posts is logged in ``transfers`` with the values it carries."""
 
     def __init__(self, *args, program: StageProgram, transfers: _Transfers, sync_now=None, **kwargs):
-        if kwargs.get("dw_builder") is not None and sync_now is not None:  # a compiled stage's weight pass
-            build = kwargs["dw_builder"]
-            kwargs["dw_builder"] = lambda: _synced(build(), sync_now)
         super().__init__(*args, **kwargs)
         self._sync_now = sync_now
         self._program, self._transfers = program, transfers
@@ -204,14 +195,6 @@ class _Stage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         with self._sync_now():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-
-
-def _synced(weight_pass: Callable[[], None], sync_now) -> Callable[[], None]:
-    def run():
-        with sync_now():
-            weight_pass()
-
-    return run
 
 
 def _keyword(input_name: str) -> str:
@@ -327,7 +310,7 @@ class PipelineModule(ParallelModule):
                     program=stage,
                     transfers=self._transfers,
                     sync_now=sync_now,
-                    dw_builder=module.weight_pass if split else None,
+                    dw_builder=functools.partial(module.weight_pass, sync_now) if split else None,
                 )
             )
         single = schedule.kind in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)
