@@ -39,6 +39,7 @@ class WeightPasses:
     def __init__(self, weights: tuple[str, ...]):
         self.weights = frozenset(weights)
         self.last: Callable[[], dict] | None = None  # the weight pass the last backward left
+        self._inputs = 0  # the compiled graph's inputs, each with its gradient out of backward
         self._outputs: dict[int, str] = {}  # backward output position -> the weight it is the gradient of
 
     def wrap(self, backend: Callable) -> Callable:
@@ -47,8 +48,10 @@ class WeightPasses:
 
         def compile_split(graph_module: fx.GraphModule, example_inputs):
             # AOTAutograd's backward returns one gradient per graph input, in Dynamo's order (first use)
-            sources = [node.meta["grapharg"].source for node in graph_module.graph.find_nodes(op="placeholder")]
+            placeholders = graph_module.graph.find_nodes(op="placeholder")
+            sources = [getattr(node.meta.get("grapharg"), "source", None) for node in placeholders]
             names = [getattr(source, "local_name", None) for source in sources]
+            self._inputs = len(names)
             self._outputs = {k: name for k, name in enumerate(names) if name in self.weights}
             return backend(graph_module, example_inputs, split=self._split)
 
@@ -65,10 +68,11 @@ class WeightPasses:
     def _split(self, inner_compile: Callable, graph_module: fx.GraphModule, example_inputs, **kwargs):
         """Compile ``graph_module`` (a backward graph) as its input pass and its weight pass."""
         (grads,) = graph_module.graph.find_nodes(op="output")[0].args
-        if max(self._outputs, default=-1) >= len(grads):
+        if len(grads) != self._inputs:  # then which gradient is a weight's is not known
             raise CompileError(
-                f"the compiled backward returns {len(grads)} gradients, fewer than the stage's inputs: "
-                "it cannot be split into input and weight passes; run this pipeline uncompiled or with 1f1b"
+                f"the compiled backward of a zero-bubble stage returns {len(grads)} gradients for {self._inputs} "
+                "inputs, so autopar cannot split it into input and weight passes: run this pipeline uncompiled "
+                "(compile=False) or on a schedule without a weight pass (pipeline='1f1b' or 'interleaved-1f1b')"
             )
         weight_at = {k: g for k, g in enumerate(grads) if k in self._outputs and isinstance(g, fx.Node)}
         input_at = {k: g for k, g in enumerate(grads) if k not in self._outputs and isinstance(g, fx.Node)}
