@@ -8,7 +8,8 @@ Post: inside :func:`composite_moe`, each recognized block's forward is one call 
 original forwards are back.
 
 What is recognized (duck-typing, so Hugging Face blocks of Mixtral's shape match too:
-Mixtral, Qwen3-MoE, OLMoE; blocks with a shared expert, biases or another activation do not):
+Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE's with its gated shared expert; blocks with biases,
+another activation or another kind of shared expert do not):
 
 - a router at ``block.gate`` or ``block.router`` holding only a ``weight`` [E, H] (an
   ``nn.Linear`` without bias, or a Hugging Face ``*TopKRouter``), with softmax → top-k routing;
@@ -16,7 +17,10 @@ Mixtral, Qwen3-MoE, OLMoE; blocks with a shared expert, biases or another activa
   ``down_proj`` [E, H, F], whose ``act_fn`` computes SiLU;
 - ``top_k`` on the block or the router; ``norm_topk_prob`` on either says whether the top-k
   weights are renormalized (without it they are, as in Mixtral);
-- nothing else in the block: no other submodules, parameters or buffers.
+- nothing else in the block (no other parameters or buffers), but for Qwen2-MoE's shared expert:
+  ``block.shared_expert`` (any module, called on the tokens) with ``block.shared_expert_gate``
+  (an ``nn.Linear`` [1, H] without bias), the output then ``routed + sigmoid(gate(x)) * shared(x)``
+  (the shared expert stays ordinary ops in the graph).
 
 The block's forward takes hidden states [..., H]. It returns the output alone (Hugging Face), or
 ``(output, router_logits [T, E])`` if the block sets ``returns_router_logits = True``
@@ -51,6 +55,8 @@ class MoEParts:
     top_k: int
     normalize: bool
     returns_router_logits: bool
+    shared: nn.Module | None = None  # Qwen2-MoE's shared expert, added under a sigmoid gate
+    shared_gate: nn.Module | None = None
 
 
 def moe_parts(block: nn.Module) -> MoEParts | None:
@@ -62,7 +68,10 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
         return None
     router = getattr(block, router_name)
     children = {name for name, _ in block.named_children()}
-    if children != {router_name, "experts"} or _own_tensors(block):
+    shared, shared_gate = _gated_shared_expert(block) if children - {router_name, "experts"} else (None, None)
+    if children != {router_name, "experts", *(("shared_expert", "shared_expert_gate") if shared else ())}:
+        return None
+    if _own_tensors(block):
         return None
     if set(_own_tensors(router)) != {"weight"} or any(True for _ in router.children()):
         return None
@@ -72,7 +81,16 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
     if not isinstance(top_k, int) or not _shapes_agree(router.weight, experts.gate_up_proj, experts.down_proj):
         return None
     normalize = getattr(block, "norm_topk_prob", getattr(router, "norm_topk_prob", True))
-    return MoEParts(router, experts, top_k, bool(normalize), bool(getattr(block, "returns_router_logits", False)))
+    returns_logits = bool(getattr(block, "returns_router_logits", False))
+    return MoEParts(router, experts, top_k, bool(normalize), returns_logits, shared, shared_gate)
+
+
+def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
+    """Qwen2-MoE's ``shared_expert`` and its ``shared_expert_gate`` (Linear H -> 1, no bias), or Nones."""
+    shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
+    if not isinstance(shared, nn.Module) or not isinstance(gate, nn.Linear) or gate.bias is not None:
+        return None, None
+    return (shared, gate) if gate.out_features == 1 else (None, None)
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -128,6 +146,8 @@ def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_fa
             float(capacity_factor),
             "",
         )
+        if parts.shared is not None:  # Qwen2-MoE's: routed + sigmoid(gate(x)) * shared(x)
+            out = out + torch.sigmoid(parts.shared_gate(x)) * parts.shared(x)
         out = out.view(hidden_states.shape)
         if parts.returns_router_logits:
             return out, router_logits

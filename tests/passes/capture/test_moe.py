@@ -8,7 +8,7 @@ import torch
 from equivalence import load_example
 from planning import meta_model
 from torch import nn
-from transformers import MixtralConfig, MixtralForCausalLM
+from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from autopar.ir import ConfigError
@@ -99,6 +99,40 @@ def test_moe_gpt_loss_and_gradients_under_composite_equal_eager():
     _assert_composite_equals_eager(model, inputs)
     captured = capture(model, inputs)  # capture makes each MoE block one node
     assert sum(str(node.target) == "autopar.moe.default" for node in captured.graph.nodes) == 2
+
+
+class _LossOf(nn.Module):
+    """A Hugging Face causal LM called on ids as inputs and labels, returning its loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+def test_qwen2_moe_blocks_with_their_gated_shared_expert_are_recognized_and_equal_eager():
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        shared_expert_intermediate_size=40,
+        num_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=64,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
+    model = _LossOf(Qwen2MoeForCausalLM(config))
+    assert list(moe_modules(model)) == ["model.model.layers.0.mlp", "model.model.layers.1.mlp"]
+    _assert_composite_equals_eager(model, (torch.randint(0, 64, (3, 8)),))
+    model.model.model.layers[0].mlp.shared_expert_gate = nn.Linear(32, 1)  # a gate with a bias: another block
+    assert list(moe_modules(model)) == ["model.model.layers.1.mlp"]
 
 
 def test_mixtral_loss_and_gradients_under_composite_equal_eager():
