@@ -154,12 +154,35 @@ def addmm(view: OpView) -> list[Strategy]:
 
 
 def matmul(view: OpView) -> list[Strategy]:
-    """torch.matmul with equal ranks ≥ 2: leading dims are batch dims."""
+    """torch.matmul of operands of rank >= 2: ``a [..., m, k] @ b [..., k, n]``, their batch dims
+    broadcast right-aligned (``x @ w`` with x [B, S, H] and w [H, N] too). A batch dim shards the
+    operands that hold it at the output's size (one broadcasting it stays whole); m shards a, n
+    shards b, the contraction both (a partial sum)."""
     a, b = view.in_shapes
-    if len(a) != len(b) or len(a) < 2:
+    if len(a) < 2 or len(b) < 2:
         return []
-    batch = "abcdefgh"[: len(a) - 2]
-    return _einsum(batch + "mk", batch + "kn", batch + "mn")
+    batch = max(len(a), len(b)) - 2
+    out = [max(_dim_at(a, j, batch), _dim_at(b, j, batch)) for j in range(batch)]
+    strategies = []
+    for j in range(batch):
+        placements = []
+        for shape in (a, b):
+            d = j - (batch - (len(shape) - 2))
+            placements.append(Shard(d) if d >= 0 and shape[d] == out[j] else R)
+        if any(isinstance(placement, Shard) for placement in placements):
+            strategies.append(Strategy(tuple(placements), Shard(j)))
+    strategies.append(Strategy((Shard(len(a) - 2), R), Shard(batch)))
+    strategies.append(Strategy((R, Shard(len(b) - 1)), Shard(batch + 1)))
+    strategies.append(Strategy((Shard(len(a) - 1), Shard(len(b) - 2)), Partial()))
+    for op in ("sum", "avg"):
+        strategies += [Strategy((Partial(op), R), Partial(op)), Strategy((R, Partial(op)), Partial(op))]
+    return strategies
+
+
+def _dim_at(shape, j: int, batch: int) -> int:
+    """Size of output batch dim ``j`` (of ``batch``) in an operand of ``shape``, right-aligned; 1 where it has none."""
+    d = j - (batch - (len(shape) - 2))
+    return shape[d] if d >= 0 else 1
 
 
 # -- shapes and views -----------------------------------------------------------------
@@ -314,13 +337,16 @@ def layer_norm(view: OpView) -> list[Strategy]:
 
 
 def index(view: OpView) -> list[Strategy]:
-    """x[idx] with one index tensor on dim 0: shard the indices, or a dim of x that is not indexed."""
+    """x[..., idx, ...] with one index tensor, on dim p (Nones before it: ``qkv[:, :, [-2]]``): shard
+    the indices (the output's dims p...), or a dim of x that is not indexed."""
     indices = view.arg(1, "indices")
-    if len(indices) != 1 or indices[0] is None or len(view.in_shapes) != 2:
+    indexed = [position for position, tensor in enumerate(indices) if tensor is not None]
+    if len(indexed) != 1 or len(view.in_shapes) != 2:
         return []
+    (p,) = indexed
     x_ndim, idx_ndim = len(view.in_shapes[0]), len(view.in_shapes[1])
-    strategies = [Strategy((R, Shard(d)), Shard(d)) for d in range(idx_ndim)]
-    strategies += [Strategy((Shard(k), R), Shard(idx_ndim + k - 1)) for k in range(1, x_ndim)]
+    strategies = [Strategy((R, Shard(d)), Shard(p + d)) for d in range(idx_ndim)]
+    strategies += [Strategy((Shard(k), R), Shard(k if k < p else idx_ndim + k - 1)) for k in range(x_ndim) if k != p]
     return strategies + [Strategy((Partial(op), R), Partial(op)) for op in ("sum", "avg")]
 
 

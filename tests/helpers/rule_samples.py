@@ -78,9 +78,15 @@ def addmm(draw, p):
 
 
 def matmul(draw, p):
+    """Batch dims on both operands, on one only (``x @ w``: [B, S, H] @ [H, N]), or broadcast from 1."""
     batch = shape(draw, p, 0, 2)
     m, k, n = (size(draw, p) for _ in range(3))
-    return Sample(aten.matmul.default, (values(draw, (*batch, m, k)), values(draw, (*batch, k, n))))
+    kind = draw(st.sampled_from(["both", "left", "right", "broadcast"]))
+    a_batch = () if kind == "right" else batch
+    b_batch = {"both": batch, "broadcast": (1,) * len(batch)}.get(kind, ())
+    if kind == "broadcast" and draw(st.booleans()):
+        a_batch, b_batch = b_batch, a_batch
+    return Sample(aten.matmul.default, (values(draw, (*a_batch, m, k)), values(draw, (*b_batch, k, n))))
 
 
 # -- shapes and views -------------------------------------------------------------------------
@@ -280,8 +286,10 @@ def embedding(draw, p):
 
 
 def index(draw, p):
+    """One index tensor, on dim 0 or after Nones (``x[:, :, idx]``)."""
     x = tensor(draw, p, 1, 3)
-    return Sample(aten.index.Tensor, (x, [indices(draw, shape(draw, p, 1, 2), x.shape[0])]))
+    at = draw(st.integers(0, x.dim() - 1))
+    return Sample(aten.index.Tensor, (x, [None] * at + [indices(draw, shape(draw, p, 1, 2), x.shape[at])]))
 
 
 def attention(draw, p):

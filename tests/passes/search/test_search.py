@@ -43,6 +43,27 @@ def test_wide_mlp_small_batch_gets_column_then_row_tensor_parallelism():
     assert plan.cost.grad_sync_s == 0
 
 
+class _FusedProjection(torch.nn.Module):
+    """Falcon's attention input: ``x @ W`` ([B, S, H] @ [H, 3H], no linear) and one head group
+    picked by a tensor index after slices (``qkv[:, :, [1]]``)."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden, 3 * hidden))
+
+    def forward(self, x, target):
+        qkv = (x @ self.weight).view(*x.shape[:2], 3, x.shape[-1])
+        return ((qkv[:, :, [1]].squeeze(2) - target) ** 2).mean()
+
+
+def test_a_broadcast_matmul_and_an_index_after_slices_split_over_the_batch():
+    """Both once had no strategy but replication, so data parallelism ran the whole batch on every rank."""
+    inputs = (torch.randn(64, 32, 64), torch.randn(64, 32, 64))
+    plan = autopar.plan(_FusedProjection(), 4, inputs, degrees={"dp": 4}, hardware="h100-80gb")
+    by_op = {node.split("_")[0]: decision.output for node, decision in plan.nodes.items()}
+    assert by_op["matmul"] == (Shard(0), Replicate()) and by_op["index"] == (Shard(0), Replicate()), by_op
+
+
 def test_narrow_mlp_big_batch_gets_data_parallelism():
     plan = plan_example("mlp.py", 4, batch=4096, model_kwargs=NARROW)
     assert plan.degrees == {"dp": 4, "tp": 1}
