@@ -155,34 +155,25 @@ def addmm(view: OpView) -> list[Strategy]:
 
 def matmul(view: OpView) -> list[Strategy]:
     """torch.matmul of operands of rank >= 2: ``a [..., m, k] @ b [..., k, n]``, their batch dims
-    broadcast right-aligned (``x @ w`` with x [B, S, H] and w [H, N] too). A batch dim shards the
-    operands that hold it at the output's size (one broadcasting it stays whole); m shards a, n
-    shards b, the contraction both (a partial sum)."""
+    broadcast right-aligned (``x @ w``: [B, S, H] @ [H, N]). A batch dim shards each operand holding
+    it at the output's size (one broadcasting it stays whole); m shards a, n b, k both (partial)."""
     a, b = view.in_shapes
     if len(a) < 2 or len(b) < 2:
         return []
     batch = max(len(a), len(b)) - 2
-    out = [max(_dim_at(a, j, batch), _dim_at(b, j, batch)) for j in range(batch)]
+    at = [[j - batch + len(shape) - 2 for j in range(batch)] for shape in (a, b)]  # each operand's dim of batch dim j
+    out = [max(shape[d] if d >= 0 else 1 for shape, d in ((a, at[0][j]), (b, at[1][j]))) for j in range(batch)]
     strategies = []
     for j in range(batch):
-        placements = []
-        for shape in (a, b):
-            d = j - (batch - (len(shape) - 2))
-            placements.append(Shard(d) if d >= 0 and shape[d] == out[j] else R)
+        placements = tuple(Shard(d[j]) if d[j] >= 0 and s[d[j]] == out[j] else R for s, d in zip((a, b), at))
         if any(isinstance(placement, Shard) for placement in placements):
-            strategies.append(Strategy(tuple(placements), Shard(j)))
+            strategies.append(Strategy(placements, Shard(j)))
     strategies.append(Strategy((Shard(len(a) - 2), R), Shard(batch)))
     strategies.append(Strategy((R, Shard(len(b) - 1)), Shard(batch + 1)))
     strategies.append(Strategy((Shard(len(a) - 1), Shard(len(b) - 2)), Partial()))
     for op in ("sum", "avg"):
         strategies += [Strategy((Partial(op), R), Partial(op)), Strategy((R, Partial(op)), Partial(op))]
     return strategies
-
-
-def _dim_at(shape, j: int, batch: int) -> int:
-    """Size of output batch dim ``j`` (of ``batch``) in an operand of ``shape``, right-aligned; 1 where it has none."""
-    d = j - (batch - (len(shape) - 2))
-    return shape[d] if d >= 0 else 1
 
 
 # -- shapes and views -----------------------------------------------------------------

@@ -17,6 +17,10 @@ from autopar.passes.capture.moe import composite_moe, moe_modules
 
 moe_gpt, hf = load_example("moe_gpt.py"), load_example("hf.py")
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+SMALL_MOE = dict(  # the Hugging Face MoE configs' sizes here
+    hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
+    num_experts_per_tok=2, vocab_size=64,
+)  # fmt: skip
 # what capture may leave of a block besides the op: the reshapes around it
 _RESHAPES = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
 
@@ -115,19 +119,9 @@ class _LossOf(nn.Module):
 def test_qwen2_moe_blocks_with_their_gated_shared_expert_are_recognized_and_equal_eager():
     torch.manual_seed(0)
     config = Qwen2MoeConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        intermediate_size=48,
-        moe_intermediate_size=24,
-        shared_expert_intermediate_size=40,
-        num_experts=4,
-        num_experts_per_tok=2,
-        vocab_size=64,
-        max_position_embeddings=16,
-        use_cache=False,
-    )
+        **SMALL_MOE, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+        max_position_embeddings=16, use_cache=False,
+    )  # fmt: skip
     model = _LossOf(Qwen2MoeForCausalLM(config))
     assert list(moe_modules(model)) == ["model.model.layers.0.mlp", "model.model.layers.1.mlp"]
     _assert_composite_equals_eager(model, (torch.randint(0, 64, (3, 8)),))
@@ -147,14 +141,8 @@ class _MixtralWithAuxLoss(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         config = MixtralConfig(
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            intermediate_size=48,
+            **SMALL_MOE,
             num_local_experts=4,
-            num_experts_per_tok=2,
-            vocab_size=64,
             max_position_embeddings=8,
             sliding_window=None,
             router_jitter_noise=0.0,
