@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -85,13 +86,16 @@ class WeightPasses:
         return _InputPass(first, second, cut, len(grads), list(input_at), names, self)
 
 
+@dataclass(frozen=True)
 class _Cut:
     """A backward graph cut in two: ``first`` takes every input and returns the input gradients
     then ``kept`` (its values the second part needs); ``second`` takes ``kept`` then the inputs
     at positions ``reads`` and returns the weight gradients."""
 
-    def __init__(self, first: fx.GraphModule, second: fx.GraphModule, kept: list[fx.Node], reads: list[int]):
-        self.first, self.second, self.kept, self.reads = first, second, kept, reads
+    first: fx.GraphModule
+    second: fx.GraphModule
+    kept: list[fx.Node]
+    reads: list[int]
 
 
 def _cut(graph_module: fx.GraphModule, inputs_grads: list[fx.Node], weight_grads: list[fx.Node]) -> _Cut:

@@ -67,7 +67,8 @@ def load_model(spec: str) -> torch.nn.Module:
     except Exception as error:  # the user's factory: any failure is a bad MODEL
         raise UsageError(f"MODEL {spec!r}: {factory.name}(...) raised {type(error).__name__}: {error}") from error
     try:
-        callable(getattr(model, "example_inputs", None)) or example_call(model, 2, 2)  # the call autopar would make
+        if not callable(getattr(model, "example_inputs", None)):
+            example_call(model, 2, 2)  # autopar makes the inputs of a Hugging Face causal LM (on meta: free)
     except ConfigError:
         raise UsageError(
             f"MODEL {spec!r}: {factory.name}() returned a {type(model).__name__} without "

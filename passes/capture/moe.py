@@ -68,10 +68,9 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
         return None
     router = getattr(block, router_name)
     children = {name for name, _ in block.named_children()}
-    shared, shared_gate = _gated_shared_expert(block) if children - {router_name, "experts"} else (None, None)
-    if children != {router_name, "experts", *(("shared_expert", "shared_expert_gate") if shared else ())}:
-        return None
-    if _own_tensors(block):
+    shared, shared_gate = _gated_shared_expert(block)
+    expected = {router_name, "experts"} | ({"shared_expert", "shared_expert_gate"} if shared else set())
+    if children != expected or _own_tensors(block):
         return None
     if set(_own_tensors(router)) != {"weight"} or any(True for _ in router.children()):
         return None
@@ -88,9 +87,8 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
 def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     """Qwen2-MoE's ``shared_expert`` and its ``shared_expert_gate`` (Linear H -> 1, no bias), or Nones."""
     shared, gate = getattr(block, "shared_expert", None), getattr(block, "shared_expert_gate", None)
-    if not isinstance(shared, nn.Module) or not isinstance(gate, nn.Linear) or gate.bias is not None:
-        return None, None
-    return (shared, gate) if gate.out_features == 1 else (None, None)
+    gated = isinstance(shared, nn.Module) and isinstance(gate, nn.Linear) and gate.bias is None
+    return (shared, gate) if gated and gate.out_features == 1 else (None, None)
 
 
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
