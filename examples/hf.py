@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -281,7 +282,7 @@ def from_config(
     dropout: float = 0.0,
 ) -> PreTrainedModel:
     """An unmodified ``AutoModelForCausalLM.from_config`` model of ``family`` ("llama", "mixtral",
-    "gpt2", "qwen2") with a small config: no dropout (GPT-2's residual, embedding and attention
+    "deepseek_v3", "gpt2", "qwen2") with a small config: no dropout (GPT-2's residual, embedding and attention
     dropout ``dropout``), no router jitter; ``tie_embeddings`` None keeps the family's default
     (GPT-2 and small Qwen2 tie the embedding and the head).
 
@@ -309,6 +310,14 @@ def from_config(
             config = Qwen2Config(**{"tie_word_embeddings": True, **sizes})
         elif family == "mixtral":
             config = MixtralConfig(num_local_experts=experts, num_experts_per_tok=2, router_jitter_noise=0.0, **sizes)
+        elif family == "deepseek_v3":  # MLA (as many KV heads as heads); layer 0 dense, the rest MoE
+            head = hidden // heads // 2
+            config = DeepseekV3Config(
+                **{**sizes, "num_key_value_heads": heads}, n_routed_experts=experts, num_experts_per_tok=2,
+                moe_intermediate_size=ffn // 2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+                kv_lora_rank=hidden // 2, q_lora_rank=hidden // 2, qk_rope_head_dim=head, qk_nope_head_dim=head,
+                v_head_dim=head,
+            )  # fmt: skip
         else:
-            raise ValueError(f"family {family!r}: choose llama, mixtral, gpt2 or qwen2")
+            raise ValueError(f"family {family!r}: choose llama, mixtral, deepseek_v3, gpt2 or qwen2")
     return AutoModelForCausalLM.from_config(config)

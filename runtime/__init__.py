@@ -36,7 +36,7 @@ from autopar.runtime.collectives import (
 )
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.context_parallel import ring_attention, ulysses_attention
-from autopar.runtime.kernels.expert_parallel import moe
+from autopar.runtime.kernels.expert_parallel import moe, moe_experts
 from autopar.runtime.kernels.vocab_parallel import vocab_cross_entropy, vocab_embedding
 from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import finish, free_port, init_from_env, launch_local
@@ -63,6 +63,7 @@ __all__ = [
     "launch_local",
     "load_checkpoint",
     "moe",
+    "moe_experts",
     "reduce_scatter",
     "ring_attention",
     "run_local",

@@ -130,7 +130,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         # in-place ops, whose aliasing would not survive a redistribution placed between them.
         with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
             warnings.simplefilter("ignore", FutureWarning)
-            # each mixture-of-experts block becomes one autopar.moe node
+            # each mixture-of-experts block becomes one autopar.moe node (or its experts one moe_experts)
             with capture_settings(model), composite_moe(model):
                 exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
                 exported = exported.run_decompositions(DIFFERENTIABLE_COPY)
@@ -236,7 +236,7 @@ def _buffer_values(model: torch.nn.Module, buffers: dict[str, str], constants: d
 def _measure_experts(graph_module: fx.GraphModule, state: dict, example_inputs) -> None:
     """Routing depends on the data: with real weights and inputs, run the graph once and note
     how the example's tokens spread over the experts (for the cost model's load imbalance)."""
-    if not any(str(node.target) == f"{EXPERTS_OP}.default" for node in graph_module.graph.nodes):
+    if not any(str(node.target).startswith(EXPERTS_OP) for node in graph_module.graph.nodes):  # moe, moe_experts
         return
     inputs = iter(example_inputs)
     args = [

@@ -22,6 +22,12 @@ another activation or another kind of shared expert do not):
   (an ``nn.Linear`` [1, H] without bias), the output then ``routed + sigmoid(gate(x)) * shared(x)``
   (the shared expert stays ordinary ops in the graph).
 
+Experts a block calls with routing of its own (``experts(hidden_states, top_k_index,
+top_k_weights)``, transformers' experts classes: DeepSeek-V3's behind its grouped sigmoid router,
+GLM-4-MoE's, ...) in a block not recognized as above become one ``autopar::moe_experts(x, weights,
+ids, gate_up, down, capacity_factor, "")`` call each, when the experts module holds what
+``block.experts`` must hold above: the router and whatever else the block does stay ordinary ops.
+
 The block's forward takes hidden states [..., H]. It returns the output alone (Hugging Face), or
 ``(output, router_logits [T, E])`` if the block sets ``returns_router_logits = True``
 (``examples/moe_gpt.py``). A router that is not an ``nn.Linear`` is still called, with the op's
@@ -31,6 +37,7 @@ hooks on it (Hugging Face's ``OutputRecorder`` for ``output_router_logits``) see
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -39,9 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.ir import OP_NAMESPACE, ConfigError
-from autopar.passes.cost.kernels import expert_load
+from autopar.passes.cost.kernels import chosen_load, expert_load
 
 EXPERTS_OP = f"{OP_NAMESPACE}.moe"  # the composite op each mixture-of-experts block becomes
+ROUTED_EXPERTS_OP = f"{OP_NAMESPACE}.moe_experts"  # experts routed by the model's own ops (names start alike)
+_ROUTED_ARGS = ["hidden_states", "top_k_index", "top_k_weights"]  # transformers' experts call
 _ROUTER_NAMES = ("gate", "router")
 _EXPERT_PARAMS = {"gate_up_proj", "down_proj"}
 
@@ -74,10 +83,10 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
         return None
     if set(_own_tensors(router)) != {"weight"} or any(True for _ in router.children()):
         return None
-    if set(_own_tensors(experts)) != _EXPERT_PARAMS or not _computes_silu(getattr(experts, "act_fn", None)):
+    if not _stacked_experts(experts):
         return None
     top_k = getattr(block, "top_k", getattr(router, "top_k", None))
-    if not isinstance(top_k, int) or not _shapes_agree(router.weight, experts.gate_up_proj, experts.down_proj):
+    if not isinstance(top_k, int) or _expert_shape(experts.gate_up_proj, experts.down_proj) != router.weight.shape:
         return None
     normalize = getattr(block, "norm_topk_prob", getattr(router, "norm_topk_prob", True))
     returns_logits = bool(getattr(block, "returns_router_logits", False))
@@ -91,6 +100,37 @@ def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module 
     return (shared, gate) if gated and gate.out_features == 1 else (None, None)
 
 
+def _stacked_experts(experts) -> bool:
+    """Whether ``experts`` holds only ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]
+    with a SiLU ``act_fn``: the expert weights ``autopar::moe`` and ``moe_experts`` take."""
+    return (
+        isinstance(experts, nn.Module)
+        and set(_own_tensors(experts)) == _EXPERT_PARAMS
+        and _computes_silu(getattr(experts, "act_fn", None))
+        and _expert_shape(experts.gate_up_proj, experts.down_proj) is not None
+    )
+
+
+def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name → experts module called with the model's own routing (see the module
+    docstring) outside any block :func:`moe_parts` recognizes."""
+    blocks = moe_modules(model)
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if _stacked_experts(module)
+        and _parameter_names(type(module).forward) == _ROUTED_ARGS
+        and not any(name.startswith(f"{block}.") for block in blocks)
+    }
+
+
+def _parameter_names(forward) -> list[str]:
+    try:
+        return list(inspect.signature(forward).parameters)[1:]  # after self
+    except (TypeError, ValueError):
+        return []
+
+
 def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Qualified name → MoE block, for every block :func:`moe_parts` recognizes.
 
@@ -102,7 +142,8 @@ def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 @contextmanager
 def composite_moe(model: nn.Module, *, capacity_factor: float = 0.0):
-    """While active, every MoE block of ``model`` runs as one ``autopar::moe`` call (group "").
+    """While active, every MoE block of ``model`` runs as one ``autopar::moe`` call (group ""),
+    and experts routed by the model's own ops as one ``autopar::moe_experts`` call.
 
     ``capacity_factor`` > 0 drops slots over capacity, which the eager blocks (dropless) do not:
     the loss then differs from the eager one (``import autopar`` registers the op). Example::
@@ -117,6 +158,8 @@ def composite_moe(model: nn.Module, *, capacity_factor: float = 0.0):
             _override_forward(block, _composite_forward(name, block, parts, capacity_factor), overridden)
             if not isinstance(parts.router, nn.Linear):
                 _override_forward(parts.router, _logits_pass_through, overridden)
+        for experts in routed_experts(model).values():
+            _override_forward(experts, _routed_forward(experts, capacity_factor), overridden)
         yield model
     finally:
         for module, previous in reversed(overridden):
@@ -156,6 +199,17 @@ def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_fa
     return forward
 
 
+def _routed_forward(experts: nn.Module, capacity_factor: float):
+    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        out = torch.ops.autopar.moe_experts(
+            x, top_k_weights, top_k_index, experts.gate_up_proj, experts.down_proj, float(capacity_factor), ""
+        )
+        return out.view(hidden_states.shape)
+
+    return forward
+
+
 def _logits_pass_through(router_logits: torch.Tensor):
     return router_logits, None, None
 
@@ -181,17 +235,17 @@ def _computes_silu(act_fn) -> bool:
         return False
 
 
-def _shapes_agree(router_weight, gate_up, down) -> bool:
-    if router_weight.dim() != 2 or gate_up.dim() != 3 or down.dim() != 3:
-        return False
-    experts, hidden = router_weight.shape
-    ffn = down.shape[2]
-    return tuple(gate_up.shape) == (experts, 2 * ffn, hidden) and tuple(down.shape) == (experts, hidden, ffn)
+def _expert_shape(gate_up, down) -> tuple[int, int] | None:
+    """(experts, hidden) of stacked expert weights gate_up [E, 2F, H] and down [E, H, F], or None."""
+    if gate_up.dim() != 3 or down.dim() != 3:
+        return None
+    (experts, hidden, ffn), shape = down.shape, (gate_up.shape[0], gate_up.shape[2])
+    return shape if tuple(gate_up.shape) == (experts, 2 * ffn, hidden) else None
 
 
 def record_expert_load(graph_module: torch.fx.GraphModule, args: list) -> None:
     """Run the captured graph once on real values (parameters, buffers, example inputs, in
-    placeholder order) and note on each ``autopar.moe`` node the share of routed tokens each
+    placeholder order) and note on each ``autopar.moe`` or ``moe_experts`` node the share of routed tokens each
     expert got (``node.meta["expert_load"]``): the cost model's load imbalance."""
 
     class Recorder(torch.fx.Interpreter):
@@ -199,6 +253,8 @@ def record_expert_load(graph_module: torch.fx.GraphModule, args: list) -> None:
             result = super().call_function(target, call_args, kwargs)
             if str(target) == f"{EXPERTS_OP}.default":
                 self.current_node.meta["expert_load"] = expert_load(result[1], call_args[4]).tolist()
+            elif str(target) == f"{ROUTED_EXPERTS_OP}.default":
+                self.current_node.meta["expert_load"] = chosen_load(call_args[2], call_args[3].shape[0]).tolist()
             return result
 
         def run_node(self, node):

@@ -104,10 +104,22 @@ def expert_load(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
 
     Uniform routing gives 1/E each. Example: ``expert_load(torch.randn(16, 8), 2).max() * 8``.
     """
-    num_experts = router_logits.shape[-1]
-    chosen = torch.softmax(router_logits.float(), dim=-1).topk(top_k, dim=-1).indices.reshape(-1)
-    counts = torch.bincount(chosen, minlength=num_experts).float()
+    chosen = torch.softmax(router_logits.float(), dim=-1).topk(top_k, dim=-1).indices
+    return chosen_load(chosen, router_logits.shape[-1])
+
+
+def chosen_load(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """:func:`expert_load` from the chosen experts' ids [T, k] (a model's own routing)."""
+    counts = torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
     return counts / chosen.numel()
+
+
+def experts_top_k(node) -> int:
+    """Experts per token of an ``autopar.moe`` node (its ``top_k``) or a ``moe_experts`` node
+    (the width of the expert ids it is given)."""
+    if node.target.name().endswith("::moe_experts"):
+        return node.args[2].meta["val"].shape[1]
+    return node.args[4]
 
 
 def expert_imbalance(load: list[float] | None, world: int) -> float:
@@ -139,7 +151,7 @@ def kernel_time(fact, strategy, ctx) -> float:
         compute = fact.full_time_s * ctx.local.work[fact.node.name] / p / p  # one block pair, forward + backward
         return steps * (transfer - minimum(transfer, compute) * ctx.overlap)
     if strategy.kernel == Kernel.EXPERTS:
-        (tokens, hidden), top_k = shapes[0], fact.node.args[4]
+        (tokens, hidden), top_k = shapes[0], experts_top_k(fact.node)
         imbalance = expert_imbalance(fact.node.meta.get("expert_load"), p)
         widths = (
             hidden,

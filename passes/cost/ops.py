@@ -272,11 +272,13 @@ def _formula_flops(target, inputs, args) -> float:
     if packet is torch.ops.aten.scaled_dot_product_attention and len(inputs) >= 3:
         q, k = inputs[0], inputs[1]
         return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]  # QKᵀ and PV
-    if str(packet) == f"{OP_NAMESPACE}.moe":
-        x, router, gate_up, down = inputs[:4]
+    if str(packet) in (f"{OP_NAMESPACE}.moe", f"{OP_NAMESPACE}.moe_experts"):
+        routed = len(inputs) == 5  # moe_experts(x, weights, ids, gate_up, down): no router
+        x, gate_up, down = inputs[0], *inputs[-2:]
         tokens, hidden = x.shape
-        top_k = args[4]  # each token through top_k experts: SwiGLU's up and gate, then down
-        return 2.0 * tokens * hidden * router.shape[0] + 2.0 * tokens * top_k * (gate_up[0].numel() + down[0].numel())
+        top_k = inputs[1].shape[1] if routed else args[4]  # each token through top_k experts: SwiGLU, then down
+        router = 0.0 if routed else 2.0 * tokens * hidden * inputs[1].shape[0]
+        return router + 2.0 * tokens * top_k * (gate_up[0].numel() + down[0].numel())
     return 0.0
 
 

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from autopar.ir import OP_NAMESPACE, Axis, Kernel, Partial, Placement, Plan, Replicate, Shard, format_placements
 from autopar.passes.capture.graph import module_path
-from autopar.passes.cost.kernels import kernel_bytes
+from autopar.passes.cost.kernels import experts_top_k, kernel_bytes
 
 AXIS_MEANING = {
     Axis.DP: "data parallel: the batch is split, gradients are summed",
@@ -41,6 +41,7 @@ KERNEL_TRAFFIC = {
     "ring_attention": Kernel.RING,
     "ulysses_attention": Kernel.ULYSSES,
     "moe": Kernel.EXPERTS,
+    "moe_experts": Kernel.EXPERTS,
     "vocab_embedding": Kernel.VOCAB,
     "vocab_cross_entropy": Kernel.VOCAB,
 }
@@ -156,7 +157,7 @@ def is_collective(node: fx.Node) -> bool:
     parallel kernels (a mixture of experts given no group runs locally: not one)."""
     if node.op != "call_function" or getattr(node.target, "namespace", None) != OP_NAMESPACE:
         return False
-    return _collective_name(node) != "moe" or bool(_group(node))
+    return not _collective_name(node).startswith("moe") or bool(_group(node))
 
 
 def _group(node: fx.Node) -> str:
@@ -215,7 +216,11 @@ def collective_calls(program: fx.GraphModule, plan: Plan) -> list[CollectiveCall
         if op in KERNEL_TRAFFIC:  # what the kernel itself sends, for its input's size; its output is a new value
             tokens = _local_numel(node.args[1], placements, plan) if op == "vocab_cross_entropy" else 0
             nbytes = kernel_bytes(
-                KERNEL_TRAFFIC[op], nbytes, plan.degrees.get(group, 1), node.args[4] if op == "moe" else 1, tokens
+                KERNEL_TRAFFIC[op],
+                nbytes,
+                plan.degrees.get(group, 1),
+                experts_top_k(node) if op.startswith("moe") else 1,
+                tokens,
             )
             sources[node.name], module = node, module_path(node)  # a kernel serves its own module
             placements[node.name] = plan.nodes[node.name].output if node.name in plan.nodes else after

@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from autopar.ir import Kernel, Partial, Replicate, Shard
-from autopar.passes.capture.moe import EXPERTS_OP
+from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
 from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
 
@@ -361,11 +361,13 @@ def attention(view: OpView) -> list[Strategy]:
 
 
 def experts(view: OpView) -> list[Strategy]:
-    """autopar::moe(x [T, H], router [E, H], gate_up [E, 2F, H], down [E, H, F]) -> (out, logits):
-    split the tokens (every rank runs every expert on its tokens), or split the experts too
-    and send tokens to them (the expert-parallel kernel)."""
-    tokens = Strategy((Shard(0), R, R, R), Shard(0))
-    return [tokens, Strategy((Shard(0), R, Shard(0), Shard(0)), Shard(0), Kernel.EXPERTS)]
+    """autopar::moe(x [T, H], router [E, H], gate_up [E, 2F, H], down [E, H, F]) -> (out, logits), or
+    moe_experts(x, weights [T, k], ids [T, k], gate_up, down) -> out: split the tokens (every rank
+    runs every expert on its tokens), or split the experts too and send tokens to them (the
+    expert-parallel kernel)."""
+    routing = (R,) if len(view.in_shapes) == 4 else (Shard(0), Shard(0))  # the router, or its choices
+    tokens = Strategy((Shard(0), *routing, R, R), Shard(0))
+    return [tokens, Strategy((Shard(0), *routing, Shard(0), Shard(0)), Shard(0), Kernel.EXPERTS)]
 
 
 def mse(view: OpView) -> list[Strategy]:
@@ -442,7 +444,10 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
 }
 
 
-OWN_OPS = {EXPERTS_OP: experts}  # autopar's composite ops, by name (registered by autopar.runtime)
+OWN_OPS = {
+    EXPERTS_OP: experts,
+    ROUTED_EXPERTS_OP: experts,
+}  # autopar's composite ops, by name (registered by autopar.runtime)
 KERNEL_RULES = {
     Kernel.RING: (attention,),
     Kernel.ULYSSES: (attention,),

@@ -1,4 +1,5 @@
-"""Expert parallelism: a mixture-of-experts layer as one custom op, ``autopar::moe``.
+"""Expert parallelism: a mixture-of-experts layer as one custom op, ``autopar::moe`` (router
+and experts), or its experts alone as ``autopar::moe_experts`` (routed by the model's own ops).
 
 Capture (``passes/moe.py``) turns every MoE block into one call of this op, so the graph holds
 no data-dependent routing; the rewrite only changes ``group_name`` and hands the op this rank's
@@ -79,13 +80,16 @@ def _group(group_name: str):
 
 
 def _check_shapes(x, router_weight, gate_up, down, top_k: int, group) -> None:
-    group_size = group.size() if group is not None else 1
     if x.dim() != 2 or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]:
         raise ValueError(
             f"moe needs x [tokens, hidden] and router_weight [experts, hidden], got {tuple(x.shape)} "
             f"and {tuple(router_weight.shape)}: flatten batch and sequence into tokens first"
         )
-    experts, hidden = router_weight.shape
+    _check_experts(router_weight.shape[0], x.shape[1], gate_up, down, top_k, group)
+
+
+def _check_experts(experts: int, hidden: int, gate_up, down, top_k: int, group) -> None:
+    group_size = _size(group)
     if experts % group_size:
         raise ValueError(
             f"{experts} experts cannot be split over an EP group of {group_size} ranks; "
@@ -122,12 +126,12 @@ def _under_capacity(experts: Tensor, num_experts: int, capacity_factor: float) -
     return (position < capacity).view(top_k, tokens).t()
 
 
-def _plan_dispatch(routing: _Routing, group) -> _Dispatch:
-    num_experts = routing.probs.shape[1]
-    group_size = group.size() if group is not None else 1
+def _plan_dispatch(experts: Tensor, keep: Tensor, num_experts: int, group) -> _Dispatch:
+    """Where each kept slot of ``experts`` [T, k] (expert ids, of ``num_experts`` in all) goes."""
+    group_size = _size(group)
     local = num_experts // group_size
     # dropped slots get the key num_experts, so a stable sort puts them last, in token order
-    key = torch.where(routing.keep, routing.experts, num_experts).reshape(-1)
+    key = torch.where(keep, experts, num_experts).reshape(-1)
     counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
     slots = torch.argsort(key, stable=True)[: int(counts.sum())]
     sent = counts.view(group_size, local)  # [owner rank, its local expert]
@@ -221,16 +225,44 @@ def moe(
     """
     group = _group(group_name)
     _check_shapes(x, router_weight, gate_up, down, top_k, group)
-    tokens, hidden = x.shape
     logits = F.linear(x, router_weight)
     routing = _route(logits, top_k, normalize, capacity_factor)
-    plan = _plan_dispatch(routing, group)
+    return _combine(x, routing.experts, routing.keep, routing.weights, gate_up, down, group), logits
+
+
+def _combine(x: Tensor, experts: Tensor, keep: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, group) -> Tensor:
+    """Σ_j weights[t, j] · expert_j(x[t]) for the kept slots, each slot's row sent to its expert's owner."""
+    (tokens, hidden), top_k = x.shape, experts.shape[1]
+    plan = _plan_dispatch(experts, keep, gate_up.shape[0] * _size(group), group)
     received = _to_experts(x[plan.slots // top_k], plan, group)
     returned = _from_experts(_experts_forward(received, gate_up, down, plan.expert_rows), plan, group)
     slot_outputs = x.new_zeros((tokens * top_k, hidden))
     slot_outputs[plan.slots] = returned
-    weights = routing.weights.to(x.dtype).unsqueeze(-1)
-    return (weights * slot_outputs.view(tokens, top_k, hidden)).sum(1), logits
+    return (weights.to(x.dtype).unsqueeze(-1) * slot_outputs.view(tokens, top_k, hidden)).sum(1)
+
+
+def _combine_backward(grad_out, x, experts, keep, weights, gate_up, down, group):
+    """(d x, d weights [T, k] in fp32, d gate_up, d down) of :func:`_combine`: each kept slot's
+    input row, output gradient and weight go to the expert's owner, which recomputes the expert
+    and sends back the input gradient and the weight's gradient (the reverse all-to-all)."""
+    (tokens, hidden), top_k = x.shape, experts.shape[1]
+    plan = _plan_dispatch(experts, keep, gate_up.shape[0] * _size(group), group)
+    token_of_slot = plan.slots // top_k
+    slot_weights = weights.reshape(-1)[plan.slots].to(x.dtype)
+    sent = torch.cat([x[token_of_slot], grad_out[token_of_slot], slot_weights[:, None]], dim=1)
+    received = _to_experts(sent, plan, group)
+    d_rows, d_weight_rows, d_gate_up, d_down = _experts_backward(
+        received[:, :hidden], received[:, hidden:-1], received[:, -1], gate_up, down, plan.expert_rows
+    )
+    returned = _from_experts(torch.cat([d_rows, d_weight_rows[:, None]], dim=1), plan, group)
+    d_x = torch.zeros_like(x).index_add_(0, token_of_slot, returned[:, :hidden])
+    d_weights = weights.new_zeros(tokens * top_k, dtype=torch.float32)
+    d_weights[plan.slots] = returned[:, -1].float()
+    return d_x, d_weights.view(tokens, top_k), d_gate_up, d_down
+
+
+def _size(group) -> int:
+    return group.size() if group is not None else 1
 
 
 @moe.register_fake
@@ -255,26 +287,12 @@ def moe_backward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`moe` for x, router_weight, gate_up, down (what its autograd calls).
 
-    Routing is recomputed from the saved ``router_logits``; each kept slot's input row, output
-    gradient and weight go to the expert's owner, which recomputes the expert and sends back
-    the input gradient and the weight's gradient (the reverse all-to-all).
+    Routing is recomputed from the saved ``router_logits``; the experts' part is :func:`_combine_backward`.
     """
-    group = _group(group_name)
-    tokens, hidden = x.shape
     routing = _route(router_logits, top_k, normalize, capacity_factor)
-    plan = _plan_dispatch(routing, group)
-    token_of_slot = plan.slots // top_k
-    slot_weights = routing.weights.reshape(-1)[plan.slots].to(x.dtype)
-    sent = torch.cat([x[token_of_slot], grad_out[token_of_slot], slot_weights[:, None]], dim=1)
-    received = _to_experts(sent, plan, group)
-    d_rows, d_weight_rows, d_gate_up, d_down = _experts_backward(
-        received[:, :hidden], received[:, hidden:-1], received[:, -1], gate_up, down, plan.expert_rows
+    d_x, d_weights, d_gate_up, d_down = _combine_backward(
+        grad_out, x, routing.experts, routing.keep, routing.weights, gate_up, down, _group(group_name)
     )
-    returned = _from_experts(torch.cat([d_rows, d_weight_rows[:, None]], dim=1), plan, group)
-    d_x = torch.zeros_like(x).index_add_(0, token_of_slot, returned[:, :hidden])
-    d_weights = routing.weights.new_zeros(tokens * top_k)
-    d_weights[plan.slots] = returned[:, -1].float()
-    d_weights = d_weights.view(tokens, top_k)
     if normalize:  # w = v / Σv  ⇒  dv = (dw − Σ_j dw_j·w_j) / Σv
         d_weights = (d_weights - (d_weights * routing.weights).sum(-1, keepdim=True)) / routing.top_probs.sum(
             -1, keepdim=True
@@ -305,3 +323,83 @@ def _moe_autograd(ctx, grad_out, grad_logits):
 
 
 moe.register_autograd(_moe_autograd, setup_context=_save_for_backward)
+
+
+@torch.library.custom_op("autopar::moe_experts", mutates_args=())
+def moe_experts(
+    x: Tensor,
+    weights: Tensor,
+    experts: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    capacity_factor: float,
+    group_name: str,
+) -> Tensor:
+    """The experts of a mixture-of-experts layer routed by the model's own router: ``out`` [T, H]
+    = Σ_j weights[t, j] · expert ``experts[t, j]`` (x[t]), for ``weights`` and ``experts`` [T, k]
+    (the combine weights, the expert ids) computed as ordinary ops before it (DeepSeek-V3's
+    grouped sigmoid routing, for one). Dispatch, capacity and expert gradients as :func:`moe`;
+    ``weights`` gets its gradient, ``experts`` none. Example::
+
+        out = torch.ops.autopar.moe_experts(x, top_weights, top_ids, gate_up, down, 0.0, "")
+    """
+    group = _group(group_name)
+    _check_routed(x, weights, experts, gate_up, down, group)
+    return _combine(x, experts, _kept(experts, gate_up, capacity_factor, group), weights, gate_up, down, group)
+
+
+def _kept(experts: Tensor, gate_up: Tensor, capacity_factor: float, group) -> Tensor:
+    return _under_capacity(experts, gate_up.shape[0] * _size(group), capacity_factor)
+
+
+def _check_routed(x, weights, experts, gate_up, down, group) -> None:
+    if x.dim() != 2 or weights.shape != experts.shape or weights.dim() != 2 or weights.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"moe_experts needs x [tokens, hidden] and weights, experts [tokens, top_k], got {tuple(x.shape)}, "
+            f"{tuple(weights.shape)} and {tuple(experts.shape)}: flatten batch and sequence into tokens first"
+        )
+    _check_experts(gate_up.shape[0] * _size(group), x.shape[1], gate_up, down, weights.shape[1], group)
+
+
+@moe_experts.register_fake
+def _(x, weights, experts, gate_up, down, capacity_factor, group_name):
+    _check_routed(x, weights, experts, gate_up, down, _group(group_name))
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("autopar::moe_experts_backward", mutates_args=())
+def moe_experts_backward(
+    grad_out: Tensor,
+    x: Tensor,
+    weights: Tensor,
+    experts: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    capacity_factor: float,
+    group_name: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of :func:`moe_experts` for x, weights, gate_up, down."""
+    group = _group(group_name)
+    keep = _kept(experts, gate_up, capacity_factor, group)
+    d_x, d_weights, d_gate_up, d_down = _combine_backward(grad_out, x, experts, keep, weights, gate_up, down, group)
+    return d_x, d_weights.to(weights.dtype), d_gate_up, d_down
+
+
+@moe_experts_backward.register_fake
+def _(grad_out, x, weights, experts, gate_up, down, *options):
+    return tuple(t.new_empty(t.shape) for t in (x, weights, gate_up, down))
+
+
+def _save_routed(ctx, inputs, output):
+    x, weights, experts, gate_up, down, *options = inputs
+    ctx.save_for_backward(x, weights, experts, gate_up, down)
+    ctx.options = options
+
+
+def _moe_experts_autograd(ctx, grad_out):
+    grads = moe_experts_backward(grad_out, *ctx.saved_tensors, *ctx.options)
+    d_x, d_weights, d_gate_up, d_down = grads
+    return d_x, d_weights, None, d_gate_up, d_down, None, None
+
+
+moe_experts.register_autograd(_moe_experts_autograd, setup_context=_save_routed)

@@ -6,7 +6,8 @@ rtol 1e-4), on 4 gloo ranks, in one spawn.
 
 Llama, Mixtral and GPT-2 (tied embedding and head, and dropout: its masks are the ones one process
 draws) on DP2xTP2 (Llama from a per-rank data
-loader, ``local_batches``), Mixtral on EP4; a Qwen2 with tied embeddings across pipeline stages
+loader, ``local_batches``), Mixtral on EP4, DeepSeek-V3 (its router's own ops, then the experts
+op) on EP2xTP2; a Qwen2 with tied embeddings across pipeline stages
 on PP4, PP2xDP2 with ZeRO-1 (its labels right-padded, another length per row, so microbatches
 count unequal targets) and ZeRO-3, and the zero-bubble V schedule (both uses on one
 device). The same families on DP4, TP4, PP2xDP2 and CP2xDP2 are ``benchmarks/coverage.py
@@ -29,6 +30,7 @@ CASES = [
     ("mixtral", SIZES, DP2xTP2),
     ("gpt2", dict(SIZES, dropout=0.1), DP2xTP2),  # its dropout draws the masks one process draws
     ("mixtral", SIZES, dict(degrees={"ep": 4})),
+    ("deepseek_v3", SIZES, dict(degrees={"ep": 2, "tp": 2}, constraints={"model.layers.*.mlp.experts": "experts"})),
     ("qwen2", TIED, dict(degrees={"pp": 4})),
     ("qwen2", TIED, dict(PP2xDP2, zero=1, padded=True)),  # microbatches counting unequal targets
     ("qwen2", TIED, dict(PP2xDP2, zero=3)),

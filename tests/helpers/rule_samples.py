@@ -338,6 +338,16 @@ def experts(draw, p):
     return Sample(torch.ops.autopar.moe.default, (x, router, gate_up, down, top_k, draw(st.booleans()), 0.0, ""))
 
 
+def routed_experts(draw, p):
+    """autopar::moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up, down) on one rank (no group)."""
+    tokens, hidden, ffn, count = size(draw, p), size(draw, p), size(draw, p), draw(st.integers(2, 4))
+    top_k = draw(st.integers(1, count))
+    ids = values(draw, (tokens, count)).topk(top_k, dim=-1).indices  # distinct experts per token
+    x, weights = values(draw, (tokens, hidden)), values(draw, (tokens, top_k))
+    gate_up, down = values(draw, (count, 2 * ffn, hidden)), values(draw, (count, hidden, ffn))
+    return Sample(torch.ops.autopar.moe_experts.default, (x, weights, ids, gate_up, down, 0.0, ""))
+
+
 # -- factories and like-input ops -----------------------------------------------------------------
 def like(op, *extra, values_defined=True):
     return lambda draw, p: Sample(op, (tensor(draw, p, 1, 3), *extra), values_defined=values_defined)
@@ -456,6 +466,7 @@ SAMPLES = {
     "aten.empty": factory(aten.empty.memory_format, values_defined=False),
     "aten.scalar_tensor": lambda draw, p: Sample(aten.scalar_tensor.default, (draw(st.floats(-4, 4)),)),
     "autopar.moe": experts,
+    "autopar.moe_experts": routed_experts,
     # pointwise: the ops the rule names, and tagged ones the example models use
     "aten.add": broadcasting(aten.add.Tensor),
     "aten.sub": broadcasting(aten.sub.Tensor),

@@ -1,5 +1,6 @@
-"""passes/moe.py: which blocks are MoE blocks, one ``autopar.moe`` node per layer at capture,
-and the same loss and gradients under ``composite_moe`` as in eager mode."""
+"""passes/moe.py: which blocks are MoE blocks, one ``autopar.moe`` node per layer at capture
+(``moe_experts`` for experts behind a router of the model's own), and the same loss and
+gradients under ``composite_moe`` as in eager mode."""
 
 import operator
 
@@ -8,12 +9,19 @@ import torch
 from equivalence import load_example
 from planning import meta_model
 from torch import nn
-from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+)
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from autopar.ir import ConfigError
 from autopar.passes.capture.graph import capture, module_path
-from autopar.passes.capture.moe import composite_moe, moe_modules
+from autopar.passes.capture.moe import composite_moe, moe_modules, routed_experts
 
 moe_gpt, hf = load_example("moe_gpt.py"), load_example("hf.py")
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -127,6 +135,39 @@ def test_qwen2_moe_blocks_with_their_gated_shared_expert_are_recognized_and_equa
     _assert_composite_equals_eager(model, (torch.randint(0, 64, (3, 8)),))
     model.model.model.layers[0].mlp.shared_expert_gate = nn.Linear(32, 1)  # a gate with a bias: another block
     assert list(moe_modules(model)) == ["model.model.layers.1.mlp"]
+
+
+def test_deepseek_v3_experts_behind_its_own_router_become_moe_experts_nodes_and_equal_eager():
+    """DeepSeek-V3's grouped sigmoid router (score-correction bias, group-limited top-k) stays
+    ordinary ops; the experts it calls become one moe_experts node per MoE layer."""
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        **{**SMALL_MOE, "num_key_value_heads": 2},
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=16,
+        use_cache=False,
+    )  # fmt: skip  (MLA: as many KV heads as heads)
+    model = _LossOf(DeepseekV3ForCausalLM(config))
+    model.model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)  # the bias changes the choice
+    assert moe_modules(model) == {}
+    assert list(routed_experts(model)) == ["model.model.layers.1.mlp.experts"]  # layer 0 is dense
+    ids = torch.randint(0, 64, (3, 8))
+    _assert_composite_equals_eager(model, (ids,))
+    captured = capture(model, (ids,))
+    nodes = [node for node in captured.graph.nodes if str(node.target) == "autopar.moe_experts.default"]
+    assert [module_path(node) for node in nodes] == ["model.model.layers.1.mlp.experts"]
+    load = nodes[0].meta["expert_load"]  # 24 tokens x 2 slots, measured on the real routing
+    assert len(load) == 8 and sum(load) == pytest.approx(1.0) and 24 * 2 * max(load) == round(24 * 2 * max(load))
 
 
 def test_mixtral_loss_and_gradients_under_composite_equal_eager():

@@ -1,5 +1,6 @@
 """autopar::moe: the composite op against the eager MoE blocks, its capacity rule by hand, and
-expert parallelism on gloo against the single-process op.
+expert parallelism on gloo against the single-process op (``moe_experts``, routed by the
+model's own ops, too).
 
 In-process, the op (group "") must reproduce moe_gpt's and Mixtral's blocks, forward and
 backward. On P ranks every rank builds the same full tensors from one seed, runs the op on its
@@ -225,11 +226,45 @@ def _check_ep(
     return not torch.allclose(dropless, own_out)
 
 
+def _routed_leaves(problem, ranks, gate_up, down):
+    """moe_experts' leaves on ``ranks``' tokens: x, weights (sigmoid scores of the top 2, as
+    DeepSeek-V3 routes), gate_up, down; and the expert ids."""
+    x = problem["x"][ranks].reshape(-1, problem["x"].shape[-1])
+    scores = torch.sigmoid(x @ problem["router"].t())
+    ids = scores.topk(2, dim=-1).indices
+    leaves = [t.clone().requires_grad_() for t in (x, scores.gather(1, ids), gate_up, down)]
+    return leaves, ids
+
+
+def _check_routed(errors: dict, label: str, group: str, rank: int, P: int) -> None:
+    """moe_experts (the model's own routing) under EP on this rank vs the op over every rank's tokens."""
+    experts = 8
+    problem = _full_problem(P, 7, 6, 5, experts)
+    local = slice(rank * experts // P, (rank + 1) * experts // P)
+    runs = []
+    for ranks, gate_up, down, group_of in (
+        ([rank], problem["gate_up"][local], problem["down"][local], group),
+        (list(range(P)), problem["gate_up"], problem["down"], ""),
+    ):
+        leaves, ids = _routed_leaves(problem, ranks, gate_up, down)
+        out = torch.ops.autopar.moe_experts(leaves[0], leaves[1], ids, leaves[2], leaves[3], 0.0, group_of)
+        (out * problem["upstream"][ranks].reshape(out.shape)).sum().backward()
+        runs.append((out.detach(), [leaf.grad for leaf in leaves]))
+    (ep_out, ep_grads), (full_out, full_grads) = runs
+    mine = slice(rank * ep_out.shape[0], (rank + 1) * ep_out.shape[0])
+    errors[f"{label} routed out"] = _excess(ep_out, full_out[mine])
+    errors[f"{label} routed x grad"] = _excess(ep_grads[0], full_grads[0][mine])
+    errors[f"{label} routed weights grad"] = _excess(ep_grads[1], full_grads[1][mine])
+    errors[f"{label} routed gate_up grad"] = _excess(ep_grads[2], full_grads[2][local])
+    errors[f"{label} routed down grad"] = _excess(ep_grads[3], full_grads[3][local])
+
+
 def _ep_checks(rank, world_size, groups: dict[str, str]) -> dict:
     errors, dropped = {}, {}
     for label, group in groups.items():
         process_group = _resolve_process_group(group)
         group_rank, P = dist.get_rank(process_group), dist.get_world_size(process_group)
+        _check_routed(errors, label, group, group_rank, P)
         for top_k, normalize, capacity_factor in [(2, True, 0.0), (3, False, 0.0), (2, True, 0.75)]:
             case = f"{label} k={top_k} normalize={normalize} capacity={capacity_factor}"
             dropped[case] = _check_ep(errors, case, group, group_rank, P, top_k, normalize, capacity_factor)
