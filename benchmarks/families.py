@@ -6,7 +6,8 @@ the automatic plan, one training step against one process.
 Each family is ``AutoModelForCausalLM.from_config`` on a small config (:mod:`hf_configs`), as it
 comes. ``autopar.parallelize(model, 4)`` plans it with no example inputs, pinned to ``dp=4``,
 to ``tp=4``, to ``pp=2, dp=2`` or ``cp=2, dp=2`` on a 2x2 mesh, or not pinned (the search's own
-choice); then one step as a script takes it:
+choice), and a family with mixture-of-experts layers to ``ep=4``, its experts split over the
+ranks; then one step as a script takes it:
 ``pmodel(input_ids=..., labels=...).loss.backward()`` and AdamW, against the same step of the
 model in one process. The labels are padded as a batch of texts of different lengths is
 (right padding labelled -100, another length per row), so the ranks and the microbatches each
@@ -26,6 +27,7 @@ import torch
 from hf_configs import small_model
 
 import autopar
+from autopar.passes.capture.moe import moe_modules, routed_experts
 
 PLANS = {
     "DP": {"degrees": {"dp": 4}},
@@ -33,7 +35,9 @@ PLANS = {
     "PP2xDP2": {"mesh": "2x2", "degrees": {"pp": 2, "dp": 2}},
     "CP2xDP2": {"mesh": "2x2", "degrees": {"cp": 2, "dp": 2}},
     "auto": {},
+    "EP4": {"degrees": {"ep": 4}},  # mixture-of-experts families only, their experts split (expert_pins)
 }
+MOE_ONLY = {"EP4"}
 BATCH, SEQ, LR, EPS = 8, 32, 1e-4, 1e-6
 # Clean under torch.export in the HF survey (research/hf_families.md): dense, MoE, SSM, MLA,
 # sliding windows, ALiBi, tied embeddings, fused QKV.
@@ -94,6 +98,14 @@ def one_step(family: str, pins: dict) -> dict:
     return {"ok": worst <= 1, "worst": worst, "degrees": degrees, "plan_s": planned, "missing": missing}
 
 
+def expert_pins(family: str, pins: dict) -> dict | None:
+    """``pins`` with every layer's experts op pinned to the expert-parallel kernel (the search
+    alone runs every expert on each rank's tokens at these sizes), or None for a dense family."""
+    model = small_model(family)
+    layers = {**moe_modules(model), **routed_experts(model)}  # the modules the experts ops belong to
+    return {**pins, "constraints": dict.fromkeys(layers, "experts")} if layers else None
+
+
 def run_families(rank: int, world: int, families: list[str]) -> list[dict]:
     """On each of ``world`` ranks: every family under every plan; a case that raises gives its error."""
     warnings.simplefilter("ignore")
@@ -104,6 +116,9 @@ def run_families(rank: int, world: int, families: list[str]) -> list[dict]:
     for family in families:
         row = {"family": family}
         for label, pins in PLANS.items():
+            if label in MOE_ONLY and (pins := expert_pins(family, pins)) is None:
+                row[label] = None  # nothing to split
+                continue
             try:
                 row[label] = one_step(family, pins)
             except Exception as error:  # noqa: BLE001  (the row says why)
