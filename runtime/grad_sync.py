@@ -21,7 +21,7 @@ only while its reduction is in flight.
 """
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -307,11 +307,19 @@ class GradSync:
         """False inside :meth:`no_sync`."""
         return self._sync_enabled
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> AbstractContextManager[None]:
         """Backward passes inside accumulate gradients locally; the next one outside syncs
         the accumulated sum."""
-        previous, self._sync_enabled = self._sync_enabled, False
+        return self._syncing(False)
+
+    def syncing_now(self) -> AbstractContextManager[None]:
+        """Inside :meth:`no_sync`: the backward inside syncs the accumulated sums as it makes
+        them (the last backward of an accumulation, its buckets reduced behind it)."""
+        return self._syncing(True)
+
+    @contextmanager
+    def _syncing(self, enabled: bool) -> Iterator[None]:
+        previous, self._sync_enabled = self._sync_enabled, enabled
         try:
             yield
         finally:

@@ -9,15 +9,18 @@ without a pipeline, on the stage's sub-mesh, whose DTensors hold this stage's pa
 One ``train_step`` is one schedule step over ``microbatches`` pieces of the local batch. The
 loss is the mean of the microbatch losses and gradients are accumulated and divided by the
 microbatch count (the schedule's ``scale_grads``), so both equal one step on the whole batch.
-Gradients are summed over dp once, after the last microbatch: the schedule runs under
-``no_sync`` because zero-bubble schedules set weight gradients outside autograd's hooks.
+Gradients are summed over dp once, for the last microbatch: the schedule runs under ``no_sync``
+and, on a device of one stage module (GPipe, 1F1B), its last backward syncs the sums in buckets
+as it makes them, behind it (as DDP does); on a device of several (interleaved, zero-bubble:
+one module's last backward is not the device's, and weight passes set gradients outside
+autograd's hooks) they are summed after the schedule.
 A weight several stages use (tied embeddings) has a copy in each, their gradients summed
 over the stages holding it (:mod:`autopar.runtime.tied`, Megatron's embedding group).
 
 ZeRO runs over the dp axis of the stage's sub-mesh, on the stage's parameters. ZeRO-2/3 sum
 each microbatch's gradients as soon as a backward made them (as DeepSpeed does, see
-``ZeroLayout.syncs_each_microbatch``): :class:`_Stage` syncs after every backward that makes
-weight gradients, a full one or a zero-bubble weight pass. Under ZeRO-3 each stage module
+``ZeroLayout.syncs_each_microbatch``): each :class:`autopar.runtime.pipeline_stage.Stage` syncs after
+every backward that makes weight gradients, a full one or a zero-bubble weight pass. Under ZeRO-3 each stage module
 gathers its weights per layer for each microbatch's forward and again for its backward
 (``zero.gather.Zero3Runtime``).
 """
@@ -35,7 +38,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
-    PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -46,9 +48,10 @@ from torch.distributed.pipelining.schedules import _ComputationType
 
 from autopar.ir import CASTS_IN_PROGRAM, ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
 from autopar.runtime.calls import Calls
-from autopar.runtime.faults import collective, listing
+from autopar.runtime.faults import collective
 from autopar.runtime.mixed_precision import MixedPrecision
 from autopar.runtime.module import ParallelModule, communicating, whole_leaves
+from autopar.runtime.pipeline_stage import Stage, Transfers
 from autopar.runtime.process_groups import rank_device
 from autopar.runtime.tied import TiedWeights, shared_weights
 from autopar.runtime.weight_pass import adding_weight_gradients
@@ -56,7 +59,6 @@ from autopar.runtime.zero.gather import Zero3Runtime
 from autopar.runtime.zero.layout import synced_alone
 
 if TYPE_CHECKING:  # types only: compiling imports inductor, which eager runs do not need
-    from autopar.passes.rewrite.stages import StageProgram
     from autopar.runtime.compile import Compiler
 
 SCHEDULES = {
@@ -128,75 +130,6 @@ class _StageModule(nn.Module):
         return adding_weight_gradients(self._run.weight_passes, leaves, self._weight_of, sync)
 
 
-class _Transfers:
-    """The stage-to-stage sends and receives this rank posted last, in words: torch's schedule
-    posts and waits for them itself, so a transfer that times out (a peer stalled or died) is
-    named from here (see ``PipelineModule._step``)."""
-
-    def __init__(self):
-        self.last: dict[str, str] = {}  # "receive" / "send" → the last one posted
-
-    def posted(self, ops: list[dist.P2POp], stage: int, what: str, values: tuple[str, ...], microbatch: int):
-        if ops:  # one message per value, all to one peer and of one direction
-            kind = "receive" if ops[0].op is dist.irecv else "send"
-            peer = f"{'from' if kind == 'receive' else 'to'} rank {ops[0].peer}"
-            named = listing(list(values)) if values else "its values"
-            self.last[kind] = f"{kind} of stage {stage}'s {what} ({named}) for microbatch {microbatch} {peer}"
-        return ops
-
-    def describe(self) -> str:
-        posted = "; ".join(self.last[kind] for kind in ("receive", "send") if kind in self.last)
-        return "between pipeline stages" + (f" (the last this rank posted: {posted})" if posted else "")
-
-
-class _Stage(PipelineStage):
-    """A PipelineStage that runs each backward making weight gradients (a full backward, or a
-    zero-bubble weight pass) inside ``sync_now()`` when given: torch's hook for data parallelism.
-    Each send and receive it posts is logged in ``transfers`` with the values it carries."""
-
-    def __init__(self, *args, program: StageProgram, transfers: _Transfers, sync_now=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._sync_now = sync_now
-        self._program, self._transfers = program, transfers
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        ops = super().get_fwd_recv_ops(fwd_chunk_id)
-        return self._transfers.posted(ops, self.stage_index, "inputs", self._program.received, fwd_chunk_id)
-
-    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        ops = super().get_fwd_send_ops(fwd_chunk_id)
-        return self._transfers.posted(ops, self.stage_index, "outputs", self._program.sent, fwd_chunk_id)
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        ops = super().get_bwd_recv_ops(bwd_chunk_id)
-        grads = tuple(f"grad of {name}" for name in self._program.sent)
-        return self._transfers.posted(ops, self.stage_index, "output gradients", grads, bwd_chunk_id)
-
-    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        ops = super().get_bwd_send_ops(bwd_chunk_id)
-        grads = tuple(f"grad of {name}" for name in self._program.received)
-        return self._transfers.posted(ops, self.stage_index, "input gradients", grads, bwd_chunk_id)
-
-    def _to_tensor(self, arg):
-        """torch learns each stage's shapes by running it once, the first step, on tensors made
-        from the metadata the previous stage sent, with ``torch.empty``: garbage that a stage
-        reading values turns into an error (labels into cross-entropy: "Target ... is out of
-        bounds", token ids into an embedding) or into counts an all-to-all disagrees on. Zeros
-        are a valid index and the same on every rank."""
-        tensor = super()._to_tensor(arg)
-        if not isinstance(arg, torch.Tensor):
-            with torch.no_grad():
-                tensor.zero_()
-        return tensor
-
-    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if self._sync_now is None or backward_type == "input" or self.dw_builder is not None:
-            # (with a dw_builder the "full" backward makes input gradients only: the builder's pass syncs)
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        with self._sync_now():
-            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-
-
 def _keyword(input_name: str) -> str:
     """The keyword a user input travels under through the schedule, whose own ``step`` takes
     ``target`` and ``losses`` (an input named ``target`` would collide)."""
@@ -260,7 +193,7 @@ class PipelineModule(ParallelModule):
         self._last_rank = dist.get_global_rank(mesh.get_group(Axis.PP), schedule.device_of(schedule.modules - 1))
         self._anchor = torch.zeros((), requires_grad=True)  # what a deferred backward hangs from (see forward)
         self._pending: dict[str, torch.Tensor | None] | None = None
-        self._transfers = _Transfers()
+        self._transfers = Transfers()
         self._use(stage_programs)
 
     def _use(self, stage_programs: list) -> None:
@@ -269,7 +202,7 @@ class PipelineModule(ParallelModule):
         self._holds_first = any(stage.is_first for stage in self._stages)
         self._holds_last = any(stage.is_last for stage in self._stages)
 
-    def _build(self, stage_programs: list) -> tuple[list[_Stage], object]:
+    def _build(self, stage_programs: list) -> tuple[list[Stage], object]:
         schedule = self.plan.schedule
         device = rank_device(self.pipeline_mesh)
         stages = []
@@ -298,10 +231,11 @@ class PipelineModule(ParallelModule):
                 compiler=self._compiler,
                 weight_pass=split,
             )
-            sync_now = self._synced_microbatch if self.zero.syncs_each_microbatch else None
+            behind = self._grad_sync.syncing_now if len(self._mine) == 1 else None  # see the module docstring
+            sync_now = self._synced_microbatch if self.zero.syncs_each_microbatch else behind
             group = self.pipeline_mesh.get_group(Axis.PP)
             stages.append(
-                _Stage(
+                Stage(
                     module,
                     index,
                     schedule.modules,
@@ -310,6 +244,7 @@ class PipelineModule(ParallelModule):
                     program=stage,
                     transfers=self._transfers,
                     sync_now=sync_now,
+                    last_only=not self.zero.syncs_each_microbatch,
                     dw_builder=functools.partial(module.weight_pass, sync_now) if split else None,
                 )
             )
@@ -348,7 +283,7 @@ class PipelineModule(ParallelModule):
         self._use(call.program)
         self._follow_zeroed_grads()
         losses: list[torch.Tensor] = []
-        with self._grad_sync.no_sync(), self._transfers_named():
+        with self._grad_sync.no_sync(), self._transfers_named(), self._finished_after():
             self._schedule.step(
                 *(inputs if self._holds_first else ()),
                 target=self._weights(call, inputs),
@@ -359,7 +294,7 @@ class PipelineModule(ParallelModule):
         self._ties.fold(self._owners())
         if self.zero.syncs_each_microbatch:  # summed as they came (_synced_microbatch)
             self._scale_zero_chunks()
-        else:
+        elif len(self._mine) > 1:  # (else summed behind the last backward)
             self._grad_sync.sync_accumulated()
         self._ties.all_reduce(self._owners())
         loss = torch.stack([loss.detach() for loss in losses]).mean() if self._holds_last else torch.zeros(())
@@ -432,6 +367,16 @@ class PipelineModule(ParallelModule):
             yield
             self._ties.fold({name: self._locals[name] for name in self._params})
             self._grad_sync.sync_accumulated()
+
+    @contextlib.contextmanager
+    def _finished_after(self):
+        """Around the schedule: a step's gradients are finished (fp16 unscaled, checked) after it,
+        on every rank at once, not where a last backward synced them."""
+        previous, self._finishing_later = self._finishing_later, True
+        try:
+            yield
+        finally:
+            self._finishing_later = previous
 
     def _scale_zero_chunks(self) -> None:
         """ZeRO-2's accumulated gradient chunks, divided by the microbatch count as the schedule

@@ -110,6 +110,15 @@ def _grad_sync_scenarios(rank, world_size):
     with sync.no_sync():
         model(_batch(rank, 7), True).backward()
     results["inside no_sync"] = _errors(_grads(model), _expected(reference, world_size, lambda r: [(7, True)], set()))
+
+    # a pipeline's last backward: inside no_sync, syncing_now sums the accumulated gradients behind it
+    model.zero_grad(set_to_none=True)
+    with sync.no_sync():
+        model(_batch(rank, 8), True).backward()
+        with sync.syncing_now():
+            model(_batch(rank, 9), True).backward()
+    both = _expected(reference, world_size, lambda r: [(8, True), (9, True)], synced)
+    results["syncing_now inside no_sync"] = _errors(_grads(model), both)
     sync.remove()
     return results
 
@@ -131,6 +140,7 @@ def test_several_buckets_are_used(results):
         "grads zeroed, not freed",
         "accumulated",
         "inside no_sync",
+        "syncing_now inside no_sync",
     ],
 )
 def test_grads_are_the_sum_over_ranks(results, scenario):
