@@ -15,12 +15,12 @@ from transformers import AutoConfig, AutoModelForCausalLM
 HIDDEN, LAYERS, HEADS, KV_HEADS, FFN, VOCAB, POSITIONS = 64, 2, 4, 2, 128, 128, 32
 SIZES = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model"), HIDDEN),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers"), LAYERS),
-    **dict.fromkeys(("num_attention_heads", "n_head"), HEADS),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers"), LAYERS),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads"), HEADS),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads"), KV_HEADS),
     **dict.fromkeys(("intermediate_size", "n_inner", "ffn_dim"), FFN),
     "vocab_size": VOCAB,
-    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "seq_length"), POSITIONS),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "seq_length", "max_seq_len"), POSITIONS),
     "head_dim": HIDDEN // HEADS,
     **dict.fromkeys(("num_local_experts", "num_experts", "n_routed_experts"), 4),
     "num_experts_per_tok": 2,

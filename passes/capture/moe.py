@@ -24,9 +24,10 @@ another activation or another kind of shared expert do not):
 
 Experts a block calls with routing of its own (``experts(hidden_states, top_k_index,
 top_k_weights)``, transformers' experts classes: DeepSeek-V3's behind its grouped sigmoid router,
-GLM-4-MoE's, ...) in a block not recognized as above become one ``autopar::moe_experts(x, weights,
+DBRX's, ...) in a block not recognized as above become one ``autopar::moe_experts(x, weights,
 ids, gate_up, down, capacity_factor, "")`` call each, when the experts module holds what
-``block.experts`` must hold above: the router and whatever else the block does stay ordinary ops.
+``block.experts`` must hold above or DBRX's layout of the same SwiGLU experts
+(:func:`_expert_weights`): the router and whatever else the block does stay ordinary ops.
 
 The block's forward takes hidden states [..., H]. It returns the output alone (Hugging Face), or
 ``(output, router_logits [T, E])`` if the block sets ``returns_router_logits = True``
@@ -118,10 +119,30 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
     return {
         name: module
         for name, module in model.named_modules()
-        if _stacked_experts(module)
+        if _expert_weights(module) is not None
         and _parameter_names(type(module).forward) == _ROUTED_ARGS
         and not any(name.startswith(f"{block}.") for block in blocks)
     }
+
+
+def _expert_weights(experts: nn.Module):
+    """A function giving ``experts``' weights as ``moe_experts`` takes them, (gate_up [E, 2F, H],
+    down [E, H, F]), when it holds SwiGLU experts in a layout known here, else None: stacked
+    (:func:`_stacked_experts`), or DBRX's (``mlp.w1``, ``mlp.v1``, ``mlp.w2``, each [E·F, H]: gate,
+    up and the transposed down of expert e in rows e·F to (e+1)·F; viewed and joined in the graph,
+    so their gradients reach them)."""
+    if _stacked_experts(experts):
+        return lambda: (experts.gate_up_proj, experts.down_proj)
+    mlp, count = getattr(experts, "mlp", None), getattr(experts, "num_experts", None)
+    if _own_tensors(experts) or [name for name, _ in experts.named_children()] != ["mlp"] or not isinstance(count, int):
+        return None
+    if set(_own_tensors(mlp)) != {"w1", "v1", "w2"} or not _computes_silu(getattr(mlp, "activation_fn", None)):
+        return None
+    shape = mlp.w1.shape
+    if len(shape) != 2 or shape[0] % count or mlp.v1.shape != shape or mlp.w2.shape != shape:
+        return None
+    split = (count, shape[0] // count, shape[1])
+    return lambda: (torch.cat([mlp.w1.view(split), mlp.v1.view(split)], dim=1), mlp.w2.view(split).transpose(1, 2))
 
 
 def _parameter_names(forward) -> list[str]:
@@ -200,11 +221,11 @@ def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_fa
 
 
 def _routed_forward(experts: nn.Module, capacity_factor: float):
+    weights = _expert_weights(experts)
+
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out = torch.ops.autopar.moe_experts(
-            x, top_k_weights, top_k_index, experts.gate_up_proj, experts.down_proj, float(capacity_factor), ""
-        )
+        out = torch.ops.autopar.moe_experts(x, top_k_weights, top_k_index, *weights(), float(capacity_factor), "")
         return out.view(hidden_states.shape)
 
     return forward

@@ -114,14 +114,21 @@ def _pinned(fact: NodeFacts, pattern: str, placement: Placement) -> Placement:
 
 
 def expert_params(facts) -> frozenset[str]:
-    """Parameters that feed an experts op's expert weights (every slot after the router's)."""
-    return frozenset(
-        slot.name
+    """Parameters an experts op's expert weights (its last two slots) are made of: the weights
+    themselves, or the parameters they are viewed and joined from (DBRX's)."""
+    todo = [
+        s.name
         for f in facts.values()
         if f.kind == "op" and str(f.node.target).startswith(EXPERTS_OP)
-        for slot in f.slots[2:]
-        if facts[slot.name].kind == "param"
-    )
+        for s in f.slots[-2:]
+    ]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in facts and name not in seen:
+            seen.add(name)
+            todo.extend(slot.name for slot in facts[name].slots if facts[name].kind == "op")
+    return frozenset(name for name in seen if facts[name].kind == "param")
 
 
 def _named(fact: NodeFacts) -> str:

@@ -10,6 +10,8 @@ from equivalence import load_example
 from planning import meta_model
 from torch import nn
 from transformers import (
+    DbrxConfig,
+    DbrxForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
     MixtralConfig,
@@ -168,6 +170,29 @@ def test_deepseek_v3_experts_behind_its_own_router_become_moe_experts_nodes_and_
     assert [module_path(node) for node in nodes] == ["model.model.layers.1.mlp.experts"]
     load = nodes[0].meta["expert_load"]  # 24 tokens x 2 slots, measured on the real routing
     assert len(load) == 8 and sum(load) == pytest.approx(1.0) and 24 * 2 * max(load) == round(24 * 2 * max(load))
+
+
+def test_dbrx_experts_in_their_own_layout_become_moe_experts_nodes_and_equal_eager():
+    """DBRX keeps each expert's gate, up and transposed down weights as row blocks of three
+    [E·F, H] parameters and loops over the experts a batch hits (no export): viewed and joined
+    into the op's layout in the graph, its experts are one moe_experts node per layer."""
+    torch.manual_seed(0)
+    ffn = dict(ffn_hidden_size=24, moe_num_experts=4, moe_top_k=2, hidden_size=32)
+    config = DbrxConfig(
+        d_model=32, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16, ffn_config=ffn,
+        attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0), use_cache=False,
+    )  # fmt: skip
+    model = _LossOf(DbrxForCausalLM(config))
+    with torch.no_grad():  # unit-scale experts (the 0.02 init would make any error look small)
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, 0.3)
+    assert list(routed_experts(model)) == [f"model.transformer.blocks.{i}.ffn.experts" for i in range(2)]
+    ids = torch.randint(0, 64, (3, 8))
+    _assert_composite_equals_eager(model, (ids,))
+    captured = capture(model, (ids,))
+    nodes = [node for node in captured.graph.nodes if str(node.target) == "autopar.moe_experts.default"]
+    assert [module_path(node) for node in nodes] == list(routed_experts(model))
 
 
 def test_mixtral_loss_and_gradients_under_composite_equal_eager():
