@@ -143,22 +143,11 @@ def test_deepseek_v3_experts_behind_its_own_router_become_moe_experts_nodes_and_
     """DeepSeek-V3's grouped sigmoid router (score-correction bias, group-limited top-k) stays
     ordinary ops; the experts it calls become one moe_experts node per MoE layer."""
     torch.manual_seed(0)
-    config = DeepseekV3Config(
-        **{**SMALL_MOE, "num_key_value_heads": 2},
-        moe_intermediate_size=24,
-        n_routed_experts=8,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=8,
-        max_position_embeddings=16,
-        use_cache=False,
-    )  # fmt: skip  (MLA: as many KV heads as heads)
+    config = DeepseekV3Config(  # MLA: as many KV heads as heads
+        **{**SMALL_MOE, "num_key_value_heads": 2}, moe_intermediate_size=24, n_routed_experts=8, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=16, use_cache=False,
+    )  # fmt: skip
     model = _LossOf(DeepseekV3ForCausalLM(config))
     model.model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0.0, 0.1)  # the bias changes the choice
     assert moe_modules(model) == {}
