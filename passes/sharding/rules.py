@@ -444,10 +444,8 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
 }
 
 
-OWN_OPS = {
-    EXPERTS_OP: experts,
-    ROUTED_EXPERTS_OP: experts,
-}  # autopar's composite ops, by name (registered by autopar.runtime)
+# autopar's composite ops, by name (registered by autopar.runtime)
+OWN_OPS = {EXPERTS_OP: experts, ROUTED_EXPERTS_OP: experts}
 KERNEL_RULES = {
     Kernel.RING: (attention,),
     Kernel.ULYSSES: (attention,),
