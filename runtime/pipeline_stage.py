@@ -83,7 +83,7 @@ class Stage(PipelineStage):
             self._sync_now is None
             or backward_type == "input"
             or self.dw_builder is not None
-            or not (last_backward or not self._last_only)
+            or (self._last_only and not last_backward)
         ):  # (with a dw_builder the "full" backward makes input gradients only: the builder's pass syncs)
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         with self._sync_now():
