@@ -9,6 +9,7 @@ agent does, the launcher hosts the job's c10d store, so the store outlives any r
 failure report (``runtime.faults``) reaches its peers even when rank 0 is the one that died.
 """
 
+import ctypes
 import os
 import signal
 import socket
@@ -29,6 +30,7 @@ TIMEOUT_EXIT_CODE = 124  # what coreutils' `timeout` returns
 COLLECTIVE_TIMEOUT_VARIABLE = "AUTOPAR_COLLECTIVE_TIMEOUT"  # seconds; set by `autopar run --collective-timeout`
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0  # torch's default for gloo
 _TERMINATE_GRACE_S = 5.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def init_from_env(backend: str | None = None, timeout_s: float | None = None) -> None:
@@ -84,6 +86,18 @@ def finish() -> None:
         with reported("the end of the run"), collective("barrier", where="after this rank's last step"):
             dist.barrier()  # a peer that stalls in a step with no collective (a replicated plan) shows here
         dist.destroy_process_group()
+
+
+def _die_with(launcher: int) -> None:
+    """In a rank between fork and exec: have the kernel end it (SIGTERM) when its launcher exits
+    (Linux; elsewhere nothing). A launcher killed by a signal it cannot act on (SIGKILL, or
+    SIGTERM's default) leaves no one to stop its ranks, which would run on holding cores and
+    ports, or wait in a collective until its timeout."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # it died before the line above
+        os._exit(128 + signal.SIGTERM)
 
 
 def free_port() -> int:
@@ -161,6 +175,7 @@ def _start_ranks(script: str, args: list[str], nproc: int, variables: dict) -> l
     }
     if nproc > 1:
         common.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: ranks share the cores
+    launcher = os.getpid()
     return [
         subprocess.Popen(
             [sys.executable, script, *args],
@@ -168,6 +183,7 @@ def _start_ranks(script: str, args: list[str], nproc: int, variables: dict) -> l
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: terminating it reaches its workers too
+            preexec_fn=lambda: _die_with(launcher),
         )
         for rank in range(nproc)
     ]

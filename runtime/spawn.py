@@ -3,7 +3,8 @@
 What tests, benchmarks and notebooks use instead of a launcher script: ``run_local(fn, 4)``
 starts four processes, joins them in a gloo group on 127.0.0.1 and returns each rank's
 result. A failing rank, or ranks still running after the timeout, end the whole run (every
-process is killed by its pid) with the rank's traceback or the ranks' numbers.
+process is killed by its pid) with the rank's traceback or the ranks' numbers; ranks end with
+the caller, however it ends.
 
 Ranks fork from multiprocessing's forkserver, a process that imported autopar (and torch)
 once, on the first call: a rank starts in a fraction of a second where a spawned one spends
@@ -12,9 +13,12 @@ one would (the server's is the one it started with).
 """
 
 import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import queue
+import signal
+import threading
 import time
 import traceback
 import warnings
@@ -68,6 +72,7 @@ def run_local(fn, world_size: int, *args, timeout_s: float = 120, backend: str =
 
 
 def _run_rank(fn, rank, world_size, args, backend, port, timeout_s, results, environment) -> None:
+    _exit_with_caller()
     os.environ.clear()
     os.environ.update(environment)
     torch.set_num_threads(1)  # as torchrun does: the ranks share the cores
@@ -89,6 +94,19 @@ def _run_rank(fn, rank, world_size, args, backend, port, timeout_s, results, env
     except BaseException:
         message = (rank, False, traceback.format_exc())
     results.put(message)
+
+
+def _exit_with_caller() -> None:
+    """End this rank as soon as the process that called :func:`run_local` is gone, however it
+    ended: a caller killed by a signal cannot kill its ranks, and they would run on. (The kernel's
+    parent-death signal would not come: the parent is the forkserver, which lives while ranks do.)"""
+    caller = multiprocessing.parent_process().sentinel  # ready once the caller has exited
+
+    def exit_when_ready() -> None:
+        multiprocessing.connection.wait([caller])
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=exit_when_ready, name="autopar-exit-with-caller", daemon=True).start()
 
 
 def _collect(processes, results, timeout_s: float) -> list:

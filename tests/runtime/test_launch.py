@@ -1,7 +1,9 @@
 """launch_local: torchrun's variables, prefixed output, prompt failure and timeout handling, and
 torchrun's restart semantics (a failed rank stops all; all start again while restarts remain)."""
 
-import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -35,6 +37,15 @@ FAILING_SCRIPT = """
     time.sleep(60)
 """
 
+# the rank records its pid, then would wait far longer than the test
+RECORDING_SCRIPT = """
+    import os, sys, time
+    with open(sys.argv[1] + ".tmp", "w") as pid_file:
+        pid_file.write(str(os.getpid()))
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    time.sleep(60)
+"""
+
 SLEEPING_SCRIPT = """
     import time
     time.sleep(60)
@@ -56,11 +67,12 @@ def _script(tmp_path, source: str) -> str:
 
 
 def _is_running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process its parent has not reaped yet does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
         return False
-    return True
 
 
 def test_ranks_all_reduce_and_output_is_prefixed(tmp_path, capfd):
@@ -78,6 +90,32 @@ def test_failing_rank_terminates_the_others(tmp_path, capfd):
     assert time.monotonic() - start < 15
     assert pid_path.exists() and not _is_running(int(pid_path.read_text()))
     assert "rank 1 exited with code 3" in capfd.readouterr().err
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
+    pid_path = tmp_path / "rank0.pid"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from autopar.runtime import launch_local; "
+         "launch_local(sys.argv[1], sys.argv[2:], nproc=1, timeout_s=60)",
+         _script(tmp_path, RECORDING_SCRIPT), str(pid_path)],
+    )  # fmt: skip
+    try:
+        assert _wait_for(pid_path.exists, 60), "the rank never started"
+        launcher.send_signal(signal.SIGKILL)  # it cannot terminate its ranks: the kernel must
+        rank = int(pid_path.read_text())
+        assert _wait_for(lambda: not _is_running(rank), 10), f"rank pid {rank} outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
 
 
 def test_timeout_terminates_every_rank(tmp_path, capfd):
