@@ -277,10 +277,12 @@ class GradSync:
         auto_finish: bool = True,
         reduce_dtype: torch.dtype | None = None,
         names: Mapping[int, str] | None = None,
+        syncing: bool = True,
     ):
         """``auto_finish=False``: the owner calls :meth:`finish` at the end of each backward
         (from its own engine callback), e.g. to run more work after the sums are in place.
-        ``reduce_dtype``: the dtype gradients are summed in (default: each parameter's own)."""
+        ``reduce_dtype``: the dtype gradients are summed in (default: each parameter's own).
+        ``syncing=False``: backward passes sync only inside :meth:`summing_now` or :meth:`syncing_now`."""
         trainable = [entry for entry in params_and_groups if entry[0].requires_grad]
         if len({id(entry[0]) for entry in trainable}) != len(trainable):
             raise ValueError("GradSync: a parameter is listed twice; list each one once")
@@ -289,9 +291,10 @@ class GradSync:
             listed = [(names or {}).get(id(param), f"a {tuple(param.shape)} parameter") for param in bucket.params]
             bucket.where = f"in the gradient sync of bucket {index} ({listing(listed)})"
         self._auto_finish = auto_finish
-        self._sync_enabled = True
+        self._sync_enabled = syncing
         self._next_to_launch = 0
         self._finish_queued = False
+        self._finished = 0  # syncs done, so summing_now sees whether its backward's hooks synced
         self._hook_handles = [
             param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket, index))
             for bucket in self._buckets
@@ -316,6 +319,16 @@ class GradSync:
         """Inside :meth:`no_sync`: the backward inside syncs the accumulated sums as it makes
         them (the last backward of an accumulation, its buckets reduced behind it)."""
         return self._syncing(True)
+
+    @contextmanager
+    def summing_now(self) -> Iterator[None]:
+        """As :meth:`syncing_now`, and gradients set where no hook of autograd's sees them (a
+        zero-bubble weight pass assigns them) are summed when the pass inside returns."""
+        finished = self._finished
+        with self._syncing(True):
+            yield
+        if self._finished == finished:
+            self.sync_accumulated()
 
     @contextmanager
     def _syncing(self, enabled: bool) -> Iterator[None]:
@@ -355,6 +368,7 @@ class GradSync:
             bucket.finish()
         self._next_to_launch = 0
         self._finish_queued = False
+        self._finished += 1
 
     def sync_accumulated(self) -> None:
         """Sum the gradients accumulated so far now (after backward passes run under

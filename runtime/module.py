@@ -128,17 +128,7 @@ class ParallelModule(nn.Module):
         self._precision = MixedPrecision(policy, self._locals)
         self._finishing_later = False  # inside a step of several backward passes (AccumulatingModule)
         self._names_by_leaf = {id(local): name for name, local in self._locals.items()}
-        entries = [
-            self.zero.sync_entry(name, self._locals[name], axes, self._add_grad_chunk)
-            for name, axes in plan.grad_sync.items()
-            if compiler is None or name not in compiler.synced_in_program
-        ]
-        self._grad_sync = GradSync(
-            [entry for entry in entries if entry is not None],
-            auto_finish=False,
-            reduce_dtype=self._precision.reduce_dtype,
-            names=self._names_by_leaf,
-        )
+        self._grad_sync = self._gradient_sync({name: self._locals[name] for name in plan.grad_sync}, auto_finish=False)
         self._calls = calls
         self._zero3 = None  # ZeRO-3 (zero/gather.py): the runtime of the program that ran last; backward finishes it
         self._per_program: dict[int, tuple] = {}  # id(program) → (program, what is derived from it)
@@ -296,6 +286,18 @@ class ParallelModule(nn.Module):
         if len(names) != len(shards):
             raise ConfigError("shard_batch(**inputs) takes tensors only: pass nested inputs positionally")
         return dict(zip(names, shards))
+
+    def _gradient_sync(self, leaves: dict[str, torch.Tensor], **options) -> GradSync:
+        """A GradSync of ``leaves`` (name → leaf): each summed over the axes the plan syncs it
+        over, unless the compiled program sums it itself."""
+        in_program = self._compiler.synced_in_program if self._compiler is not None else ()
+        entries = [
+            self.zero.sync_entry(name, leaf, self.plan.grad_sync[name], self._add_grad_chunk)
+            for name, leaf in leaves.items()
+            if name in self.plan.grad_sync and name not in in_program
+        ]
+        listed = [entry for entry in entries if entry is not None]
+        return GradSync(listed, reduce_dtype=self._precision.reduce_dtype, names=self._names_by_leaf, **options)
 
     def _on_grad_accumulated(self, _local: torch.Tensor) -> None:
         if not self._callback_queued:

@@ -10,10 +10,10 @@ One ``train_step`` is one schedule step over ``microbatches`` pieces of the loca
 loss is the mean of the microbatch losses and gradients are accumulated and divided by the
 microbatch count (the schedule's ``scale_grads``), so both equal one step on the whole batch.
 Gradients are summed over dp once, for the last microbatch: the schedule runs under ``no_sync``
-and, on a device of one stage module (GPipe, 1F1B), its last backward syncs the sums in buckets
-as it makes them, behind it (as DDP does); on a device of several (interleaved, zero-bubble:
-one module's last backward is not the device's, and weight passes set gradients outside
-autograd's hooks) they are summed after the schedule.
+and each stage module's last backward syncs its sums in buckets as it makes them, behind it (as
+DDP does, and Megatron-Core per model chunk); on a device of several modules (interleaved,
+zero-bubble) each has buckets of its own (``GradSync.summing_now``: a zero-bubble weight pass
+sets gradients outside autograd's hooks, so those are summed as it returns).
 A weight several stages use (tied embeddings) has a copy in each, their gradients summed
 over the stages holding it (:mod:`autopar.runtime.tied`, Megatron's embedding group).
 
@@ -49,6 +49,7 @@ from torch.distributed.pipelining.schedules import _ComputationType
 from autopar.ir import CASTS_IN_PROGRAM, ZERO_BUBBLE_PIPELINES, Axis, ConfigError, PipelineKind, Plan
 from autopar.runtime.calls import Calls
 from autopar.runtime.faults import collective
+from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mixed_precision import MixedPrecision
 from autopar.runtime.module import ParallelModule, communicating, whole_leaves
 from autopar.runtime.pipeline_stage import Stage, Transfers
@@ -124,10 +125,10 @@ class _StageModule(nn.Module):
             return loss.reshape(1).clone()
         return tuple(outputs) if len(outputs) > 1 else outputs[0]
 
-    def weight_pass(self, sync=None) -> Callable[[], None]:
+    def weight_pass(self) -> Callable[[], None]:
         """The zero-bubble W action of this compiled stage's last backward (:mod:`autopar.runtime.weight_pass`)."""
         leaves = functools.partial(self._precision.leaves, self._own, cast_by_program=self._casts_itself)
-        return adding_weight_gradients(self._run.weight_passes, leaves, self._weight_of, sync)
+        return adding_weight_gradients(self._run.weight_passes, leaves, self._weight_of)
 
 
 def _keyword(input_name: str) -> str:
@@ -189,11 +190,15 @@ class PipelineModule(ParallelModule):
         self.pipeline_mesh = mesh
         self._param_names, self._buffer_names, self._mine = param_names, buffer_names, mine
         self._ties = TiedWeights(shared, schedule, mesh, mine)
+        if len(mine) > 1 and not self.zero.syncs_each_microbatch:  # each module syncs its own (_build)
+            self._grad_sync.remove()
+            self._grad_sync = GradSync([], auto_finish=False)
         self._whole_leaves = whole_leaves(self)
         self._last_rank = dist.get_global_rank(mesh.get_group(Axis.PP), schedule.device_of(schedule.modules - 1))
         self._anchor = torch.zeros((), requires_grad=True)  # what a deferred backward hangs from (see forward)
         self._pending: dict[str, torch.Tensor | None] | None = None
         self._transfers = Transfers()
+        self._sums = True  # whether this step sums gradients over dp (see _summed_behind)
         self._use(stage_programs)
 
     def _use(self, stage_programs: list) -> None:
@@ -219,10 +224,11 @@ class PipelineModule(ParallelModule):
                 per_parameter=schedule.kind in ZERO_BUBBLE_PIPELINES,
             )
             made.append(zero3)
+            leaves = [self._ties.leaf(name, index, self._locals[name]) for name in names]
             module = _StageModule(
                 stage,
                 names,
-                [self._ties.leaf(name, index, self._locals[name]) for name in names],
+                leaves,
                 self._precision,
                 [self.get_buffer(self._buffer_names[b]) for b in stage.buffers],
                 first=index == 0,
@@ -231,8 +237,13 @@ class PipelineModule(ParallelModule):
                 compiler=self._compiler,
                 weight_pass=split,
             )
-            behind = self._grad_sync.syncing_now if len(self._mine) == 1 else None  # see the module docstring
-            sync_now = self._synced_microbatch if self.zero.syncs_each_microbatch else behind
+            if self.zero.syncs_each_microbatch:
+                sync_now = self._synced_microbatch
+            elif len(self._mine) == 1:  # behind its last backward, in the device's buckets
+                sync_now = functools.partial(self._summed_behind, self._grad_sync.syncing_now)
+            else:  # behind each module's last backward, in buckets of its own
+                own = self._gradient_sync(dict(zip(names, leaves)), syncing=False)
+                sync_now = functools.partial(self._summed_behind, own.summing_now)
             group = self.pipeline_mesh.get_group(Axis.PP)
             stages.append(
                 Stage(
@@ -245,7 +256,7 @@ class PipelineModule(ParallelModule):
                     transfers=self._transfers,
                     sync_now=sync_now,
                     last_only=not self.zero.syncs_each_microbatch,
-                    dw_builder=functools.partial(module.weight_pass, sync_now) if split else None,
+                    weight_pass=module.weight_pass if split else None,
                 )
             )
         single = schedule.kind in (PipelineKind.GPIPE, PipelineKind.ONE_F_ONE_B)
@@ -283,6 +294,7 @@ class PipelineModule(ParallelModule):
         self._use(call.program)
         self._follow_zeroed_grads()
         losses: list[torch.Tensor] = []
+        self._sums = self._grad_sync.syncing  # (not under the user's no_sync)
         with self._grad_sync.no_sync(), self._transfers_named(), self._finished_after():
             self._schedule.step(
                 *(inputs if self._holds_first else ()),
@@ -294,8 +306,6 @@ class PipelineModule(ParallelModule):
         self._ties.fold(self._owners())
         if self.zero.syncs_each_microbatch:  # summed as they came (_synced_microbatch)
             self._scale_zero_chunks()
-        elif len(self._mine) > 1:  # (else summed behind the last backward)
-            self._grad_sync.sync_accumulated()
         self._ties.all_reduce(self._owners())
         loss = torch.stack([loss.detach() for loss in losses]).mean() if self._holds_last else torch.zeros(())
         return self._from_last_stage(loss)
@@ -367,6 +377,11 @@ class PipelineModule(ParallelModule):
             yield
             self._ties.fold({name: self._locals[name] for name in self._params})
             self._grad_sync.sync_accumulated()
+
+    def _summed_behind(self, summing_now):
+        """Around a stage module's last backward (below ZeRO-2): its gradients summed over dp in
+        buckets as it makes them, unless the step only accumulates (the user's ``no_sync``)."""
+        return summing_now() if self._sums else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _finished_after(self):

@@ -40,13 +40,36 @@ class Transfers:
 class Stage(PipelineStage):
     """A PipelineStage that runs each backward making weight gradients (a full backward, or a
     zero-bubble weight pass; with ``last_only`` its last one) inside ``sync_now()`` when given:
-    torch's hook for data parallelism. Each send and receive it posts is logged in ``transfers``
-    with the values it carries."""
+    torch's hook for data parallelism. ``weight_pass`` (compiled zero-bubble stages) builds each
+    backward's weight pass. Each send and receive it posts is logged in ``transfers`` with the
+    values it carries."""
 
-    def __init__(self, *args, program: StageProgram, transfers: Transfers, sync_now=None, last_only=False, **kw):
-        super().__init__(*args, **kw)
-        self._sync_now, self._last_only = sync_now, last_only
+    def __init__(
+        self, *args, program: StageProgram, transfers: Transfers, sync_now=None, last_only=False, weight_pass=None, **kw
+    ):
+        super().__init__(*args, dw_builder=self._synced_weight_pass if weight_pass is not None else None, **kw)
+        self._sync_now, self._last_only, self._weight_pass = sync_now, last_only, weight_pass
         self._program, self._transfers = program, transfers
+        self._weight_passes = 0  # built this step: torch builds one per microbatch's backward, in order
+
+    def clear_runtime_states(self) -> None:  # at the start of every step
+        super().clear_runtime_states()
+        self._weight_passes = 0
+
+    def _syncs(self, last_backward: bool) -> bool:
+        return self._sync_now is not None and (last_backward or not self._last_only)
+
+    def _synced_weight_pass(self):
+        self._weight_passes += 1
+        run = self._weight_pass()
+        if not self._syncs(self._weight_passes == self.chunks):
+            return run
+
+        def synced() -> None:
+            with self._sync_now():
+                run()
+
+        return synced
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops = super().get_fwd_recv_ops(fwd_chunk_id)
@@ -79,12 +102,8 @@ class Stage(PipelineStage):
         return tensor
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if (
-            self._sync_now is None
-            or backward_type == "input"
-            or self.dw_builder is not None
-            or (self._last_only and not last_backward)
-        ):  # (with a dw_builder the "full" backward makes input gradients only: the builder's pass syncs)
+        # (with a weight pass of ours, a "full" backward makes input gradients only: the pass syncs)
+        if backward_type == "input" or self.dw_builder is not None or not self._syncs(last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         with self._sync_now():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)

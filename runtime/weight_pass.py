@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,17 +167,15 @@ class _InputPass:
             return dict(zip(self._names, self._second(inputs), strict=True))
 
 
-def adding_weight_gradients(passes: WeightPasses, leaves: Callable[[], dict], weight_of: dict, sync=None):
+def adding_weight_gradients(passes: WeightPasses, leaves: Callable[[], dict], weight_of: dict):
     """The W action of the last backward (a pipeline stage's ``dw_builder``): its weight pass,
     the gradients added to the weights' through ``leaves()`` (a 16-bit copy passes them on to its
-    master; ``weight_of``: placeholder → leaf name), inside ``sync()`` when given (ZeRO-2/3 sum
-    each microbatch's gradients as it makes them)."""
+    master; ``weight_of``: placeholder → leaf name)."""
     run = passes.take()
 
     def add() -> None:
-        with sync() if sync is not None else contextlib.nullcontext():
-            grads = run()
-            current = leaves()
-            torch.autograd.backward([current[weight_of[name]] for name in grads], list(grads.values()))
+        grads = run()
+        current = leaves()
+        torch.autograd.backward([current[weight_of[name]] for name in grads], list(grads.values()))
 
     return add

@@ -43,6 +43,9 @@ TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forwar
 ON_FOUR = ("1f1b", "zbv")
 FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forward=True) for kind in ON_FOUR] + [
     dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="1f1b", **IGNORING),
+    # dp sums behind each stage module's last backward: autograd's (interleaved) or a weight pass's (zbv)
+    dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=4, pipeline="interleaved-1f1b"),
+    dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="zbv"),
     dict(mesh="2x2", degrees={"pp": 2, "tp": 2}, constraints=GPT_TP, microbatches=2, pipeline="interleaved-zb"),
 ]
 

@@ -119,6 +119,29 @@ def _grad_sync_scenarios(rank, world_size):
             model(_batch(rank, 9), True).backward()
     both = _expected(reference, world_size, lambda r: [(8, True), (9, True)], synced)
     results["syncing_now inside no_sync"] = _errors(_grads(model), both)
+
+    # a stage module's last backward (summing_now): autograd's gradients summed behind it, once
+    model.zero_grad(set_to_none=True)
+    with sync.no_sync():
+        model(_batch(rank, 10), True).backward()
+        with sync.summing_now():
+            model(_batch(rank, 11), True).backward()
+    both = _expected(reference, world_size, lambda r: [(10, True), (11, True)], synced)
+    results["summing_now, autograd's gradients"] = _errors(_grads(model), both)
+
+    # ... and a zero-bubble weight pass's, which it assigns where no hook sees them: summed as it returns
+    model.zero_grad(set_to_none=True)
+    params = list(model.parameters())
+    with sync.no_sync():
+        model(_batch(rank, 12), True).backward()
+        with sync.summing_now():
+            for param, grad in zip(
+                params, torch.autograd.grad(model(_batch(rank, 13), True), params, allow_unused=True)
+            ):
+                if grad is not None:
+                    param.grad += grad
+    both = _expected(reference, world_size, lambda r: [(12, True), (13, True)], synced)
+    results["summing_now, gradients assigned"] = _errors(_grads(model), both)
     sync.remove()
     return results
 
@@ -141,6 +164,8 @@ def test_several_buckets_are_used(results):
         "accumulated",
         "inside no_sync",
         "syncing_now inside no_sync",
+        "summing_now, autograd's gradients",
+        "summing_now, gradients assigned",
     ],
 )
 def test_grads_are_the_sum_over_ranks(results, scenario):
