@@ -4,11 +4,13 @@ Min-sum over the factors of a :class:`~autopar.passes.search.ilp.ChoiceProblem` 
 per variable, a cost matrix per pair): eliminate one variable at a time — add up every factor
 that holds it, keep the minimum over its options for each combination of its neighbours' (a
 new factor over them) and remember the argmin; then read the choices back in reverse order.
-The next variable is the one whose joint table is smallest (a greedy elimination order). The
-tables stay small when the variables' graph is narrow, as a transformer's layer folded to one
-set of variables is (a chain with residual and attention branches); a problem whose table
-would exceed ``max_entries`` is left to HiGHS (:func:`eliminate` returns None), as is every
-problem with a memory budget (a knapsack constraint that elimination cannot hold).
+The next variable is the one whose joint table is smallest (a greedy elimination order, which
+the options' counts alone decide: :func:`elimination_order` finds it before any table is built).
+The tables stay small when the variables' graph is narrow, as a transformer's layer folded to
+one set of variables is (a chain with residual and attention branches; a mixture-of-experts
+router's branches widen it); a problem whose table would exceed ``max_entries`` is left to
+HiGHS (:func:`eliminate` returns None), as is every problem with a memory budget (a knapsack
+constraint that elimination cannot hold).
 
 Exact: the same optimal objective as the ILP; among equal optima it takes the first option.
 """
@@ -21,13 +23,43 @@ import math
 
 import numpy as np
 
-MAX_ENTRIES = 2**20
+MAX_ENTRIES = 2**23  # 64 MiB of float64 in the largest table; HiGHS beyond
+
+
+def elimination_order(sizes: list[int], pairs: list[tuple], max_entries: int = MAX_ENTRIES) -> list[int] | None:
+    """The greedy order (smallest joint table first), from the options' counts alone; None when
+    some table of it would hold more than ``max_entries`` entries (before any table is built)."""
+    linked: list[set[int]] = [set() for _ in sizes]
+    for u, v, *_ in pairs:
+        linked[u].add(v)
+        linked[v].add(u)
+    width = [sizes[v] * math.prod(sizes[w] for w in linked[v]) for v in range(len(sizes))]
+    queue = [(width[v], v) for v in range(len(sizes))]  # stale entries are skipped when popped
+    heapq.heapify(queue)
+    order, done = [], [False] * len(sizes)
+    while queue:
+        entry, v = heapq.heappop(queue)
+        if done[v] or entry != width[v]:
+            continue
+        if entry > max_entries:
+            return None
+        order.append(v)
+        done[v] = True
+        for w in linked[v]:  # its neighbours become one another's: the new table holds them all
+            linked[w].discard(v)
+            linked[w] |= linked[v] - {w}
+            width[w] = sizes[w] * math.prod(sizes[x] for x in linked[w])
+            heapq.heappush(queue, (width[w], w))
+    return order
 
 
 def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MAX_ENTRIES):
     """(choice per variable, objective) minimizing Σ unary[v][s_v] + Σ matrix[class_u[s_u], class_v[s_v]]
     over ``pairs`` of (u, v, matrix, class_u, class_v) with u ≠ v; None when a table would be too large."""
     sizes = [len(u) for u in unary]
+    order = elimination_order(sizes, pairs, max_entries)
+    if order is None:
+        return None
     factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
     holding: list[set[int]] = [set() for _ in unary]
     keys = itertools.count()
@@ -43,41 +75,25 @@ def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MA
         add((v,), np.asarray(costs, dtype=float))
     for u, v, matrix, class_u, class_v in pairs:
         add((u, v), matrix[np.ix_(class_u, class_v)])
-
-    def neighbours(v: int) -> set[int]:
-        return {w for key in holding[v] for w in factors[key][0]} - {v}
-
-    remaining = set(range(len(unary)))
-    width = {v: sizes[v] * math.prod(sizes[w] for w in neighbours(v)) for v in remaining}
-    queue = [(width[v], v) for v in remaining]  # stale entries are skipped when popped
-    heapq.heapify(queue)
     constant = 0.0
-    while remaining:
-        entry, v = heapq.heappop(queue)
-        if v not in remaining or entry != width[v]:
-            continue
-        if width[v] > max_entries:
-            return None
-        around = tuple(sorted(neighbours(v)))
+    for v in order:
+        around = tuple(sorted({w for key in holding[v] for w in factors[key][0]} - {v}))
         axes = around + (v,)
         joint = np.zeros([sizes[w] for w in axes])
         for key in list(holding[v]):
             variables, table = factors.pop(key)
             for w in variables:
                 holding[w].discard(key)
-            order = sorted(range(len(variables)), key=lambda i: axes.index(variables[i]))
+            order_in = sorted(range(len(variables)), key=lambda i: axes.index(variables[i]))
             shape = [sizes[w] if w in variables else 1 for w in axes]
-            joint = joint + table.transpose(order).reshape(shape)
-        trace.append((v, around, np.argmin(joint, axis=-1)))
-        reduced = joint.min(axis=-1)
-        remaining.discard(v)
+            joint += table.transpose(order_in).reshape(shape)
+        best = np.argmin(joint, axis=-1)
+        trace.append((v, around, best))
+        reduced = np.take_along_axis(joint, best[..., None], axis=-1)[..., 0]
         if around:
             add(around, reduced)
         else:
             constant += float(reduced)
-        for w in around:
-            width[w] = sizes[w] * math.prod(sizes[x] for x in neighbours(w))
-            heapq.heappush(queue, (width[w], w))
     choice = [0] * len(unary)
     for v, around, best in reversed(trace):
         choice[v] = int(best[tuple(choice[w] for w in around)]) if around else int(best)

@@ -2,6 +2,7 @@ import itertools
 
 import numpy as np
 
+from autopar.passes.search.elimination import eliminate, elimination_order
 from autopar.passes.search.ilp import ChoiceProblem, solve_choices
 
 
@@ -49,3 +50,22 @@ def test_a_follower_is_folded_into_its_leader():
         for c in range(3)
     )
     assert solution.choice == best[1] and np.isclose(solution.objective, best[0])
+
+
+def test_elimination_matches_brute_force_on_a_graph_with_cycles():
+    rng = np.random.default_rng(2)
+    unary = [rng.random(3) for _ in range(7)]
+    links = [(0, 1), (1, 2), (2, 0), (2, 3), (3, 4), (4, 5), (5, 6), (6, 3), (1, 5)]
+    classes = np.arange(3)
+    pairs = [(a, b, rng.random((3, 3)), classes, classes) for a, b in links]
+    choice, objective = eliminate(unary, pairs)
+    cost, best = _brute_force(ChoiceProblem(unary, [(a, b, m) for a, b, m, _, _ in pairs]))
+    assert choice == best and np.isclose(objective, cost)
+
+
+def test_elimination_declines_before_building_a_table_too_large():
+    classes = np.arange(4)
+    clique = [(a, b, np.zeros((4, 4)), classes, classes) for a, b in itertools.combinations(range(6), 2)]
+    assert elimination_order([4] * 6, clique, max_entries=4**6) is not None  # the first table: 4^6 entries
+    assert elimination_order([4] * 6, clique, max_entries=4**6 - 1) is None
+    assert eliminate([np.zeros(4)] * 6, clique, max_entries=4**6 - 1) is None
