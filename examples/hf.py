@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     DeepseekV3Config,
     GPT2Config,
@@ -203,6 +204,19 @@ def build_llama3(size: str = "8b", *, layers: int | None = None, seq: int = 8192
     )
     with torch.device("meta"):
         return CausalLM(LlamaForCausalLM(config), seq=seq)
+
+
+def build_published_size(family: str, *, seq: int = 4096) -> CausalLM:
+    """``family``'s Hugging Face default configuration, which is its published size (DeepSeek-V3's
+    671B for "deepseek_v3"), in a :class:`CausalLM`, on the meta device (for planning).
+
+    Example::
+
+        model = build_published_size("deepseek_v3")
+        plan = autopar.plan(model, (32, 8), model.example_inputs(512, device="meta"), hardware="h100-80gb")
+    """
+    with torch.device("meta"):
+        return CausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model(family)), seq=seq)
 
 
 def build_llama70b_shaped(*, layers: int = 2, seq: int = 4096) -> CausalLM:
