@@ -241,6 +241,8 @@ def run_row(row: dict) -> dict:
 
 
 def _plan_text(summary: dict) -> str:
+    if not summary:  # no expert configuration pinned
+        return "-"
     if "error" in summary:
         return summary["error"]
     degrees = " ".join(f"{k}{v}" for k, v in summary["degrees"].items() if v > 1) or "dp1"
@@ -274,12 +276,11 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
     for row, result in results:
         free, expert = result["free"], result.get("expert", {})
         ratio = free["tflops"] / expert["tflops"] if "tflops" in expert else float("nan")
+        compared = f"{expert['tflops']:.0f} | {ratio:.3f} | {_why(free, expert)}" if "tflops" in expert else "- | - | -"
         lines.append(
             f"| {row['name']} | {row['gpus']} x {row['hardware']}, batch {row['batch']} | {result['capture_s']:.1f} | "
             f"{result['search_s']:.1f} | {result['rss_gib']:.2f} | {free['tried']} / {free['pruned']} | "
-            f"{_plan_text(free)} | {free['tflops']:.0f} | {_plan_text(expert)} | "
-            f"{expert.get('tflops', float('nan')):.0f} | {ratio:.3f} | "
-            f"{_why(free, expert) if 'tflops' in expert else '-'} |"
+            f"{_plan_text(free)} | {free['tflops']:.0f} | {_plan_text(expert)} | {compared} |"
         )
         targets = row.get("targets", {})
         checks = []
