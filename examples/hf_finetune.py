@@ -76,7 +76,7 @@ def main() -> None:
         started = time.perf_counter()
         out = pmodel(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
         out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(pmodel.parameters(), 1.0)
+        pmodel.clip_grad_norm_(1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()

@@ -37,6 +37,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from autopar.ir import CASTS_IN_PROGRAM, EXTRA_INPUTS, GRAD_CHUNK, ConfigError, NonFiniteError, Plan, Replicate, Shard
 from autopar.runtime.calls import CallProgram, Calls, local_chunk
+from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.faults import agreed, collective, reported
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mixed_precision import LossScaler, MixedPrecision
@@ -269,6 +270,8 @@ class ParallelModule(nn.Module):
         whole = [local for name, local in self._locals.items() if name not in self._zero_chunks]
         inner = optimizer_class([chunk for chunk, _, _ in chunked] + whole, **kwargs)
         return ZeroOptimizer(inner, chunked, whole, self.zero.stage, self.zero)
+
+    clip_grad_norm_ = clip_grad_norm_  # by the global norm, over every shard and stage (runtime/clip.py)
 
     def no_sync(self):
         """Accumulate gradients locally over several backward passes (like DDP's no_sync)."""

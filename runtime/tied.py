@@ -65,6 +65,9 @@ class TiedWeights:
             if len(devices) > 1 and created[devices] is not None:
                 self._groups[name] = created[devices]
         self.shared = {name: [module for module in modules if module in mine] for name, modules in shared.items()}
+        # a shared weight's summed gradient is the same on each device holding it: a norm counts it on the first
+        first = {name: min(map(schedule.device_of, modules)) for name, modules in shared.items()}
+        self.counted_elsewhere = {name for name, device in first.items() if device != schedule.device_of(mine[0])}
 
     def leaf(self, name: str, module: int, first: torch.Tensor) -> torch.Tensor:
         """The leaf stage module ``module`` trains for parameter ``name``: ``first`` (this device's

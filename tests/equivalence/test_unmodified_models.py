@@ -1,8 +1,9 @@
 """Unmodified Hugging Face models (``AutoModelForCausalLM.from_config``), parallelized with no
 example inputs and trained as a one-process script trains them: ``out = pmodel(**batch);
 out.loss.backward(); optimizer.step()`` with the optimizer built before the first call. Against
-the model itself: the loss, every full gradient and every parameter after AdamW (fp32,
-rtol 1e-4), on 4 gloo ranks, in one spawn.
+the model itself: the loss, every full gradient, its global norm and the gradients clipped to a
+smaller one (``pmodel.clip_grad_norm_``), and every parameter after AdamW (fp32, rtol 1e-4), on 4
+gloo ranks, in one spawn.
 
 Llama, Mixtral and GPT-2 (tied embedding and head, and dropout: its masks are the ones one process
 draws) on DP2xTP2 (Llama from a per-rank data
@@ -24,6 +25,7 @@ from autopar.runtime.spawn import run_local
 SIZES = dict(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, seq=16)
 TIED = dict(SIZES, layers=4)  # a Qwen2 whose head is its embedding: 4 layers for 4 stages
 BATCH, SEQ = 8, 16
+CLIP = 1e-3  # every step's gradients clipped to this global norm (pmodel.clip_grad_norm_), below any of theirs
 PP2xDP2, DP2xTP2 = (dict(mesh="2x2", degrees={a: 2, "dp": 2}) for a in ("pp", "tp"))
 CASES = [
     ("llama", SIZES, dict(DP2xTP2, local_batches=True)),  # each rank passes its data-parallel share
@@ -62,7 +64,9 @@ def _one_step(family: str, sizes: dict, options: dict) -> dict:
     else:
         out = pmodel(**batch)
     out.loss.backward()
-    grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
+    grads = {name: p.grad.full_tensor().clone() for name, p in pmodel.named_parameters()}  # (clipped in place)
+    norm = pmodel.clip_grad_norm_(CLIP)
+    clipped = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters()}
     optimizer.step()
     params = {name: p.full_tensor() for name, p in pmodel.named_parameters()}
 
@@ -71,6 +75,7 @@ def _one_step(family: str, sizes: dict, options: dict) -> dict:
     reference = model(**batch)
     reference.loss.backward()
     reference_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    reference_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
     reference_optimizer.step()
     reference_params = dict(model.named_parameters())
     return {
@@ -79,6 +84,9 @@ def _one_step(family: str, sizes: dict, options: dict) -> dict:
         "loss": _rel(out.loss, reference.loss),
         "grad": max((_rel(grads[n], reference_grads[n]), n) for n in grads),
         "param": max((_rel(params[n], reference_params[n]), n) for n in params),
+        "norm": (_rel(norm, reference_norm), norm.item(), reference_norm.item()),
+        # each clipped gradient scaled back by the reference's factor: every rank scaled by the global one
+        "clipped": max((_rel(clipped[n] * (reference_norm / CLIP), reference_grads[n]), n) for n in clipped),
         "held": sorted(grads),
         "all": sorted(reference_grads),
     }
@@ -136,6 +144,7 @@ def _check(case, results):
         assert "error" not in result, result["error"]
         assert result["type"][0] == result["type"][1], result["type"]
         assert result["loss"] <= 1 and result["grad"][0] <= 1 and result["param"][0] <= 1, result
+        assert result["norm"][0] <= 1 and result["norm"][1] > CLIP and result["clipped"][0] <= 1, result  # clipped
         expected = {**options["degrees"], "pp": options["degrees"].get("pp", 1)}
         assert {k: v for k, v in result["degrees"].items() if k in expected} == expected, result["degrees"]
     assert set().union(*(r["held"] for r in results)) == set(results[0]["all"])  # every parameter lives somewhere
