@@ -22,7 +22,7 @@
 Importing this package registers the ``autopar::`` ops that rewritten graphs call.
 """
 
-from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
+from autopar.runtime.checkpoint import load_checkpoint, load_weights, save_checkpoint
 from autopar.runtime.checkpointer import Checkpointer
 from autopar.runtime.collectives import (
     all_gather,
@@ -62,6 +62,7 @@ __all__ = [
     "keep_on_first",
     "launch_local",
     "load_checkpoint",
+    "load_weights",
     "moe",
     "moe_experts",
     "reduce_scatter",

@@ -22,12 +22,14 @@ of the right size with flipped bits is not caught.
 
     save_checkpoint(pmodel, optimizer, "ckpt/step-100")       # every rank
     load_checkpoint(pmodel, optimizer, "ckpt/step-100")       # every rank, any plan
+    model.load_state_dict(load_weights("ckpt/step-100"), strict=False)  # one process, to export
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,13 +130,31 @@ def read_manifest(path) -> dict:
     return manifest
 
 
-def verify_checkpoint(path, pmodel, state: dict) -> dict:
-    """Check, without loading, that ``path`` is complete and holds this model: every file the
-    manifest lists is there at its size, every parameter this rank holds is in it with its
-    shape, no parameter of the model's plan is missing from it or extra in it, and the optimizer
-    keeps the same state keys. Returns the manifest; raises CheckpointError naming what differs."""
+def load_weights(path) -> dict[str, torch.Tensor]:
+    """The model's parameters in the checkpoint folder ``path``, whole (fp32 masters under mixed
+    precision), read in one process with no process group: what the unparallelized model loads
+    (``model.load_state_dict(weights, strict=False)``: buffers are not in a checkpoint) to be
+    exported, e.g. by Hugging Face's ``save_pretrained``. CheckpointError if the folder is
+    incomplete. Example::
+
+        model.load_state_dict(load_weights("ckpt/step-1000"), strict=False)
+    """
     path = Path(path)
-    manifest = read_manifest(path)
+    _check_files(path, read_manifest(path))
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    weights = {
+        key.removeprefix("model."): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.items()
+        if key.startswith("model.")
+    }
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": the one process is meant
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load({"model": weights}, checkpoint_id=str(path), no_dist=True)
+    return weights
+
+
+def _check_files(path: Path, manifest: dict) -> None:
+    """Every file the manifest lists is in ``path`` at its size, else IncompleteCheckpointError."""
     broken = []
     for file, size in manifest["files"].items():
         actual = (path / file).stat().st_size if (path / file).is_file() else None
@@ -144,6 +164,16 @@ def verify_checkpoint(path, pmodel, state: dict) -> dict:
         raise IncompleteCheckpointError(
             f"checkpoint {path} is incomplete: {'; '.join(broken)}. Resume from an earlier one"
         )
+
+
+def verify_checkpoint(path, pmodel, state: dict) -> dict:
+    """Check, without loading, that ``path`` is complete and holds this model: every file the
+    manifest lists is there at its size, every parameter this rank holds is in it with its
+    shape, no parameter of the model's plan is missing from it or extra in it, and the optimizer
+    keeps the same state keys. Returns the manifest; raises CheckpointError naming what differs."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    _check_files(path, manifest)
     saved = manifest["params"]
     differences = [f"{name!r} is not in the checkpoint" for name in pmodel.plan.params if name not in saved]
     differences += [

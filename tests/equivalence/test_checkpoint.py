@@ -7,7 +7,7 @@ import torch
 from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, load_and_compare, load_example, reference_after_one_step
 
 import autopar
-from autopar.runtime.checkpoint import save_checkpoint
+from autopar.runtime.checkpoint import load_weights, save_checkpoint
 from autopar.runtime.spawn import run_local
 
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
@@ -67,3 +67,10 @@ def test_a_checkpoint_from_one_plan_resumes_under_another(tmp_path):
             assert loaded["params"] and loaded["moments"], (reader, loaded)
             assert loaded["steps"] == {1.0} and loaded["lr"] == LEARNING_RATE, (reader, loaded)
             assert loaded["second_step"], (reader, loaded)
+    # exported: the weights read whole in this process (no process group) are the reference's after its step
+    model, _, _ = reference_after_one_step(load_example("gpt.py").build, GPT, BATCH)
+    weights = load_weights(tmp_path / "ckpt")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected and set(missing) == {name for name, _ in model.named_buffers()}, (missing, unexpected)
+    assert weights.keys() == dict(model.named_parameters()).keys()
+    assert all(close(weights[name], p) for name, p in model.named_parameters()), "weights differ"
