@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (0: never)")
     parser.add_argument("--degrees", type=parse_degrees, help="pin parallel sizes, e.g. pp=2 (default: searched)")
     parser.add_argument("--compile", action="store_true", help="run the per-rank program through torch.compile")
     parser.add_argument(
@@ -89,6 +90,8 @@ def main() -> None:
         started = time.perf_counter()
         batch = pmodel.shard_batch(*arithmetic_batch(step, args.batch, args.seq, args.vocab))
         loss = pmodel.train_step(*batch)
+        if args.max_norm:
+            pmodel.clip_grad_norm_(args.max_norm)
         optimizer.step()
         optimizer.zero_grad()
         if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
