@@ -61,6 +61,9 @@ class NodeFacts:
     precision: str = "fp32"  # the policy training keeps a parameter's state under (autopar.ir.precision)
     grad_bytes: int = 4  # bytes per gradient element as gradients are reduced (the policy's reduce_dtype)
     pacing: Pacing | None = None  # a GEMM or attention whose efficiency follows its local shapes
+    # outside layers, after the last one (final norm, head, loss): a pipeline's last stage module holds
+    # what these save for one microbatch at a time (its backward follows its forward at once)
+    after_layers: bool = False
 
     @property
     def gather_group(self) -> str:
@@ -242,6 +245,9 @@ def analyze(
             grad_bytes=grad_bytes,
             pacing=pacing,
         )
+    layered = [index for index, fact in enumerate(facts.values()) if fact.kind == "op" and fact.layer is not None]
+    for index, fact in enumerate(facts.values()):
+        fact.after_layers = bool(layered) and index > layered[-1] and fact.kind == "op" and fact.layer is None
     for fact in facts.values():  # mark what autograd keeps (activation memory); count consumers
         for slot in fact.slots:
             if fact.kind == "op" and slot.name in facts:

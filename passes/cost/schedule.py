@@ -56,6 +56,12 @@ def in_flight(schedule: Schedule) -> float:
     return min(p, m) * (1 + (p - 1) / (p * v))
 
 
+def in_flight_after_layers(schedule: Schedule) -> float:
+    """Microbatches whose activations after the layers (head, loss) the last stage module holds
+    at once: one, as its backward follows its forward, except under GPipe (all forwards first)."""
+    return in_flight(schedule) if schedule.kind == PipelineKind.GPIPE else 1.0
+
+
 def bubble_share(schedule: Schedule) -> float:
     """The share of a device's busy time it idles in the pipeline's fill and drain."""
     p, m, v = schedule.stages, schedule.microbatches, schedule.virtual
@@ -64,12 +70,13 @@ def bubble_share(schedule: Schedule) -> float:
 
 def kept_share(fact: NodeFacts, schedule: Schedule) -> float:
     """The share of what autograd saves for this node that one device holds at the peak:
-    the stage's microbatches in flight (:func:`in_flight`), nothing inside a
-    layer under full recomputation (only layer inputs, counted in :func:`schedule_cost`),
-    only what matmuls and attention save under selective recomputation."""
+    the stage's microbatches in flight (:func:`in_flight`; after the layers, the last stage
+    module's: :func:`in_flight_after_layers`), nothing inside a layer under full recomputation
+    (only layer inputs, counted in :func:`schedule_cost`), only what matmuls and attention save
+    under selective recomputation."""
     share = min(1.0, in_flight(schedule) / schedule.microbatches)
     if fact.layer is None:
-        return share
+        return min(1.0, in_flight_after_layers(schedule) / schedule.microbatches) if fact.after_layers else share
     if dropped(fact, schedule.recompute):
         return 0.0
     return share / schedule.stages
@@ -118,10 +125,11 @@ class LayerTerms:
     """What a schedule's cost needs of one solved configuration's bytes, summed once over its
     nodes (each weighed by :attr:`NodeFacts.weight`) for every schedule priced on it."""
 
-    outside: float  # bytes autograd saves outside layers
+    outside: float  # bytes autograd saves outside layers, before the last one (embeddings)
     in_layers: dict[str, float]  # recomputation level → bytes a device keeps inside layers (one stage, one batch)
     boundary: float  # the largest layer input: what a stage boundary sends per batch
     boundary_inputs: frozenset[str] = frozenset()  # the nodes whose outputs enter layers
+    after: float = 0.0  # bytes autograd saves after the layers (head, loss: NodeFacts.after_layers)
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ def step_times(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: 
 
 def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms:
     """:class:`LayerTerms` of the configuration whose local shapes are ``local``."""
-    outside = kept = 0.0
+    outside = after = kept = 0.0
     layer_saved: dict[str, float] = {}
     layer_weight: dict[str, int] = {}
     layer_inputs: dict[str, set[str]] = {}
@@ -170,7 +178,10 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms
         saved = saved_by_node[name]
         layer = fact.layer
         if layer is None:
-            outside += saved * fact.weight
+            if fact.after_layers:
+                after += saved * fact.weight
+            else:
+                outside += saved * fact.weight
             continue
         layer_saved[layer] = layer_saved.get(layer, 0.0) + saved
         layer_weight[layer] = fact.weight
@@ -190,7 +201,7 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms
         + maximum(0.0, *layer_saved.values()),
     }
     entering = frozenset().union(*layer_inputs.values()) if checkpoints else frozenset()
-    return LayerTerms(outside, in_layers, maximum(0.0, *checkpoints.values()), entering)
+    return LayerTerms(outside, in_layers, maximum(0.0, *checkpoints.values()), entering, after)
 
 
 def schedule_cost(
@@ -233,8 +244,9 @@ def scheduled(
     time_share, param_share = (split.time_share, split.param_share) if split else (1.0, 1.0)
     memory = dict(cost.memory)
     memory["activations"] = (
-        (terms.in_layers[schedule.recompute] / stages + terms.outside) / micro * min(in_flight(schedule), micro)
-    )
+        (terms.in_layers[schedule.recompute] / stages + terms.outside) * min(in_flight(schedule), micro)
+        + terms.after * min(in_flight_after_layers(schedule), micro)
+    ) / micro
     memory["temporary"] = cost.memory.get("temporary", 0.0) / micro
     for category in ("params", "grads", "optimizer", "grad_buckets"):
         memory[category] = cost.memory.get(category, 0.0) * param_share

@@ -11,6 +11,7 @@ from autopar.ir.buckets import BUCKET_BYTES
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.axis_terms import AxisContext, param_sync, zero3_layer_s
 from autopar.passes.cost.evaluate import evaluate_plan
+from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import (
     OPTIMIZER_BYTES_PER_PARAM,
     RECAST_BYTES_PER_PARAM,
@@ -19,6 +20,7 @@ from autopar.passes.cost.ops import (
     optimizer_time,
     zero_copy_bytes,
 )
+from autopar.passes.cost.schedule import kept_share
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
 
@@ -126,6 +128,25 @@ def test_microbatches_divide_activations_and_pipeline_stages_pay_the_bubble():
     assert piped.cost.model_flops / piped.cost.compute_s == pytest.approx(
         flat.cost.model_flops / flat.cost.compute_s, rel=1e-6
     )
+
+
+def test_a_pipeline_holds_the_head_and_loss_of_one_microbatch_and_the_embeddings_of_those_in_flight():
+    model = meta_model("gpt.py", **GPT)
+    facts = analyze(capture(model, model.example_inputs(8, device="meta")), FLAT_A100)
+    after = {f.node.name for f in facts.values() if f.after_layers}
+    assert any("cross_entropy" in name for name in after) and not any("embedding" in name for name in after), after
+    embedding = next(f for f in facts.values() if f.kind == "op" and "embedding" in f.node.name)
+    loss = next(f for f in facts.values() if f.kind == "op" and "cross_entropy" in f.node.name)
+    one_f_one_b, gpipe = Schedule(4, 8, "none", "1f1b"), Schedule(4, 8, "none", "gpipe")
+    assert (kept_share(embedding, one_f_one_b), kept_share(loss, one_f_one_b)) == (4 / 8, 1 / 8)
+    assert kept_share(embedding, gpipe) == kept_share(loss, gpipe) == 1.0
+    # 2 stages, 2 microbatches: both in flight on the first stage under either schedule, but under 1F1B
+    # the head and loss of one only
+    one_f_one_b, gpipe = (
+        _plan(degrees={"pp": 2, "dp": 4, "tp": 1}, zero=0, recompute="none", microbatches=2, pipeline=kind)
+        for kind in ("1f1b", "gpipe")
+    )
+    assert one_f_one_b.cost.memory["activations"] < gpipe.cost.memory["activations"]
 
 
 def test_microbatches_run_smaller_gemms_at_their_own_efficiency():
