@@ -88,16 +88,22 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def _die_with(launcher: int) -> None:
-    """In a rank between fork and exec: have the kernel end it (SIGTERM) when its launcher exits
-    (Linux; elsewhere nothing). A launcher killed by a signal it cannot act on (SIGKILL, or
-    SIGTERM's default) leaves no one to stop its ranks, which would run on holding cores and
-    ports, or wait in a collective until its timeout."""
+def _dying_with(launcher: int):
+    """What a rank runs between fork and exec to have the kernel end it (SIGTERM) when its
+    launcher exits (Linux; elsewhere None). A launcher killed by a signal it cannot act on
+    (SIGKILL, or SIGTERM's default) leaves no one to stop its ranks, which would run on holding
+    cores and ports, or wait in a collective until its timeout. (prctl is looked up here: the
+    child, forked from a process with threads, only calls it.)"""
     if not sys.platform.startswith("linux"):
-        return
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != launcher:  # it died before the line above
-        os._exit(128 + signal.SIGTERM)
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def die_with_launcher() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before the line above
+            os._exit(128 + signal.SIGTERM)
+
+    return die_with_launcher
 
 
 def free_port() -> int:
@@ -175,7 +181,7 @@ def _start_ranks(script: str, args: list[str], nproc: int, variables: dict) -> l
     }
     if nproc > 1:
         common.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: ranks share the cores
-    launcher = os.getpid()
+    die_with_launcher = _dying_with(os.getpid())
     return [
         subprocess.Popen(
             [sys.executable, script, *args],
@@ -183,7 +189,7 @@ def _start_ranks(script: str, args: list[str], nproc: int, variables: dict) -> l
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: terminating it reaches its workers too
-            preexec_fn=lambda: _die_with(launcher),
+            preexec_fn=die_with_launcher,
         )
         for rank in range(nproc)
     ]
