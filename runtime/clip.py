@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from autopar.ir import Axis
-from autopar.runtime.grad_sync import _local
+from autopar.runtime.grad_sync import local_tensor
 
 
 def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -44,7 +44,7 @@ def clip_grad_norm_(module, max_norm: float, norm_type: float = 2.0, error_if_no
         if error_if_nonfinite and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is not finite: {norm.item()}")
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-    scaled = [_local(p.grad) for p in module.parameters() if p.grad is not None]
+    scaled = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     if scaled:
         torch._foreach_mul_(scaled, coefficient.to(scaled[0].device))
     return norm

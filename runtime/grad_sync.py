@@ -37,7 +37,8 @@ from autopar.runtime.collectives import _chunks_to_front
 from autopar.runtime.faults import collective, listing
 
 
-def _local(tensor: Tensor) -> Tensor:
+def local_tensor(tensor: Tensor) -> Tensor:
+    """A DTensor's local part (sharing its storage), or the tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -67,7 +68,7 @@ class _Bucket:
         return self.num_ready == len(self.params)
 
     def _slot(self, index: int) -> Tensor:
-        local = _local(self.params[index])
+        local = local_tensor(self.params[index])
         start = self.offsets[index]
         return self.buffer[start : start + local.numel()].view(local.shape)
 
@@ -75,7 +76,7 @@ class _Bucket:
         return self.buffer[self.offsets[-1] + index]
 
     def copy_in(self, index: int) -> None:
-        self._slot(index).copy_(_local(self.params[index].grad))
+        self._slot(index).copy_(local_tensor(self.params[index].grad))
         self.ready[index] = True
         self.num_ready += 1
 
@@ -104,7 +105,7 @@ class _Bucket:
             self.work.wait()
         for index, param in enumerate(self.params):
             if param.grad is not None:
-                _local(param.grad).copy_(self._slot(index))
+                local_tensor(param.grad).copy_(self._slot(index))
             elif self._flag(index).item() > 0:
                 param.grad = self._materialized_grad(param, self._slot(index).to(param.dtype, copy=True))
         self.ready = [False] * len(self.params)
@@ -219,7 +220,7 @@ def _make_buckets(
     open_bytes: dict[tuple, int] = {}
     for arrival, entry in enumerate(reversed(entries)):
         param, group, scatter = (*entry, None)[:3]
-        local = _local(param)
+        local = local_tensor(param)
         key = (group, local.dtype, local.device, scatter is not None and scatter.then_sum_over)
         open_members.setdefault(key, (group, []))[1].append((param, scatter))
         open_bytes[key] = open_bytes.get(key, 0) + local.numel() * local.element_size()
@@ -234,7 +235,7 @@ def _make_buckets(
 
 def _allocate_bucket(group_name: str, entries: list[tuple], reduce_dtype: torch.dtype | None) -> _Bucket:
     params = [param for param, _ in entries]
-    first = _local(params[0])
+    first = local_tensor(params[0])
     dtype = reduce_dtype or first.dtype
     scatters = [scatter for _, scatter in entries]
     if scatters[0] is not None:
@@ -245,7 +246,7 @@ def _allocate_bucket(group_name: str, entries: list[tuple], reduce_dtype: torch.
         return _ScatterBucket(group_name, params, scatters, parts, offsets, dtype, first.device)
     offsets = [0]
     for param in params:
-        offsets.append(offsets[-1] + _local(param).numel())
+        offsets.append(offsets[-1] + local_tensor(param).numel())
     buffer = torch.empty(offsets[-1] + len(params), dtype=dtype, device=first.device)
     return _Bucket(group_name, params, buffer, offsets)
 

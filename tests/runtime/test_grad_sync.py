@@ -111,37 +111,27 @@ def _grad_sync_scenarios(rank, world_size):
         model(_batch(rank, 7), True).backward()
     results["inside no_sync"] = _errors(_grads(model), _expected(reference, world_size, lambda r: [(7, True)], set()))
 
-    # a pipeline's last backward: inside no_sync, syncing_now sums the accumulated gradients behind it
-    model.zero_grad(set_to_none=True)
-    with sync.no_sync():
-        model(_batch(rank, 8), True).backward()
-        with sync.syncing_now():
-            model(_batch(rank, 9), True).backward()
-    both = _expected(reference, world_size, lambda r: [(8, True), (9, True)], synced)
-    results["syncing_now inside no_sync"] = _errors(_grads(model), both)
+    def accumulated_then(label, step, syncing, last_backward):
+        """Two micro-steps inside no_sync, the second (``last_backward(loss)``) inside ``syncing()``."""
+        model.zero_grad(set_to_none=True)
+        with sync.no_sync():
+            model(_batch(rank, step), True).backward()
+            with syncing():
+                last_backward(model(_batch(rank, step + 1), True))
+        both = _expected(reference, world_size, lambda r: [(step, True), (step + 1, True)], synced)
+        results[label] = _errors(_grads(model), both)
 
-    # a stage module's last backward (summing_now): autograd's gradients summed behind it, once
-    model.zero_grad(set_to_none=True)
-    with sync.no_sync():
-        model(_batch(rank, 10), True).backward()
-        with sync.summing_now():
-            model(_batch(rank, 11), True).backward()
-    both = _expected(reference, world_size, lambda r: [(10, True), (11, True)], synced)
-    results["summing_now, autograd's gradients"] = _errors(_grads(model), both)
+    def assigned(loss):  # as a zero-bubble weight pass does: gradients set where no hook sees them
+        params = list(model.parameters())
+        for param, grad in zip(params, torch.autograd.grad(loss, params, allow_unused=True)):
+            if grad is not None:
+                param.grad += grad
 
-    # ... and a zero-bubble weight pass's, which it assigns where no hook sees them: summed as it returns
-    model.zero_grad(set_to_none=True)
-    params = list(model.parameters())
-    with sync.no_sync():
-        model(_batch(rank, 12), True).backward()
-        with sync.summing_now():
-            for param, grad in zip(
-                params, torch.autograd.grad(model(_batch(rank, 13), True), params, allow_unused=True)
-            ):
-                if grad is not None:
-                    param.grad += grad
-    both = _expected(reference, world_size, lambda r: [(12, True), (13, True)], synced)
-    results["summing_now, gradients assigned"] = _errors(_grads(model), both)
+    # a pipeline's last backward: syncing_now sums the accumulated gradients behind it; a stage
+    # module's (summing_now): autograd's behind it, once, and those assigned as it returns
+    accumulated_then("syncing_now inside no_sync", 8, sync.syncing_now, torch.Tensor.backward)
+    accumulated_then("summing_now, autograd's gradients", 10, sync.summing_now, torch.Tensor.backward)
+    accumulated_then("summing_now, gradients assigned", 12, sync.summing_now, assigned)
     sync.remove()
     return results
 
