@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from autopar.ir import Kernel, Partial, Replicate, Shard
+from autopar.ir import Kernel, Partial, Placement, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
 from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
@@ -135,22 +135,24 @@ def bmm(view: OpView) -> list[Strategy]:
     return _einsum("bmk", "bkn", "bmn")
 
 
-def addmm(view: OpView) -> list[Strategy]:
-    """bias + a @ b: the bias follows the output (R→P where the product is partial)."""
-    strategies = []
-    bias_ndim = len(view.in_shapes[0])
-    for s in _einsum("mk", "kn", "mn", partial_ok=False):
-        out = s.output
-        if isinstance(out, Shard):
-            bias = (
-                Shard(out.dim - (2 - bias_ndim))
-                if out.dim >= 2 - bias_ndim and view.in_shapes[0][out.dim - (2 - bias_ndim)] != 1
-                else R
-            )
-        else:
-            bias = Partial()
-        strategies.append(Strategy((bias,) + s.inputs, out))
-    return strategies
+def _biased(lhs: str, rhs: str, out: str):
+    """bias + a @ b (addmm, baddbmm), the bias broadcast to the product (BLOOM's ALiBi bias: [b, 1, n]):
+    it follows a split output dim it holds (R where it broadcasts), R→P where the product is partial."""
+
+    def rule(view: OpView) -> list[Strategy]:
+        bias, offset = view.in_shapes[0], len(out) - len(view.in_shapes[0])
+
+        def follow(o: Placement) -> Placement:
+            if not isinstance(o, Shard):
+                return Partial()
+            return Shard(o.dim - offset) if o.dim >= offset and bias[o.dim - offset] != 1 else R
+
+        return [Strategy((follow(s.output),) + s.inputs, s.output) for s in _einsum(lhs, rhs, out, partial_ok=False)]
+
+    return rule
+
+
+addmm, baddbmm = _biased("mk", "kn", "mn"), _biased("bmk", "bkn", "bmn")
 
 
 def matmul(view: OpView) -> list[Strategy]:
@@ -385,6 +387,7 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.mm: mm,
     aten.bmm: bmm,
     aten.addmm: addmm,
+    aten.baddbmm: baddbmm,
     aten.matmul: matmul,
     aten.view: reshape,
     aten.reshape: reshape,
@@ -424,22 +427,11 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.nll_loss: loss,
     aten.mse_loss: mse,
     aten.broadcast_tensors: pointwise,
-    aten.zeros_like: like_input,
-    aten.ones_like: like_input,
-    aten.full_like: like_input,
-    aten.empty_like: like_input,
+    **dict.fromkeys([aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like], like_input),
     operator.getitem: getitem,
     aten.repeat_interleave: repeat_interleave,
-    aten.new_ones: replicated_only,
-    aten.new_zeros: replicated_only,
-    aten.new_full: replicated_only,
-    aten.new_empty: replicated_only,
-    aten.arange: replicated_only,
-    aten.zeros: replicated_only,
-    aten.ones: replicated_only,
-    aten.full: replicated_only,
-    aten.empty: replicated_only,
-    aten.scalar_tensor: replicated_only,
+    **dict.fromkeys([aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty, aten.arange], replicated_only),
+    **dict.fromkeys([aten.zeros, aten.ones, aten.full, aten.empty, aten.scalar_tensor], replicated_only),
 }
 
 
@@ -451,7 +443,8 @@ KERNEL_RULES = {
     Kernel.EXPERTS: (experts,),
     Kernel.VOCAB: (embedding, cross_entropy),
 }  # the rules offering each kernel
-MATMULS = (linear, mm, bmm, addmm, matmul, attention)  # the rules of ops that multiply whole rows by whole columns
+# the rules of ops that multiply whole rows by whole columns
+MATMULS = (linear, mm, bmm, addmm, baddbmm, matmul, attention)
 
 
 def rule_for(target) -> Callable[[OpView], list[Strategy]] | None:

@@ -61,20 +61,22 @@ def linear(draw, p):
     return Sample(aten.linear.default, (x, weight, *bias))
 
 
-def mm(draw, p):
-    m, k, n = (size(draw, p) for _ in range(3))
-    return Sample(aten.mm.default, (values(draw, (m, k)), values(draw, (k, n))))
-
-
-def bmm(draw, p):
+def mm(draw, p, batched: bool = False):
     b, m, k, n = (size(draw, p) for _ in range(4))
-    return Sample(aten.bmm.default, (values(draw, (b, m, k)), values(draw, (b, k, n))))
+    lead = (b,) if batched else ()
+    target = aten.bmm.default if batched else aten.mm.default
+    return Sample(target, (values(draw, (*lead, m, k)), values(draw, (*lead, k, n))))
 
 
-def addmm(draw, p):
-    m, k, n = (size(draw, p) for _ in range(3))
-    bias_shape = draw(st.sampled_from([(n,), (m, n), (1, n)]))
-    return Sample(aten.addmm.default, (values(draw, bias_shape), values(draw, (m, k)), values(draw, (k, n))))
+def addmm(draw, p, batched: bool = False):
+    """bias + a @ b with the bias broadcast to the product: [n], [m, n], [1, n] and, batched
+    (baddbmm), [b, m, n] and [b, 1, n] (BLOOM's ALiBi bias), with BLOOM's alpha."""
+    a, b = mm(draw, p, batched).args
+    *lead, m, n = (*a.shape[:-1], b.shape[-1])
+    bias = values(draw, draw(st.sampled_from([(n,), (m, n), (1, n)] + [(*lead, m, n), (*lead, 1, n)] * batched)))
+    if not batched:
+        return Sample(aten.addmm.default, (bias, a, b))
+    return Sample(aten.baddbmm.default, (bias, a, b), {"alpha": draw(st.sampled_from([1.0, 0.125]))})
 
 
 def matmul(draw, p):
@@ -158,10 +160,6 @@ def transpose(draw, p):
 def permute(draw, p):
     x = tensor(draw, p, 1, 4)
     return Sample(aten.permute.default, (x, draw(st.permutations(range(x.dim())))))
-
-
-def t(draw, p):
-    return Sample(aten.t.default, (tensor(draw, p, 2, 2),))
 
 
 def split(draw, p):
@@ -408,8 +406,9 @@ def broadcast_tensors(draw, p):
 SAMPLES = {
     "aten.linear": linear,
     "aten.mm": mm,
-    "aten.bmm": bmm,
+    "aten.bmm": lambda draw, p: mm(draw, p, batched=True),
     "aten.addmm": addmm,
+    "aten.baddbmm": lambda draw, p: addmm(draw, p, batched=True),
     "aten.matmul": matmul,
     "aten.view": view(aten.view.default),
     "aten.reshape": view(aten.reshape.default),
@@ -421,7 +420,7 @@ SAMPLES = {
     "aten.expand": expand,
     "aten.transpose": transpose,
     "aten.permute": permute,
-    "aten.t": t,
+    "aten.t": lambda draw, p: Sample(aten.t.default, (tensor(draw, p, 2, 2),)),
     "aten.split": split,
     "aten.split_with_sizes": split_with_sizes,
     "aten.chunk": chunk,
