@@ -296,8 +296,9 @@ def from_config(
     dropout: float = 0.0,
 ) -> PreTrainedModel:
     """An unmodified ``AutoModelForCausalLM.from_config`` model of ``family`` ("llama", "mixtral",
-    "deepseek_v3", "gpt2", "qwen2") with a small config: no dropout (GPT-2's residual, embedding and attention
-    dropout ``dropout``), no router jitter; ``tie_embeddings`` None keeps the family's default
+    "deepseek_v3", "gpt2", "qwen2") with a small config: no dropout (GPT-2's residual and embedding dropout
+    ``dropout``; attention's own, drawn inside sdpa for whatever part of the batch and heads a rank holds, none), no
+    router jitter; ``tie_embeddings`` None keeps the family's default
     (GPT-2 and small Qwen2 tie the embedding and the head).
 
     Example::
@@ -311,7 +312,7 @@ def from_config(
     if family == "gpt2":
         config = GPT2Config(
             n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, bos_token_id=vocab - 1,
-            eos_token_id=vocab - 1, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **common,
+            eos_token_id=vocab - 1, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=0.0, **common,
         )  # fmt: skip
     else:
         sizes = dict(

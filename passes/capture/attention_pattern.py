@@ -310,9 +310,9 @@ def _replace(match: _Match) -> set[fx.Node]:
     with graph.inserting_before(output):
         key = match.key
         if match.key_transposed:
-            key = _new_node(graph, aten.transpose.int, (key, -2, -1), meta)
+            key = new_node(graph, aten.transpose.int, (key, -2, -1), meta)
         causal = match.mask is not None
-        fused = _new_node(
+        fused = new_node(
             graph,
             aten.scaled_dot_product_attention.default,
             (match.q, key, match.v, None, 0.0, causal),
@@ -324,16 +324,20 @@ def _replace(match: _Match) -> set[fx.Node]:
             if back is not None and back.target in _VIEWS and _val(back).shape == _val(fused).shape:
                 output = back
             else:
-                fused = _new_node(graph, aten.reshape.default, (fused, list(_val(output).shape)), meta)
+                fused = new_node(graph, aten.reshape.default, (fused, list(_val(output).shape)), meta)
     output.replace_all_uses_with(fused)
     return _erase_unused(output)
 
 
-def _new_node(graph: fx.Graph, target, args: tuple, meta: dict, **kwargs) -> fx.Node:
-    """A node with ``meta`` and, as ``meta["val"]``, its output on its inputs' fake values."""
+def new_node(graph: fx.Graph, target, args: tuple, meta: dict, like: fx.Node | None = None, **kwargs) -> fx.Node:
+    """A node with ``meta`` and, as ``meta["val"]``, its output on its inputs' fake values (a factory's
+    in the fake mode of ``like``'s value: one graph's values share one mode)."""
     node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
     fake_args = fx.map_arg(args, _val)
-    fake_mode = detect_fake_mode(tuple(arg for arg in fake_args if isinstance(arg, torch.Tensor)))
+    tensors = [
+        arg for arg in (*fake_args, *([_val(like)] if like is not None else [])) if isinstance(arg, torch.Tensor)
+    ]
+    fake_mode = detect_fake_mode(tuple(tensors))
     with fake_mode or FakeTensorMode(allow_non_fake_inputs=True):
         node.meta.update(meta, val=target(*fake_args, **kwargs))
     return node

@@ -34,6 +34,7 @@ import autopar.ir
 from autopar.ir import TraceError, layer_of
 from autopar.passes.capture.attention_pattern import buffer_values, fuse_eager_attention
 from autopar.passes.capture.calls import capture_settings
+from autopar.passes.capture.dropout import draw_dropout_masks_whole
 from autopar.passes.capture.moe import EXPERTS_OP, composite_moe, record_expert_load
 
 
@@ -143,6 +144,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             "forward traces."
         ) from error
     fuse_eager_attention(exported.graph_module, buffer_values(exported))  # one sdpa node, causal masks as is_causal
+    draw_dropout_masks_whole(exported.graph_module)  # the mask drawn whole, x * mask split like any product
     signature = exported.graph_signature
     params, buffers, user_inputs, constants = {}, {}, [], {}
     placeholders = {node.name: node for node in exported.graph_module.graph.nodes if node.op == "placeholder"}
