@@ -73,7 +73,8 @@ def addmm(draw, p, batched: bool = False):
     (baddbmm), [b, m, n] and [b, 1, n] (BLOOM's ALiBi bias), with BLOOM's alpha."""
     a, b = mm(draw, p, batched).args
     *lead, m, n = (*a.shape[:-1], b.shape[-1])
-    bias = values(draw, draw(st.sampled_from([(n,), (m, n), (1, n)] + [(*lead, m, n), (*lead, 1, n)] * batched)))
+    shapes = [(n,), (m, n), (1, n)] + ([(*lead, m, n), (*lead, 1, n)] if batched else [])
+    bias = values(draw, draw(st.sampled_from(shapes)))
     if not batched:
         return Sample(aten.addmm.default, (bias, a, b))
     return Sample(aten.baddbmm.default, (bias, a, b), {"alpha": draw(st.sampled_from([1.0, 0.125]))})

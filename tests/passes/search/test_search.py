@@ -72,7 +72,7 @@ class _AlibiScores(torch.nn.Module):
         self.heads, self.weight = heads, torch.nn.Parameter(torch.randn(hidden, hidden))
 
     def forward(self, x, target):
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         q = (x @ self.weight).view(batch, seq, self.heads, -1).transpose(1, 2).reshape(batch * self.heads, seq, -1)
         alibi = torch.arange(seq, dtype=x.dtype).view(1, 1, seq).expand(batch * self.heads, 1, seq) * 0.1
         scores = torch.baddbmm(alibi, q, q.transpose(1, 2), beta=1.0, alpha=0.25)
@@ -86,7 +86,7 @@ def test_alibi_attention_scores_split_over_the_batch():
     inputs = (torch.randn(64, 32, 64), torch.randn(256, 32, 32))
     plan = autopar.plan(_AlibiScores(), 4, inputs, degrees={"dp": 4}, hardware="h100-80gb")
     scores = plan.nodes["baddbmm"]
-    assert scores.output == (Shard(0), Replicate()) and scores.comm_bytes == 0, scores
+    assert scores.output == (Shard(0), Replicate()) and scores.inputs[1:] == ((Shard(0), Replicate()),) * 2, scores
 
 
 def test_narrow_mlp_big_batch_gets_data_parallelism():
