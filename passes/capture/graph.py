@@ -31,9 +31,10 @@ from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
 import autopar.ir
-from autopar.ir import TraceError, layer_of
+from autopar.ir import ConfigError, TraceError, layer_of
 from autopar.passes.capture.attention_pattern import buffer_values, fuse_eager_attention
 from autopar.passes.capture.calls import capture_settings
+from autopar.passes.capture.causal_mask import constant_value, node_value
 from autopar.passes.capture.dropout import draw_dropout_masks_whole
 from autopar.passes.capture.moe import EXPERTS_OP, composite_moe, record_expert_load
 
@@ -143,7 +144,9 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             "tensor's values); see the torch.export docs (torch.cond, static shapes) or pass a model whose "
             "forward traces."
         ) from error
-    fuse_eager_attention(exported.graph_module, buffer_values(exported))  # one sdpa node, causal masks as is_causal
+    buffers = buffer_values(exported)
+    _check_lookups(exported.graph_module, buffers)
+    fuse_eager_attention(exported.graph_module, buffers)  # one sdpa node, causal masks as is_causal
     draw_dropout_masks_whole(exported.graph_module)  # the mask drawn whole, x * mask split like any product
     signature = exported.graph_signature
     params, buffers, user_inputs, constants = {}, {}, [], {}
@@ -188,6 +191,21 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         out_spec=exported.call_spec.out_spec,
         constants=constants,
     )
+
+
+def _check_lookups(graph_module: fx.GraphModule, buffers: dict[str, torch.Tensor]) -> None:
+    """A table looked up at indices the graph makes itself (positions: an ``arange`` over the sequence)
+    holds them: GPT-2's 1024 learned positions looked up for 4096 tokens export and plan without
+    complaint (on the meta device nothing reads the table), and fail only when the run indexes it."""
+    for node in graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default):
+        rows = node_value(node.args[0]).shape[0]
+        indices = constant_value(node.args[1], buffers)
+        if indices is not None and indices.numel() and not 0 <= int(indices.min()) <= int(indices.max()) < rows:
+            raise ConfigError(
+                f"{module_path(node) or 'an embedding'} looks up row {int(indices.max())} of its {rows}-row table at "
+                f"positions the model makes from the input's shape: the model holds {rows} positions; call it on "
+                f"sequences of at most {rows} tokens, or build it with more positions"
+            )
 
 
 def _copy(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

@@ -246,6 +246,12 @@ MISTAKES = [
         lambda folder: caught(lambda: _long_context(seq=6, degrees={"cp": 2})),
     ),
     Mistake(
+        "a model with 8 learned positions planned for sequences of 16 tokens",
+        "ConfigError",
+        r"wpe looks up row 15 of its 8-row table .*: the model holds 8 positions; call it on sequences of at most 8",
+        lambda folder: caught(lambda: autopar.plan(_LearnedPositions(8), 2, (torch.randn(4, 16, 4),))),
+    ),
+    Mistake(
         "degrees={'mp': 2}: a parallel dimension autopar does not have",
         "ConfigError",
         r"unknown parallel dimension\(s\) \['mp'\]; choose from",
@@ -337,6 +343,17 @@ MISTAKES = [
         _script_crashing_in_rank_1,
     ),
 ]
+
+
+class _LearnedPositions(torch.nn.Module):
+    """A table of learned positions looked up at ``arange`` over the sequence, as GPT-2's ``wpe``."""
+
+    def __init__(self, positions: int):
+        super().__init__()
+        self.wpe = torch.nn.Embedding(positions, 4)
+
+    def forward(self, x):
+        return (x + self.wpe(torch.arange(x.shape[1]))).square().mean()
 
 
 def _long_context(seq: int, degrees: dict):
