@@ -65,8 +65,8 @@ class PlanOptions:
     reduce_dtype: str | None = None
 
     def __post_init__(self):
-        known = {*PARALLEL_DIMS, Axis.PP}
-        unknown = sorted(set(self.degrees or {}) - known)
+        known = (Axis.PP, *PARALLEL_DIMS)
+        unknown = sorted(set(self.degrees or {}) - set(known))
         if unknown:
             raise ConfigError(
                 f"degrees: unknown parallel dimension(s) {unknown}; choose from {[str(a) for a in known]}"
