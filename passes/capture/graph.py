@@ -144,9 +144,9 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             "tensor's values); see the torch.export docs (torch.cond, static shapes) or pass a model whose "
             "forward traces."
         ) from error
-    buffers = buffer_values(exported)
-    _check_lookups(exported.graph_module, buffers)
-    fuse_eager_attention(exported.graph_module, buffers)  # one sdpa node, causal masks as is_causal
+    known = buffer_values(exported)  # the buffers' values, where they hold data
+    _check_lookups(exported.graph_module, known)
+    fuse_eager_attention(exported.graph_module, known)  # one sdpa node, causal masks as is_causal
     draw_dropout_masks_whole(exported.graph_module)  # the mask drawn whole, x * mask split like any product
     signature = exported.graph_signature
     params, buffers, user_inputs, constants = {}, {}, [], {}
@@ -201,8 +201,9 @@ def _check_lookups(graph_module: fx.GraphModule, buffers: dict[str, torch.Tensor
         rows = node_value(node.args[0]).shape[0]
         indices = constant_value(node.args[1], buffers)
         if indices is not None and indices.numel() and not 0 <= int(indices.min()) <= int(indices.max()) < rows:
+            row = int(indices.max()) if int(indices.max()) >= rows else int(indices.min())
             raise ConfigError(
-                f"{module_path(node) or 'an embedding'} looks up row {int(indices.max())} of its {rows}-row table at "
+                f"{module_path(node) or 'an embedding'} looks up row {row} of its {rows}-row table at "
                 f"positions the model makes from the input's shape: the model holds {rows} positions; call it on "
                 f"sequences of at most {rows} tokens, or build it with more positions"
             )
