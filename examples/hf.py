@@ -296,10 +296,9 @@ def from_config(
     dropout: float = 0.0,
 ) -> PreTrainedModel:
     """An unmodified ``AutoModelForCausalLM.from_config`` model of ``family`` ("llama", "mixtral",
-    "deepseek_v3", "gpt2", "qwen2") with a small config: no dropout (GPT-2's residual and embedding dropout
-    ``dropout``; attention's own, drawn inside sdpa for whatever part of the batch and heads a rank holds, none), no
-    router jitter; ``tie_embeddings`` None keeps the family's default
-    (GPT-2 and small Qwen2 tie the embedding and the head).
+    "deepseek_v3", "gpt2", "qwen2") with a small config: no dropout but GPT-2's residual and embedding dropout
+    ``dropout`` (its attention dropout stays 0: SDPA draws it per shard, not as one process does), no router
+    jitter; ``tie_embeddings`` None keeps the family's default (GPT-2 and small Qwen2 tie the embedding and the head).
 
     Example::
 

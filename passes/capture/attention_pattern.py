@@ -334,9 +334,7 @@ def new_node(graph: fx.Graph, target, args: tuple, meta: dict, like: fx.Node | N
     in the fake mode of ``like``'s value: one graph's values share one mode)."""
     node = graph.create_node("call_function", target, args, kwargs, name=target.overloadpacket.__name__)
     fake_args = fx.map_arg(args, _val)
-    tensors = [
-        arg for arg in (*fake_args, *([_val(like)] if like is not None else [])) if isinstance(arg, torch.Tensor)
-    ]
+    tensors = [arg for arg in fake_args if isinstance(arg, torch.Tensor)] + ([_val(like)] if like is not None else [])
     fake_mode = detect_fake_mode(tuple(tensors))
     with fake_mode or FakeTensorMode(allow_non_fake_inputs=True):
         node.meta.update(meta, val=target(*fake_args, **kwargs))

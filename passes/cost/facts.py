@@ -245,9 +245,10 @@ def analyze(
             grad_bytes=grad_bytes,
             pacing=pacing,
         )
-    layered = [index for index, fact in enumerate(facts.values()) if fact.kind == "op" and fact.layer is not None]
+    in_layers = (i for i, fact in enumerate(facts.values()) if fact.kind == "op" and fact.layer is not None)
+    last = max(in_layers, default=None)
     for index, fact in enumerate(facts.values()):
-        fact.after_layers = bool(layered) and index > layered[-1] and fact.kind == "op" and fact.layer is None
+        fact.after_layers = last is not None and index > last and fact.kind == "op" and fact.layer is None
     for fact in facts.values():  # mark what autograd keeps (activation memory); count consumers
         for slot in fact.slots:
             if fact.kind == "op" and slot.name in facts:
