@@ -5,6 +5,7 @@ import dataclasses
 
 import torch
 from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, load_and_compare, load_example, reference_after_one_step
+from shared_captures import build
 
 import autopar
 from autopar.runtime.checkpoint import load_weights, save_checkpoint
@@ -16,7 +17,7 @@ BATCH = 8
 
 def _parallel(gpt, seed: int, mesh, degrees, constraints, zero: int, lr: float):
     torch.manual_seed(seed)
-    model = gpt.build(**GPT)
+    model = build(gpt.build, **GPT)
     inputs = model.example_inputs(BATCH)
     base = autopar.plan(model, mesh, inputs, degrees=degrees, constraints=constraints, zero=0)
     pmodel = autopar.parallelize(model, mesh, inputs, plan=dataclasses.replace(base, zero=zero))

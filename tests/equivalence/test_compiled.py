@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from equivalence import GPT_SP, assert_matches, check_every_case, compare_one_step, load_example, run_case
 from mixed_precision import reference_step
+from shared_captures import build
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 import autopar
@@ -84,7 +85,7 @@ def _mixed_case(world: int, reduce_dtype: str, zero: int) -> dict:
     """One bf16-mixed compiled step against the single-process bf16 reference (relative L2 error
     of the loss and of each full gradient), and the dtypes the program's gradient sums ran in."""
     torch.manual_seed(0)
-    model = load_example("gpt.py").build(**GPT)
+    model = build(load_example("gpt.py").build, **GPT)
     inputs = model.example_inputs(BATCH)
     options = dict(degrees={"dp": 2}, precision="bf16-mixed", reduce_dtype=reduce_dtype, zero=zero)
     pmodel = autopar.parallelize(model, world, inputs, plan=_data_parallel_plan(model, world, options), compile=True)
@@ -139,7 +140,7 @@ def _stalled(rank: int) -> str:
     """Rank 1 stalls past a short collective timeout; what rank 0's compiled step raises (inductor's
     generated code waits for the collectives: the error must still name the program node)."""
     torch.manual_seed(0)
-    model = load_example("gpt.py").build(**GPT)
+    model = build(load_example("gpt.py").build, **GPT)
     pmodel = autopar.parallelize(
         model, 2, model.example_inputs(BATCH), degrees={"tp": 2}, constraints=GPT_SP, compile=True
     )

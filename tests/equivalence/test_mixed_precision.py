@@ -27,6 +27,7 @@ import pytest
 import torch
 from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, load_example
 from mixed_precision import reference_step, state_bytes
+from shared_captures import build
 
 import autopar
 from autopar.ir import get_profile
@@ -89,7 +90,7 @@ def _pinned_plan(model, inputs, precision: str, options: dict, zero: int):
 def _case(name: str, path: str) -> dict:
     case = CASES[name]
     torch.manual_seed(0)
-    model = load_example(f"{case.example}.py").build(**case.model)
+    model = build(load_example(f"{case.example}.py").build, **case.model)
     inputs = model.example_inputs(BATCH)
     mesh, plan = _pinned_plan(model, inputs, case.precision, case.options, case.zero)
     pmodel = autopar.parallelize(model, mesh, inputs, plan=plan)

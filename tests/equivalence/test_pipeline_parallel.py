@@ -22,6 +22,7 @@ from equivalence import (
     reference_after_one_step,
     run_case,
 )
+from shared_captures import build
 
 import autopar
 from autopar.ir import PIPELINES
@@ -111,7 +112,7 @@ def _zero_pipelined(rank, world, path):
 
 def _pinned_plan(builder, kwargs: dict, *, mesh, degrees: dict, zero: int, **schedule):
     """The plan made without ZeRO, given ``zero``: the same data-parallel program for every stage."""
-    model = builder(**kwargs)
+    model = build(builder, **kwargs)
     base = from_rank_zero(
         lambda: autopar.plan(model, mesh, model.example_inputs(BATCH), degrees=degrees, zero=0, **schedule),
         "planning",
@@ -122,7 +123,7 @@ def _pinned_plan(builder, kwargs: dict, *, mesh, degrees: dict, zero: int, **sch
 
 def _pinned(gpt, seed: int, mesh, degrees: dict, zero: int, lr: float, **schedule):
     torch.manual_seed(seed)
-    model = gpt.build(**GPT)
+    model = build(gpt.build, **GPT)
     inputs = model.example_inputs(BATCH)
     pmodel = autopar.parallelize(
         model, mesh, inputs, plan=_pinned_plan(gpt.build, GPT, mesh=mesh, degrees=degrees, zero=zero, **schedule)

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.fx as fx
 from equivalence import GPT_TP, compare_one_step, load_example
+from shared_captures import build
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 import autopar
@@ -20,7 +21,7 @@ HARDWARE = "a100-80gb"  # a roofline profile: plans made in one process without 
 
 def _gpt():
     torch.manual_seed(0)
-    model = load_example("gpt.py").build(**GPT)
+    model = build(load_example("gpt.py").build, **GPT)
     return model, model.example_inputs(BATCH)
 
 

@@ -18,6 +18,7 @@ from returned logits, and a batch the mesh cannot split."""
 
 import torch
 from equivalence import ADAM_EPS, LEARNING_RATE, _rel, check_every_case, load_example, run_case
+from shared_captures import build
 
 import autopar
 from autopar.runtime.spawn import run_local
@@ -48,7 +49,7 @@ def _batch(seed: int, batch: int = BATCH, seq: int = SEQ) -> dict:
 def _one_step(family: str, sizes: dict, options: dict) -> dict:
     options = dict(options)
     torch.manual_seed(0)
-    model = load_example("hf.py").from_config(family, **sizes)
+    model = build(load_example("hf.py").from_config, family=family, **sizes)
     padded = options.pop("padded", False)
     stream = torch.get_rng_state()  # parallelize must leave it as it is on every rank (planning runs on one)
     pmodel = autopar.parallelize(model, options.pop("mesh", 4), **options)
@@ -95,7 +96,7 @@ def _one_step(family: str, sizes: dict, options: dict) -> dict:
 def _other_calls() -> dict:
     """One DP4 Llama called in other ways than it was planned for."""
     torch.manual_seed(0)
-    model = load_example("hf.py").from_config("llama", **SIZES)
+    model = build(load_example("hf.py").from_config, family="llama", **SIZES)
     pmodel = autopar.parallelize(model, 4, degrees={"dp": 4})
     results = {}
     longer = _batch(2, batch=16, seq=8)  # other sizes: captured again, the same plan

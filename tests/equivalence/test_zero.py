@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from equivalence import GPT_TP, _rel, compare_one_step, load_example
 from mixed_precision import state_bytes
+from shared_captures import build
 
 import autopar
 from autopar.ir import get_profile
@@ -42,7 +43,7 @@ MICRO_CASES = [("gpt", stage) for stage in (2, 3)] + [("mlp", stage) for stage i
 
 def _plan(gpt, mesh_name: str, stage: int):
     mesh, degrees, constraints, schedule = MESHES[mesh_name]
-    model = gpt.build(**GPT)
+    model = build(gpt.build, **GPT)
     base = from_rank_zero(
         lambda: autopar.plan(
             model, mesh, model.example_inputs(BATCH), degrees=degrees, constraints=constraints, zero=0, **schedule
@@ -56,7 +57,7 @@ def _zero3_frees_gathered_weights(gpt) -> dict:
     """After a ZeRO-3 forward, no gathered weight's memory is alive (autograd keeps the shards):
     weak references to the gathered storages (storages die with their last tensor or view).
     Also counts the forward's all-gathers (one per layer group)."""
-    model = gpt.build(**GPT)
+    model = build(gpt.build, **GPT)
     pmodel = autopar.parallelize(model, 4, model.example_inputs(BATCH), plan=_plan(gpt, "DP4", 3))
     gathered, collectives, unflatten = [], [], zero_gathers.unflatten_gathered
 
@@ -80,7 +81,7 @@ def _zero3_accumulates_under_no_sync(gpt) -> dict:
     """Two ZeRO-3 micro-steps, the first under ``no_sync``: no gradient reaches the shards
     until the second, whose gradients equal the single-process sum of both."""
     torch.manual_seed(0)
-    model = gpt.build(**GPT)
+    model = build(gpt.build, **GPT)
     first = model.example_inputs(BATCH)
     second = tuple(tensor.flip(0) for tensor in first)
     pmodel = autopar.parallelize(model, 4, first, plan=_plan(gpt, "DP4", 3))
@@ -101,7 +102,7 @@ def _memory(gpt, mesh_name: str) -> dict:
     bytes_by_stage = {}
     for stage in (0, 1, 2, 3):
         torch.manual_seed(0)
-        model = gpt.build(**GPT)
+        model = build(gpt.build, **GPT)
         plan = _plan(gpt, mesh_name, stage)
         cost = evaluate_plan(capture(model, model.example_inputs(BATCH)), plan, get_profile("cpu-local"))
         pmodel = autopar.parallelize(model, MESHES[mesh_name][0], model.example_inputs(BATCH), plan=plan)
@@ -115,7 +116,7 @@ def _memory(gpt, mesh_name: str) -> dict:
 
 def _micro_plan(builder, kwargs: dict, stage: int):
     """DP2 with 2 microbatches, summing gradients over dp (pinned as ``_plan`` does)."""
-    model = builder(**kwargs)
+    model = build(builder, **kwargs)
     base = from_rank_zero(
         lambda: autopar.plan(model, 2, model.example_inputs(BATCH), degrees={"dp": 2}, microbatches=2, zero=0),
         "planning",
@@ -130,7 +131,7 @@ def _grad_collectives_by_microbatch(gpt, stage: int) -> list[int]:
     """DP2, 2 microbatches: the gradient collectives (reduce-scatters, and all-reduces of more
     than the scalar loss or the microbatches' counts of targets) issued before the first
     microbatch's forward, before the second's, and by the end of the step."""
-    model = gpt.build(**GPT)
+    model = build(gpt.build, **GPT)
     inputs = model.example_inputs(BATCH)
     pmodel = autopar.parallelize(model, 2, inputs, plan=_micro_plan(gpt.build, GPT, stage))
     issued, marks = [0], []

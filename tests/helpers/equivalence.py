@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import torch
+from shared_captures import build
 
 import autopar
 from autopar.verify import ADAM_EPS, ATOL, LEARNING_RATE, RTOL  # the step and tolerance autopar verify uses
@@ -45,7 +46,7 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
     """Single-process reference vs autopar on this rank; returns the worst relative errors
     (and what ``inspect(pmodel)`` returns, after the step)."""
     torch.manual_seed(0)
-    model = builder(**kwargs)
+    model = build(builder, **kwargs)
     inputs = model.example_inputs(batch)
     if options.pop("ignore_targets", False):
         inputs = (*inputs[:-1], with_ignored_targets(inputs[-1]))
