@@ -299,9 +299,13 @@ def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool
 
 
 def moves_no_data(target) -> bool:
-    """Views (``view``, ``transpose``, ``expand``, ...) and ``_unsafe_view`` (a reshape's view of
-    a fresh copy) launch no kernel: autograd and the allocator see them, the device does not."""
-    return bool(getattr(target, "is_view", False)) or target is torch.ops.aten._unsafe_view.default
+    """Views (``view``, ``transpose``, ``expand``, ...), ``_unsafe_view`` (a reshape's view of a
+    fresh copy) and export's checks of a tensor's metadata launch no kernel: autograd, the
+    allocator and the host see them, the device does not."""
+    return bool(getattr(target, "is_view", False)) or target in _NO_KERNEL
+
+
+_NO_KERNEL = {torch.ops.aten._unsafe_view.default, torch.ops.aten._assert_tensor_metadata.default}
 
 
 def maximum(*values):

@@ -330,17 +330,22 @@ def layer_norm(view: OpView) -> list[Strategy]:
 
 
 def index(view: OpView) -> list[Strategy]:
-    """x[..., idx, ...] with one index tensor, on dim p (Nones before it: ``qkv[:, :, [-2]]``): shard
-    the indices (the output's dims p...), or a dim of x that is not indexed."""
-    indices = view.arg(1, "indices")
-    indexed = [position for position, tensor in enumerate(indices) if tensor is not None]
-    if len(indexed) != 1 or len(view.in_shapes) != 2:
+    """x[..., i, j, ...]: index tensors from dim p on, broadcast together (a mask's ``pos[b[:, None], q]``):
+    shard a dim d of their broadcast (output dim p + d; an index broadcasting it stays whole), or one of x's others."""
+    indexed = [position for position, tensor in enumerate(view.arg(1, "indices")) if tensor is not None]
+    p, count = (indexed[0], len(indexed)) if indexed else (0, 0)
+    if not indexed or indexed[-1] != p + count - 1 or len(view.in_shapes) != 1 + count:
         return []
-    (p,) = indexed
-    x_ndim, idx_ndim = len(view.in_shapes[0]), len(view.in_shapes[1])
-    strategies = [Strategy((R, Shard(d)), Shard(p + d)) for d in range(idx_ndim)]
-    strategies += [Strategy((Shard(k), R), Shard(k if k < p else idx_ndim + k - 1)) for k in range(x_ndim) if k != p]
-    return strategies + [Strategy((Partial(op), R), Partial(op)) for op in ("sum", "avg")]
+    x_ndim, index_shapes = len(view.in_shapes[0]), view.in_shapes[1:]
+    nb = len(view.out_shape) - x_ndim + count  # dims of the indices' broadcast
+    strategies = []
+    for d in range(nb):
+        placements = tuple(R if k < 0 or s[k] == 1 else Shard(k) for s in index_shapes for k in [d - nb + len(s)])
+        if any(placement != R for placement in placements):
+            strategies.append(Strategy((R, *placements), Shard(p + d)))
+    rest = [k for k in range(x_ndim) if not p <= k < p + count]
+    strategies += [Strategy((Shard(k), *(R,) * count), Shard(k if k < p else k - count + nb)) for k in rest]
+    return strategies + [Strategy((Partial(op), *(R,) * count), Partial(op)) for op in ("sum", "avg")]
 
 
 def attention(view: OpView) -> list[Strategy]:
@@ -426,7 +431,9 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.cross_entropy_loss: cross_entropy,
     aten.nll_loss: loss,
     aten.mse_loss: mse,
-    aten.broadcast_tensors: pointwise,
+    **dict.fromkeys(
+        [aten.broadcast_tensors, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar], pointwise
+    ),
     **dict.fromkeys([aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like], like_input),
     operator.getitem: getitem,
     aten.repeat_interleave: repeat_interleave,

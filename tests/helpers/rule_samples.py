@@ -14,43 +14,9 @@ import operator
 import torch
 from hypothesis import strategies as st
 from rule_check import Group, Sample
+from rule_draws import F64, dim_of, indices, shape, size, tensor, values
 
 aten = torch.ops.aten
-F64 = torch.float64
-
-
-# -- drawing shapes and values -----------------------------------------------------------
-def size(draw, p: int) -> int:
-    """A dim size: mostly a multiple of p (shardable), sometimes not (1 or p + 1)."""
-    return draw(st.sampled_from([p, 2 * p, 2 * p, 3 * p, 1, p + 1]))
-
-
-def shape(draw, p: int, min_dims: int = 1, max_dims: int = 4) -> tuple[int, ...]:
-    return tuple(size(draw, p) for _ in range(draw(st.integers(min_dims, max_dims))))
-
-
-def values(draw, shape: tuple[int, ...], dtype=F64) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    if dtype.is_floating_point:
-        return torch.randn(shape, generator=generator, dtype=dtype)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=generator).bool()
-    return torch.randint(-8, 8, shape, generator=generator, dtype=dtype)
-
-
-def indices(draw, shape: tuple[int, ...], high: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-    return torch.randint(0, high, shape, generator=generator)
-
-
-def dim_of(draw, ndim: int) -> int:
-    """A dim, sometimes written negative (rules must normalize it)."""
-    d = draw(st.integers(0, ndim - 1))
-    return d - ndim if draw(st.booleans()) else d
-
-
-def tensor(draw, p, min_dims=1, max_dims=4, dtype=F64) -> torch.Tensor:
-    return values(draw, shape(draw, p, min_dims, max_dims), dtype)
 
 
 # -- matrix products ------------------------------------------------------------------------
@@ -285,10 +251,11 @@ def embedding(draw, p):
 
 
 def index(draw, p):
-    """One index tensor, on dim 0 or after Nones (``x[:, :, idx]``)."""
-    x = tensor(draw, p, 1, 3)
+    """Adjacent index tensors after Nones (``x[:, i, j]``), dims broadcast at random (``pos[b[:, None], q]``)."""
+    x, common = tensor(draw, p, 1, 3), shape(draw, p, 1, 2)
     at = draw(st.integers(0, x.dim() - 1))
-    return Sample(aten.index.Tensor, (x, [None] * at + [indices(draw, shape(draw, p, 1, 2), x.shape[at])]))
+    sizes = [[n if draw(st.booleans()) else 1 for n in common] for _ in range(draw(st.integers(1, x.dim() - at)))]
+    return Sample(aten.index.Tensor, (x, [None] * at + [indices(draw, n, top) for n, top in zip(sizes, x.shape[at:])]))
 
 
 def attention(draw, p):
@@ -394,8 +361,11 @@ def masked_fill(draw, p):
 
 
 def where(draw, p):
+    """where(c, x, y) with tensors, or with a 0-dim x and a number y (``ScalarOther``: a mask's fill)."""
     x = tensor(draw, p, 1, 3)
     condition = values(draw, tuple(x.shape), torch.bool)
+    if draw(st.booleans()):
+        return Sample(aten.where.ScalarOther, (condition, values(draw, ()), -2.5))
     return Sample(aten.where.self, (condition, x, values(draw, tuple(x.shape[1:]))))
 
 

@@ -204,3 +204,34 @@ def test_groups_across_nodes_run_hierarchically_and_all_to_all_pays_for_crossing
     )
     assert a100.link((4, 8), 32, 4).local_ranks == 1  # one member per node: a plain ring over the nodes
     assert a100.link((4, 8), 8, 8).inner is None  # inside one node
+
+
+class _Normed(torch.nn.Module):
+    """Linear, then RMSNorm as Hugging Face writes it, upcast first: on fp32 input the cast is a
+    no-op that torch.export keeps as a check of the tensor's metadata."""
+
+    def __init__(self, cast: bool):
+        super().__init__()
+        self.linear, self.cast = torch.nn.Linear(64, 64), cast
+
+    def forward(self, x):
+        y = self.linear(x)
+        y = y.to(torch.float32) if self.cast else y
+        return (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).sum()
+
+
+def test_a_metadata_check_costs_nothing_and_does_not_pin_the_batch():
+    """The check launches no kernel: data parallelism predicts the same step with it as without
+    (it was priced as a pass over the whole batch on every rank, which made pipelines look faster)."""
+    import autopar
+
+    x = torch.empty(1024, 512, 64, device="meta")
+    costs = []
+    for cast in (True, False):
+        with torch.device("meta"):
+            model = _Normed(cast)
+        captured = capture(model, (x,))
+        checks = captured.graph.find_nodes(op="call_function", target=torch.ops.aten._assert_tensor_metadata.default)
+        assert bool(checks) == cast
+        costs.append(autopar.plan(captured, 8, hardware="h100-80gb", degrees={"dp": 8}).cost.compute_s)
+    assert costs[0] == pytest.approx(costs[1], rel=1e-9)

@@ -89,6 +89,34 @@ def test_alibi_attention_scores_split_over_the_batch():
     assert scores.output == (Shard(0), Replicate()) and scores.inputs[1:] == ((Shard(0), Replicate()),) * 2, scores
 
 
+class _MaskedScores(torch.nn.Module):
+    """Attention scores plus the mask Hugging Face builds for eager attention (Gemma 2): each row's
+    positions looked up at broadcast batch and query indices, compared, filled by ``where``."""
+
+    def __init__(self, hidden: int = 64):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(hidden, hidden))
+
+    def forward(self, x, target):
+        batch, seq, _ = x.shape
+        positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+        rows = torch.arange(batch)[:, None, None]
+        allowed = positions[rows, torch.arange(seq)[None, None, :]] <= positions[rows, torch.arange(seq)[None, :, None]]
+        mask = torch.where(allowed, torch.zeros(()), -1e9)
+        q = x @ self.weight
+        return ((q @ q.transpose(1, 2) + mask - target) ** 2).mean()
+
+
+def test_an_eager_attention_mask_is_built_split_over_the_batch():
+    """The mask's lookups (``index`` with several broadcast index tensors) and its fill (``where`` with a
+    number) had no strategy but replication: data parallelism built the whole batch's mask on every rank
+    (Gemma 2's [batch, 1, seq, seq])."""
+    inputs = (torch.randn(64, 32, 64), torch.randn(64, 32, 32))
+    plan = autopar.plan(_MaskedScores(), 4, inputs, degrees={"dp": 4}, hardware="h100-80gb")
+    built = [(d.op, d.output) for d in plan.nodes.values() if d.op in ("aten.index.Tensor", "aten.where.ScalarOther")]
+    assert len(built) == 3 and all(output == (Shard(0), Replicate()) for _, output in built), built
+
+
 def test_narrow_mlp_big_batch_gets_data_parallelism():
     plan = plan_example("mlp.py", 4, batch=4096, model_kwargs=NARROW)
     assert plan.degrees == {"dp": 4, "tp": 1}
