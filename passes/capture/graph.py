@@ -140,6 +140,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}{_user_line(error)}: {type(error).__name__}: "
             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}\n"
+            f"{_positions_hint(model, example_inputs, example_kwargs)}"
             "autopar needs a forward without data-dependent Python control flow (a branch or loop on a "
             "tensor's values); see the torch.export docs (torch.cond, static shapes) or pass a model whose "
             "forward traces."
@@ -231,6 +232,19 @@ def _user_line(error: BaseException | None) -> str:
             return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})"
         error = error.__cause__ or error.__context__
     return ""
+
+
+def _positions_hint(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+    """A line naming the likely cause when the call is longer than the positions the model's config
+    holds: buffers sized for them (GPT-Neo's causal mask) then fail to broadcast inside export."""
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    tokens = [t.shape[1] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    if not isinstance(limit, int) or not tokens or max(tokens) <= limit:
+        return ""
+    return (
+        f"The call has {max(tokens)} tokens and the model's config holds {limit} positions "
+        f"(max_position_embeddings): call it on at most {limit}, or build it with more positions.\n"
+    )
 
 
 def _distinct(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -252,6 +252,12 @@ MISTAKES = [
         lambda folder: caught(lambda: autopar.plan(_LearnedPositions(8), 2, (torch.randn(4, 16, 4),))),
     ),
     Mistake(
+        "a Hugging Face GPT-Neo with 8 positions planned for sequences of 16 tokens",
+        "TraceError",
+        r"The call has 16 tokens and the model's config holds 8 positions \(max_position_embeddings\): call it",
+        lambda folder: caught(lambda: autopar.plan(_gpt_neo(positions=8), 2, example_kwargs=_tokens(2, 16))),
+    ),
+    Mistake(
         "degrees={'mp': 2}: a parallel dimension autopar does not have",
         "ConfigError",
         r"unknown parallel dimension\(s\) \['mp'\]; choose from",
@@ -354,6 +360,22 @@ class _LearnedPositions(torch.nn.Module):
 
     def forward(self, x):
         return (x + self.wpe(torch.arange(x.shape[1]))).square().mean()
+
+
+def _gpt_neo(positions: int):
+    """A small GPT-Neo from its config: a causal-mask buffer of ``positions`` x ``positions``."""
+    from transformers import AutoModelForCausalLM, GPTNeoConfig
+
+    config = GPTNeoConfig(
+        vocab_size=64, max_position_embeddings=positions, hidden_size=32, num_layers=2, num_heads=4,
+        attention_types=[[["global", "local"], 1]], window_size=4, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _tokens(batch: int, seq: int) -> dict:
+    ids = torch.randint(0, 64, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
 
 
 def _long_context(seq: int, degrees: dict):
