@@ -3,6 +3,7 @@ against the published expert configuration, both priced by the same cost model.
 
     python benchmarks/planning_scale.py           # writes BENCHMARKS.md (run it alone: it times the search)
     python benchmarks/planning_scale.py --quick                         # three rows, printed only
+    python benchmarks/planning_scale.py --families     # Hugging Face families at their published sizes
 
 Each row runs in a fresh subprocess (so peak RSS, ``resource.getrusage`` maxrss, is the row's
 own): the model is built on the meta device in bfloat16 and captured (timed apart: tracing is
@@ -11,7 +12,9 @@ published configuration pinned — its degrees and what the publication fixes (r
 ZeRO; without stages, the fewest microbatches that fit: gradient accumulation); the rest
 searched. TFLOP/s per GPU = the model's forward + backward FLOPs per step (the cost model's
 own count, no recomputation) / GPUs / predicted step, so free / expert is the inverse ratio of
-the predicted steps. Writes the "planning-scale" section of BENCHMARKS.md.
+the predicted steps. Writes the "planning-scale" section of BENCHMARKS.md; ``--families`` the
+"planning-families" section: every Hugging Face family's default configuration (its published size)
+unmodified, planned free on 64 simulated H100s.
 """
 
 from __future__ import annotations
@@ -35,6 +38,15 @@ MEGATRON = "Narayanan et al., SC'21, Table 1"
 ROW_TIMEOUT_S = 1800
 SCALING_LAYERS = (12, 24, 48, 96)
 SCALING_DEVICES = (8, 64, 512, 4096)
+# Hugging Face families planned at their default (published) configuration; not GPT-Neo, whose 2048
+# positions hold less than the sequence and whose mask then fails to trace, nor Mamba (its unrolled
+# scan takes minutes to capture)
+FAMILIES = (
+    "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text gpt2 gpt_neox gptj gpt_bigcode "
+    "phi phi3 olmo olmo2 olmoe starcoder2 stablelm falcon opt bloom granite granitemoe cohere glm smollm3 internlm3"
+).split()
+FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
+LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode")  # tables of fewer positions: planned at their length
 
 
 def _gpt(hidden: int, layers: int, heads: int) -> dict:
@@ -132,6 +144,22 @@ def scaling_rows() -> list[dict]:
     return by_layers + by_devices
 
 
+def family_rows() -> list[dict]:
+    """Each family at its default configuration, sequences of 4096 tokens (fewer where its learned
+    positions hold fewer), 256 of them on 64 H100s, nothing pinned."""
+    from transformers import AutoConfig
+
+    out = []
+    for family in FAMILIES:
+        positions = getattr(AutoConfig.for_model(family), "max_position_embeddings", None) or FAMILY_SEQ
+        seq = min(FAMILY_SEQ, positions) if family in LEARNED_POSITIONS else FAMILY_SEQ
+        model = {"builder": "published_size", "kwargs": {"family": family, "seq": seq}}
+        out.append(
+            {"name": family, "model": model, "gpus": FAMILY_GPUS, "batch": FAMILY_BATCH, "hardware": "h100-80gb"}
+        )
+    return out
+
+
 # -- one row, in its own process --------------------------------------------------------------------
 
 
@@ -174,6 +202,7 @@ def measure(row: dict) -> dict:
         "capture_s": capture_s,
         "search_s": search_s,
         "nodes": len(captured.graph.nodes),
+        "params": sum(p.numel() for p in model.parameters()),
         "free": _summary(free, flops, row["gpus"]),
     }
     if "expert" in row:
@@ -323,15 +352,54 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
     return "\n".join(lines)
 
 
+def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
+    lines = [
+        "## Planning at scale: Hugging Face families at their published sizes",
+        "",
+        f"- command: `python benchmarks/planning_scale.py --families` ({elapsed:.0f} s); date "
+        f"{datetime.date.today().isoformat()}; this machine: 2 shared CPU cores; planning only",
+        f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, its default (published) "
+        f"configuration, unmodified, on the meta device in bfloat16; {FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
+        f"(of their length where the model learns {' / '.join(LEARNED_POSITIONS)}'s fewer positions) on "
+        f'{FAMILY_GPUS} simulated H100s (mesh {FAMILY_GPUS // 8}x8), `precision="bf16-mixed"`, nothing pinned; '
+        "a fresh process per family. TFLOP/s per GPU as above (the cost model's FLOPs, no recomputation).",
+        "",
+        "| family | parameters | sequence | capture s | search s | peak RSS GiB | plan | step s | TFLOP/s | peak GiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for row, result in results:
+        free = result["free"]
+        lines.append(
+            f"| {row['name']} | {result['params'] / 1e9:.1f}B | {row['model']['kwargs']['seq']} | "
+            f"{result['capture_s']:.1f} | {result['search_s']:.1f} | {result['rss_gib']:.2f} | {_plan_text(free)} | "
+            f"{free['step_s']:.3f} | {free['tflops']:.0f} | {free['peak_gib']:.0f} |"
+        )
+    slowest = max(results, key=lambda r: r[1]["search_s"])
+    lines += [
+        "",
+        f"Slowest search: {slowest[0]['name']}, {slowest[1]['search_s']:.1f} s; plans with pipeline stages: "
+        f"{sum(r['free']['degrees'].get('pp', 1) > 1 for _, r in results)} of {len(results)}.",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three rows, printed, BENCHMARKS.md untouched")
+    parser.add_argument("--families", action="store_true", help="Hugging Face families at their published sizes")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure one row (JSON) and print the result
     args = parser.parse_args()
     if args.row:
         print(json.dumps(measure(json.loads(args.row))))
         return 0
     started = time.perf_counter()
+    if args.families:
+        results = []
+        for row in family_rows()[: 3 if args.quick else None]:
+            results.append((row, run_row(row)))
+            print(f"[planning-families] {row['name']}: {results[-1][1]['search_s']:.1f} s", file=sys.stderr, flush=True)
+        publish("planning-families", render_families(results, time.perf_counter() - started), args.quick)
+        return 0
     table, scaling = rows(), scaling_rows()
     if args.quick:
         table, scaling = table[:1] + table[-2:-1], scaling[:1]
