@@ -38,13 +38,10 @@ MEGATRON = "Narayanan et al., SC'21, Table 1"
 ROW_TIMEOUT_S = 1800
 SCALING_LAYERS = (12, 24, 48, 96)
 SCALING_DEVICES = (8, 64, 512, 4096)
-# Hugging Face families planned at their default (published) configuration; not GPT-Neo, whose 2048
-# positions hold less than the sequence and whose mask then fails to trace, nor Mamba (its unrolled
-# scan takes minutes to capture)
-FAMILIES = (
-    "llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe gemma gemma2 gemma3_text gpt2 gpt_neox gptj gpt_bigcode "
-    "phi phi3 olmo olmo2 olmoe starcoder2 stablelm falcon opt bloom granite granitemoe cohere glm smollm3 internlm3"
-).split()
+# The Hugging Face families of benchmarks/families.py, planned at their default (published) configurations;
+# not GPT-Neo (its mask, sized for 2048 positions, does not trace at longer sequences), Mamba (its unrolled
+# scan takes minutes to capture) nor DeepSeek-V3 (a row of the table above)
+FAMILIES_LEFT_OUT = ("gpt_neo", "mamba", "deepseek_v3")
 FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode")  # tables of fewer positions: planned at their length
 
@@ -147,10 +144,11 @@ def scaling_rows() -> list[dict]:
 def family_rows() -> list[dict]:
     """Each family at its default configuration, sequences of 4096 tokens (fewer where its learned
     positions hold fewer), 256 of them on 64 H100s, nothing pinned."""
+    from families import FAMILIES
     from transformers import AutoConfig
 
     out = []
-    for family in FAMILIES:
+    for family in (f for f in FAMILIES if f not in FAMILIES_LEFT_OUT):
         positions = getattr(AutoConfig.for_model(family), "max_position_embeddings", None) or FAMILY_SEQ
         seq = min(FAMILY_SEQ, positions) if family in LEARNED_POSITIONS else FAMILY_SEQ
         model = {"builder": "published_size", "kwargs": {"family": family, "seq": seq}}
@@ -352,6 +350,10 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
     return "\n".join(lines)
 
 
+def _count(params: int) -> str:
+    return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+
+
 def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
     lines = [
         "## Planning at scale: Hugging Face families at their published sizes",
@@ -360,7 +362,7 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
         f"{datetime.date.today().isoformat()}; this machine: 2 shared CPU cores; planning only",
         f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, its default (published) "
         f"configuration, unmodified, on the meta device in bfloat16; {FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
-        f"(of their length where the model learns {' / '.join(LEARNED_POSITIONS)}'s fewer positions) on "
+        f"({', '.join(LEARNED_POSITIONS)}: as many as their learned positions) on "
         f'{FAMILY_GPUS} simulated H100s (mesh {FAMILY_GPUS // 8}x8), `precision="bf16-mixed"`, nothing pinned; '
         "a fresh process per family. TFLOP/s per GPU as above (the cost model's FLOPs, no recomputation).",
         "",
@@ -368,17 +370,24 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
     for row, result in results:
+        if "error" in result:
+            lines.append(
+                f"| {row['name']} | | {row['model']['kwargs']['seq']} | | | | failed: {result['error']} | | | |"
+            )
+            continue
         free = result["free"]
         lines.append(
-            f"| {row['name']} | {result['params'] / 1e9:.1f}B | {row['model']['kwargs']['seq']} | "
+            f"| {row['name']} | {_count(result['params'])} | {row['model']['kwargs']['seq']} | "
             f"{result['capture_s']:.1f} | {result['search_s']:.1f} | {result['rss_gib']:.2f} | {_plan_text(free)} | "
             f"{free['step_s']:.3f} | {free['tflops']:.0f} | {free['peak_gib']:.0f} |"
         )
-    slowest = max(results, key=lambda r: r[1]["search_s"])
+    planned = [(row, result) for row, result in results if "error" not in result]
+    slowest = max(planned, key=lambda r: r[1]["search_s"])
     lines += [
         "",
-        f"Slowest search: {slowest[0]['name']}, {slowest[1]['search_s']:.1f} s; plans with pipeline stages: "
-        f"{sum(r['free']['degrees'].get('pp', 1) > 1 for _, r in results)} of {len(results)}.",
+        f"Planned: {len(planned)} of {len(results)}; slowest search: {slowest[0]['name']}, "
+        f"{slowest[1]['search_s']:.1f} s; plans with pipeline stages: "
+        f"{sum(r['free']['degrees'].get('pp', 1) > 1 for _, r in planned)} of {len(planned)}.",
     ]
     return "\n".join(lines)
 
@@ -396,8 +405,11 @@ def main() -> int:
     if args.families:
         results = []
         for row in family_rows()[: 3 if args.quick else None]:
-            results.append((row, run_row(row)))
-            print(f"[planning-families] {row['name']}: {results[-1][1]['search_s']:.1f} s", file=sys.stderr, flush=True)
+            try:
+                results.append((row, run_row(row)))
+            except RuntimeError as error:  # the row says what failed; the other families still run
+                results.append((row, {"error": str(error).strip().splitlines()[-1][:300]}))
+            print(f"[planning-families] {row['name']}: {results[-1][1]}", file=sys.stderr, flush=True)
         publish("planning-families", render_families(results, time.perf_counter() - started), args.quick)
         return 0
     table, scaling = rows(), scaling_rows()
