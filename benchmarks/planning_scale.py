@@ -409,7 +409,8 @@ def main() -> int:
                 results.append((row, run_row(row)))
             except RuntimeError as error:  # the row says what failed; the other families still run
                 results.append((row, {"error": str(error).strip().splitlines()[-1][:300]}))
-            print(f"[planning-families] {row['name']}: {results[-1][1]}", file=sys.stderr, flush=True)
+            done = results[-1][1].get("error") or f"{results[-1][1]['search_s']:.1f} s"
+            print(f"[planning-families] {row['name']}: {done}", file=sys.stderr, flush=True)
         publish("planning-families", render_families(results, time.perf_counter() - started), args.quick)
         return 0
     table, scaling = rows(), scaling_rows()
