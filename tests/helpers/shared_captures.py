@@ -1,7 +1,8 @@
 """Models built alike share their captured graphs, within one process (one spawned rank).
 
-A model built by the same builder from the same arguments after the same seed, and called at the
-same sizes, captures the same graph; torch.export is most of a small equivalence case's time
+A model built by the same builder from the same arguments after the same seed, its parameters and
+buffers still of the same shapes, dtypes and devices, and called at the same sizes, captures the
+same graph; torch.export is most of a small equivalence case's time
 (each ``parallelize`` captures the planning call and, with microbatches, one microbatch, and a
 spawn runs many cases). A model made by :func:`build` captures once per call signature, and
 every later model built alike gets that graph; any other model captures as usual. Capture
@@ -38,7 +39,8 @@ def _shared(model, example_inputs=(), example_kwargs=None, param_dtype=None):
     how = _BUILT.get(model)
     if how is None:
         return capture(model, example_inputs, example_kwargs, param_dtype)
-    key = (how, _signature(example_inputs), _signature(example_kwargs or {}), param_dtype)
+    state = tuple((name, _signature(value)) for name, value in model.state_dict(keep_vars=True).items())
+    key = (how, state, model.training, _signature(example_inputs), _signature(example_kwargs or {}), param_dtype)
     if key not in _GRAPHS:
         _GRAPHS[key] = capture(model, example_inputs, example_kwargs, param_dtype)
     return _GRAPHS[key]
