@@ -149,8 +149,9 @@ def family_rows() -> list[dict]:
 
     out = []
     for family in (f for f in FAMILIES if f not in FAMILIES_LEFT_OUT):
-        positions = getattr(AutoConfig.for_model(family), "max_position_embeddings", None) or FAMILY_SEQ
-        seq = min(FAMILY_SEQ, positions) if family in LEARNED_POSITIONS else FAMILY_SEQ
+        seq = FAMILY_SEQ
+        if family in LEARNED_POSITIONS:
+            seq = min(seq, AutoConfig.for_model(family).max_position_embeddings)
         model = {"builder": "published_size", "kwargs": {"family": family, "seq": seq}}
         out.append(
             {"name": family, "model": model, "gpus": FAMILY_GPUS, "batch": FAMILY_BATCH, "hardware": "h100-80gb"}

@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+import autopar
 from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile, model_state_bytes
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.ir.precision import ZERO_PAPER_LAYOUT
@@ -223,8 +224,6 @@ class _Normed(torch.nn.Module):
 def test_a_metadata_check_costs_nothing_and_does_not_pin_the_batch():
     """The check launches no kernel: data parallelism predicts the same step with it as without
     (it was priced as a pass over the whole batch on every rank, which made pipelines look faster)."""
-    import autopar
-
     x = torch.empty(1024, 512, 64, device="meta")
     costs = []
     for cast in (True, False):
