@@ -20,10 +20,10 @@ gradient is dropped as soon as it is copied into the bucket, and the bucket's bu
 only while its reduction is in flight.
 """
 
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,23 @@ from autopar.runtime.faults import collective, listing
 def local_tensor(tensor: Tensor) -> Tensor:
     """A DTensor's local part (sharing its storage), or the tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def weak_hook(method: Callable, *args) -> Callable[[Tensor], None]:
+    """A tensor hook calling ``method`` (bound) with ``args`` and the tensor while its object lives.
+
+    A hook holds its owner strongly otherwise, and a parameter's hooks are not seen by Python's
+    cycle collector while autograd also holds the parameter: a dropped model's memory (a GPU's) would
+    never be freed.
+    """
+    owner = weakref.WeakMethod(method)
+
+    def hook(tensor: Tensor) -> None:
+        bound = owner()
+        if bound is not None:
+            bound(*args, tensor)
+
+    return hook
 
 
 @dataclass
@@ -297,7 +314,7 @@ class GradSync:
         self._finish_queued = False
         self._finished = 0  # syncs done, so summing_now sees whether its backward's hooks synced
         self._hook_handles = [
-            param.register_post_accumulate_grad_hook(partial(self._on_grad_ready, bucket, index))
+            param.register_post_accumulate_grad_hook(weak_hook(self._on_grad_ready, bucket, index))
             for bucket in self._buckets
             for index, param in enumerate(bucket.params)
         ]

@@ -39,7 +39,7 @@ from autopar.ir import CASTS_IN_PROGRAM, EXTRA_INPUTS, GRAD_CHUNK, ConfigError, 
 from autopar.runtime.calls import CallProgram, Calls, local_chunk
 from autopar.runtime.clip import clip_grad_norm_
 from autopar.runtime.faults import agreed, collective, reported
-from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.grad_sync import GradSync, weak_hook
 from autopar.runtime.mixed_precision import LossScaler, MixedPrecision
 from autopar.runtime.process_groups import rank_device
 from autopar.runtime.zero.gather import Zero3Runtime
@@ -136,7 +136,7 @@ class ParallelModule(nn.Module):
         self._callback_queued = False
         for local in self._locals.values():
             if local.requires_grad:
-                local.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                local.register_post_accumulate_grad_hook(weak_hook(self._on_grad_accumulated))
 
     @communicating
     def forward(self, *args, **kwargs):
