@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -51,26 +52,40 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_report import KINDS, render  # noqa: E402
 from publish import write_section  # noqa: E402
+from published_models import build as build_model  # noqa: E402
 from step_time import _load_gpt  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.ir import HardwareProfile, get_profile  # noqa: E402
 from autopar.passes.cost.calibration import gpu_preset  # noqa: E402
 from autopar.passes.cost.efficiency import attention_seconds, gemm_list, gemm_seconds  # noqa: E402
-from autopar.passes.cost.ops import optimizer_time  # noqa: E402
+from autopar.passes.cost.ops import accumulation_s, optimizer_time  # noqa: E402
 from autopar.runtime.measure import timed  # noqa: E402
 from autopar.runtime.measure_gpu import measure_attention, measure_gemms  # noqa: E402
 
 SECTION = "gpu"
 ROWS = Path(__file__).parent / "data" / "published_runs.json"
 GROUP = "Megatron-Core r0.8 H100"
-STEP_SHAPES = {  # Megatron-Core's 1.7B and 7.1B rows, fewer layers: one GPU holds them with AdamW
-    "1.7B layers": dict(hidden=2048, heads=16, ffn=8192, vocab=131072, seq=4096, layers=4),
-    "7.1B layers": dict(hidden=4096, heads=32, ffn=16384, vocab=131072, seq=4096, layers=2),
+STEPS = {  # name: the model (published_models' kind and shapes), sequences per step (one microbatch
+    # each) and which runs. Megatron-Core's 1.7B and 7.1B rows with fewer layers; the 1.7B row whole
+    # with its 4 sequences per GPU; Llama 3 8B's layers at torchtitan's 2 x 8192 tokens per GPU
+    "1.7B layers": dict(kind="gpt", shape=dict(hidden=2048, heads=16, ffn=8192, vocab=131072, seq=4096, layers=4)),
+    "7.1B layers": dict(kind="gpt", shape=dict(hidden=4096, heads=32, ffn=16384, vocab=131072, seq=4096, layers=2)),
+    "1.7B model": dict(
+        kind="gpt", shape=dict(hidden=2048, heads=16, ffn=8192, vocab=131072, seq=4096, layers=24), sequences=4
+    ),
+    "Llama 3 8B layers": dict(
+        kind="llama",
+        shape=dict(hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192, layers=4),
+        sequences=2,
+    ),
 }
-QUICK_SHAPES = {"tiny": dict(hidden=64, heads=4, ffn=256, vocab=512, seq=64, layers=2)}
+QUICK_STEPS = {
+    "tiny": dict(kind="gpt", shape=dict(hidden=64, heads=4, ffn=256, vocab=512, seq=64, layers=2), sequences=2),
+    "tiny llama": dict(kind="llama", shape=dict(hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64, layers=2)),
+}
 TIMED_STEPS, WARMUP_STEPS = 10, 3
-STEP_PINS = dict(precision="bf16-mixed", recompute="none", microbatches=1, zero=0)
+STEP_PINS = dict(precision="bf16-mixed", recompute="none", zero=0)
 RUNS = (  # (label, compiled): the eager runs first, so a run cut short still has them
     ("autopar eager", False),
     ("torch autocast eager", False),
@@ -161,17 +176,23 @@ def _autopar_step(pmodel, inputs):
     return step
 
 
-def _torch_step(model, inputs, device: str, compile: bool):
+def _torch_step(model, inputs, device: str, compile: bool, microbatches: int):
+    """The plain model's step under autocast: ``microbatches`` forward-backward passes, gradients
+    accumulated (each loss scaled by 1 / microbatches: the loss of the whole batch), then AdamW."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     forward = torch.compile(model) if compile else model
+    chunks = list(zip(*(t.chunk(microbatches) for t in inputs)))
 
     def step():
-        with torch.autocast(device, dtype=torch.bfloat16):
-            loss = forward(*inputs)
-        loss.backward()
+        total = 0.0
+        for chunk in chunks:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = forward(*chunk) / microbatches
+            loss.backward()
+            total += loss.detach()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
 
     return step
 
@@ -238,10 +259,11 @@ def measured_by_kind(step, device: str, steps: int = 2) -> dict[str, float]:
     return {**totals, "wall (profiled)": wall, "top kernels": top}
 
 
-def predicted_by_kind(captured, hardware: HardwareProfile, plan) -> dict[str, float]:
-    """The cost model's one-GPU seconds per kind: every node's forward + backward, GEMMs and
-    attention by their paced rules; the optimizer's update; mixed precision's casts of every
-    parameter (copy kernels, so among the other ops)."""
+def predicted_by_kind(captured, hardware: HardwareProfile, plan, sequences: int = 1) -> dict[str, float]:
+    """The cost model's one-GPU seconds per kind: every node's forward + backward for one sequence
+    (``captured``), ``sequences`` times, GEMMs and attention by their paced rules; the optimizer's
+    update; mixed precision's casts of every parameter and the accumulation of every sequence's
+    gradients after the first (copy and add kernels, so among the other ops)."""
     from autopar.passes.cost.efficiency import ATTENTION, GEMMS
     from autopar.passes.cost.facts import analyze
 
@@ -251,43 +273,56 @@ def predicted_by_kind(captured, hardware: HardwareProfile, plan) -> dict[str, fl
         if fact.kind == "op":
             target = fact.node.target
             kind = "GEMM" if target in GEMMS else "attention" if target is ATTENTION else "other ops"
-            totals[kind] += fact.full_time_s
+            totals[kind] += fact.full_time_s * sequences
         elif fact.kind == "param":
             elements += math.prod(fact.out_shape)
+            totals["other ops"] += (sequences - 1) * accumulation_s(math.prod(fact.out_shape), fact, 0, 1, hardware)
     totals["optimizer"] = optimizer_time(elements, hardware)
     totals["other ops"] += optimizer_time(0, hardware, recast=elements if plan.precision_policy.mixed else 0)
     return totals
 
 
+def _build(spec: dict, device=None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if device is None:
+        return build_model(spec["kind"], spec["shape"])
+    with torch.device(device):
+        return build_model(spec["kind"], spec["shape"])
+
+
 def measure_steps(preset: HardwareProfile, device: str, quick: bool, results: list, save) -> list[dict]:
-    """autopar's one-GPU step, eager and compiled (planned on ``preset``), and the plain model's."""
-    gpt = _load_gpt()
-    for name, shape in (QUICK_SHAPES if quick else STEP_SHAPES).items():
-        torch.manual_seed(0)
-        model = gpt.build(**shape)
-        inputs = tuple(t.to(device) for t in model.example_inputs(1))
-        pins = dict(hardware=preset, precision="bf16-mixed", recompute="none", microbatches=1, zero=0)
-        pins = dict(hardware=preset, **STEP_PINS)
-        entry = {"name": name, "shape": shape, "runs": {}}
-        results.append(entry)
-        for label, compile in RUNS:
-            try:
-                if label.startswith("autopar"):
-                    runner = autopar.parallelize(copy.deepcopy(model), "1", inputs, compile=compile, **pins)
-                    step = _autopar_step(runner, inputs)
-                else:
-                    runner = copy.deepcopy(model).to(device)
-                    step = _torch_step(runner, inputs, device, compile)
-                entry["runs"][label] = _timed_steps(step, device)
-                if not compile:  # where the eager steps' time goes
-                    entry.setdefault("measured_by_kind", {})[label] = measured_by_kind(step, device)
-                del runner, step
-            except Exception as error:  # one run failing leaves the others to run
-                entry["runs"][label] = _failure(error)
-            save()  # a run cut short still leaves the runs it measured
-            _log(f"steps {name}: {label} {entry['runs'][label]}")
-        if device == "cuda":
-            torch.cuda.empty_cache()
+    """autopar's one-GPU step, eager and compiled (planned on ``preset``), and the plain model's:
+    every shape's eager runs first, so a record cut short by the time limit still has them."""
+    steps = QUICK_STEPS if quick else STEPS
+    entries = {name: {"name": name, **spec, "runs": {}} for name, spec in steps.items()}
+    results.extend(entries.values())
+    for compiled in (False, True):
+        for name, spec in steps.items():
+            entry, sequences = entries[name], spec.get("sequences", 1)
+            model = _build(spec)
+            inputs = tuple(t.to(device) for t in model.example_inputs(sequences))
+            pins = dict(hardware=preset, microbatches=sequences, **STEP_PINS)
+            for label, compile in RUNS:
+                if compile != compiled:
+                    continue
+                try:
+                    if label.startswith("autopar"):
+                        runner = autopar.parallelize(copy.deepcopy(model), "1", inputs, compile=compile, **pins)
+                        step = _autopar_step(runner, inputs)
+                    else:
+                        runner = copy.deepcopy(model).to(device)
+                        step = _torch_step(runner, inputs, device, compile, sequences)
+                    entry["runs"][label] = _timed_steps(step, device)
+                    if not compile:  # where the eager steps' time goes
+                        entry.setdefault("measured_by_kind", {})[label] = measured_by_kind(step, device)
+                except Exception as error:  # one run failing leaves the others to run
+                    entry["runs"][label] = _failure(error)
+                runner = step = None
+                gc.collect()  # a parallelized module holds reference cycles: free its GPU memory now
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+                save()  # a run cut short still leaves the runs it measured
+                _log(f"steps {name}: {label} {entry['runs'][label]}")
     return results
 
 
@@ -340,21 +375,22 @@ def price(record: dict, calibrated: Path | None) -> dict:
             r[f"{label}_s"] = attention_seconds(r["heads"], r["seq"], r["seq"], r["head_dim"], r["causal"], p, True)
     for r in record["optimizer"] if isinstance(record.get("optimizer"), list) else ():
         r["preset_s"] = optimizer_time(r["elements"], profiles["preset"])
-    gpt = _load_gpt()
     for entry in record["steps"] if isinstance(record.get("steps"), list) else ():
-        with torch.device("meta"):
-            model = gpt.build(**entry["shape"])
-        captured = autopar.capture(model, model.example_inputs(1, device="meta"), precision=STEP_PINS["precision"])
-        plan = autopar.plan(captured, "1", hardware=profiles["preset"], **STEP_PINS)
+        spec = {"kind": "gpt", **entry}  # a record of before the kinds: examples/gpt.py, one sequence
+        sequences = spec.get("sequences", 1)
+        model = _build(spec, "meta")
+        captured = autopar.capture(model, model.example_inputs(sequences), precision=STEP_PINS["precision"])
+        plan = autopar.plan(captured, "1", hardware=profiles["preset"], microbatches=sequences, **STEP_PINS)
+        one = autopar.capture(model, model.example_inputs(1), precision=STEP_PINS["precision"])
         entry.update(
             predicted_step_s=plan.cost.step_s,
             model_flops=plan.cost.model_flops,
-            predicted_by_kind=predicted_by_kind(captured, profiles["preset"], plan),
+            predicted_by_kind=predicted_by_kind(one, profiles["preset"], plan, sequences),
         )
     return record
 
 
-def measure(out: Path, quick: bool) -> dict:
+def measure(out: Path, quick: bool, only: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run)"
     preset = gpu_preset(name) if device == "cuda" else get_profile("h100-80gb")
@@ -380,6 +416,8 @@ def measure(out: Path, quick: bool) -> dict:
         ("steps", lambda: measure_steps(preset, device, quick, record.setdefault("steps", []), save)),
     )
     for part, run in parts:
+        if only and part not in only:
+            continue
         try:
             record[part] = run()
         except Exception as error:  # a part that fails is recorded and the next one still runs
@@ -392,20 +430,28 @@ def measure(out: Path, quick: bool) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="where to write the measured record (JSON)")
-    parser.add_argument("--calibrated", type=Path, help="a profile `autopar calibrate --backend nccl` wrote here")
     parser.add_argument(
-        "--render", type=Path, help="price this record with the current cost model and write its BENCHMARKS.md section"
+        "--calibrated", type=Path, nargs="*", default=[], help="the profiles `autopar calibrate --backend nccl` wrote"
+    )
+    parser.add_argument(
+        "--render",
+        type=Path,
+        nargs="*",
+        help="price these records with the current cost model (each with the --calibrated profile at its place) "
+        "and write their BENCHMARKS.md section",
     )
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, prints only")
+    parser.add_argument("--parts", nargs="*", help="measure only these parts (kernels, steps, ...)")
     args = parser.parse_args(argv)
     if args.render:
-        section = render(price(json.loads(args.render.read_text()), args.calibrated))
+        profiles = [*args.calibrated, *[None] * len(args.render)]
+        section = render([price(json.loads(r.read_text()), c) for r, c in zip(args.render, profiles)])
         print(section)
         write_section(SECTION, section)
         return 0
-    record = measure(args.out or Path("gpu.json"), args.quick)
+    record = measure(args.out or Path("gpu.json"), args.quick, args.parts)
     if args.quick:
-        print(render(price(record, None)))
+        print(render([price(record, None)]))
     return 0
 
 

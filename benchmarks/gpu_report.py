@@ -14,7 +14,7 @@ def _ratio(a: float, b: float) -> str:
 
 def _table(title: str, columns: list[str], rows: list[list], note: str = "") -> list[str]:
     """A markdown table under its heading, and a note after it."""
-    lines = [f"### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines = [f"#### {title}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     return lines + ([""] + [note] if note else []) + [""]
 
@@ -39,8 +39,8 @@ def _kernel_rows(kernels: list, labels: list[str]) -> tuple[list[list], str]:
 def _step_rows(steps: list) -> list[list]:
     rows = []
     for entry in steps:
-        shape = entry["shape"]
-        name = f"{entry['name']} (h {shape['hidden']}, {shape['layers']} layers, seq {shape['seq']})"
+        shape, sequences = entry["shape"], entry.get("sequences", 1)
+        name = f"{entry['name']} (h {shape['hidden']}, {shape['layers']} layers, {sequences} x {shape['seq']} tokens)"
         for label, run in entry["runs"].items():
             if "error" in run:
                 rows.append([name, "", label, f"failed: {run['error'][:200]}", "", "", "", ""])
@@ -61,22 +61,33 @@ def _step_rows(steps: list) -> list[list]:
     return rows
 
 
-def render(record: dict) -> str:
-    """The BENCHMARKS.md section of one record: per part a table, or the error it raised."""
+def render(records: list[dict]) -> str:
+    """The BENCHMARKS.md section: its method once, then each device's record."""
     lines = [
         "## One GPU: the cost model's kernels and a one-GPU step, measured",
         "",
-        f"- measured: `autopar calibrate --backend nccl --out gpu-calibrated.json` then `python benchmarks/gpu.py "
-        f"--out gpu.json` on one {record['device']} (torch {record['torch']}, {record['measured_at']}); the record "
-        "and the profile are kept in `benchmarks/data/gpu/`",
-        "- priced: `python benchmarks/gpu.py --render RECORD --calibrated PROFILE` prices every measurement with "
-        f"this code's cost model, on autopar's `{record['preset']}` preset"
-        + (" and on the calibrated profile" if _has_calibrated(record) else "")
-        + "; predicted / measured above 1: the model is pessimistic",
+        "- measured: `autopar calibrate --backend nccl --out gpu-calibrated.json` then `python benchmarks/gpu.py "
+        "--out gpu.json` on one GPU; each record and its profile are kept in `benchmarks/data/gpu/`",
+        "- priced: `python benchmarks/gpu.py --render RECORD... --calibrated PROFILE...` prices every measurement "
+        "with this code's cost model, on autopar's preset of the device and on its calibrated profile; predicted / "
+        "measured above 1: the model is pessimistic",
         "- kernels: the best of three back-to-back loops of about 20 ms each, over their calls; steps: the "
-        "median of 10 after 3 warm-up steps (the first step, which compiles, timed apart)",
+        "median of 10 after 3 warm-up steps (the first step, which compiles, timed apart); a step of several "
+        "sequences runs them as microbatches of one, gradients accumulated",
         "- one GPU: NCCL refuses two ranks on one device, so no collective, tensor parallelism, ZeRO or "
         "pipeline ran on CUDA here; the calibrated profile keeps the preset's links",
+        "",
+    ]
+    for record in records:
+        lines += _render_record(record)
+    return "\n".join(lines)
+
+
+def _render_record(record: dict) -> list[str]:
+    """One device's tables: per part a table, or the error it raised."""
+    lines = [
+        f"### {record['device']} (torch {record['torch']}, {record['measured_at']}; priced on `{record['preset']}`"
+        + (" and calibrated)" if _has_calibrated(record) else ")"),
         "",
     ]
     labels = ["preset", "calibrated"] if _has_calibrated(record) else ["preset"]
@@ -119,7 +130,7 @@ def render(record: dict) -> str:
         columns = ["program", "loss", "plain model's", "max full-gradient difference", "gradients compared"]
         lines += _table(title, columns, rows)
     if isinstance(parts["steps"], list):
-        title = "One-GPU training step, bf16 mixed precision, AdamW, one sequence (first step, which compiles, apart)"
+        title = "One-GPU training step, bf16 mixed precision, AdamW (first step, which compiles, apart)"
         columns = ["shape", "predicted ms", "run", "measured ms", "predicted / measured", "TFLOP/s (model)"]
         lines += _table(title, [*columns, "first step s", "first loss"], _step_rows(parts["steps"]))
         rows = [
@@ -133,7 +144,7 @@ def render(record: dict) -> str:
             "against the cost model's one-GPU time per kind"
         )
         lines += _table(title, ["shape", "run", *(f"{kind} measured / predicted ms" for kind in KINDS)], rows)
-    return "\n".join(lines)
+    return lines
 
 
 def _has_calibrated(record: dict) -> bool:

@@ -230,18 +230,22 @@ def render(
         "### Training stacks (overlaps as each source describes them)",
         "",
         "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | gradient buckets | "
-        "ZeRO-1 sync; ZeRO-3 gathers | "
+        "ZeRO-1 sync; ZeRO-3 gathers | bytes per gradient element a microbatch adds | "
         "what and where from |",
-        "| --- | ---: | --- | ---: | --- | --- | --- |",
+        "| --- | ---: | --- | ---: | --- | --- | --- | --- |",
     ]
     for name, stack in data["stacks"].items():
         fixed, per_rank = stack.get("grad_bucket_params", (0, 0))
         buckets = f"max({fixed:,}, {per_rank:,} x dp) parameters" if fixed else "autopar's (25 MiB)"
         cite = f"; {stack['grad_bucket_cite']}" if fixed else ""
+        accumulation = stack.get("grad_accumulation_bytes")
+        cite += f"; {stack['grad_accumulation_cite']}" if accumulation is not None else ""
+        accumulation = "autopar runtime's (18 mixed, 12 fp32)" if accumulation is None else accumulation
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
             f"| {buckets} | {'reduce-scatter' if stack.get('zero1_reduce_scatter') else 'all-reduce'} + gather; "
             f"{'per parameter' if stack.get('zero3_per_parameter') else 'per layer'} "
+            f"| {accumulation} "
             f"| {stack['description']}; {stack['cite']}{cite} |"
         )
     lines += ["", "### FLOPs definitions", ""]

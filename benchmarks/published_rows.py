@@ -50,8 +50,8 @@ def load(path: Path = DATA) -> dict:
 
 def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
     """The row's GPU preset with its training stack's overlaps (``tp_overlap``, ``p2p_overlap``,
-    and the data-parallel share ``overlap``), how its ZeRO moves data and, where the source
-    states it, gradient buckets."""
+    and the data-parallel share ``overlap``), how its ZeRO moves data and its microbatches'
+    gradients accumulate and, where the source states it, gradient buckets."""
     stack = stacks[row["stack"]]
     fixed, per_rank = stack.get("grad_bucket_params", (0, 0))  # parameters per bucket: fixed, or per dp rank
     return dataclasses.replace(
@@ -63,6 +63,7 @@ def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
         zero3_per_parameter=stack.get("zero3_per_parameter", False),
         zero1_reduce_scatter=stack.get("zero1_reduce_scatter", False),
         zero_gathers_in_place=stack.get("zero_gathers_in_place", False),
+        grad_accumulation_bytes=stack.get("grad_accumulation_bytes"),
     )
 
 

@@ -107,6 +107,10 @@ class HardwareProfile:
     # ZeRO-1/2's gathered weights land in the parameters' own storage (flat buffers the parameters
     # are views of: Megatron-Core, DeepSpeed); autopar's runtime copies them in
     zero_gathers_in_place: bool = False
+    # bytes per gradient element each microbatch after a step's first moves to add its weight
+    # gradients into the step's; None: autopar's runtime's (passes/cost/ops.py accumulation_s);
+    # 0 where the weight-gradient GEMM accumulates in place (Megatron's gradient-accumulation fusion)
+    grad_accumulation_bytes: float | None = None
 
     def flops_per_s(self, dtype: str = "float32") -> float:
         return self.peak_flops.get(dtype, self.peak_flops["float32"]) * self.compute_efficiency

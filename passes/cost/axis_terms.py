@@ -26,6 +26,7 @@ from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes
 from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.cost.ops import (
     GRAD_BUCKET_BYTES,
+    accumulation_s,
     collective_time,
     grad_sync_time,
     maximum,
@@ -174,7 +175,9 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
         )
         if ctx.hardware is None:
             return 0.0, 0.0, 0.0
-        return state_update_s(elements, fact, ctx.zero, ctx.data_parallel, ctx.hardware, ctx.contention), 0.0, 0.0
+        args = (elements, fact, ctx.zero, ctx.data_parallel, ctx.hardware, ctx.contention)
+        again = max(0, ctx.schedule.microbatches - 1) if fact.needs_grad else 0  # microbatches accumulated
+        return state_update_s(*args) + again * accumulation_s(*args), 0.0, 0.0
     work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
     compute = fact.seconds(work, local_slot_shapes(fact, s, ctx), ctx.schedule.microbatches)
     comm, sync = kernel_time(fact, s, ctx), 0.0

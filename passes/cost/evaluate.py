@@ -31,7 +31,7 @@ from autopar.ir.zero import accumulates_in_program, scatters_in_program, syncs_w
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.axis_terms import R, axis_contexts
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze
-from autopar.passes.cost.ops import maximum, minimum, state_update_s
+from autopar.passes.cost.ops import accumulation_s, maximum, minimum, state_update_s
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import LayerTerms, StepParts, StepTimes, layer_terms, scheduled, step_times
 from autopar.passes.search.partition import StageSplit, balanced_starts, layer_costs, split_rows
@@ -153,6 +153,7 @@ class PricedConfiguration:
     cost: Cost
     zero: int
     layout: LayoutTerms
+    accumulate_s: float = 0.0  # each microbatch after the first's gradient accumulation
 
     @classmethod
     def of(
@@ -168,9 +169,9 @@ class PricedConfiguration:
         """Price ``strategies`` at ``zero``; ``layout``: their terms, from another ZeRO stage
         that syncs alike (both 3, both 2, or both below 2)."""
         layout = layout or LayoutTerms.of(facts, degrees, strategies, mesh, hardware, zero)
-        memory, optimizer_s = _model_state(facts, layout, degrees, mesh, hardware, zero)
+        memory, optimizer_s, accumulate_s = _model_state(facts, layout, degrees, mesh, hardware, zero)
         cost = dataclasses.replace(layout.cost, memory={**memory, **layout.cost.memory}, optimizer_s=optimizer_s)
-        return cls(cost, zero, layout)
+        return cls(cost, zero, layout, accumulate_s)
 
     def split(self, schedule: Schedule) -> StageSplit | None:
         return self.layout.split(schedule)
@@ -179,7 +180,9 @@ class PricedConfiguration:
         """The cost under ``schedule`` (as :func:`evaluate`)."""
         # ZeRO-1/2's parameter gather runs once per step, after the optimizer: nothing to hide behind
         once = self.layout.sync_once_s if self.zero in (1, 2) else 0.0  # ZeRO-0 may price on ZeRO-1's layout
-        parts = dataclasses.replace(self.layout.parts, zero=self.zero, gather_once_s=once)
+        parts = dataclasses.replace(
+            self.layout.parts, zero=self.zero, gather_once_s=once, accumulate_s=self.accumulate_s
+        )
         cost = self.cost
         if schedule.compiled:  # what the compiled schedule leaves exposed replaces the profile's overlap
             comm, sync = self.layout.compiled_traffic(self.zero, schedule)
@@ -240,10 +243,11 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
 
 def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwareProfile, zero: int):
     """(memory by category of weights, gradients, optimizer state and gradient-sync buckets;
-    the optimizer step's seconds) under ZeRO ``zero``."""
+    the optimizer step's seconds; each microbatch after the first's gradient accumulation's
+    seconds) under ZeRO ``zero``."""
     dp = degrees.get(Axis.DP, 1)
     memory = dict.fromkeys(("params", "grads", "optimizer", "grad_buckets"), 0.0)
-    update_s = 0.0
+    update_s = accumulate_s = 0.0
     contention = hardware.contention(mesh.shape)
     synced_by_layer: dict[str, float] = {}  # one layer's (or a leaf outside layers') synced gradient bytes
     largest_synced = 0.0
@@ -261,13 +265,15 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
             synced_by_layer[group] = synced_by_layer.get(group, 0.0) + one
             largest_synced = maximum(largest_synced, one)
         update_s += state_update_s(elements, fact, zero, dp, hardware, contention)
+        if fact.needs_grad:
+            accumulate_s += accumulation_s(elements, fact, zero, dp, hardware, contention)
     if zero >= 2 and dp > 1 and synced_by_layer:
         # DDP and ZeRO-1 keep a flat copy of every synced gradient for the whole step; ZeRO-2 frees
         # each bucket once reduce-scattered (runtime/grad_sync.py), ZeRO-3 each layer group's
         # (runtime/zero/reduce_scatter.py, as FSDP2): one filling while the one before is in flight
         in_flight = 2 * (maximum(*synced_by_layer.values()) if zero >= 3 else maximum(bucket_cap(1), largest_synced))
         memory["grad_buckets"] = minimum(memory["grad_buckets"], in_flight)
-    return memory, update_s
+    return memory, update_s, accumulate_s
 
 
 def strategies_from_plan(plan: Plan, facts: dict[str, NodeFacts]) -> dict[str, dict[str, Strategy]]:

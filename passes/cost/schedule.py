@@ -118,6 +118,7 @@ class StepParts:
     zero: int = 0  # the ZeRO stage: when data-parallel traffic flows (overlap.exposed_grad_sync)
     replayed: bool = False  # a compiled step's replay (:mod:`replay`) already placed what hides
     gather_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather after the optimizer, exposed
+    accumulate_s: float = 0.0  # each microbatch after the first adding its gradients (ops.accumulation_s)
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def scheduled(
         compute_s=(times.compute_s + recompute_s) * time_share,
         comm_s=comm * time_share,
         grad_sync_s=sync,
-        optimizer_s=cost.optimizer_s * param_share,
+        optimizer_s=(cost.optimizer_s + parts.accumulate_s * (micro - 1)) * param_share,
         pipeline_s=work * bubble_share(schedule) + _boundary_transfers(terms, schedule, hardware, link, parts),
         model_flops=cost.model_flops * time_share,
         memory=memory,

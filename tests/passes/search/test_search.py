@@ -142,10 +142,12 @@ def test_a_memory_limit_moves_the_plan_to_zero_then_accumulation_or_tensor_paral
     limited = plan_example("mlp.py", 4, memory_limit=limit, **mlp)  # ZeRO or accumulation, whichever is faster
     assert limited.degrees["dp"] == 4 and (limited.zero > 0 or limited.schedule.microbatches > 1)
     assert limited.cost.peak_memory <= limit
-    accumulated = plan_example("mlp.py", 4, memory_limit=limit, zero=0, **mlp)  # DDP's answer: fewer rows at once
-    assert accumulated.degrees["dp"] == 4 and accumulated.schedule.microbatches > 1
-    assert accumulated.cost.peak_memory <= limit
-    sharded_state = plan_example("mlp.py", 4, memory_limit=limit, zero=1, **mlp)  # holds less: more rows at once
+    # DDP's answer: fewer rows at once (or, a pass over the gradients per microbatch later, tp 2)
+    accumulated = plan_example("mlp.py", 4, memory_limit=limit, zero=0, **mlp)
+    assert accumulated.schedule.microbatches > 1 and accumulated.cost.peak_memory <= limit
+    accumulated = plan_example("mlp.py", 4, memory_limit=limit, zero=0, degrees={"dp": 4}, **mlp)
+    assert accumulated.schedule.microbatches > 1 and accumulated.cost.peak_memory <= limit
+    sharded_state = plan_example("mlp.py", 4, memory_limit=limit, zero=1, degrees={"dp": 4}, **mlp)  # more rows at once
     assert sharded_state.schedule.microbatches < accumulated.schedule.microbatches
     assert sharded_state.cost.peak_memory <= limit
     no_zero = plan_example("mlp.py", 4, memory_limit=limit, zero=0, microbatches=1, **mlp)  # the whole batch at once
