@@ -14,16 +14,19 @@ is made when the record is rendered (:func:`price`), by the cost model of the co
 - ``equivalence``: the GPT example in fp32 on CUDA, autopar eager and compiled against the plain
   model: first loss and every full gradient;
 - ``optimizer``: one AdamW step over 740 M fp32 parameters, foreach and fused;
-- ``steps``: the GPT example at Megatron-Core's 1.7B and 7.1B layer shapes (fewer layers), bf16
-  mixed precision, one sequence: autopar's step, eager and compiled, and the plain model under
-  ``torch.autocast``, eager and ``torch.compile`` (compile time is the first step's, reported
-  apart), with the eager steps' device time per kind of kernel; priced by autopar's plan.
+- ``steps``: the GPT example at Megatron-Core's 1.7B and 7.1B layer shapes (fewer layers, one
+  sequence), the 1.7B row's whole model (24 layers, its 4 sequences per GPU as microbatches) and
+  Llama 3 8B's layers (4 of them, torchtitan's 2 x 8192 tokens per GPU), bf16 mixed precision:
+  autopar's step, eager and compiled, and the plain model under ``torch.autocast``, eager and
+  ``torch.compile`` (compile time is the first step's, reported apart), with the eager steps'
+  device time per kind of kernel; priced by autopar's plan. Every shape's eager runs come first,
+  so a run cut short by its time limit still has them.
 
 Run on a GPU machine, from the repository root (the record and the profile then travel back)::
 
     autopar calibrate --backend nccl --out gpu-calibrated.json
-    python benchmarks/gpu.py --out gpu.json                      # measures (~2 minutes on an H200)
-    python benchmarks/gpu.py --render gpu.json --calibrated gpu-calibrated.json   # BENCHMARKS.md
+    python benchmarks/gpu.py --out gpu.json          # measures (~6 minutes on an H100; --parts steps ...)
+    python benchmarks/gpu.py --render h200.json h100.json --calibrated h200-cal.json h100-cal.json  # BENCHMARKS.md
     python benchmarks/gpu.py --quick --out /tmp/x.json           # CPU smoke run: tiny shapes, gloo
 
 autopar must be installed there (`pip install --no-deps --no-build-isolation --target DIR .`, then
