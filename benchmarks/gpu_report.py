@@ -89,6 +89,7 @@ def _render_record(record: dict) -> list[str]:
         f"### {record['device']} (torch {record['torch']}, {record['measured_at']}; priced on `{record['preset']}`"
         + (" and calibrated)" if _has_calibrated(record) else ")"),
         "",
+        *([f"- {record['note']}", ""] if record.get("note") else []),
     ]
     labels = ["preset", "calibrated"] if _has_calibrated(record) else ["preset"]
     priced = [f"{label} / measured" for label in labels]
