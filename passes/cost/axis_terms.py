@@ -20,7 +20,6 @@ from autopar.ir import (
     Replicate,
     Schedule,
     Shard,
-    model_state_bytes,
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
 from autopar.passes.cost.kernels import kernel_time
@@ -31,6 +30,7 @@ from autopar.passes.cost.ops import (
     grad_sync_time,
     maximum,
     minimum,
+    param_state_bytes,
     reshard_time,
     state_update_s,
 )
@@ -256,11 +256,8 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
     frac = 1 / ctx.size if not isinstance(s.output, Replicate) else 1.0
     if fact.kind == "param":  # model state, and with data parallelism a gradient-sync bucket slot
         elements = numel(shapes[0]) * frac / ctx.schedule.stages
-        bucket = elements * fact.grad_bytes if ctx.data_parallel > 1 else 0.0
-        state = model_state_bytes(
-            elements, data_parallel=ctx.data_parallel, zero_stage=ctx.zero, precision=fact.precision
-        )
-        return sum(state.values()) + bucket
+        bucket = elements * fact.grad_bytes if ctx.data_parallel > 1 and fact.needs_grad else 0.0
+        return sum(param_state_bytes(elements, fact, ctx.data_parallel, ctx.zero).values()) + bucket
     saved = activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
     return saved * kept_share(fact, ctx.schedule)
 

@@ -24,14 +24,13 @@ from autopar.ir import (
     Replicate,
     Schedule,
     layer_of,
-    model_state_bytes,
 )
 from autopar.ir.buckets import bucket_cap
 from autopar.ir.zero import accumulates_in_program, scatters_in_program, syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.axis_terms import R, axis_contexts
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze
-from autopar.passes.cost.ops import accumulation_s, maximum, minimum, state_update_s
+from autopar.passes.cost.ops import accumulation_s, maximum, minimum, param_state_bytes, state_update_s
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import LayerTerms, StepParts, StepTimes, layer_terms, scheduled, step_times
 from autopar.passes.search.partition import StageSplit, balanced_starts, layer_costs, split_rows
@@ -255,8 +254,7 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
         if fact.kind != "param":
             continue
         elements = numel(layout.local.shapes[name][0]) * fact.weight
-        state = model_state_bytes(elements, data_parallel=dp, zero_stage=zero, precision=fact.precision)
-        for category, nbytes in state.items():
+        for category, nbytes in param_state_bytes(elements, fact, dp, zero).items():
             memory[category] += nbytes
         if name in layout.synced:
             memory["grad_buckets"] += elements * fact.grad_bytes

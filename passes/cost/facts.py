@@ -215,7 +215,8 @@ def analyze(
         slot_shapes = [_slot_shape(node, slot) for slot in slots]
         if node.op == "placeholder":
             kind = "param" if node.name in params else "buffer" if node.name in buffers else "input"
-            needs_grad = kind == "param"
+            # a frozen parameter (requires_grad off) gets no gradient: no backward, state or sync of its own
+            needs_grad = kind == "param" and bool(getattr(node.meta.get("val"), "requires_grad", True))
         elif node.op == "output":
             kind, needs_grad = "output", False
         else:

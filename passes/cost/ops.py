@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.ir import OP_NAMESPACE, HardwareProfile, LinkTier, Partial, Placement, Replicate, Shard
+from autopar.ir import OP_NAMESPACE, HardwareProfile, LinkTier, Partial, Placement, Replicate, Shard, model_state_bytes
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.ir.precision import PrecisionPolicy
 
@@ -415,13 +415,23 @@ def accumulation_s(
     return nbytes / hardware.streaming_bandwidth * contention
 
 
+def param_state_bytes(elements: float, fact, data_parallel: int, zero: int) -> dict[str, float]:
+    """Bytes of weights, gradients and optimizer state a device holds of a parameter of
+    ``elements`` (:func:`autopar.ir.model_state_bytes`); a frozen one holds its weights alone."""
+    state = model_state_bytes(elements, data_parallel=data_parallel, zero_stage=zero, precision=fact.precision)
+    return state if fact.needs_grad else {**state, "grads": 0.0, "optimizer": 0.0}
+
+
 def state_update_s(
     elements: float, fact, zero: int, data_parallel: int, hardware: HardwareProfile, contention: float = 1.0
 ) -> float:
     """Seconds the step spends updating a parameter of ``elements`` (this rank's before ZeRO;
     ``fact``: its :class:`~autopar.passes.cost.facts.NodeFacts`) after backward: AdamW over its
     1/dp under ZeRO, mixed precision's recast (of its 1/dp under ZeRO-3), and ZeRO-1/2's copies
-    around the gather of the stepped weights (:func:`zero_copy_bytes`)."""
+    around the gather of the stepped weights (:func:`zero_copy_bytes`). A frozen parameter is
+    never stepped, and its 16-bit copy, made once, stays valid."""
+    if not fact.needs_grad:
+        return 0.0
     recast = elements / (data_parallel if zero >= 3 else 1) if recasts(fact.precision) else 0.0
     copied = elements * zero_copy_bytes(zero, data_parallel, fact.master_bytes, hardware)
     stepped = elements / (data_parallel if zero else 1)

@@ -51,14 +51,13 @@ from autopar.ir import (
     batch_split,
     check_degrees,
     degree_choices,
-    model_state_bytes,
 )
 from autopar.passes.capture.moe import EXPERTS_OP
 from autopar.passes.cost.axis_terms import AxisContext, axis_contexts, partial_gradients
 from autopar.passes.cost.evaluate import stage_mesh
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
-from autopar.passes.cost.ops import state_update_s
+from autopar.passes.cost.ops import param_state_bytes, state_update_s
 from autopar.passes.cost.schedule import dropped, forward_share
 from autopar.passes.search.pins import chunks_per_rank, expert_params
 from autopar.passes.sharding.rules import node_strategies
@@ -233,14 +232,7 @@ class LowerBounds:
         dp = degrees.get(Axis.DP, 1)
         return (
             sum(
-                sum(
-                    model_state_bytes(
-                        self._param_elements(p, degrees),
-                        data_parallel=dp,
-                        zero_stage=zero,
-                        precision=self.facts[p].precision,
-                    ).values()
-                )
+                sum(param_state_bytes(self._param_elements(p, degrees), self.facts[p], dp, zero).values())
                 for p in self.params
             )
             / stages

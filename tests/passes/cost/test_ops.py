@@ -19,6 +19,7 @@ from autopar.passes.cost.ops import (
     grad_sync_time,
     measured_time,
     op_profile,
+    optimizer_time,
     reshard_time,
 )
 
@@ -255,3 +256,22 @@ def test_each_microbatch_after_the_first_adds_its_gradients(precision, per_eleme
     assert added == pytest.approx(3 * elements * per_element / h100.streaming_bandwidth, rel=1e-6)
     fused = dataclasses.replace(h100, grad_accumulation_bytes=0)
     assert optimizer_s(fused, 4) == pytest.approx(optimizer_s(fused, 1), rel=1e-9)
+
+
+def test_a_frozen_parameter_holds_its_weights_alone():
+    """No gradient, no optimizer state, no update, no accumulation for a parameter with
+    requires_grad off (fine-tuning): the runtime gives it none (they were priced as trainable)."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    model[0].requires_grad_(False)
+    captured = autopar.capture(model, (torch.empty(64, 256, device="meta"),), precision="bf16-mixed")
+    options = dict(degrees={"dp": 1}, zero=0, recompute="none", precision="bf16-mixed", microbatches=4)
+    cost = autopar.plan(captured, 1, hardware="h100-80gb", **options).cost
+    every = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert cost.memory["params"] == pytest.approx(every * 6)  # fp32 masters and their 16-bit copies
+    assert cost.memory["grads"] == pytest.approx(trainable * 4)
+    assert cost.memory["optimizer"] == pytest.approx(trainable * 8)
+    h100 = get_profile("h100-80gb")
+    update = optimizer_time(trainable, h100, recast=trainable) + 3 * trainable * 18 / h100.streaming_bandwidth
+    assert cost.optimizer_s == pytest.approx(update, rel=1e-6)
