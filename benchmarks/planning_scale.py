@@ -23,7 +23,9 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +38,7 @@ from publish import publish  # noqa: E402
 REFERENCE = ROOT.parent / "shared" / "reference" / "published-megatron-a100.json"
 MEGATRON = "Narayanan et al., SC'21, Table 1"
 ROW_TIMEOUT_S = 1800
+REPEATS, REPEATED_UNDER_S = 3, 10  # search targets this tight are timed as a median of fresh processes
 SCALING_LAYERS = (12, 24, 48, 96)
 SCALING_DEVICES = (8, 64, 512, 4096)
 # The Hugging Face families of benchmarks/families.py, planned at their default (published) configurations;
@@ -255,7 +258,17 @@ def _summary(plan, flops: float, gpus: int) -> dict:
 
 
 def run_row(row: dict) -> dict:
-    """:func:`measure` in a fresh interpreter (its peak RSS its own)."""
+    """:func:`measure` in a fresh interpreter (its peak RSS its own); a row whose search target is
+    a few seconds in :data:`REPEATS` fresh ones, its times their medians (the host is shared)."""
+    if row.get("targets", {}).get("search_s", math.inf) > REPEATED_UNDER_S:
+        return _run_once(row)
+    runs = [_run_once(row) for _ in range(REPEATS)]
+    times = {key: statistics.median(run[key] for run in runs) for key in ("capture_s", "search_s")}
+    rss = max(run["rss_gib"] for run in runs)
+    return {**runs[0], **times, "rss_gib": rss, "search_runs_s": [run["search_s"] for run in runs]}
+
+
+def _run_once(row: dict) -> dict:
     done = subprocess.run(
         [sys.executable, __file__, "--row", json.dumps(row)],
         capture_output=True,
@@ -291,7 +304,8 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
         f"- command: `python benchmarks/planning_scale.py` ({elapsed:.0f} s); date "
         f"{datetime.date.today()}; this machine: 2 shared CPU cores (other work may run beside it); planning only "
         '(meta-device models in bfloat16, `precision="bf16-mixed"`, simulated meshes (GPUs/8)x8)',
-        "- search s: `autopar.plan` on the captured graph (capture s: tracing it, apart); peak RSS: the row's own "
+        "- search s: `autopar.plan` on the captured graph (capture s: tracing it, apart; a row whose target is "
+        f"at most {REPEATED_UNDER_S} s: the median of {REPEATS} fresh processes); peak RSS: the row's own "
         "process (a fresh one per row: capture and both plans). TFLOP/s per GPU: the model's forward + backward "
         "FLOPs (the cost model's count, no recomputation) / GPUs / predicted step. Expert: the published "
         "configuration's degrees pinned, with what the publication fixes; everything else searched.",
@@ -313,7 +327,10 @@ def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], e
         targets = row.get("targets", {})
         checks = []
         if "search_s" in targets:
-            checks.append((f"search ≤ {targets['search_s']} s", result["search_s"] <= targets["search_s"]))
+            runs = result.get("search_runs_s")
+            each = ", ".join(f"{t:.1f}" for t in runs or ())
+            median = f" (median of {len(runs)} fresh processes: {each} s)" if runs else ""
+            checks.append((f"search ≤ {targets['search_s']} s{median}", result["search_s"] <= targets["search_s"]))
         if "rss_gib" in targets:
             checks.append((f"RSS ≤ {targets['rss_gib']} GiB", result["rss_gib"] <= targets["rss_gib"]))
         if "ratio" in targets:
