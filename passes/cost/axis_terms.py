@@ -176,7 +176,7 @@ def node_terms(fact: NodeFacts, s: Strategy, ctx: AxisContext, facts) -> tuple[f
         if ctx.hardware is None:
             return 0.0, 0.0, 0.0
         args = (elements, fact, ctx.zero, ctx.data_parallel, ctx.hardware, ctx.contention)
-        again = max(0, ctx.schedule.microbatches - 1) if fact.needs_grad else 0  # microbatches accumulated
+        again = max(0, ctx.schedule.microbatches - 1)  # microbatches whose gradients are added
         return state_update_s(*args) + again * accumulation_s(*args), 0.0, 0.0
     work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
     compute = fact.seconds(work, local_slot_shapes(fact, s, ctx), ctx.schedule.microbatches)

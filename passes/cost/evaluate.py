@@ -263,8 +263,7 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
             synced_by_layer[group] = synced_by_layer.get(group, 0.0) + one
             largest_synced = maximum(largest_synced, one)
         update_s += state_update_s(elements, fact, zero, dp, hardware, contention)
-        if fact.needs_grad:
-            accumulate_s += accumulation_s(elements, fact, zero, dp, hardware, contention)
+        accumulate_s += accumulation_s(elements, fact, zero, dp, hardware, contention)
     if zero >= 2 and dp > 1 and synced_by_layer:
         # DDP and ZeRO-1 keep a flat copy of every synced gradient for the whole step; ZeRO-2 frees
         # each bucket once reduce-scattered (runtime/grad_sync.py), ZeRO-3 each layer group's

@@ -405,7 +405,10 @@ def accumulation_s(
     ``elements`` (this rank's before ZeRO) into the step's: the whole gradient, or under ZeRO-2/3
     its reduce-scattered 1/dp, after mixed precision's cast of the whole (on one H100, 4 sequences
     of a 1.7B model: about 40 ms of a 420 ms step, benchmarks/gpu.py). A stack that accumulates
-    otherwise gives its bytes per element (``HardwareProfile.grad_accumulation_bytes``)."""
+    otherwise gives its bytes per element (``HardwareProfile.grad_accumulation_bytes``); a frozen
+    parameter has no gradient to add."""
+    if not fact.needs_grad:
+        return 0.0
     if hardware.grad_accumulation_bytes is not None:
         nbytes = elements * hardware.grad_accumulation_bytes
     else:
