@@ -204,26 +204,38 @@ def gemm_dims(target, slot_shapes) -> tuple | None:
     return math.prod(a[:-2]), a[-2], b[-1], a[-1]
 
 
-def gemm_list(dims: tuple, needs_grad: bool) -> list[tuple]:
-    """The (batch, m, n, k) GEMMs a matmul runs: its forward, and with a gradient both backward
-    products (input gradient m x k over n, weight gradient n x k over m, as cuBLAS lays them)."""
+def gemm_list(dims: tuple, needs_grad: bool, grads: tuple[bool, bool] = (True, True)) -> list[tuple]:
+    """The (batch, m, n, k) GEMMs a matmul runs: its forward, and with a gradient the backward
+    products of the inputs ``grads`` says need one (left, right: the input gradient m x k over n,
+    the weight gradient n x k over m, as cuBLAS lays them; a frozen weight has none)."""
     batch, m, n, k = dims
-    forward = [(batch, m, n, k)]
-    return forward + [(batch, m, k, n), (batch, n, k, m)] if needs_grad else forward
+    backward = [g for g, wanted in zip([(batch, m, k, n), (batch, n, k, m)], grads) if wanted]
+    return [(batch, m, n, k)] + (backward if needs_grad else [])
 
 
-def shaped_seconds(target, slot_shapes, hardware, dtype: str, itemsize: int, needs_grad: bool, causal=False, pieces=1):
+def shaped_seconds(
+    target,
+    slot_shapes,
+    hardware,
+    dtype: str,
+    itemsize: int,
+    needs_grad: bool,
+    causal: bool = False,
+    pieces: int = 1,
+    grads: tuple[bool, bool] = (True, True),
+):
     """Seconds of a GEMM's or attention's forward (+ backward) at these input shapes, its batch
     run in ``pieces`` microbatches one after another; None for any other op.
 
     A microbatch divides the rows of a GEMM's activation (the m of x @ wᵀ, or the batch count of a
-    batched product) and the batch of attention; weights keep their shapes.
+    batched product) and the batch of attention; weights keep their shapes. ``grads``: which of a
+    GEMM's two inputs get a gradient (:func:`gemm_list`).
     """
     dims = gemm_dims(target, slot_shapes)
     if dims is not None:
         batch, m, n, k = dims
         batch, m = (batch / pieces, m) if batch != 1 else (batch, m / pieces)
-        gemms = gemm_list((batch, m, n, k), needs_grad)
+        gemms = gemm_list((batch, m, n, k), needs_grad, grads)
         return pieces * sum(gemm_seconds(mm, nn, kk, dtype, itemsize, hardware, bb) for bb, mm, nn, kk in gemms)
     if target is ATTENTION and len(slot_shapes) >= 3:
         q, k = slot_shapes[0], slot_shapes[1]

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from autopar.ir import HardwareProfile, PrecisionPolicy, Shard, layer_of
 from autopar.passes.capture.graph import CapturedGraph, node_layer
-from autopar.passes.cost.efficiency import ATTENTION, shaped_seconds, work_units
+from autopar.passes.cost.efficiency import ATTENTION, GEMMS, shaped_seconds, work_units
 from autopar.passes.cost.ops import (
     OpProfile,
     compute_dtype,
@@ -113,6 +113,7 @@ class Pacing:
     itemsize: int
     needs_grad: bool
     causal: bool = False
+    grads: tuple[bool, bool] = (True, True)  # a GEMM's inputs that get a gradient (left, right)
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def seconds(self, slot_shapes, microbatches: int = 1):
@@ -126,6 +127,7 @@ class Pacing:
             self.needs_grad,
             self.causal,
             microbatches,
+            self.grads,
         )
 
     def against(self, local: tuple, whole: tuple, microbatches: int = 1):
@@ -226,7 +228,7 @@ def analyze(
             )
         profile = op_profile(node, needs_grad, cast) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
         dtype = compute_dtype(outputs[0].dtype, cast) if outputs else torch.float32
-        pacing = _pacing(node, hardware, dtype, needs_grad) if kind == "op" else None
+        pacing = _pacing(node, hardware, dtype, needs_grad, facts) if kind == "op" else None
         facts[node.name] = NodeFacts(
             node=node,
             kind=kind,
@@ -286,14 +288,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_grad: bool) -> Pacing | None:
+def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_grad: bool, facts) -> Pacing | None:
     """The pacing of a GEMM or attention node on a profile with kernel figures that does not
-    time ops on this machine; None for every other node."""
+    time ops on this machine (a GEMM's backward computes the gradients of the inputs that need
+    one: ``facts`` of its producers); None for every other node."""
     if hardware.kernels is None or hardware.measure_ops:
         return None
-    shapes = [_slot_shape(node, slot) for slot in tensor_inputs(node)]
+    slots = tensor_inputs(node)
+    shapes = [_slot_shape(node, slot) for slot in slots]
     causal = node.target is ATTENTION and bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else 0))
-    pacing = Pacing(node.target, hardware, dtype_name(dtype), dtype.itemsize, needs_grad, causal)
+    sides = GEMMS[node.target][:2] if node.target in GEMMS and len(slots) > max(GEMMS[node.target][:2]) else ()
+    grads = tuple(facts[slots[i].name].needs_grad if slots[i].name in facts else True for i in sides) or (True, True)
+    pacing = Pacing(node.target, hardware, dtype_name(dtype), dtype.itemsize, needs_grad, causal, grads)
     return pacing if work_units(node.target, shapes) else None
 
 

@@ -13,14 +13,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import autopar
 from autopar.ir import HardwareProfile, get_profile
+from autopar.ir.precision import PrecisionPolicy
 from autopar.passes.cost.efficiency import (
     attention_fill,
     attention_rate,
     attention_seconds,
     gemm_efficiency,
+    gemm_list,
     gemm_seconds,
 )
+from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import moves_no_data
 from autopar.passes.cost.overlap import boundary_seconds, exposed_grad_sync, exposed_tp_comm, pipeline_messages
 
@@ -168,3 +172,23 @@ def test_a_gpu_profile_without_kernel_figures_keeps_one_efficiency():
     flat = dataclasses.replace(A100, kernels=None)
     assert flat.streaming_bandwidth == flat.memory_bandwidth
     assert A100.streaming_bandwidth == pytest.approx(0.8 * A100.memory_bandwidth)
+
+
+def test_a_gemm_computes_the_gradients_of_its_inputs_that_need_one():
+    """Autograd runs a linear's weight-gradient GEMM only for a trainable weight and its
+    input-gradient GEMM only for an input that needs one: the first layer on the model's input
+    runs the weight's alone, a frozen layer (fine-tuning) the input's alone."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 2048))
+    model[2].requires_grad_(False)
+    captured = autopar.capture(model, (torch.empty(4096, 1024, device="meta"),), precision="bf16-mixed")
+    h100 = get_profile("h100-80gb")
+    facts = analyze(captured, h100, policy=PrecisionPolicy.of("bf16-mixed"))
+    first, frozen = [f for f in facts.values() if f.kind == "op" and f.node.target is torch.ops.aten.linear.default]
+
+    def seconds(dims, grads):
+        return sum(gemm_seconds(m, n, k, "bfloat16", 2, h100, b) for b, m, n, k in gemm_list(dims, True, grads))
+
+    assert first.full_time_s == pytest.approx(seconds((1, 4096, 4096, 1024), (False, True)))
+    assert frozen.full_time_s == pytest.approx(seconds((1, 4096, 2048, 4096), (True, False)))
+    assert len(gemm_list((1, 4096, 2048, 4096), True)) == 3  # both gradients by default
