@@ -69,8 +69,8 @@ from autopar.runtime.measure_gpu import measure_attention, measure_gemms  # noqa
 SECTION = "gpu"
 ROWS = Path(__file__).parent / "data" / "published_runs.json"
 GROUP = "Megatron-Core r0.8 H100"
-STEPS = {  # name: the model (published_models' kind and shapes), sequences per step (one microbatch
-    # each) and which runs. Megatron-Core's 1.7B and 7.1B rows with fewer layers; the 1.7B row whole
+STEPS = {  # name: the model (published_models' kind and shapes) and sequences per step (one microbatch
+    # each). Megatron-Core's 1.7B and 7.1B rows with fewer layers; the 1.7B row whole
     # with its 4 sequences per GPU; Llama 3 8B's layers at torchtitan's 2 x 8192 tokens per GPU
     "1.7B layers": dict(kind="gpt", shape=dict(hidden=2048, heads=16, ffn=8192, vocab=131072, seq=4096, layers=4)),
     "7.1B layers": dict(kind="gpt", shape=dict(hidden=4096, heads=32, ffn=16384, vocab=131072, seq=4096, layers=2)),
@@ -321,7 +321,7 @@ def measure_steps(preset: HardwareProfile, device: str, quick: bool, results: li
                 except Exception as error:  # one run failing leaves the others to run
                     entry["runs"][label] = _failure(error)
                 runner = step = None
-                gc.collect()  # a parallelized module holds reference cycles: free its GPU memory now
+                gc.collect()  # the next run needs the GPU memory this one held: nothing left to a later collection
                 if device == "cuda":
                     torch.cuda.empty_cache()
                 save()  # a run cut short still leaves the runs it measured
