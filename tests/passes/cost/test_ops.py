@@ -237,13 +237,17 @@ def test_a_metadata_check_costs_nothing_and_does_not_pin_the_batch():
     assert costs[0] == pytest.approx(costs[1], rel=1e-9)
 
 
+def _two_linears() -> torch.nn.Module:
+    with torch.device("meta"):
+        return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+
+
 @pytest.mark.parametrize("precision, per_element", [("bf16-mixed", 18), ("fp32", 12)])
 def test_each_microbatch_after_the_first_adds_its_gradients(precision, per_element):
     """Gradient accumulation is a pass over the gradients per microbatch: on one H100, 4 sequences
     of a 1.7B model spent about 40 ms of 420 in these casts and adds (benchmarks/gpu.py). A stack
     whose weight-gradient GEMM accumulates in place (Megatron's fusion) gives 0 bytes."""
-    with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    model = _two_linears()
     captured = autopar.capture(model, (torch.empty(64, 256, device="meta"),), precision=precision)
     elements = sum(p.numel() for p in model.parameters())
     h100 = get_profile("h100-80gb")
@@ -261,8 +265,7 @@ def test_each_microbatch_after_the_first_adds_its_gradients(precision, per_eleme
 def test_a_frozen_parameter_holds_its_weights_alone():
     """No gradient, no optimizer state, no update, no accumulation for a parameter with
     requires_grad off (fine-tuning): the runtime gives it none (they were priced as trainable)."""
-    with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+    model = _two_linears()
     model[0].requires_grad_(False)
     captured = autopar.capture(model, (torch.empty(64, 256, device="meta"),), precision="bf16-mixed")
     options = dict(degrees={"dp": 1}, zero=0, recompute="none", precision="bf16-mixed", microbatches=4)

@@ -60,7 +60,9 @@ def test_compute_runs_at_the_preset_s_rate_for_the_compute_dtype():
     for precision in ("fp32", "bf16-mixed"):
         facts = analyze(captured, a100, policy=PrecisionPolicy.of(precision)).values()
         ops = [f for f in facts if f.kind == "op"]
-        times[precision] = [sum(f.full_time_s for f in ops if (f.node.target in GEMMS) == gemm) for gemm in (1, 0)]
+        times[precision] = [
+            sum(f.full_time_s for f in ops if (f.node.target in GEMMS) is gemm) for gemm in (True, False)
+        ]
     (gemms, others), (gemms16, others16) = times["fp32"], times["bf16-mixed"]
     # GEMMs are compute-bound in both, at the peaks' ratio (312 / 19.5); GELU, the loss and the residual
     # add stream half the bytes
