@@ -36,6 +36,7 @@ from autopar.passes.cost.axis_terms import (
     axis_spans,
     edge_time,
     edges,
+    local_slot_shapes,
     node_memory,
     node_terms,
     partial_gradients,
@@ -55,7 +56,7 @@ from autopar.passes.search.pins import (
     module_name,
 )
 from autopar.passes.sharding.rules import MATMULS, attention, node_strategies, pointwise, rule_for
-from autopar.passes.sharding.strategies import OpView, Strategy
+from autopar.passes.sharding.strategies import OpView, Strategy, work_fraction
 
 
 def solve_axes(
@@ -357,11 +358,13 @@ def solve_axis(
 
 
 def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, float]:
-    """(work, gradient sync) seconds an axis's ops cost at least, whatever its ILP chooses: per
-    op its cheapest option's compute, kernel traffic and partial gradients (each shared among
-    the ops it comes from, so one all-reduced once is never counted twice; a parameter's counts
-    as gradient sync); edges, which cost nothing when placements agree, count nothing.
-    Parameters' optimizer steps are left to the caller. ``terms``: :func:`node_terms` of each option."""
+    """(work, gradient sync) seconds an axis's ops cost at least, whatever its ILP chooses and
+    whichever schedule prices the layout: per op its cheapest option's compute (its batch in one
+    piece: a GEMM split into microbatches runs no faster), kernel traffic and partial gradients
+    (each shared among the ops it comes from, so one all-reduced once is never counted twice; a
+    parameter's counts as gradient sync); edges, which cost nothing when placements agree, count
+    nothing. Parameters' optimizer steps are left to the caller. ``terms``: :func:`node_terms`
+    of each option under ``ctx``'s schedule."""
     work = sync = 0.0
     for rep, count in weight.items():
         fact = facts[rep]
@@ -369,6 +372,9 @@ def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, fl
             continue
         cheapest = (math.inf, 0.0)
         for strategy, (compute, comm, _) in zip(options[rep], terms[rep]):
+            if ctx.schedule.microbatches > 1:
+                whole = ctx.local.work[rep] * work_fraction(strategy, ctx.size)
+                compute = min(compute, fact.seconds(whole, local_slot_shapes(fact, strategy, ctx)))
             synced = sum(
                 (share + once / max(1, ctx.schedule.microbatches)) * (1 - ctx.overlap) / max(1, facts[slot].consumers)
                 for slot, share, once in partial_gradients(fact, strategy, ctx, facts)

@@ -217,13 +217,13 @@ class _Weighing:
         contexts, caches, layouts = {}, {}, {}
         for done, i in enumerate(order, 1):
             stages, degrees, zero, bubble = space[i]
-            entry = {"stages": stages, "degrees": degrees, "zero": zero}
+            entry = {"stages": stages, "degrees": degrees, "zero": zero, "bound_s": bound[i]}
             state = self.bounds.model_state_bytes(stages, degrees, zero)
             if state > self.limit:
                 self.log.append({**entry, "pruned": MEMORY, "bound_bytes": state})
                 self.memory_pruned.append((state, stages, degrees, zero))
             elif len(space) > 1 and not within_reach(bound[i], self.fastest):
-                self.log.append({**entry, "pruned": BOUND, "bound_s": bound[i]})
+                self.log.append({**entry, "pruned": BOUND})
             else:
                 ctx = contexts.setdefault(stages, context_for(stages))
                 key = (stages, tuple(degrees.items()))

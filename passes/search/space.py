@@ -38,6 +38,8 @@ Pre: the (folded) facts of a graph. Post: the configurations to weigh, and their
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 
 from autopar.ir import (
@@ -160,14 +162,14 @@ class LowerBounds:
     """Bounds no layout of a configuration can beat, from the graph alone (no ILP).
 
     - compute: every op's work split over every axis whose size divides some dim of its
-      shapes (its rule's strategies there), the layers balanced perfectly over the stages, but
-      a device running at least the biggest layer (with the embeddings or the head, where they
-      go); and the least pipeline bubble of the schedules the configuration runs;
+      shapes (its rule's strategies there), whole layers spread over the stages as evenly as
+      they go (:func:`busiest_stage_s`); and the least pipeline bubble of the schedules the
+      configuration runs;
     - optimizer: the AdamW step over each parameter split over tp (ep for experts) where its
       shape allows, ZeRO-sharded over dp, its stage's share 1/p;
     - gradients, with dp > 1: per parameter, the cheaper of syncing its gradient over dp (the
-      cost model's own :func:`partial_gradients`) and running the ops that use it, each
-      counted for one parameter, unsplit over dp.
+      cost model's own :func:`partial_gradients`, over its share left by tp) and running the
+      ops that use it, each counted for one parameter, unsplit over dp.
 
     :meth:`layout_s`, once the axes before the last sharded one are solved (they are shared by
     many configurations), is tighter: their exact traffic, and per op of the last axis its
@@ -182,6 +184,7 @@ class LowerBounds:
         self._splits: dict[tuple[str, int], bool] = {}
         self._sync: dict[tuple, dict[str, float]] = {}
         self._works: dict[tuple, float] = {}
+        self._busiest: dict[tuple, float] = {}
         self.unsharded = ShardedShapes.unsharded(facts)
         self.experts = expert_params(facts)
         self.params = [n for n, f in facts.items() if f.kind == "param"]
@@ -222,10 +225,14 @@ class LowerBounds:
             for p in self.params
         )
 
+    def _param_share(self, name: str, degrees: dict[str, int]) -> float:
+        """The least share of a parameter one device holds: split over tp (ep for experts) where its shape allows."""
+        split = [Axis.TP] + ([Axis.EP] if name in self.experts else [])
+        return self._work(name, {a: degrees.get(a, 1) for a in split})
+
     def _param_elements(self, name: str, degrees: dict[str, int]) -> float:
         fact = self.facts[name]
-        split = [Axis.TP] + ([Axis.EP] if name in self.experts else [])
-        return numel(fact.out_shape) * fact.weight * self._work(name, {a: degrees.get(a, 1) for a in split})
+        return numel(fact.out_shape) * fact.weight * self._param_share(name, degrees)
 
     def model_state_bytes(self, stages: int, degrees: dict[str, int], zero: int) -> float:
         """Weights, gradients and optimizer state of the busiest device, at least."""
@@ -241,11 +248,18 @@ class LowerBounds:
     def step_s(self, mesh: Mesh, stages: int, degrees: dict[str, int], zero: int, bubble: float = 0.0) -> float:
         """Seconds of a step, at least, on ``mesh`` (the whole mesh) under any layout and any
         schedule whose pipeline bubble is at least ``bubble`` (a share of the busiest device's work)."""
-        facts = self.facts
-        stage = stage_mesh(mesh, stages)
+        key = (stages, tuple(degrees.items()))
+        if key not in self._busiest:
+            self._busiest[key] = self._busiest_s(stages, degrees)
+        optimizer = self._state_update_s(degrees, zero, stage := stage_mesh(mesh, stages))
+        return self._busiest[key] * (1 + bubble) + (optimizer + self._gradients_s(stage, degrees, zero)) / stages
+
+    def _busiest_s(self, stages: int, degrees: dict[str, int]) -> float:
+        """The work of the busiest device, at least: each op split as far as its shapes allow,
+        the layers spread over the stages as evenly as whole layers can be."""
         rows: dict[str, float] = {}  # per layer, what its ops cost at least (ops outside layers: first or last)
         layers: list[str] = []
-        for name, fact in facts.items():
+        for name, fact in self.facts.items():
             if fact.kind != "op":
                 continue
             if fact.layer is not None and fact.layer not in rows:
@@ -254,14 +268,8 @@ class LowerBounds:
             work = fact.full_time_s * self._work(name, degrees)
             for layer in fact.folded_layers or (key,):
                 rows[layer] = rows.get(layer, 0.0) + work
-        total = sum(rows.values())
-        biggest = 0.0
-        if layers:  # a device runs whole layers: at least the biggest, with the embeddings or the head
-            ends = {layers[0]: rows.get("prefix", 0.0), layers[-1]: rows.get("suffix", 0.0)}
-            biggest = max(rows[layer] + ends.get(layer, 0.0) for layer in rows if layer not in ("prefix", "suffix"))
-        busiest = max(total / stages, biggest if stages > 1 else 0.0)
-        optimizer = self._state_update_s(degrees, zero, stage)
-        return busiest * (1 + bubble) + (optimizer + self._gradients_s(stage, degrees, zero)) / stages
+        first, last = rows.pop("prefix", 0.0), rows.pop("suffix", 0.0)
+        return busiest_stage_s(list(rows.values()), first, last, stages)
 
     def recompute_s(self, stages: int, degrees: dict[str, int], level: str) -> float:
         """Seconds of forward that recomputation at ``level`` runs again, at least (the ops it
@@ -299,7 +307,11 @@ class LowerBounds:
             if self.splits(name, dp):  # else it never splits over dp and never leaves a partial gradient
                 work = facts[name].full_time_s * facts[name].weight * self._work(name, degrees, skip=Axis.DP)
                 unsplit[param] = unsplit.get(param, 0.0) + work * (1 - 1 / dp)
-        return sum(min(seconds * facts[p].weight, unsplit.get(p, 0.0)) for p, seconds in sync.items())
+        # a collective over 1/k of the bytes takes at least 1/k of the time (alpha-beta)
+        return sum(
+            min(seconds * facts[p].weight * self._param_share(p, degrees), unsplit.get(p, 0.0))
+            for p, seconds in sync.items()
+        )
 
     def _syncs(self, stage: Mesh, dp: int, zero: int) -> dict[str, float]:
         """Per parameter, the seconds of its gradient's sync over dp (ZeRO-3 regathers it too)."""
@@ -329,3 +341,37 @@ class LowerBounds:
                             sync[slot] = max(sync.get(slot, 0.0), seconds * (1 - ctx.overlap))
             self._sync[key] = sync
         return self._sync[key]
+
+
+def busiest_stage_s(layers: list[float], first: float, last: float, stages: int) -> float:
+    """The least work of the busiest of ``stages`` devices running whole ``layers`` (seconds
+    each), the first layer's device also ``first`` (the embeddings) and the last's ``last`` (the
+    head): the smallest load x at which the devices can hold every layer, each at most the
+    cheapest layers that fit beside its extra. The first and the last share a device in V
+    schedules, not in the others: the lesser of the two. Never under an even split of the whole.
+
+    >>> busiest_stage_s([1.0] * 8, 0.0, 0.5, 4)   # two layers each; the head's device 2.5
+    2.5
+    """
+    total = sum(layers) + first + last
+    if stages == 1 or not layers:
+        return total / stages
+    cheapest = list(itertools.accumulate(sorted(layers), initial=0.0))
+
+    def fits(x: float, extras: list[float]) -> bool:
+        if x < max(extras):
+            return False  # a device cannot even hold its extra
+        # how many layers each device holds at most (a hair of rounding allowed); the others hold no extra
+        held = sum(bisect.bisect_right(cheapest, (x - extra) * (1 + 1e-12)) - 1 for extra in extras)
+        held += (stages - len(extras)) * (bisect.bisect_right(cheapest, x * (1 + 1e-12)) - 1)
+        return held >= len(layers)
+
+    least = math.inf
+    for extras in ([first, last], [first + last]):
+        loads = sorted({extra + held for extra in extras + [0.0] for held in cheapest})  # where the fit changes
+        low, high = 0, len(loads) - 1  # the largest load always fits: find the smallest that does
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if fits(loads[mid], extras) else (mid + 1, high)
+        least = min(least, loads[low])
+    return max(total / stages, least)

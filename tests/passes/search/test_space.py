@@ -1,0 +1,94 @@
+"""The search's bounds are sound: no configuration prices below its bound, and pruning by them
+never changes the plan the search chooses."""
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+from planning import meta_model
+
+import autopar
+from autopar.ir import get_profile
+from autopar.passes.search import search as search_module
+from autopar.passes.search.space import busiest_stage_s
+
+
+def _best_assignment(layers: list[float], first: float, last: float, stages: int) -> float:
+    """The busiest device's least work over every assignment of whole layers to devices, the
+    extras (embeddings, head) on the devices of the first and the last layer."""
+    best = float("inf")
+    for owners in itertools.product(range(stages), repeat=len(layers)):
+        load = [0.0] * stages
+        for owner, seconds in zip(owners, layers):
+            load[owner] += seconds
+        load[owners[0]] += first
+        load[owners[-1]] += last
+        best = min(best, max(load))
+    return best
+
+
+def test_the_busiest_stage_bound_is_never_above_the_best_assignment():
+    draw = random.Random(0)
+    for _ in range(60):
+        stages = draw.randint(2, 4)
+        layers = [draw.choice([1.0, 1.0, 2.0, draw.uniform(0.5, 3.0)]) for _ in range(draw.randint(stages, 7))]
+        first, last = draw.uniform(0, 1), draw.uniform(0, 3)
+        bound = busiest_stage_s(layers, first, last, stages)
+        assert bound <= _best_assignment(layers, first, last, stages) * (1 + 1e-9)
+        assert bound >= (sum(layers) + first + last) / stages * (1 - 1e-9)
+
+
+def test_the_busiest_stage_bound_is_the_even_split_of_identical_layers():
+    # 32 layers over 8 devices: 4 each, the head's device 4 layers and the head (Llama-3 8B's shape)
+    assert busiest_stage_s([1.0] * 32, 0.1, 0.8, 8) == pytest.approx(4.8)
+    assert busiest_stage_s([1.0] * 32, 0.1, 0.8, 1) == pytest.approx(32.9)
+    assert busiest_stage_s([1.0] * 3, 0.2, 0.2, 2) == pytest.approx(2.0)  # both extras beside one layer
+
+
+def _slow_network():
+    a100 = get_profile("a100-80gb")
+    slow = dataclasses.replace(a100.links[1], bandwidth=a100.links[1].bandwidth / 1000)
+    return dataclasses.replace(a100, name="a100-slow-network", links=(a100.links[0], slow))
+
+
+CASES = {  # (model file, builder, model kwargs, mesh, batch, plan options): pipelines, tp, cp, ZeRO and folding weighed
+    "gpt-pipelines": ("gpt.py", "build", dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256), (4, 2), 32, {}),
+    "gpt-slow-network": (
+        "gpt.py",
+        "build",
+        dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256),
+        (4, 2),
+        32,
+        dict(hardware=_slow_network()),
+    ),
+    "llama3-8b-shapes": (
+        "hf.py",
+        "build_llama3",
+        dict(size="8b", layers=4, seq=2048),
+        (2, 4),
+        16,
+        dict(hardware="h100-80gb", precision="bf16-mixed"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_no_configuration_prices_below_its_bound_and_pruning_keeps_the_plan(case, monkeypatch):
+    file, builder, kwargs, mesh, batch, options = CASES[case]
+    model = meta_model(file, builder, **kwargs)
+    captured = autopar.capture(model, model.example_inputs(batch, device="meta"))
+    plan = autopar.plan(captured, mesh, **options)
+    weighed = [entry for entry in plan.search if "step_s" in entry]
+    assert any("pruned" in entry for entry in plan.search) and len(weighed) > 3
+    for entry in weighed:
+        assert entry["bound_s"] <= entry["step_s"] * (1 + 1e-9), entry
+    # every configuration weighed in full (the bound never prunes): the same plan
+    monkeypatch.setattr(search_module, "within_reach", lambda step_s, fastest: True)
+    full = autopar.plan(captured, mesh, **options)
+    assert not any(entry.get("pruned") == "bound" for entry in full.search)
+    assert (full.degrees, full.zero, full.schedule) == (plan.degrees, plan.zero, plan.schedule)
+    assert full.cost.step_s == pytest.approx(plan.cost.step_s, rel=1e-12)
+    for entry in full.search:
+        if "step_s" in entry:
+            assert entry["bound_s"] <= entry["step_s"] * (1 + 1e-9), entry
