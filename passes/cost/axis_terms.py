@@ -92,27 +92,39 @@ def partial_gradients(
     how much hides behind backward is :mod:`overlap`'s), of their shard on one rank:
     ``param_shapes`` once every axis is placed (the ILP, one axis at a time, sees the shapes
     before this axis); an activation's partial sums are all-reduced once, however many split ops
-    consumed it (the rewrite sums them first).
+    consumed it (the rewrite sums them first). Under ZeRO-3 every weight an op uses moves on the
+    data-parallel axis however the op runs there (its gathers).
     """
-    if ctx.size <= 1 or isinstance(s.output, Replicate):
+    if ctx.size <= 1:
+        return []
+    split = not isinstance(s.output, Replicate)
+    gathers = ctx.name == Axis.DP and ctx.zero == 3  # ZeRO-3 gathers every weight an op uses, split or not
+    if not (split or gathers):
         return []
     out = []
     for slot, placement, shape in zip(fact.slots, s.inputs, ctx.local.slot_shapes[fact.node.name]):
         producer = facts[slot.name]
-        if not isinstance(placement, Replicate) or not producer.needs_grad:
+        weight, partial = producer.kind == "param", split and isinstance(placement, Replicate)
+        if not (weight and gathers or partial and producer.needs_grad):
             continue
         shape = (param_shapes or {}).get(slot.name, shape)
         nbytes = numel(shape) * producer.elem_bytes
-        if producer.kind == "param":
+        if weight:  # (a weight the op slices is gathered whole first, and its gradient is whole)
             grad, master = (numel(shape) * per for per in (producer.grad_bytes, producer.master_bytes))
-            out.append((slot.name, *param_sync(nbytes, grad, ctx, master)))
+            sync = param_sync(nbytes, grad, ctx, master, trainable=producer.needs_grad, reduced=partial)
+            out.append((slot.name, *sync))
         else:
             out.append((slot.name, collective_time("all_reduce", nbytes, ctx.size, ctx.link), 0.0))
     return out
 
 
 def param_sync(
-    param_bytes: float, grad_bytes: float, ctx: AxisContext, master_bytes: float | None = None
+    param_bytes: float,
+    grad_bytes: float,
+    ctx: AxisContext,
+    master_bytes: float | None = None,
+    trainable: bool = True,
+    reduced: bool = True,
 ) -> tuple[float, float]:
     """(seconds, seconds once per step) of one parameter's data-parallel traffic under ZeRO
     (Rajbhandari et al. 2020, §5-7). Stages 0-1 all-reduce the gradient once per step; stage 1
@@ -125,7 +137,13 @@ def param_sync(
     first figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration`
     counts it so). Gradients and stepped weights go in the stack's buckets (``grad_bucket_bytes``),
     each paying a collective's latency once; ZeRO-3 moves a layer's parameters in one collective
-    each way, whose latency :func:`zero3_layer_s` adds per layer."""
+    each way, whose latency :func:`zero3_layer_s` adds per layer. Under ZeRO-3 a gradient that is
+    not ``reduced`` (its op ran whole on every rank) is cut to the rank's chunk, not
+    reduce-scattered; a frozen parameter (not ``trainable``) moves nothing but the forward gather:
+    the runtime saves its whole copy for backward rather than gathering it again
+    (:mod:`autopar.runtime.zero.gather`)."""
+    if not trainable and (ctx.name != Axis.DP or ctx.zero != 3):
+        return 0.0, 0.0
     bucket = (ctx.hardware.grad_bucket_bytes if ctx.hardware else 0.0) or GRAD_BUCKET_BYTES
     if ctx.name != Axis.DP or ctx.zero == 0:
         return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0
@@ -138,10 +156,10 @@ def param_sync(
     if ctx.zero == 2:
         return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter"), stepped
     # bandwidth only: the layer pays the latency (zero3_layer_s), or each gather its own for a stack that gathers alone
-    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, math.inf, kind="reduce_scatter")
+    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, math.inf, kind="reduce_scatter") if reduced else 0.0
     alone = ctx.hardware is not None and ctx.hardware.zero3_per_parameter
     gather = grad_sync_time(param_bytes, ctx.size, ctx.link, param_bytes if alone else math.inf, kind="all_gather")
-    return scatter + 2 * gather, 0.0
+    return (scatter + 2 * gather if trainable else gather), 0.0
 
 
 def zero3_layer_s(ctx: AxisContext) -> float:

@@ -278,3 +278,28 @@ def test_a_frozen_parameter_holds_its_weights_alone():
     h100 = get_profile("h100-80gb")
     update = optimizer_time(trainable, h100, recast=trainable) + 3 * trainable * 18 / h100.streaming_bandwidth
     assert cost.optimizer_s == pytest.approx(update, rel=1e-6)
+
+
+def test_zero3_gathers_a_frozen_parameter_for_forward_alone():
+    """Under ZeRO-3 a frozen weight is sharded and gathered for forward like any other, but has
+    no gradient to reduce-scatter and is saved whole for backward (no second gather): its
+    traffic was left out."""
+    h100 = dataclasses.replace(get_profile("h100-80gb"), overlap=0.0)  # every byte of the sync exposed
+    options = dict(degrees={"dp": 2}, zero=3, recompute="none", precision="fp32")
+
+    def sync_s(freeze: bool) -> float:
+        model = _two_linears()
+        model[0].requires_grad_(not freeze)
+        captured = autopar.capture(model, (torch.empty(8192, 256, device="meta"),))
+        return autopar.plan(captured, 2, hardware=h100, **options).cost.grad_sync_s
+
+    link = h100.link((2,), 2, 2)
+    nbytes = 1024 * 256 * 4  # the first weight in fp32 (its bias is counted apart)
+    gather = grad_sync_time(nbytes, 2, link, float("inf"), kind="all_gather")
+    scatter = grad_sync_time(nbytes, 2, link, float("inf"), kind="reduce_scatter")
+    bias = 1024 * 4
+    bias_gather = grad_sync_time(bias, 2, link, float("inf"), kind="all_gather")
+    bias_scatter = grad_sync_time(bias, 2, link, float("inf"), kind="reduce_scatter")
+    # freezing the first layer drops its reduce-scatters and second gathers, and only those
+    dropped = scatter + gather + bias_scatter + bias_gather
+    assert sync_s(False) - sync_s(True) == pytest.approx(dropped, rel=1e-6)
