@@ -226,7 +226,9 @@ def analyze(
             needs_grad = any(facts[s.name].needs_grad for s in slots if s.name in facts) and any(
                 t.dtype.is_floating_point for t in outputs
             )
-        profile = op_profile(node, needs_grad, cast) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
+        # backward computes the gradients of the inputs that need one (not a mask's, a frozen weight's)
+        wants = frozenset(s.name for s in slots if s.name in facts and facts[s.name].needs_grad)
+        profile = op_profile(node, needs_grad, cast, wants) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
         dtype = compute_dtype(outputs[0].dtype, cast) if outputs else torch.float32
         pacing = _pacing(node, hardware, dtype, needs_grad, facts) if kind == "op" else None
         facts[node.name] = NodeFacts(
@@ -237,7 +239,7 @@ def analyze(
             out_shapes=[tuple(t.shape) for t in outputs],
             elem_bytes=dtype.itemsize,
             dtype=dtype_name(dtype),
-            full_time_s=_op_time(node, profile, hardware, needs_grad, cast, pacing, slot_shapes) * contention
+            full_time_s=_op_time(node, profile, hardware, needs_grad, cast, pacing, slot_shapes, wants) * contention
             if kind == "op"
             else 0.0,
             needs_grad=needs_grad,
@@ -270,8 +272,10 @@ def move_scope(node: fx.Node) -> str:
     return node_layer(node) or node.name
 
 
-def _op_time(node: fx.Node, profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, cast, pacing, shapes):
-    measured = measured_time(node, needs_grad, profile, cast=cast) if hardware.measure_ops else None
+def _op_time(
+    node: fx.Node, profile: OpProfile, hardware: HardwareProfile, needs_grad: bool, cast, pacing, shapes, wants=None
+):
+    measured = measured_time(node, needs_grad, profile, cast=cast, wants=wants) if hardware.measure_ops else None
     if measured is not None:
         return measured
     if moves_no_data(node.target):

@@ -152,49 +152,57 @@ def compute_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
     return cast if cast is not None and dtype.is_floating_point else dtype
 
 
-def _signature(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None):
-    """(cache key, argument values, their pytree spec) of an op node, or None for a node that
-    does no work of its own (not an aten op; takes a tuple (getitem) or a symbol). Floating
-    tensors count in ``cast`` when one is given (see :func:`compute_dtype`)."""
+def _signature(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None, wants=None):
+    """(cache key, argument values, their pytree spec, whether each gets a gradient) of an op
+    node, or None for a node that does no work of its own (not an aten op; takes a tuple
+    (getitem) or a symbol). Floating tensors count in ``cast`` when one is given (see
+    :func:`compute_dtype`); with ``needs_grad``, the inputs named in ``wants`` get a gradient
+    (every one when None: a mask or a frozen weight gets none, and backward computes less)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return None
     flat, spec = tree_flatten((node.args, node.kwargs))
     values = [arg.meta.get("val") if isinstance(arg, fx.Node) else arg for arg in flat]
     if any(isinstance(arg, fx.Node) and not isinstance(v, torch.Tensor) for arg, v in zip(flat, values)):
         return None
-    key = (str(node.target), needs_grad, cast) + tuple(
+    grads = tuple(
+        needs_grad and isinstance(v, torch.Tensor) and (wants is None or getattr(arg, "name", None) in wants)
+        for arg, v in zip(flat, values)
+    )
+    key = (str(node.target), needs_grad, cast, grads) + tuple(
         (tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast)) if isinstance(v, torch.Tensor) else repr(v)
         for v in values
     )
-    return key, values, spec
+    return key, values, spec, grads
 
 
-def op_profile(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None) -> OpProfile:
+def op_profile(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None, wants=None) -> OpProfile:
     """Profile a call_function node on fake tensors (cached by op and argument signature), its
-    floating inputs in ``cast`` when given: the op as a mixed-precision step runs it."""
-    signature = _signature(node, needs_grad, cast)
+    floating inputs in ``cast`` when given: the op as a mixed-precision step runs it; with
+    ``needs_grad``, a gradient for the inputs named in ``wants`` (every one when None)."""
+    signature = _signature(node, needs_grad, cast, wants)
     if signature is None:
         return OpProfile(0.0, 0.0, 0.0)
-    key, values, spec = signature
+    key, values, spec, grads = signature
     if key not in _PROFILES:
         tensors = [v for v in values if isinstance(v, torch.Tensor)] + tree_leaves(node.meta.get("val"))
         # factory ops have no tensor inputs: any fake mode will do
         fake_mode = detect_fake_mode(tuple(t for t in tensors if isinstance(t, torch.Tensor))) or FakeTensorMode()
         with fake_mode:
             try:
-                _PROFILES[key] = _run_profile(node.target, values, spec, needs_grad, cast)
+                _PROFILES[key] = _run_profile(node.target, values, spec, grads, cast)
             except (RuntimeError, AssertionError, TypeError, ValueError):
                 # an op that pins its dtype (a metadata assertion, a typed buffer): as captured
                 _PROFILES[key] = (
-                    op_profile(node, needs_grad)
+                    op_profile(node, needs_grad, wants=wants)
                     if cast is not None
-                    else _run_profile(node.target, values, spec, needs_grad)
+                    else _run_profile(node.target, values, spec, grads)
                 )
     return _PROFILES[key]
 
 
-def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | None = None) -> OpProfile:
-    """Run the op and its backward on fresh fake leaves; note what autograd saves."""
+def _run_profile(target, values, spec, grads: tuple[bool, ...], cast: torch.dtype | None = None) -> OpProfile:
+    """Run the op and its backward (for the values ``grads`` marks) on fresh fake leaves; note
+    what autograd saves."""
     inputs = []
     # On meta tensors attention decomposes into its math form, which saves the seq x seq
     # scores; every real device (CPU included) runs a fused kernel that saves only its output
@@ -203,7 +211,7 @@ def _run_profile(target, values, spec, needs_grad: bool, cast: torch.dtype | Non
     for k, v in enumerate(values):
         if isinstance(v, torch.Tensor):
             dtype = compute_dtype(v.dtype, cast)
-            grad = needs_grad and dtype.is_floating_point
+            grad = grads[k] and dtype.is_floating_point
             device = "cpu" if fused and v.device.type == "meta" else v.device
             values[k] = torch.empty_strided(v.shape, v.stride(), dtype=dtype, device=device, requires_grad=grad)
             inputs.append(values[k])
@@ -324,7 +332,7 @@ _TIMES: dict[tuple, float | None] = {}
 
 
 def measured_time(
-    node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7, cast: torch.dtype | None = None
+    node: fx.Node, needs_grad: bool, profile: OpProfile, repeats: int = 7, cast: torch.dtype | None = None, wants=None
 ) -> float | None:
     """Seconds of one op's forward (and backward) on THIS machine, real tensors of its
     unsharded shapes (floating ones in ``cast`` when given), one thread: the fastest of
@@ -333,17 +341,17 @@ def measured_time(
     What Alpa does for the device it plans for: small ops and attention run far from the
     matmul roofline on a CPU. None for ops without work or larger than ``MEASURE_LIMIT_BYTES``.
     """
-    signature = _signature(node, needs_grad, cast)
+    signature = _signature(node, needs_grad, cast, wants)
     if signature is None or profile.io_bytes > MEASURE_LIMIT_BYTES:
         return None
-    key, values, spec = signature
+    key, values, spec, grads = signature
     if key not in _TIMES:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         # the caller's random stream stays as it was: planning runs on one rank, and ranks whose streams
         # differ would draw different dropout masks for what they compute alike
         with torch.random.fork_rng(devices=[]):
-            args, kwargs = tree_unflatten([_real_like(v, needs_grad, cast) for v in values], spec)
+            args, kwargs = tree_unflatten([_real_like(v, grad, cast) for v, grad in zip(values, grads)], spec)
             try:
                 _TIMES[key] = min([_time_once(node.target, args, kwargs, needs_grad) for _ in range(repeats + 2)][2:])
             except (RuntimeError, ValueError, IndexError, AssertionError):  # needs real data or its own dtype

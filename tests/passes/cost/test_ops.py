@@ -11,6 +11,7 @@ from autopar.ir.buckets import BUCKET_BYTES
 from autopar.ir.precision import ZERO_PAPER_LAYOUT
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.axis_terms import AxisContext, param_sync
+from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import (
     MEASURE_LIMIT_BYTES,
     OpProfile,
@@ -303,3 +304,25 @@ def test_zero3_gathers_a_frozen_parameter_for_forward_alone():
     # freezing the first layer drops its reduce-scatters and second gathers, and only those
     dropped = scatter + gather + bias_scatter + bias_gather
     assert sync_s(False) - sync_s(True) == pytest.approx(dropped, rel=1e-6)
+
+
+def test_backward_is_profiled_for_the_inputs_that_need_a_gradient():
+    """A mask (a buffer) gets no gradient: backward computes the input's alone, and autograd
+    saves the mask for it, not the input (profiled with every input requiring grad before)."""
+
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(1024))
+            self.register_buffer("mask", torch.ones(64, 1024))
+
+        def forward(self, x):
+            return (x * self.scale) * self.mask
+
+    captured = autopar.capture(Masked(), (torch.randn(64, 1024),))
+    facts = analyze(captured, get_profile("a100-80gb"))
+    masked = next(f for f in facts.values() if f.kind == "op" and f.slots[-1].name == "b_mask")
+    every = op_profile(masked.node, needs_grad=True)  # as if the mask needed a gradient too
+    assert masked.profile.backward_io_bytes < every.backward_io_bytes
+    assert masked.profile.saved_inputs == (1,)  # the mask, for the input's gradient
+    assert set(every.saved_inputs) == {0, 1}
