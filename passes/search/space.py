@@ -251,7 +251,8 @@ class LowerBounds:
         key = (stages, tuple(degrees.items()))
         if key not in self._busiest:
             self._busiest[key] = self._busiest_s(stages, degrees)
-        optimizer = self._state_update_s(degrees, zero, stage := stage_mesh(mesh, stages))
+        stage = stage_mesh(mesh, stages)
+        optimizer = self._state_update_s(degrees, zero, stage)
         return self._busiest[key] * (1 + bubble) + (optimizer + self._gradients_s(stage, degrees, zero)) / stages
 
     def _busiest_s(self, stages: int, degrees: dict[str, int]) -> float:
