@@ -6,9 +6,10 @@ whatever device is current (the benchmark builds them on "meta": nothing is allo
 - :func:`megatron_gpt`: Megatron-LM's GPT of 2021-22 (Narayanan et al. SC'21; Korthikanti et al.;
   MT-NLG; BLOOM): learned positions, pre-LayerNorm, one fused QKV projection, biases, GELU,
   dropout 0.1 on the embeddings, the attention probabilities and after each block, the output
-  layer tied to the token embedding. Dropout runs as a product with a constant keep mask (the
-  same passes over the data; autopar has no sharding rule for ``native_dropout``, and a node
-  without one would run replicated). Attention is *unfused*, as before FlashAttention: q·kᵀ,
+  layer tied to the token embedding. Dropout runs as :func:`dropout`, a product with a keep mask
+  of its own size, all ones (the same passes over the data and the same mask saved for backward;
+  autopar has no sharding rule for ``native_dropout``, and a node without one would run
+  replicated). Attention is *unfused*, as before FlashAttention: q·kᵀ,
   the causal mask, softmax, dropout and the product with v run as separate kernels on
   [batch, heads, seq, seq] scores (Megatron fuses scale, mask and softmax into one kernel; here
   the scale rides on q and mask and softmax are two, one more pass over the scores).
@@ -40,6 +41,13 @@ def _inputs(vocab: int, seq: int, batch: int, device) -> tuple[torch.Tensor, tor
     return stream[:, :-1].contiguous().to(device), stream[:, 1:].contiguous().to(device)
 
 
+def dropout(x: torch.Tensor) -> torch.Tensor:
+    """Dropout's passes over the data, as its kernel runs them: forward writes a keep mask of one
+    byte per element and the product; backward reads the saved mask again (all ones here: the
+    values do not matter to planning)."""
+    return x * torch.ones_like(x, dtype=torch.bool)
+
+
 class UnfusedAttention(nn.Module):
     """Megatron-LM's self-attention before FlashAttention: a fused QKV projection, explicit scores."""
 
@@ -49,7 +57,6 @@ class UnfusedAttention(nn.Module):
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
         self.register_buffer("future", torch.ones(seq, seq, dtype=torch.bool).triu(1), persistent=False)
-        self.register_buffer("keep", torch.ones(seq, seq), persistent=False)  # attention dropout's mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -57,7 +64,7 @@ class UnfusedAttention(nn.Module):
         q, k, v = self.qkv(x).view(batch, seq, -1, 3 * self.head_dim).transpose(1, 2).chunk(3, dim=-1)
         scores = torch.matmul(q * (1 / math.sqrt(self.head_dim)), k.transpose(-2, -1))
         scores = scores.masked_fill(self.future[:seq, :seq], float("-inf"))
-        probs = torch.softmax(scores, dim=-1) * self.keep[:seq, :seq]
+        probs = dropout(torch.softmax(scores, dim=-1))
         out = torch.matmul(probs, v).transpose(1, 2).reshape(batch, seq, -1)
         return self.proj(out)
 
@@ -70,12 +77,10 @@ class MegatronBlock(nn.Module):
         self.mlp_norm = nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, ffn)
         self.fc2 = nn.Linear(ffn, hidden)
-        self.register_buffer("keep", torch.ones(seq, hidden), persistent=False)  # hidden dropout's mask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        keep = self.keep[: x.shape[1]]
-        x = x + self.attn(self.attn_norm(x)) * keep
-        return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x)))) * keep
+        x = x + dropout(self.attn(self.attn_norm(x)))
+        return x + dropout(self.fc2(F.gelu(self.fc1(self.mlp_norm(x)))))
 
 
 class MegatronGPT(nn.Module):
@@ -88,11 +93,10 @@ class MegatronGPT(nn.Module):
         self.pos_embeddings = nn.Embedding(seq, hidden)
         self.layers = nn.ModuleList(MegatronBlock(hidden, heads, ffn, seq) for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
-        self.register_buffer("keep", torch.ones(seq, hidden), persistent=False)  # embedding dropout's mask
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
-        h = (self.tok_embeddings(tokens) + self.pos_embeddings(positions)) * self.keep[: tokens.shape[1]]
+        h = dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))
         for layer in self.layers:
             h = layer(h)
         logits = F.linear(self.norm(h), self.tok_embeddings.weight)

@@ -265,8 +265,21 @@ class _Traffic(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         results = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         if results and not moves_no_data(func):  # a kernel: not a view, nor a query (prim.device)
-            self.bytes += sum(_nbytes(t) for t in tree_leaves((args, kwargs)) + results if isinstance(t, torch.Tensor))
+            # a ``*_like`` factory takes only its argument's shape; empty_like writes nothing either
+            read = [] if func.overloadpacket in _SHAPE_ONLY else tree_leaves((args, kwargs))
+            written = [] if func.overloadpacket is torch.ops.aten.empty_like else results
+            self.bytes += sum(_nbytes(t) for t in read + written if isinstance(t, torch.Tensor))
         return out
+
+
+_SHAPE_ONLY = {
+    torch.ops.aten.empty_like,
+    torch.ops.aten.zeros_like,
+    torch.ops.aten.ones_like,
+    torch.ops.aten.full_like,
+    torch.ops.aten.rand_like,
+    torch.ops.aten.randn_like,
+}
 
 
 def _nbytes(tensor: torch.Tensor) -> float:

@@ -326,3 +326,16 @@ def test_backward_is_profiled_for_the_inputs_that_need_a_gradient():
     assert masked.profile.backward_io_bytes < every.backward_io_bytes
     assert masked.profile.saved_inputs == (1,)  # the mask, for the input's gradient
     assert set(every.saved_inputs) == {0, 1}
+
+
+def test_a_like_factory_writes_its_output_and_reads_nothing():
+    """ones_like takes only its argument's shape: one byte written per bool element (it was
+    priced as reading its bf16 argument too)."""
+
+    class Keep(torch.nn.Module):
+        def forward(self, x):
+            return x * torch.ones_like(x, dtype=torch.bool)
+
+    x = torch.randn(64, 1024, dtype=torch.bfloat16)
+    ones = next(n for n in capture(Keep(), (x,)).graph.nodes if n.target is torch.ops.aten.ones_like.default)
+    assert op_profile(ones, needs_grad=False).io_bytes == 64 * 1024
