@@ -230,7 +230,7 @@ def analyze(
         wants = frozenset(s.name for s in slots if s.name in facts and facts[s.name].needs_grad)
         profile = op_profile(node, needs_grad, cast, wants) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
         dtype = compute_dtype(outputs[0].dtype, cast) if outputs else torch.float32
-        pacing = _pacing(node, hardware, dtype, needs_grad, facts) if kind == "op" else None
+        pacing = _pacing(node, hardware, dtype, needs_grad, wants) if kind == "op" else None
         facts[node.name] = NodeFacts(
             node=node,
             kind=kind,
@@ -292,17 +292,17 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_grad: bool, facts) -> Pacing | None:
+def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_grad: bool, wants) -> Pacing | None:
     """The pacing of a GEMM or attention node on a profile with kernel figures that does not
-    time ops on this machine (a GEMM's backward computes the gradients of the inputs that need
-    one: ``facts`` of its producers); None for every other node."""
+    time ops on this machine (a GEMM's backward computes the gradients of the inputs named in
+    ``wants``); None for every other node."""
     if hardware.kernels is None or hardware.measure_ops:
         return None
     slots = tensor_inputs(node)
     shapes = [_slot_shape(node, slot) for slot in slots]
     causal = node.target is ATTENTION and bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else 0))
     sides = GEMMS[node.target][:2] if node.target in GEMMS and len(slots) > max(GEMMS[node.target][:2]) else ()
-    grads = tuple(facts[slots[i].name].needs_grad if slots[i].name in facts else True for i in sides) or (True, True)
+    grads = tuple(slots[i].name in wants for i in sides) or (True, True)
     pacing = Pacing(node.target, hardware, dtype_name(dtype), dtype.itemsize, needs_grad, causal, grads)
     return pacing if work_units(node.target, shapes) else None
 

@@ -1,10 +1,8 @@
 """Pipeline planning: balanced cut points, the schedule choice, the memory ladder."""
 
-import dataclasses
+from planning import plan_example, slow_network
 
-from planning import plan_example
-
-from autopar.ir import MemoryLimitError, get_profile
+from autopar.ir import MemoryLimitError
 from autopar.passes.search.partition import _balanced_starts
 
 LADDER_GPT = dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256)
@@ -82,9 +80,7 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
 def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
     """Nodes joined by a slow network: every layout fits without stages, but tensor and data
     parallelism across nodes move more bytes than a pipeline's stage boundaries."""
-    a100 = get_profile("a100-80gb")
-    slow = dataclasses.replace(a100.links[1], bandwidth=a100.links[1].bandwidth / 1000)
-    hardware = dataclasses.replace(a100, name="a100-slow-network", links=(a100.links[0], slow))
+    hardware = slow_network()
     plan = plan_example("gpt.py", (4, 2), batch=32, model_kwargs=LADDER_GPT, hardware=hardware)
     flat = [entry for entry in plan.search if entry["stages"] == 1 and entry.get("feasible")]
     assert flat, "layouts without stages fit"

@@ -1,15 +1,13 @@
 """The search's bounds are sound: no configuration prices below its bound, and pruning by them
 never changes the plan the search chooses."""
 
-import dataclasses
 import itertools
 import random
 
 import pytest
-from planning import meta_model
+from planning import meta_model, slow_network
 
 import autopar
-from autopar.ir import get_profile
 from autopar.passes.search import search as search_module
 from autopar.passes.search.space import busiest_stage_s
 
@@ -46,12 +44,6 @@ def test_the_busiest_stage_bound_is_the_even_split_of_identical_layers():
     assert busiest_stage_s([1.0] * 3, 0.2, 0.2, 2) == pytest.approx(2.0)  # both extras beside one layer
 
 
-def _slow_network():
-    a100 = get_profile("a100-80gb")
-    slow = dataclasses.replace(a100.links[1], bandwidth=a100.links[1].bandwidth / 1000)
-    return dataclasses.replace(a100, name="a100-slow-network", links=(a100.links[0], slow))
-
-
 CASES = {  # (model file, builder, model kwargs, mesh, batch, plan options): pipelines, tp, cp, ZeRO and folding weighed
     "gpt-pipelines": ("gpt.py", "build", dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256), (4, 2), 32, {}),
     "gpt-slow-network": (
@@ -60,7 +52,7 @@ CASES = {  # (model file, builder, model kwargs, mesh, batch, plan options): pip
         dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256),
         (4, 2),
         32,
-        dict(hardware=_slow_network()),
+        dict(hardware=slow_network()),
     ),
     "llama3-8b-shapes": (
         "hf.py",
