@@ -3,7 +3,7 @@ against the published expert configuration, both priced by the same cost model.
 
     python benchmarks/planning_scale.py           # writes BENCHMARKS.md (run it alone: it times the search)
     python benchmarks/planning_scale.py --quick                         # three rows, printed only
-    python benchmarks/planning_scale.py --families     # Hugging Face families at their published sizes
+    python benchmarks/planning_scale.py --families     # Hugging Face families at their default configurations
 
 Each row runs in a fresh subprocess (so peak RSS, ``resource.getrusage`` maxrss, is the row's
 own): the model is built on the meta device in bfloat16 and captured (timed apart: tracing is
@@ -13,7 +13,7 @@ ZeRO; without stages, the fewest microbatches that fit: gradient accumulation); 
 searched. TFLOP/s per GPU = the model's forward + backward FLOPs per step (the cost model's
 own count, no recomputation) / GPUs / predicted step, so free / expert is the inverse ratio of
 the predicted steps. Writes the "planning-scale" section of BENCHMARKS.md; ``--families`` the
-"planning-families" section: every Hugging Face family's default configuration (its published size)
+"planning-families" section: every Hugging Face family's default configuration (BLOOM's, a toy, replaced by BLOOM-7b1's shapes)
 unmodified, planned free on 64 simulated H100s.
 """
 
@@ -41,12 +41,15 @@ ROW_TIMEOUT_S = 1800
 REPEATS, REPEATED_UNDER_S = 3, 10  # search targets this tight are timed as a median of fresh processes
 SCALING_LAYERS = (12, 24, 48, 96)
 SCALING_DEVICES = (8, 64, 512, 4096)
-# The Hugging Face families of benchmarks/families.py, planned at their default (published) configurations;
+# The Hugging Face families of benchmarks/families.py, planned at their default configurations;
 # not GPT-Neo (its mask, sized for 2048 positions, does not trace at longer sequences), Mamba (its unrolled
 # scan takes minutes to capture) nor DeepSeek-V3 (a row of the table above)
 FAMILIES_LEFT_OUT = ("gpt_neo", "mamba", "deepseek_v3")
 FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode")  # tables of fewer positions: planned at their length
+# Defaults that are no released model, replaced by one's shapes: BLOOM's default is 2 layers of
+# hidden 64 (16M parameters); BLOOM-7b1's (BigScience, arXiv 2211.05100, Table 3): 30 layers of 4096, 32 heads
+FAMILY_OVERRIDES = {"bloom": dict(hidden_size=4096, n_layer=30, n_head=32)}
 
 
 def _gpt(hidden: int, layers: int, heads: int) -> dict:
@@ -106,7 +109,7 @@ def rows() -> list[dict]:
         },
         {  # experts at scale: 256 routed experts per layer, the router the model's own (grouped top-k)
             "name": "DeepSeek-V3 671B",
-            "model": {"builder": "published_size", "kwargs": {"family": "deepseek_v3", "seq": 4096}},
+            "model": {"builder": "default_config", "kwargs": {"family": "deepseek_v3", "seq": 4096}},
             "gpus": 256,
             "batch": 512,
             "hardware": "h100-80gb",
@@ -145,7 +148,7 @@ def scaling_rows() -> list[dict]:
 
 
 def family_rows() -> list[dict]:
-    """Each family at its default configuration, sequences of 4096 tokens (fewer where its learned
+    """Each family at its default configuration (:data:`FAMILY_OVERRIDES` replaced), sequences of 4096 tokens (fewer where its learned
     positions hold fewer), 256 of them on 64 H100s, nothing pinned."""
     from families import FAMILIES
     from transformers import AutoConfig
@@ -155,7 +158,7 @@ def family_rows() -> list[dict]:
         seq = FAMILY_SEQ
         if family in LEARNED_POSITIONS:
             seq = min(seq, AutoConfig.for_model(family).max_position_embeddings)
-        model = {"builder": "published_size", "kwargs": {"family": family, "seq": seq}}
+        model = {"builder": "default_config", "kwargs": {"family": family, "seq": seq, **FAMILY_OVERRIDES.get(family, {})}}
         out.append(
             {"name": family, "model": model, "gpus": FAMILY_GPUS, "batch": FAMILY_BATCH, "hardware": "h100-80gb"}
         )
@@ -374,12 +377,13 @@ def _count(params: int) -> str:
 
 def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
     lines = [
-        "## Planning at scale: Hugging Face families at their published sizes",
+        "## Planning at scale: Hugging Face families at their default configurations",
         "",
         f"- command: `python benchmarks/planning_scale.py --families` ({elapsed:.0f} s); date "
         f"{datetime.date.today().isoformat()}; this machine: 2 shared CPU cores; planning only",
-        f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, its default (published) "
-        f"configuration, unmodified, on the meta device in bfloat16; {FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
+        f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, Hugging Face's default "
+        f"configuration (most are a released checkpoint's shapes; BLOOM's, 2 layers of hidden 64, is replaced by "
+        f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}), unmodified, on the meta device in bfloat16; {FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
         f"({', '.join(LEARNED_POSITIONS)}: as many as their learned positions) on "
         f'{FAMILY_GPUS} simulated H100s (mesh {FAMILY_GPUS // 8}x8), `precision="bf16-mixed"`, nothing pinned; '
         "a fresh process per family. TFLOP/s per GPU as above (the cost model's FLOPs, no recomputation).",
@@ -413,7 +417,7 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="three rows, printed, BENCHMARKS.md untouched")
-    parser.add_argument("--families", action="store_true", help="Hugging Face families at their published sizes")
+    parser.add_argument("--families", action="store_true", help="Hugging Face families at their default configurations")
     parser.add_argument("--row", help=argparse.SUPPRESS)  # internal: measure one row (JSON) and print the result
     args = parser.parse_args()
     if args.row:

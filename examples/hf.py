@@ -206,17 +206,18 @@ def build_llama3(size: str = "8b", *, layers: int | None = None, seq: int = 8192
         return CausalLM(LlamaForCausalLM(config), seq=seq)
 
 
-def build_published_size(family: str, *, seq: int = 4096) -> CausalLM:
-    """``family``'s Hugging Face default configuration, which is its published size (DeepSeek-V3's
-    671B for "deepseek_v3"), in a :class:`CausalLM`, on the meta device (for planning).
+def build_default_config(family: str, *, seq: int = 4096, **overrides) -> CausalLM:
+    """``family``'s Hugging Face default configuration (most are a released checkpoint's shapes,
+    DeepSeek-V3's its 671B model; not all: BLOOM's is a two-layer toy), its fields ``overrides``
+    replaced, in a :class:`CausalLM`, on the meta device (for planning).
 
     Example::
 
-        model = build_published_size("deepseek_v3")
+        model = build_default_config("deepseek_v3")
         plan = autopar.plan(model, (32, 8), model.example_inputs(512, device="meta"), hardware="h100-80gb")
     """
     with torch.device("meta"):
-        return CausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model(family)), seq=seq)
+        return CausalLM(AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **overrides)), seq=seq)
 
 
 def build_llama70b_shaped(*, layers: int = 2, seq: int = 4096) -> CausalLM:
