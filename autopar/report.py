@@ -146,7 +146,8 @@ def summary_text(plan: Plan) -> str:
             f"recompute {plan.schedule.recompute}"
             + (f", {plan.schedule.kind} x {plan.schedule.virtual} virtual" if plan.schedule.stages > 1 else "")
             + (", compiled" if plan.schedule.compiled else "")
-            + (" with async tensor parallelism" if plan.schedule.async_tp else ""),
+            + (" with async tensor parallelism" if plan.schedule.async_tp else "")
+            + (", gathered inputs kept as shards and gathered again in backward" if plan.schedule.regather else ""),
             f"peak memory per device: {_size(cost.peak_memory)} (gradients replace activations during backward: "
             f"the larger of the two counts); by category: {memory}",
             search_text(plan),
@@ -205,10 +206,11 @@ def search_text(plan: Plan) -> str:
 
 
 def _schedule_text(schedule: dict) -> str:
+    saving = schedule["recompute"] + (", regather" if schedule.get("regather") else "")
     if schedule["stages"] == 1:
-        return f"m={schedule['microbatches']}, {schedule['recompute']}"
+        return f"m={schedule['microbatches']}, {saving}"
     virtual = f" x{schedule['virtual']}" if schedule["virtual"] > 1 else ""
-    return f"{schedule['kind']}{virtual}, m={schedule['microbatches']}, {schedule['recompute']}"
+    return f"{schedule['kind']}{virtual}, m={schedule['microbatches']}, {saving}"
 
 
 def fold_rows(rows: list[dict]) -> list[dict]:

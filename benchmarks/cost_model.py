@@ -84,7 +84,7 @@ class Case:
 
     model: str  # key of MODELS
     batch: int
-    strategy: str  # "DP", "ZeRO-1", "ZeRO-2", "TP", "TP+SP", "DPxTP", "auto"
+    strategy: str  # "DP", "ZeRO-1", "ZeRO-2", "TP", "TP+SP", "TP+SP+regather", "DPxTP", "auto"
     world: int
 
     @property
@@ -102,12 +102,18 @@ class Case:
             "ZeRO-2": {"dp": self.world, "tp": 1},
             "TP": {"dp": 1, "tp": self.world},
             "TP+SP": {"dp": 1, "tp": self.world},
+            "TP+SP+regather": {"dp": 1, "tp": self.world},
             "DPxTP": {"dp": 2, "tp": self.world // 2},
             "auto": None,
         }[self.strategy]
 
     def constraints(self) -> dict[str, str] | None:
-        return {"TP": MEGATRON_TP, "TP+SP": SEQUENCE_PARALLEL, "DPxTP": MEGATRON_TP}.get(self.strategy)
+        sequence_parallel = {"TP+SP": SEQUENCE_PARALLEL, "TP+SP+regather": SEQUENCE_PARALLEL}
+        return {"TP": MEGATRON_TP, "DPxTP": MEGATRON_TP, **sequence_parallel}.get(self.strategy)
+
+    def regather(self) -> bool | None:
+        """Whether the norms' gathered outputs are kept as shards (pinned for TP+SP), None: the search's choice."""
+        return {"TP+SP": False, "TP+SP+regather": True}.get(self.strategy)
 
 
 def _cases(world: int, specs: str) -> list[Case]:
@@ -119,10 +125,15 @@ def _cases(world: int, specs: str) -> list[Case]:
 
 
 FULL_CASES = {
-    2: _cases(2, "M:8:DP M:8:ZeRO-1 M:8:ZeRO-2 M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:TP L:8:DP L:8:TP M:16:DP M:16:TP"),
+    2: _cases(
+        2,
+        "M:8:DP M:8:ZeRO-1 M:8:ZeRO-2 M:8:TP M:8:TP+SP M:8:TP+SP+regather M:8:auto S:8:DP S:8:TP L:8:DP L:8:TP "
+        "M:16:DP M:16:TP",
+    ),
     4: _cases(
         4,
-        "M:8:DP M:8:ZeRO-1 M:8:ZeRO-2 M:8:DPxTP M:8:TP M:8:TP+SP M:8:auto S:8:DP S:8:DPxTP L:8:DP L:8:DPxTP L:8:auto "
+        "M:8:DP M:8:ZeRO-1 M:8:ZeRO-2 M:8:DPxTP M:8:TP M:8:TP+SP M:8:TP+SP+regather M:8:auto S:8:DP S:8:DPxTP L:8:DP "
+        "L:8:DPxTP L:8:auto "
         "M:16:DP M:16:DPxTP",
     ),
 }
@@ -248,6 +259,7 @@ def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, object]]:
                     degrees=case.degrees(),
                     constraints=case.constraints(),
                     zero=case.zero(),
+                    regather=case.regather(),
                     hardware=hardware,
                 ),
             )
@@ -359,7 +371,8 @@ def render_section(rows, settings: Settings, command: str, elapsed_s: float, loa
         "- models: examples/gpt.py, fp32, AdamW; "
         + "; ".join(f"{k} = `build({', '.join(f'{a}={b}' for a, b in v.items())})`" for k, v in MODELS.items())
         + ". Strategies: DP `{dp: N, tp: 1}`; TP `{dp: 1, tp: N}` + Megatron constraints; TP+SP adds `attn_norm`, "
-        "`mlp_norm`: S(1); "
+        "`mlp_norm`: S(1); TP+SP+regather keeps those norms' gathered outputs as shards, gathered again in backward "
+        "(`regather=True`; TP+SP pins it off); "
         "DPxTP `{dp: 2, tp: 2}` + Megatron constraints; auto = no degrees, no constraints. Plans are made once, in the "
         "parent process, before the ranks start.",
         "- predicted: `plan.cost.step_s` = compute (each op's forward + backward timed on this machine at its "

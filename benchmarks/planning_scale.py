@@ -13,8 +13,8 @@ ZeRO; without stages, the fewest microbatches that fit: gradient accumulation); 
 searched. TFLOP/s per GPU = the model's forward + backward FLOPs per step (the cost model's
 own count, no recomputation) / GPUs / predicted step, so free / expert is the inverse ratio of
 the predicted steps. Writes the "planning-scale" section of BENCHMARKS.md; ``--families`` the
-"planning-families" section: every Hugging Face family's default configuration (BLOOM's, a toy, replaced by BLOOM-7b1's shapes)
-unmodified, planned free on 64 simulated H100s.
+"planning-families" section: every Hugging Face family's default configuration (BLOOM's, a toy,
+replaced by BLOOM-7b1's shapes) unmodified, planned free on 64 simulated H100s.
 """
 
 from __future__ import annotations
@@ -148,8 +148,8 @@ def scaling_rows() -> list[dict]:
 
 
 def family_rows() -> list[dict]:
-    """Each family at its default configuration (:data:`FAMILY_OVERRIDES` replaced), sequences of 4096 tokens (fewer where its learned
-    positions hold fewer), 256 of them on 64 H100s, nothing pinned."""
+    """Each family at its default configuration (:data:`FAMILY_OVERRIDES` replaced), sequences of
+    4096 tokens (fewer where its learned positions hold fewer), 256 of them on 64 H100s, nothing pinned."""
     from families import FAMILIES
     from transformers import AutoConfig
 
@@ -158,7 +158,10 @@ def family_rows() -> list[dict]:
         seq = FAMILY_SEQ
         if family in LEARNED_POSITIONS:
             seq = min(seq, AutoConfig.for_model(family).max_position_embeddings)
-        model = {"builder": "default_config", "kwargs": {"family": family, "seq": seq, **FAMILY_OVERRIDES.get(family, {})}}
+        model = {
+            "builder": "default_config",
+            "kwargs": {"family": family, "seq": seq, **FAMILY_OVERRIDES.get(family, {})},
+        }
         out.append(
             {"name": family, "model": model, "gpus": FAMILY_GPUS, "batch": FAMILY_BATCH, "hardware": "h100-80gb"}
         )
@@ -383,7 +386,8 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
         f"{datetime.date.today().isoformat()}; this machine: 2 shared CPU cores; planning only",
         f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, Hugging Face's default "
         f"configuration (most are a released checkpoint's shapes; BLOOM's, 2 layers of hidden 64, is replaced by "
-        f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}), unmodified, on the meta device in bfloat16; {FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
+        f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}), unmodified, on the meta device in bfloat16; {FAMILY_BATCH} "
+        f"sequences of {FAMILY_SEQ} tokens "
         f"({', '.join(LEARNED_POSITIONS)}: as many as their learned positions) on "
         f'{FAMILY_GPUS} simulated H100s (mesh {FAMILY_GPUS // 8}x8), `precision="bf16-mixed"`, nothing pinned; '
         "a fresh process per family. TFLOP/s per GPU as above (the cost model's FLOPs, no recomputation).",

@@ -40,7 +40,11 @@ MEGATRON_TP = {
         "layers.*.down": ROW,
     },
 }  # fmt: skip
-SEQUENCE_PARALLEL = {"layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}  # Korthikanti et al.'s SP
+# Korthikanti et al.'s sequence parallelism: the norms split along the sequence, and their outputs
+# kept as shards for backward, gathered again there (regather: Megatron-LM's
+# megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication saves the
+# sequence-parallel input and all-gathers it again in backward, behind the input-gradient GEMM)
+SEQUENCE_PARALLEL = {"layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}
 ONE_F_ONE_B_ONLY = {"deepspeed-pipeline"}  # stacks whose pipeline cannot interleave stage modules
 
 
@@ -71,13 +75,15 @@ def options_for(row: dict) -> dict:
     """The planning options that pin the row's published configuration."""
     config = row["config"]
     constraints = dict(MEGATRON_TP[row["model_kind"]]) if config["tp"] > 1 else {}
-    if row.get("sequence_parallel") and config["tp"] > 1:
+    sequence_parallel = row.get("sequence_parallel") and config["tp"] > 1
+    if sequence_parallel:
         constraints.update(SEQUENCE_PARALLEL)
     options = {
         "degrees": {"pp": config["pp"], "dp": config["dp"], "tp": config["tp"]},
         "zero": row["zero"],
         "precision": row["precision"],
         "constraints": constraints or None,
+        "regather": True if sequence_parallel else None,
     }
     if row["recompute"] is not None:
         options["recompute"] = row["recompute"]

@@ -38,6 +38,7 @@ from autopar.ir import Axis, ConfigError, Plan, PlanOptions, Shard
 from autopar.passes.capture.graph import CapturedGraph, capture, module_path
 from autopar.passes.rewrite.loss import loss_only
 from autopar.passes.rewrite.recompute import apply_recompute
+from autopar.passes.rewrite.regather import regather_gathered_inputs
 from autopar.passes.rewrite.rewrite import rewrite
 from autopar.passes.rewrite.stages import StageProgram, split_stages
 from autopar.passes.runner import PassLog, verify_graph
@@ -86,6 +87,8 @@ def build_programs(
     check_splits(micro, plan)
     program = log.run("rewrite", rewrite, micro, plan, groups=groups, device=device, verify=verify_graph)
     complete_gradients_as_synced(program, micro, plan, synced, groups)
+    if plan.schedule.regather:
+        program = log.run("regather", lambda p: regather_gathered_inputs(p)[0], program, verify=verify_graph)
     program = log.run("recompute", apply_recompute, program, plan.schedule.recompute, verify=verify_graph)
     stages = None
     if plan.schedule.stages > 1:
@@ -157,6 +160,7 @@ def pinned_options(plan: Plan) -> PlanOptions:
         hardware=plan.hardware,
         zero=plan.zero,
         recompute=schedule.recompute,
+        regather=schedule.regather,
         microbatches=schedule.microbatches,
         pipeline=schedule.kind if schedule.stages > 1 else None,
         stage_cuts=schedule.cuts,

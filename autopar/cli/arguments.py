@@ -223,6 +223,12 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --compile, run each tensor-parallel matmul in pieces with its collective",
     )
+    parser.add_argument(
+        "--regather",
+        choices=("on", "off"),
+        help="whether linears of an all-gathered activation (a sequence-parallel norm's output) keep its shard and "
+        "gather it again in backward, as Megatron-LM does (default: where memory needs it)",
+    )
 
 
 def _int_at_least(minimum: int):

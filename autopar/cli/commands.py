@@ -73,6 +73,7 @@ def _options(args, hardware) -> PlanOptions:
         precision=args.precision,
         compile=args.compile,
         async_tp=args.async_tp,
+        regather=None if args.regather is None else args.regather == "on",
     )
 
 

@@ -44,6 +44,9 @@ class PlanOptions:
     - ``async_tp``: with ``compile``, run each tensor-parallel matmul in pieces with the
       collective before or after it, one piece's communication behind another's matmul
       (:attr:`Schedule.async_tp`; opt-in, as torchtitan's and Megatron's TP overlap are).
+    - ``regather``: linears of an all-gathered activation keep its shard and gather it again in
+      backward (:attr:`Schedule.regather`; Megatron-LM's sequence parallelism); default: where
+      memory needs it, weighed against recomputation.
     - ``reduce_dtype``: the dtype gradients are reduced in (default "float32").
 
     >>> PlanOptions(degrees={"dp": 2, "tp": 2}, zero=1).zero
@@ -62,6 +65,7 @@ class PlanOptions:
     precision: Precision | None = None
     compile: bool = False
     async_tp: bool = False
+    regather: bool | None = None
     reduce_dtype: str | None = None
 
     def __post_init__(self):
@@ -90,6 +94,12 @@ class PlanOptions:
             raise ConfigError(f"async_tp={self.async_tp!r}: pass True or False")
         if self.async_tp and not self.compile:
             raise ConfigError("async_tp=True runs in compiled programs only: pass compile=True with it")
+        if self.regather not in (None, True, False):
+            raise ConfigError(f"regather={self.regather!r}: pass True, False or None (the search decides)")
+        if self.regather and self.async_tp:
+            raise ConfigError("regather and async_tp both rewrite the linears of a gathered input: choose one")
+        if self.regather and self.recompute == Recompute.FULL:
+            raise ConfigError("recompute='full' keeps only each layer's input: there is no gathered input to regather")
         object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts or ()))
 
     @classmethod

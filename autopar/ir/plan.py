@@ -95,7 +95,9 @@ class Schedule:
     for overlap (issued early, waited for late, bucketed: ``parallelize(..., compile=True)``),
     which the cost model prices (:mod:`autopar.passes.cost.replay`); ``async_tp``: compiled
     programs also run each tensor-parallel matmul in pieces with its collective
-    (:mod:`autopar.passes.rewrite.async_tp`), priced piece by piece.
+    (:mod:`autopar.passes.rewrite.async_tp`), priced piece by piece; ``regather``: linears
+    of an all-gathered activation (a sequence-parallel norm's output) keep its shard and
+    gather it again in backward, as Megatron-LM does (:mod:`autopar.passes.rewrite.regather`).
     """
 
     stages: int = 1
@@ -106,6 +108,7 @@ class Schedule:
     cuts: tuple[str, ...] = ()
     compiled: bool = False
     async_tp: bool = False
+    regather: bool = False
 
     def __post_init__(self):
         if self.recompute not in RECOMPUTE:
@@ -124,6 +127,13 @@ class Schedule:
             )
         if self.async_tp and not self.compiled:
             raise ConfigError("async tensor parallelism runs in compiled programs only: pass compile=True with it")
+        if self.regather and self.async_tp:
+            raise ConfigError("regather and async_tp both rewrite the linears of a gathered input: choose one")
+        if self.regather and self.recompute == Recompute.FULL:
+            raise ConfigError(
+                "recompute='full' keeps only each layer's input: regather would gather again and save nothing; "
+                "leave it off"
+            )
         if self.cuts and len(self.cuts) != self.modules - 1:
             raise ConfigError(f"{self.modules} stage modules need {self.modules - 1} cut points, got {list(self.cuts)}")
 
@@ -152,6 +162,8 @@ class Schedule:
             parts.insert(0, f"{self.stages} stages{virtual}, {self.kind}")
         if self.compiled:
             parts.append("compiled, async TP" if self.async_tp else "compiled")
+        if self.regather:
+            parts.append("gathered inputs regathered")
         return ", ".join(parts)
 
 

@@ -63,6 +63,7 @@ SCHEDULE_FIELDS = {
     "cuts": LIST,
     "compiled": bool,
     "async_tp": bool,
+    "regather": bool,
 }
 
 
@@ -83,7 +84,7 @@ def check_plan_json(data) -> None:
         _expect(axis in set(Axis) - {Axis.PP}, f"degrees.{axis}", axis, f"a parallel dimension {_words(Axis)}")
         _expect(_positive(size), f"degrees.{axis}", size, "a positive integer")
     schedule = data["schedule"]
-    _fields({"async_tp": False, **schedule}, SCHEDULE_FIELDS, "schedule")  # older files: no async TP
+    _fields({"async_tp": False, "regather": False, **schedule}, SCHEDULE_FIELDS, "schedule")  # older files
     for name in ("stages", "microbatches", "virtual"):
         _expect(_positive(schedule[name]), f"schedule.{name}", schedule[name], "a positive integer")
     _expect(schedule["recompute"] in set(Recompute), "schedule.recompute", schedule["recompute"], _words(Recompute))

@@ -300,6 +300,8 @@ class Traffic:
     sync_s: float = 0.0  # parameters' gradient sync (ZeRO-2/3: per microbatch)
     sync_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather, once per step
     synced: frozenset[str] = frozenset()  # the parameters synced
+    regather_s: float = 0.0  # under Schedule.regather, backward's gathers of :func:`regathered` moves
+    regathered: frozenset[tuple[str, int]] = frozenset()  # (consumer, input slot) of those moves
 
 
 def axis_contexts(
@@ -406,7 +408,7 @@ def traffic(
             step.note_gradient(slot, seconds + once, nbytes, facts[slot])
     if step is not None:
         step.kernel_s += kernels
-    moves = set()  # (value, destination, scope): moved once
+    moves: dict[tuple, tuple[str, tuple, list[tuple[str, int]]]] = {}  # (value, destination, scope): moved once
     for producer, consumer, slot_index, shape in edges(facts, ctx):
         dst = (
             R
@@ -416,13 +418,36 @@ def traffic(
             else None
         )
         move = (producer, dst, move_scope(facts[consumer].node))
-        if producer in chosen and dst is not None and move not in moves:
-            moves.add(move)
-            seconds = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
-            comm += seconds * facts[consumer].weight
-            if step is not None and seconds:
-                forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
-                weight = facts[consumer].weight
-                linear = pieced_linear(facts, producer, consumer, slot_index, chosen[producer].output, dst)
-                step.moves.append((producer, consumer, forward * weight, (seconds - forward) * weight, linear))
-    return Traffic(comm, sync, once_s, frozenset(synced))
+        if producer not in chosen or dst is None:
+            continue
+        if move in moves:
+            moves[move][2].append((consumer, slot_index))  # one more reader of the same move
+            continue
+        moves[move] = (consumer, shape, [(consumer, slot_index)])
+        seconds = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+        comm += seconds * facts[consumer].weight
+        if step is not None and seconds:
+            forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
+            weight = facts[consumer].weight
+            linear = pieced_linear(facts, producer, consumer, slot_index, chosen[producer].output, dst)
+            step.moves.append((producer, consumer, forward * weight, (seconds - forward) * weight, linear))
+    regather_s, regathered_inputs = 0.0, set()
+    for (producer, dst, _), (consumer, shape, readers) in moves.items():
+        if regathers(facts, chosen[producer].output, dst, readers):  # backward gathers the value again
+            forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
+            regather_s += forward * facts[consumer].weight
+            regathered_inputs.update(readers)
+    return Traffic(comm, sync, once_s, frozenset(synced), regather_s, frozenset(regathered_inputs))
+
+
+def regathers(facts, src: Placement, dst: Placement, readers: list[tuple[str, int]]) -> bool:
+    """Whether ``Schedule.regather`` keeps a moved value's shard for backward and gathers it again
+    there: an all-gather whose readers are all linears taking it as their input, which the
+    runtime runs as one op with them (:mod:`autopar.passes.rewrite.regather`: the same rule on
+    the program), a gradient flowing back through it."""
+    return (
+        isinstance(src, Shard)
+        and isinstance(dst, Replicate)
+        and all(slot == 0 and _is_linear(facts[reader]) for reader, slot in readers)
+        and any(facts[reader].needs_grad for reader, _ in readers)
+    )

@@ -70,8 +70,10 @@ class LayoutTerms:
     link: LinkTier  # the tier a pipeline's stage boundaries cross
     parts: StepParts = StepParts()
     sync_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather, once per step (after the optimizer)
+    regather_s: float = 0.0  # under Schedule.regather: backward's second gathers (axis_terms.regathers)
+    regathered: frozenset[tuple[str, int]] = frozenset()  # the (linear, input slot) they serve
     made_of: tuple = ()  # (degrees, strategies, mesh, hardware): for :meth:`compiled_traffic`
-    _terms: LayerTerms | None = None
+    _terms: dict = field(default_factory=dict)
     _times: dict = field(default_factory=dict)
     _rows: dict = field(default_factory=dict)
     _starts: dict = field(default_factory=dict)
@@ -108,11 +110,11 @@ class LayoutTerms:
         )
         return comm + step.kernel_s, sync
 
-    @property
-    def terms(self) -> LayerTerms:
-        if self._terms is None:
-            self._terms = layer_terms(self.facts, self.local)
-        return self._terms
+    def terms(self, regather: bool = False) -> LayerTerms:
+        """The sums over layers; with ``regather``, the regathered inputs saved as their shards."""
+        if regather not in self._terms:
+            self._terms[regather] = layer_terms(self.facts, self.local, self.regathered if regather else frozenset())
+        return self._terms[regather]
 
     def times(self, microbatches: int) -> StepTimes:
         """The layout's compute, its batch run in ``microbatches`` pieces."""
@@ -189,10 +191,13 @@ class PricedConfiguration:
             parts = dataclasses.replace(parts, tp_comm_s=0.0, replayed=True, gather_once_s=0.0)
         if self.zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
             cost = dataclasses.replace(cost, grad_sync_s=cost.grad_sync_s * schedule.microbatches)
+        if schedule.regather:  # backward gathers the kept shards again, as tensor parallelism's collectives run
+            cost = dataclasses.replace(cost, comm_s=cost.comm_s + self.layout.regather_s)
+            parts = dataclasses.replace(parts, tp_comm_s=parts.tp_comm_s + self.layout.regather_s)
         times = self.layout.times(schedule.microbatches)
         return scheduled(
             cost,
-            self.layout.terms,
+            self.layout.terms(schedule.regather),
             times,
             schedule,
             self.split(schedule),
@@ -207,8 +212,9 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
     batch with everything saved on one stage, model state left out (compute at one microbatch);
     the parameters whose gradients are synced; the local shapes; what overlaps need. Every sum
     over nodes weighs a node, and every sum over edges the edge's consumer, by its weight."""
-    comm = sync = once = tp_comm = 0.0
+    comm = sync = once = tp_comm = regather_s = 0.0
     synced: set[str] = set()
+    regathered: frozenset[tuple[str, int]] = frozenset()
     for ctx, _, moved in axis_contexts(facts, degrees, strategies, mesh, hardware, zero, memo):
         if ctx is None:
             local = moved  # the shapes after every axis
@@ -216,6 +222,7 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
         comm, sync, once = comm + moved.comm_s, sync + moved.sync_s, once + moved.sync_once_s
         tp_comm += moved.comm_s if ctx.name == Axis.TP else 0.0
         synced |= moved.synced
+        regather_s, regathered = regather_s + moved.regather_s, regathered | moved.regathered
     flops = sum(
         (f.profile.forward_flops + (f.profile.backward_flops if f.needs_grad else 0.0)) * local.work[n] * f.weight
         for n, f in facts.items()
@@ -237,7 +244,16 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
         replicated=frozenset(n for n, s in strategies.get(Axis.TP, {}).items() if isinstance(s.output, Replicate)),
         zero=zero,
     )
-    return {"facts": facts, "cost": cost, "synced": synced, "local": local, "parts": parts, "sync_once_s": once}
+    return {
+        "facts": facts,
+        "cost": cost,
+        "synced": synced,
+        "local": local,
+        "parts": parts,
+        "sync_once_s": once,
+        "regather_s": regather_s,
+        "regathered": regathered,
+    }
 
 
 def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwareProfile, zero: int):

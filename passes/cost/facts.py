@@ -327,15 +327,18 @@ def activation_bytes(
     return output + fact.profile.saved_extra_bytes * work
 
 
-def saved_bytes(facts: dict[str, NodeFacts], local: ShardedShapes) -> dict[str, float]:
+def saved_bytes(
+    facts: dict[str, NodeFacts], local: ShardedShapes, regathered: frozenset[tuple[str, int]] = frozenset()
+) -> dict[str, float]:
     """Bytes autograd keeps for each node once every axis is solved (``local``).
 
     An op that saves an input a collective brings (``local.moved``: an all-gathered
     sequence-parallel norm output, a chunk) saves the collective's output, a new tensor at
     its own input placement, once per value, destination and :func:`move_scope` however many
     ops there save it (q, k and v save one gathered input); the producer's output is kept
-    only where the op saves it or a consumer saves it as it is. Without moved inputs this is
-    :func:`activation_bytes` of every node.
+    only where the op saves it or a consumer saves it as it is. An input in ``regathered``
+    (``Schedule.regather``) is kept as its producer's output, the shard, and gathered again in
+    backward. Without moved inputs this is :func:`activation_bytes` of every node.
     """
     kept = {n for n, f in facts.items() if f.kind == "op" and f.needs_grad and f.profile.saves_output}
     copies = dict.fromkeys(facts, 0.0)
@@ -345,7 +348,7 @@ def saved_bytes(facts: dict[str, NodeFacts], local: ShardedShapes) -> dict[str, 
             continue
         for slot in fact.profile.saved_inputs:
             producer = fact.slots[slot].name
-            if (name, slot) not in local.moved:
+            if (name, slot) not in local.moved or (name, slot) in regathered:
                 kept.add(producer)
                 continue
             move = (producer, tuple(local.slot_shapes[name][slot]), move_scope(fact.node))

@@ -166,13 +166,14 @@ def step_times(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: 
     return StepTimes(compute, backward, gemm, recompute, recompute_gemm)
 
 
-def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes) -> LayerTerms:
-    """:class:`LayerTerms` of the configuration whose local shapes are ``local``."""
+def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes, regathered: frozenset = frozenset()) -> LayerTerms:
+    """:class:`LayerTerms` of the configuration whose local shapes are ``local``; the moved inputs
+    in ``regathered`` kept as their shards (:func:`saved_bytes`)."""
     outside = after = kept = 0.0
     layer_saved: dict[str, float] = {}
     layer_weight: dict[str, int] = {}
     layer_inputs: dict[str, set[str]] = {}
-    saved_by_node = saved_bytes(facts, local)  # moved inputs an op saves count as the copies they are
+    saved_by_node = saved_bytes(facts, local, regathered)  # moved inputs an op saves count as the copies they are
     for name, fact in facts.items():
         if fact.kind not in ("op", "input"):
             continue

@@ -69,7 +69,7 @@ def pipeline_tp_matmuls(program: fx.GraphModule, inputs: tuple, pieces: int = PI
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is ops.all_gather.default and _feeds_only_linears(node):
+        if node.target is ops.all_gather.default and feeds_only_linears(node):
             split += _gather_in_pieces(graph, node, pieces)
         elif node.target in (ops.all_reduce.default, ops.reduce_scatter.default) and _has_linear(node.args[0]):
             split += _reduce_in_pieces(graph, node, pieces, scatter=node.target is ops.reduce_scatter.default)
@@ -78,7 +78,8 @@ def pipeline_tp_matmuls(program: fx.GraphModule, inputs: tuple, pieces: int = PI
     return program, split
 
 
-def _feeds_only_linears(gather: fx.Node) -> bool:
+def feeds_only_linears(gather: fx.Node) -> bool:
+    """Whether every reader of ``gather`` is a linear taking it as its input."""
     return bool(gather.users) and all(u.target is LINEAR and u.args[0] is gather for u in gather.users)
 
 

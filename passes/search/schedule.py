@@ -9,7 +9,10 @@ count dividing the local batch that the kind runs (:func:`variants`); without st
 pinned microbatch count or one, and where one does not fit, gradient accumulation over every
 count dividing the local batch (:func:`accumulations`). More recomputation on the same layout
 and schedule only adds time, so a level is priced only where the ones below it fit nothing
-(accumulating is weighed against it, not instead of it). The tie rule among all of them is :mod:`ranking`'s.
+(accumulating is weighed against it, not instead of it); a level is recomputation with or
+without regathering gathered inputs (:attr:`Schedule.regather`), and the levels that save
+memory by different means are priced side by side (:func:`levels`). The tie rule among all of
+them is :mod:`ranking`'s.
 """
 
 from __future__ import annotations
@@ -26,12 +29,27 @@ ROUNDS_PIPELINES = (PipelineKind.INTERLEAVED_1F1B, PipelineKind.INTERLEAVED_ZB)
 VIRTUAL_STAGES = 2  # stage modules per device for the interleaved schedules (zbv always runs 2)
 
 
-def levels(options: PlanOptions) -> list[Recompute]:
-    """The recomputation levels to try, least first."""
-    return [options.recompute] if options.recompute else list(RECOMPUTE)
+Level = tuple[Recompute, bool]  # (recomputation, regather)
+NO_SAVING: Level = (Recompute.NONE, False)
 
 
-def leanest(options: PlanOptions, stages: int, local_batch: int, level: Recompute) -> Schedule:
+def levels(options: PlanOptions) -> list[list[Level]]:
+    """The memory-saving levels to try in rungs, least first (the pinned recomputation and regather
+    only): everything saved; then the gathered inputs regathered or selective recomputation, which
+    neither always takes less time than the other; then both; then full recomputation (which
+    saves no gathered input to regather)."""
+    recomputes = [options.recompute] if options.recompute else list(RECOMPUTE)
+    regathers = [options.regather] if options.regather is not None else [False, True]
+    rungs: dict[int, list[Level]] = {}
+    for recompute in recomputes:
+        for regather in regathers:
+            if not (regather and recompute == Recompute.FULL):
+                rung = RECOMPUTE.index(recompute) + (regather or recompute == Recompute.FULL)
+                rungs.setdefault(rung, []).append((recompute, regather))
+    return [rungs[rung] for rung in sorted(rungs)]
+
+
+def leanest(options: PlanOptions, stages: int, local_batch: int, level: Level) -> Schedule:
     """The schedule holding the fewest activations at ``level``: the pinned kind, or 1F1B, with
     the pinned or the largest microbatch count (the one the ILP's memory budget is set for)."""
     if options.microbatches is not None and not 1 <= options.microbatches <= local_batch:
@@ -41,7 +59,10 @@ def leanest(options: PlanOptions, stages: int, local_batch: int, level: Recomput
     micro = options.microbatches or (max(1, local_batch) if stages > 1 else 1)
     kind = options.pipeline or PipelineKind.ONE_F_ONE_B
     virtual = VIRTUAL_STAGES if kind in VIRTUAL_PIPELINES else 1
-    return Schedule(stages, micro, level, kind, virtual, options.stage_cuts, options.compile, options.async_tp)
+    recompute, regather = level
+    return Schedule(
+        stages, micro, recompute, kind, virtual, options.stage_cuts, options.compile, options.async_tp, regather
+    )
 
 
 def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int) -> list[Schedule]:

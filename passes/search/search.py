@@ -37,7 +37,6 @@ from autopar.ir import (
     NodeDecision,
     Plan,
     PlanOptions,
-    Recompute,
     Replicate,
     batch_split,
 )
@@ -50,7 +49,7 @@ from autopar.passes.search.axes import solve_axes, split_dims
 from autopar.passes.search.fold import LayerFolding, fold_layers
 from autopar.passes.search.pins import user_pins
 from autopar.passes.search.ranking import Candidate, choose, near, within_reach
-from autopar.passes.search.schedule import accumulations, leanest, levels, price, variants
+from autopar.passes.search.schedule import NO_SAVING, accumulations, leanest, levels, price, variants
 from autopar.passes.search.space import BOUND, MEMORY, LowerBounds, configurations, optional_dims
 from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.strategies import Strategy
@@ -180,7 +179,7 @@ class _Weighing:
             local_batch = self.batch // batch_split(degrees)
             try:
                 runnable = variants(
-                    leanest(self.options, stages, local_batch, Recompute.NONE), self.options, local_batch, self.layers
+                    leanest(self.options, stages, local_batch, NO_SAVING), self.options, local_batch, self.layers
                 )
             except ConfigError as error:
                 if self.options.stages:
@@ -250,7 +249,7 @@ class _Weighing:
         solved = zero if options.zero is not None or degrees[Axis.DP] == 1 else max(zero, 1)  # ZeRO-0 on ZeRO-1's
         zero_class = 3 if solved == 3 else min(solved, 1)
         if zero_class not in layouts:
-            base = leanest(options, ctx.stages, local_batch, levels(options)[0])
+            base = leanest(options, ctx.stages, local_batch, levels(options)[0][0])
 
             floors = [self.bounds.step_s(self.mesh, ctx.stages, degrees, solved, bubble)]
 
@@ -270,24 +269,36 @@ class _Weighing:
                 layouts[2] = LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, 2, ctx.memo)
             terms = layouts[2]
         free = PricedConfiguration.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, zero, layout=terms)
-        tried = []
-        for level in levels(options):
-            base = leanest(options, ctx.stages, local_batch, level)
-            schedules = variants(base, options, local_batch, self.layers)
-            priced = [(strategies, s, c) for s, c in price(free, schedules)]
-            tried += priced
-            if any(c.peak_memory <= self.limit for _, _, c in priced):
-                break  # more recomputation on this layout only adds time
-            accumulating = accumulations(base, options, local_batch)  # the local batch does not fit at once
-            tried += [(strategies, s, c) for s, c in price(free, accumulating)]
-            schedules += accumulating
-            if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less (for a gather)
-                continue
-            if not within_reach(floor + self.bounds.recompute_s(ctx.stages, degrees, level), self.fastest):
-                continue  # the rule "bound": no layout recomputing this much can win
-            bound = solve_axes(ctx, degrees, zero, base, limit=self.limit, cache=cache)  # the layout under the budget
-            lean = PricedConfiguration.of(ctx.facts, degrees, bound, ctx.mesh, hardware, zero)
-            tried += [(bound, s, c) for s, c in price(lean, schedules)]
+        tried, budgeted = [], {}
+        for rung in levels(options):
+            fits = False
+            for level in rung:
+                base = leanest(options, ctx.stages, local_batch, level)
+                if base.regather and not free.layout.regathered:
+                    continue  # no gathered input to keep as its shard: the level without regather
+                schedules = variants(base, options, local_batch, self.layers)
+                priced = [(strategies, s, c) for s, c in price(free, schedules)]
+                tried += priced
+                if any(c.peak_memory <= self.limit for _, _, c in priced):
+                    fits = True  # saving more on this layout only adds time
+                    continue
+                accumulating = accumulations(base, options, local_batch)  # the local batch does not fit at once
+                tried += [(strategies, s, c) for s, c in price(free, accumulating)]
+                schedules += accumulating
+                if solved != zero:  # ZeRO-0 stays on ZeRO-1's layout: under the budget ZeRO-1 holds less (for a gather)
+                    continue
+                if not within_reach(floor + self.bounds.recompute_s(ctx.stages, degrees, level[0]), self.fastest):
+                    continue  # the rule "bound": no layout recomputing this much can win
+                if level[0] not in budgeted:  # the layout under the budget (whose ILP counts no regather)
+                    bound = solve_axes(ctx, degrees, zero, base, limit=self.limit, cache=cache)
+                    budgeted[level[0]] = (
+                        bound,
+                        PricedConfiguration.of(ctx.facts, degrees, bound, ctx.mesh, hardware, zero),
+                    )
+                bound, lean = budgeted[level[0]]
+                tried += [(bound, s, c) for s, c in price(lean, schedules)]
+            if fits:
+                break
         fitting = [Candidate(degrees, zero, s, c, layout) for layout, s, c in tried if c.peak_memory <= self.limit]
         if fitting:
             fastest = min(c.cost.step_s for c in fitting)

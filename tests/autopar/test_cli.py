@@ -40,6 +40,21 @@ def test_plan_for_compiled_programs(capsys, tmp_path):
     assert "pass compile=True" in capsys.readouterr().err
 
 
+def test_plan_pins_regather_and_shows_it(capsys, tmp_path):
+    """--regather on keeps the sequence-parallel norms' gathered outputs as shards (the saved plan
+    says so, explain too); with full recomputation there is nothing to regather."""
+    saved = tmp_path / "plan.json"
+    sequence_parallel = ["--constraint", "layers.*.attn_norm=S(1)", "--constraint", "layers.*.mlp_norm=S(1)"]
+    pins = ["--degrees", "tp=2", *sequence_parallel, "--recompute", "none", "--regather", "on"]
+    assert main(["plan", "gpt", *MESH, *pins, "--save", str(saved)]) == 0
+    assert "gathered inputs regathered" in capsys.readouterr().out
+    assert Plan.load(saved).schedule.regather
+    assert main(["explain", str(saved)]) == 0
+    assert "m=1, none, regather" in capsys.readouterr().out  # the search's table, its one configuration
+    assert main(["plan", "gpt", *MESH, "--recompute", "full", "--regather", "on"]) == 1
+    assert "no gathered input to regather" in capsys.readouterr().err
+
+
 def test_plan_makes_the_inputs_of_an_unmodified_hugging_face_model(capsys):
     """A model without example_inputs (``from_config``'s Qwen2ForCausalLM): autopar makes random
     input_ids as labels, ``--seq`` tokens long, and ``--at`` re-captures the same call by name."""
@@ -114,6 +129,7 @@ def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):
         "cuts": ["layers.2"],
         "compiled": False,
         "async_tp": False,
+        "regather": False,
     }
     assert summary["pipeline_s"] > 0 and summary["model_tflops_per_device"] > 0
     assert set(summary["memory"]) == {"params", "grads", "optimizer", "grad_buckets", "activations", "temporary"}

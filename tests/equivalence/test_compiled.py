@@ -1,9 +1,10 @@
 """``compile=True`` against the unparallelized model: same loss, full gradients and parameters
-after AdamW (fp32), for DP (also over 2 microbatches), TP+SP, ZeRO-1, 2 and 3, PP2 (1F1B, and
-the zero-bubble V schedule, whose compiled stages split their backward into input and weight
-passes: autopar.runtime.weight_pass), CP2 (ring attention) and EP2 on 2 gloo ranks, in one
-spawn. Each case also shows that its programs really ran compiled (one graph each:
-``fullgraph=True`` raises on a break), that a program sums its own gradients where
+after AdamW (fp32), for DP (also over 2 microbatches), TP+SP (also with its gathered inputs
+regathered in backward), ZeRO-1, 2 and 3, PP2 (1F1B, and the zero-bubble V schedule, whose
+compiled stages split their backward into input and weight passes: autopar.runtime.weight_pass),
+CP2 (ring attention) and EP2 on 2 gloo ranks, in one spawn. Each case also shows that its
+programs really ran compiled (one graph each: ``fullgraph=True`` raises on a break), that a
+program sums its own gradients where
 :func:`autopar.ir.zero.syncs_whole_in_program` says so (over microbatches, the last one's
 program sums what the earlier ones accumulated), that TP+SP's matmuls ran in pieces with their
 collectives (async tensor parallelism) and that the V stages ran every weight pass they split
@@ -45,6 +46,7 @@ IGNORING = dict(ignore_targets=True)  # another count of targets per row: the mi
 CASES = [
     ("DP", "gpt", GPT, dict(degrees={"dp": 2})),
     ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, async_tp=True)),
+    ("TP+SP regather", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, regather=True)),
     ("DP 2 microbatches", "gpt", GPT, dict(degrees={"dp": 2}, microbatches=2, **IGNORING)),
     ("ZeRO-1", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=1)),
     ("ZeRO-2", "gpt", GPT, dict(degrees={"dp": 2, "tp": 1}, zero=2, optimizer="shards")),
@@ -166,6 +168,8 @@ def _check(case, result):
     assert result["compiled"] and all(result["compiled"]), result  # every program ran compiled
     if name == "TP+SP":  # its gathers before linears (and the all-reduces after) ran in pieces
         assert result["pieced"] > 0, result
+    if name == "TP+SP regather":  # each layer's two norm outputs gathered for linears kept as shards
+        assert result["kernels"].count("regather") == 4, result
     if name in ("DP", "DP 2 microbatches", "ZeRO-1", "ZeRO-2", "ZeRO-3"):  # the programs sum: the runtime, nothing
         assert result["synced_in_program"] > 0 and result["synced_by_runtime"] == 0, result
     if name == "DP 2 microbatches":  # the first microbatch's program sums nothing; the last sums both

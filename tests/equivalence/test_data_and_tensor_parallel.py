@@ -2,7 +2,10 @@
 parameters after AdamW (fp32), on real gloo process groups of 2 and 4 ranks.
 
 The vocabulary-split cases (``*_VOCAB``) cover GPT and Llama on TP2, TP4 and DP2xTP2, each model
-with and without sequence parallelism, all with ignored targets (a different count per row).
+with and without sequence parallelism, all with ignored targets (a different count per row). The
+``regather`` cases keep the sequence-parallel norms' outputs as shards and gather them again in
+backward (GPT's fused q/k/v linear, Llama's separate q, k, v and gate/up; under ZeRO-3 too, whose
+gathered weights the fused linears read).
 """
 
 import pytest
@@ -40,6 +43,8 @@ TWO_RANKS = [
     ("hf", "build_gpt2", HF, dict(degrees={"tp": 2}, constraints=GPT2_SP)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_TP)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_SP)),
+    ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, regather=True)),
+    ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_SP, regather=True)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints={**LLAMA_SP, **LLAMA_VOCAB}, **IGNORED)),
     ("hf", "build_mixtral", HF, dict(degrees={"dp": 2})),
 ]
@@ -52,6 +57,12 @@ FOUR_RANKS = [
     ("gpt", "build", GPT, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT_SP)),
     ("hf", "build_gpt2", HF, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=GPT2_TP)),
     ("hf", "build_llama", HF, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=LLAMA_SP)),
+    (
+        "hf",
+        "build_llama",
+        HF,
+        dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints=LLAMA_SP, zero=3, regather=True),
+    ),
     ("gpt", "build", GPT, dict(degrees={"tp": 4}, constraints={**GPT_SP, **GPT_VOCAB}, **IGNORED)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 4}, constraints={**LLAMA_TP, **LLAMA_VOCAB}, **IGNORED)),
     ("gpt", "build", GPT, dict(mesh="2x2", degrees={"dp": 2, "tp": 2}, constraints={**GPT_TP, **GPT_VOCAB}, **IGNORED)),
@@ -79,6 +90,8 @@ def _check(case, result):
         assert result["collectives"] > 0, (label, result)
     if "vocab" in options.get("constraints", {}).values():  # the embedding and the loss run split
         assert result["kernels"].count("vocab") >= 2, (label, result)
+    if options.get("regather"):  # both norms' outputs of both layers kept as shards
+        assert result["kernels"].count("regather") >= 4 and result["schedule"].regather, (label, result)
 
 
 @pytest.mark.parametrize("world, cases", [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2-ranks", "4-ranks"])

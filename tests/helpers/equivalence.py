@@ -109,6 +109,7 @@ KERNEL_OPS = {
     "autopar.ulysses_attention.default": "ulysses",
     "autopar.vocab_embedding.default": "vocab",
     "autopar.vocab_cross_entropy.default": "vocab",
+    "autopar.gathered_linears.default": "regather",
 }
 
 

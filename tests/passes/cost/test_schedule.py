@@ -4,6 +4,7 @@ the optimizer step, in-step rendezvous, recomputation, microbatches and pipeline
 import dataclasses
 
 import pytest
+from equivalence import GPT_SP
 from planning import meta_model, plan_example
 
 from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, Precision, Schedule, get_profile
@@ -269,3 +270,40 @@ def test_zero1_and_2_pay_the_copies_around_the_gather_of_the_stepped_weights():
     assert update_s(0) == pytest.approx(update_s(0, **in_place)) and update_s(3) == pytest.approx(
         update_s(3, **in_place)
     )
+
+
+def test_regathering_keeps_each_gathered_input_at_its_shard_and_gathers_it_again_in_backward():
+    # Megatron's sequence parallelism on tp 4: each layer's two norm outputs are gathered for linears,
+    # and the last norm's for the head (the search splits it along the sequence too)
+    pins = dict(degrees={"dp": 2, "tp": 4}, constraints=GPT_SP, zero=0, recompute="none")
+    saved, regathered = (_plan(**pins, regather=flag) for flag in (False, True))
+    assert regathered.schedule.regather and not saved.schedule.regather
+    elem = 2 if regathered.precision == Precision.BF16_MIXED else 4
+    gathered = 16 // 2 * GPT["seq"] * GPT["hidden"] * elem  # a dp rank's batch, the whole sequence
+    values = 2 * GPT["layers"] + 1
+    less = saved.cost.memory["activations"] - regathered.cost.memory["activations"]
+    assert less == pytest.approx(values * (gathered - gathered / 4))  # the gathered copy out, the shard in
+    link = FLAT_A100.link((2, 4), 4, 4)
+    again = regathered.cost.comm_s - saved.cost.comm_s
+    assert again == pytest.approx(values * collective_time("all_gather", gathered, 4, link))
+    assert regathered.cost.compute_s == saved.cost.compute_s
+
+
+def test_the_search_weighs_regathering_against_selective_recomputation_where_neither_fits_without():
+    pins = dict(degrees={"dp": 2, "tp": 4}, constraints=GPT_SP, zero=0, microbatches=1)
+    leaner = {  # the rung after saving everything: each saves otherwise, neither always faster
+        (recompute, regather): _plan(**pins, recompute=recompute, regather=regather)
+        for recompute, regather in (("none", True), ("selective", False))
+    }
+    limit = max(plan.cost.peak_memory for plan in leaner.values())
+    with pytest.raises(MemoryLimitError):
+        _plan(**pins, recompute="none", regather=False, memory_limit=limit)
+    chosen = _plan(**pins, memory_limit=limit)
+    fastest = min(leaner.values(), key=lambda plan: plan.cost.step_s)
+    assert (chosen.schedule.recompute, chosen.schedule.regather) == (
+        fastest.schedule.recompute,
+        fastest.schedule.regather,
+    )
+    assert chosen.cost.step_s == pytest.approx(fastest.cost.step_s)
+    with pytest.raises(ConfigError, match="no gathered input to regather"):
+        _plan(**pins, recompute="full", regather=True)
