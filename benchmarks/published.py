@@ -66,7 +66,8 @@ def row_table(results: list[dict]) -> list[str]:
         lines.append(
             f"| {row['group']} | {row['id'].split(' | ')[1]}{partly} | {config['gpus']} | {config['tp']} | "
             f"{config['pp']} | {config['dp']} | {schedule.virtual if config['pp'] > 1 else '-'} | "
-            f"{schedule.microbatches} | {config['global_batch']} | {schedule.recompute} | {UNITS[row['metric']]} | "
+            f"{schedule.microbatches} | {config['global_batch']} | {schedule.recompute}"
+            f"{' + regather' if schedule.regather else ''} | {UNITS[row['metric']]} | "
             f"{_value(row['metric'], r['predicted'])} | {_value(row['metric'], row['value'])} | "
             f"{r['error'] * 100:+.1f} | {cost.compute_s:.2f} / {cost.comm_s:.2f} / {cost.grad_sync_s:.2f} / "
             f"{cost.optimizer_s:.2f} / {cost.pipeline_s:.2f} | {r['flops_ratio']:.2f} | {memory} | {r['plan_s']:.0f} |"

@@ -21,7 +21,7 @@ import torch
 from published_models import build
 
 import autopar
-from autopar.ir import HardwareProfile, MemoryLimitError, Schedule, get_profile
+from autopar.ir import HardwareProfile, MemoryLimitError, get_profile
 from autopar.passes.cost.evaluate import evaluate_plan
 
 DATA = Path(__file__).parent / "data" / "published_runs.json"
@@ -171,8 +171,7 @@ def predict(row: dict, stacks: dict, captures: Captures) -> dict:
     cost = plan.cost
     virtual = row["config"]["virtual"]
     if virtual and virtual != plan.schedule.virtual:  # the search interleaves 2 stage modules per device
-        searched = plan.schedule
-        schedule = Schedule(searched.stages, searched.microbatches, searched.recompute, "interleaved-1f1b", virtual)
+        schedule = dataclasses.replace(plan.schedule, kind="interleaved-1f1b", virtual=virtual, cuts=())
         plan = dataclasses.replace(plan, schedule=schedule)
         cost = evaluate_plan(captured, plan, hardware)
     predicted = metric(row, cost.step_s, params)

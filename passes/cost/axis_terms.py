@@ -300,7 +300,7 @@ class Traffic:
     sync_s: float = 0.0  # parameters' gradient sync (ZeRO-2/3: per microbatch)
     sync_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather, once per step
     synced: frozenset[str] = frozenset()  # the parameters synced
-    regather_s: float = 0.0  # under Schedule.regather, backward's gathers of :func:`regathered` moves
+    regather_s: float = 0.0  # under Schedule.regather, backward's second gathers of the moves :func:`regathers` names
     regathered: frozenset[tuple[str, int]] = frozenset()  # (consumer, input slot) of those moves
 
 

@@ -37,9 +37,13 @@ def levels(options: PlanOptions) -> list[list[Level]]:
     """The memory-saving levels to try in rungs, least first (the pinned recomputation and regather
     only): everything saved; then the gathered inputs regathered or selective recomputation, which
     neither always takes less time than the other; then both; then full recomputation (which
-    saves no gathered input to regather)."""
+    saves no gathered input to regather). Async tensor parallelism pieces those inputs' linears
+    instead: no regather with it."""
     recomputes = [options.recompute] if options.recompute else list(RECOMPUTE)
-    regathers = [options.regather] if options.regather is not None else [False, True]
+    if options.regather is not None:
+        regathers = [options.regather]
+    else:
+        regathers = [False] if options.async_tp else [False, True]
     rungs: dict[int, list[Level]] = {}
     for recompute in recomputes:
         for regather in regathers:

@@ -1,6 +1,7 @@
 """Pipeline stages and microbatches against the unparallelized model: same loss, full
 gradients and parameters after AdamW (fp32), for every torch pipelining schedule on PP2 and
-PP4, and with data and tensor parallelism inside the stages (PP2xDP2, PP2xTP2); ZeRO-1/2/3
+PP4, and with data and tensor parallelism inside the stages (PP2xDP2, PP2xTP2, also with sequence
+parallelism's gathered inputs regathered); ZeRO-1/2/3
 over the data-parallel axis inside the stages, and its checkpoints read under other plans. Some
 cases ignore targets (another count per row): each microbatch's mean then weighs by its count."""
 
@@ -12,6 +13,7 @@ import torch
 import torch.distributed as dist
 from equivalence import (
     ADAM_EPS,
+    GPT_SP,
     GPT_TP,
     LEARNING_RATE,
     check_every_case,
@@ -48,6 +50,15 @@ FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forwa
     dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=4, pipeline="interleaved-1f1b"),
     dict(mesh="2x2", degrees={"pp": 2, "dp": 2}, microbatches=2, pipeline="zbv"),
     dict(mesh="2x2", degrees={"pp": 2, "tp": 2}, constraints=GPT_TP, microbatches=2, pipeline="interleaved-zb"),
+    # sequence-parallel inputs regathered inside interleaved stage modules
+    dict(
+        mesh="2x2",
+        degrees={"pp": 2, "tp": 2},
+        constraints=GPT_SP,
+        microbatches=2,
+        pipeline="interleaved-1f1b",
+        regather=True,
+    ),
 ]
 
 

@@ -1,12 +1,13 @@
 """Recomputation against one process: full and selective recomputation, on every schedule
-and degree mix that fits 2 and 4 gloo ranks (loss, full gradients, parameters after AdamW)."""
+and degree mix that fits 2 and 4 gloo ranks (loss, full gradients, parameters after AdamW), and
+selective recomputation of a layer whose sequence-parallel inputs are regathered."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.fx as fx
-from equivalence import GPT_TP, compare_one_step, load_example
+from equivalence import GPT_SP, GPT_TP, compare_one_step, load_example
 from shared_captures import build
 from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -30,6 +31,7 @@ TWO_RANKS = [
     dict(recompute="selective", degrees={"tp": 2}, constraints=GPT_TP),
     dict(recompute="full", degrees={"dp": 2}, microbatches=2),
     dict(recompute="selective", degrees={"tp": 2}, constraints=GPT_TP, microbatches=2),
+    dict(recompute="selective", degrees={"tp": 2}, constraints=GPT_SP, regather=True),  # the shards recomputed too
     dict(recompute="full", degrees={"dp": 2}, zero=3),
     dict(recompute="full", degrees={"pp": 2}, microbatches=4, pipeline="1f1b"),
     dict(recompute="selective", degrees={"pp": 2}, microbatches=4, pipeline="interleaved-zb"),
@@ -97,6 +99,7 @@ def test_recomputed_training_step_matches_single_process(world, cases):
         for result in results:  # each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|): allclose holds when <= 1
             assert result["loss"] <= 1 and result["grad"][0] <= 1 and result["param"][0] <= 1, (pins, result)
             assert result["schedule"].recompute == (pins["recompute"] or "selective"), (pins, result["schedule"])
+            assert result["schedule"].regather == pins.get("regather", False), (pins, result["schedule"])
             assert result["recomputed"] > 0, (pins, result)  # backward really reran layers
         assert set().union(*(r["held"] for r in results)) == everything, pins
         if pins["recompute"] is None:

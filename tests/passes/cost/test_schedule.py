@@ -7,7 +7,7 @@ import pytest
 from equivalence import GPT_SP
 from planning import meta_model, plan_example
 
-from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, Precision, Schedule, get_profile
+from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, PlanOptions, Precision, Schedule, get_profile
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.axis_terms import AxisContext, param_sync, zero3_layer_s
@@ -22,6 +22,7 @@ from autopar.passes.cost.ops import (
     zero_copy_bytes,
 )
 from autopar.passes.cost.schedule import kept_share
+from autopar.passes.search.schedule import levels
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
 
@@ -307,3 +308,15 @@ def test_the_search_weighs_regathering_against_selective_recomputation_where_nei
     assert chosen.cost.step_s == pytest.approx(fastest.cost.step_s)
     with pytest.raises(ConfigError, match="no gathered input to regather"):
         _plan(**pins, recompute="full", regather=True)
+
+
+def test_the_memory_ladder_regathers_beside_selective_recomputation_and_never_with_async_tp():
+    ladder = levels(PlanOptions())
+    assert ladder == [
+        [("none", False)],
+        [("none", True), ("selective", False)],
+        [("selective", True)],
+        [("full", False)],
+    ]
+    assert all(not regather for rung in levels(PlanOptions(compile=True, async_tp=True)) for _, regather in rung)
+    assert levels(PlanOptions(recompute="selective")) == [[("selective", False)], [("selective", True)]]
