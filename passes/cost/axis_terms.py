@@ -300,7 +300,7 @@ class Traffic:
     sync_s: float = 0.0  # parameters' gradient sync (ZeRO-2/3: per microbatch)
     sync_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather, once per step
     synced: frozenset[str] = frozenset()  # the parameters synced
-    regather_s: float = 0.0  # under Schedule.regather, backward's second gathers of the moves :func:`regathers` names
+    regather_s: float = 0.0  # under Schedule.regather, what backward's second gathers (:func:`regathers`) leave exposed
     regathered: frozenset[tuple[str, int]] = frozenset()  # (consumer, input slot) of those moves
 
 
@@ -434,10 +434,26 @@ def traffic(
     regather_s, regathered_inputs = 0.0, set()
     for (producer, dst, _), (consumer, shape, readers) in moves.items():
         if regathers(facts, chosen[producer].output, dst, readers):  # backward gathers the value again
-            forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
-            regather_s += forward * facts[consumer].weight
+            gather = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)
+            regather_s += (
+                maximum(0.0, gather - _input_gradients_s(facts, chosen, readers, ctx)) * facts[consumer].weight
+            )
             regathered_inputs.update(readers)
     return Traffic(comm, sync, once_s, frozenset(synced), regather_s, frozenset(regathered_inputs))
+
+
+def _input_gradients_s(facts, chosen: dict[str, Strategy], readers: list[tuple[str, int]], ctx: AxisContext) -> float:
+    """What a regather hides behind where communication runs beside compute (the profile's
+    ``overlap``): its linears' input-gradient matmuls, each one forward's worth of the op's
+    forward and backward (:mod:`autopar.runtime.kernels.gathered_linear` issues the gather first)."""
+    seconds = 0.0
+    for reader, _ in readers:
+        fact, s = facts[reader], chosen[reader]
+        profile = fact.profile
+        share = profile.forward_flops / max(profile.forward_flops + profile.backward_flops, 1.0)
+        work = ctx.local.work[reader] * work_fraction(s, ctx.size)
+        seconds += fact.seconds(work, local_slot_shapes(fact, s, ctx)) * share
+    return seconds * (ctx.hardware.overlap if ctx.hardware is not None else 0.0)
 
 
 def regathers(facts, src: Placement, dst: Placement, readers: list[tuple[str, int]]) -> bool:

@@ -90,7 +90,7 @@ def _made_after(nodes: list, first: fx.Node, order: dict) -> set[fx.Node] | None
         node = stack.pop()
         if order[node] < order[first] or node in late:
             continue
-        if node.target is LINEAR or node.op == "placeholder":
+        if node.target is LINEAR:
             return None
         late.add(node)
         stack.extend(node.all_input_nodes)

@@ -1,4 +1,5 @@
-"""Shared by the custom-op tests: torch.library.opcheck over several ops, and the error a call raises, inside a rank."""
+"""Shared by the custom-op tests: torch.library.opcheck over several ops, a program's loss and
+input gradients, and the error a call raises, inside a rank."""
 
 import torch
 
@@ -17,6 +18,14 @@ def opcheck_failures(calls: dict) -> dict:
         except Exception as error:  # reported to the parent, which asserts there is none
             failures[name] = repr(error)
     return failures
+
+
+def loss_and_grads(program, inputs: tuple) -> tuple:
+    """``program(*inputs)``'s loss and the gradients of its inputs, on fresh leaves."""
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    loss = program(*leaves)
+    loss.backward()
+    return loss.detach(), [leaf.grad for leaf in leaves]
 
 
 def error_of(fn) -> str:

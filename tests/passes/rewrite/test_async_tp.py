@@ -4,10 +4,10 @@ and two matmuls where there was one each, and what cannot be pieced left alone) 
 where a gathered or reduce-scattered piece holds rows of every rank's block (run eagerly: the
 pieces are plain ops; compiled, the equivalence suite's TP+SP case)."""
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from op_checks import loss_and_grads
 
 import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
 from autopar.passes.rewrite.async_tp import pipeline_tp_matmuls
@@ -18,13 +18,6 @@ ops = torch.ops.autopar
 aten = torch.ops.aten
 
 
-@pytest.fixture(scope="module")
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
 def _pieced_and_checked(function, shapes: list[tuple], seed: int = 0) -> tuple[fx.GraphModule, int]:
     """``function``'s program in pieces and how many collectives it split, once checked to compute
     the same loss and gradients on random inputs of ``shapes``."""
@@ -32,16 +25,9 @@ def _pieced_and_checked(function, shapes: list[tuple], seed: int = 0) -> tuple[f
     torch.manual_seed(seed)
     inputs = tuple(torch.randn(shape) for shape in shapes)
     pieced, split = pipeline_tp_matmuls(program, inputs)
-    expected, result = _loss_and_grads(program, inputs), _loss_and_grads(pieced, inputs)
+    expected, result = loss_and_grads(program, inputs), loss_and_grads(pieced, inputs)
     torch.testing.assert_close(result, expected, rtol=RTOL, atol=ATOL)  # fp32, summed in pieces
     return pieced, split
-
-
-def _loss_and_grads(program, inputs):
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    loss = program(*leaves)
-    loss.backward()
-    return loss.detach(), [leaf.grad for leaf in leaves]
 
 
 def _count(program, target) -> int:

@@ -3,10 +3,9 @@ only linears read runs with them as one op, which computes the same loss and gra
 the shard, not the gathered value, for backward; on one gloo rank here (two and four ranks, eager
 and compiled: the equivalence suites' regather cases)."""
 
-import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
+from op_checks import loss_and_grads, opcheck_failures
 
 import autopar.runtime  # noqa: F401  (registers torch.ops.autopar)
 from autopar.passes.rewrite.regather import regather_gathered_inputs
@@ -14,20 +13,6 @@ from autopar.verify import ATOL, RTOL
 
 ops = torch.ops.autopar
 aten = torch.ops.aten
-
-
-@pytest.fixture(scope="module")
-def group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield dist.group.WORLD.group_name
-    dist.destroy_process_group()
-
-
-def _loss_and_grads(program, inputs):
-    leaves = [x.detach().clone().requires_grad_() for x in inputs]
-    loss = program(*leaves)
-    loss.backward()
-    return loss.detach(), [leaf.grad for leaf in leaves]
 
 
 def _keeps_first_input(program, inputs) -> bool:
@@ -51,10 +36,10 @@ def _fused_and_checked(function, shapes: list[tuple]) -> tuple[fx.GraphModule, i
     program = fx.symbolic_trace(function)
     torch.manual_seed(0)
     inputs = tuple(torch.randn(shape) for shape in shapes)
-    expected = _loss_and_grads(program, inputs)
+    expected = loss_and_grads(program, inputs)
     assert not _keeps_first_input(program, inputs)
     fused_program, fused = regather_gathered_inputs(program)  # in place
-    torch.testing.assert_close(_loss_and_grads(fused_program, inputs), expected, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(loss_and_grads(fused_program, inputs), expected, rtol=RTOL, atol=ATOL)
     assert _keeps_first_input(fused_program, inputs) == bool(fused)
     return fused_program, fused
 
@@ -88,3 +73,29 @@ def test_a_weight_made_after_the_first_linear_moves_up(group):
 
     program, fused = _fused_and_checked(layer, [(2, 8, 4), (6, 4), (6, 4)])
     assert fused == 1 and _count(program, aten.linear.default) == 0
+
+
+def test_the_ops_schema_autograd_and_shape_rules_agree_with_them(group):
+    x, g, w = torch.randn(2, 8, 4), torch.randn(2, 8, 6), torch.randn(6, 4)
+    grad_x = dict(requires_grad=True)
+    calls = {
+        "gathered_linears": (
+            x.clone().requires_grad_(),
+            [w.clone().requires_grad_(), torch.randn(3, 4, **grad_x)],
+            [torch.randn(3, **grad_x)],
+            [False, True],
+            group,
+            1,
+            True,
+        ),
+        "gathered_linears_backward": (
+            x,
+            [g, torch.randn(2, 8, 3)],
+            [w, torch.randn(3, 4)],
+            [False, True],
+            group,
+            1,
+            False,
+        ),
+    }
+    assert opcheck_failures(calls) == {}
