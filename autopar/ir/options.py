@@ -16,6 +16,7 @@ from autopar.ir.hardware import HardwareProfile, get_profile
 from autopar.ir.mesh import PARALLEL_DIMS
 from autopar.ir.names import Axis, PipelineKind, Precision, Recompute
 from autopar.ir.placement import Placement
+from autopar.ir.plan import Schedule
 from autopar.ir.precision import PrecisionPolicy
 
 
@@ -96,10 +97,10 @@ class PlanOptions:
             raise ConfigError("async_tp=True runs in compiled programs only: pass compile=True with it")
         if self.regather not in (None, True, False):
             raise ConfigError(f"regather={self.regather!r}: pass True, False or None (the search decides)")
-        if self.regather and self.async_tp:
-            raise ConfigError("regather and async_tp both rewrite the linears of a gathered input: choose one")
-        if self.regather and self.recompute == Recompute.FULL:
-            raise ConfigError("recompute='full' keeps only each layer's input: there is no gathered input to regather")
+        if self.regather:  # what no schedule runs with it (Schedule's rules)
+            Schedule(
+                recompute=self.recompute or Recompute.NONE, compiled=self.compile, async_tp=self.async_tp, regather=True
+            )
         object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts or ()))
 
     @classmethod

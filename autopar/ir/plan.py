@@ -131,8 +131,7 @@ class Schedule:
             raise ConfigError("regather and async_tp both rewrite the linears of a gathered input: choose one")
         if self.regather and self.recompute == Recompute.FULL:
             raise ConfigError(
-                "recompute='full' keeps only each layer's input: regather would gather again and save nothing; "
-                "leave it off"
+                "recompute='full' keeps only each layer's input: there is no gathered input to regather; leave it off"
             )
         if self.cuts and len(self.cuts) != self.modules - 1:
             raise ConfigError(f"{self.modules} stage modules need {self.modules - 1} cut points, got {list(self.cuts)}")
