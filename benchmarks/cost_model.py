@@ -108,8 +108,12 @@ class Case:
         }[self.strategy]
 
     def constraints(self) -> dict[str, str] | None:
-        sequence_parallel = {"TP+SP": SEQUENCE_PARALLEL, "TP+SP+regather": SEQUENCE_PARALLEL}
-        return {"TP": MEGATRON_TP, "DPxTP": MEGATRON_TP, **sequence_parallel}.get(self.strategy)
+        return {
+            "TP": MEGATRON_TP,
+            "TP+SP": SEQUENCE_PARALLEL,
+            "TP+SP+regather": SEQUENCE_PARALLEL,
+            "DPxTP": MEGATRON_TP,
+        }.get(self.strategy)
 
     def regather(self) -> bool | None:
         """Whether the norms' gathered outputs are kept as shards (pinned for TP+SP), None: the search's choice."""

@@ -82,8 +82,8 @@ def _fuse(graph: fx.Graph, gather: fx.Node, target) -> int:
 
 
 def _made_after(nodes: list, first: fx.Node, order: dict) -> set[fx.Node] | None:
-    """``nodes`` and what they are computed from that the graph runs after ``first``; None if
-    any of them reads a linear's or the gather's output (no order can put them before)."""
+    """``nodes`` and what they are computed from that the graph runs after ``first``; None if one
+    of them is a linear (what reads one cannot move above the first linear)."""
     late: set[fx.Node] = set()
     stack = [n for n in nodes if isinstance(n, fx.Node)]
     while stack:

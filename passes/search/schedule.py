@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from autopar.ir import RECOMPUTE, VIRTUAL_PIPELINES, ConfigError, Cost, PipelineKind, PlanOptions, Recompute, Schedule
+from autopar.ir import VIRTUAL_PIPELINES, ConfigError, Cost, PipelineKind, PlanOptions, Recompute, Schedule
 from autopar.passes.cost.evaluate import PricedConfiguration
 from autopar.passes.search.ranking import SIMPLEST_FIRST
 
@@ -31,26 +31,26 @@ VIRTUAL_STAGES = 2  # stage modules per device for the interleaved schedules (zb
 
 Level = tuple[Recompute, bool]  # (recomputation, regather)
 NO_SAVING: Level = (Recompute.NONE, False)
+# everything saved; regathered or selective (neither always faster); both; full (no gathered input saved)
+LADDER: tuple[tuple[Level, ...], ...] = (
+    (NO_SAVING,),
+    ((Recompute.NONE, True), (Recompute.SELECTIVE, False)),
+    ((Recompute.SELECTIVE, True),),
+    ((Recompute.FULL, False),),
+)
 
 
 def levels(options: PlanOptions) -> list[list[Level]]:
-    """The memory-saving levels to try in rungs, least first (the pinned recomputation and regather
-    only): everything saved; then the gathered inputs regathered or selective recomputation, which
-    neither always takes less time than the other; then both; then full recomputation (which
-    saves no gathered input to regather). Async tensor parallelism pieces those inputs' linears
-    instead: no regather with it."""
-    recomputes = [options.recompute] if options.recompute else list(RECOMPUTE)
-    if options.regather is not None:
-        regathers = [options.regather]
-    else:
-        regathers = [False] if options.async_tp else [False, True]
-    rungs: dict[int, list[Level]] = {}
-    for recompute in recomputes:
-        for regather in regathers:
-            if not (regather and recompute == Recompute.FULL):
-                rung = RECOMPUTE.index(recompute) + (regather or recompute == Recompute.FULL)
-                rungs.setdefault(rung, []).append((recompute, regather))
-    return [rungs[rung] for rung in sorted(rungs)]
+    """The rungs of :data:`LADDER` to try, least saving first, with the pinned recomputation and
+    regather only. Async tensor parallelism pieces the gathered inputs' linears instead: no
+    regather with it."""
+    regathers = {options.regather} if options.regather is not None else {False, not options.async_tp}
+
+    def allowed(level: Level) -> bool:
+        return level[0] == (options.recompute or level[0]) and level[1] in regathers
+
+    rungs = ([level for level in rung if allowed(level)] for rung in LADDER)
+    return [rung for rung in rungs if rung]
 
 
 def leanest(options: PlanOptions, stages: int, local_batch: int, level: Level) -> Schedule:
