@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from autopar.cli.models import load_model, model_call, model_factory
 from autopar.cli.progress import ProgressLine
 from autopar.ir import InvalidPlanError, Plan, PlanOptions, get_profile
 from autopar.passes.cost.symbolic import symbolic_cost
-from autopar.passes.rewrite.export import write_export
+from autopar.passes.rewrite.export import graph_dot, mesh_degrees, plan_json, program_code
 from autopar.passes.rewrite.rewrite import rewrite
+from autopar.passes.rewrite.stages import split_stages
 from autopar.report import (
     decisions_text,
     degrees_text,
@@ -140,9 +142,19 @@ def _cmd_explain(args) -> int:
 
 
 def _cmd_export(args) -> int:
-    _, plan, program, _ = _make_plan(args)
-    world = args.mesh.size
-    paths = write_export(args.out, {rank: program for rank in range(world)}, plan)
+    captured, plan, program, _ = _make_plan(args)
+    schedule = plan.schedule
+    stages = (
+        split_stages(program, set(captured.params), set(captured.buffers), schedule) if schedule.stages > 1 else None
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"rank{rank}.py" for rank in range(math.prod(mesh_degrees(plan).values()))]
+    for rank, path in enumerate(paths):
+        path.write_text(program_code(program, plan, rank, stages))
+    paths += [out / "plan.json", out / "graph.dot"]
+    paths[-2].write_text(plan_json(plan))
+    paths[-1].write_text(graph_dot(program, plan))
     print(f"plan: {degrees_text(plan.degrees)}, predicted step {plan.cost.step_s * 1e3:.2f} ms")
     for path in paths:
         print(path)

@@ -84,7 +84,7 @@ def example_call(model: nn.Module, batch: int, seq: int) -> dict:
     vocab = getattr(config, "vocab_size", None)
     parameters = inspect.signature(model.forward).parameters
     if isinstance(vocab, int) and "input_ids" in parameters and "labels" in parameters:
-        seq = min(seq, _positions(config) or seq)
+        seq = min(seq, (config_positions(config) or (None, seq))[1])
         device = next(model.parameters()).device
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
@@ -95,13 +95,17 @@ def example_call(model: nn.Module, batch: int, seq: int) -> dict:
     )
 
 
-def _positions(config) -> int | None:
-    """The longest sequence the model's config allows, when it says (text sub-configs included)."""
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length")
+
+
+def config_positions(config) -> tuple[str, int] | None:
+    """The longest sequence the model's config allows and the field that says so, when one does
+    (text sub-configs included; the name differs by family: ``max_seq_len`` is MPT's)."""
     for source in (config, getattr(config, "text_config", None)):
-        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        for name in POSITION_FIELDS:
             value = getattr(source, name, None)
             if isinstance(value, int) and value > 0:
-                return value
+                return name, value
     return None
 
 

@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
 import autopar.ir
 from autopar.ir import ConfigError, TraceError, layer_of
 from autopar.passes.capture.attention_pattern import buffer_values, fuse_eager_attention
-from autopar.passes.capture.calls import capture_settings
+from autopar.passes.capture.calls import capture_settings, config_positions
 from autopar.passes.capture.causal_mask import constant_value, node_value
 from autopar.passes.capture.dropout import draw_dropout_masks_whole
 from autopar.passes.capture.moe import EXPERTS_OP, composite_moe, record_expert_load
@@ -179,6 +180,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     graph_module.recompile()
     leaves, in_spec = tree_flatten((example_inputs, example_kwargs))
     state = {**{p: model.get_parameter(n) for p, n in params.items()}, **_buffer_values(model, buffers, constants)}
+    _check_static_sizes(graph_module)
     _measure_experts(graph_module, state, [x for x in leaves if isinstance(x, torch.Tensor)])
     return CapturedGraph(
         graph_module=graph_module,
@@ -237,13 +239,14 @@ def _user_line(error: BaseException | None) -> str:
 def _positions_hint(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
     """A line naming the likely cause when the call is longer than the positions the model's config
     holds: buffers sized for them (GPT-Neo's causal mask) then fail to broadcast inside export."""
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    config = getattr(model, "config", None)
+    field, limit = (config_positions(config) if config is not None else None) or ("", None)
     tokens = [t.shape[1] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 2]
-    if not isinstance(limit, int) or not tokens or max(tokens) <= limit:
+    if limit is None or not tokens or max(tokens) <= limit:
         return ""
     return (
         f"The call has {max(tokens)} tokens and the model's config holds {limit} positions "
-        f"(max_position_embeddings): call it on at most {limit}, or build it with more positions.\n"
+        f"({field}): call it on at most {limit}, or build it with more positions.\n"
     )
 
 
@@ -281,6 +284,21 @@ def _measure_experts(graph_module: fx.GraphModule, state: dict, example_inputs) 
     ]
     if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
         record_expert_load(graph_module, args)
+
+
+def _check_static_sizes(graph_module: fx.GraphModule) -> None:
+    """Every size is known at capture. A model that splits tokens by counts it computes
+    (``torch.split(x, counts.tolist())``: JetMoE's experts) exports sizes only the data decides
+    (torch.export's unbacked symbols, ``u0``): each rank's would differ under a split batch, and
+    the plan places and prices values by their sizes."""
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and free_unbacked_symbols(node.meta.get("val")):
+            raise ConfigError(
+                f"{node.name} ({node.target}) in {module_path(node) or 'the model'} gives a size only the data decides "
+                f"({node.meta['val']}: e.g. tokens per expert from counts the model computes), which autopar cannot "
+                "place: write the experts as autopar recognizes them (passes/capture/moe.py: stacked gate_up_proj "
+                "and down_proj, or transformers' experts call), or give the split sizes statically"
+            )
 
 
 def _merge_tied_parameters(graph: fx.Graph, params: dict[str, str], model: torch.nn.Module) -> dict[str, str]:

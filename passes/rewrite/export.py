@@ -7,28 +7,44 @@ and user inputs, as capture made them.
 Post: text only; nothing is executed and no process group is needed.
 
 - :func:`program_code`: one rank's Python, with a header naming the rank's coordinates and
-  groups and each placeholder annotated with its placement and local shape;
+  groups and what the runtime adds to the program (microbatches, recomputation, regather,
+  stages: its own stage modules follow), each placeholder annotated with its placement and
+  local shape;
 - :func:`plan_json`: the plan as JSON (what ``Plan.load`` reads);
 - :func:`graph_dot`: the program as Graphviz DOT, collectives filled, clustered by module;
-- :func:`write_export`: all of them into a folder.
 
-The program is SPMD: its text is the same on every rank; only the header differs.
+``autopar export`` writes them into a folder (one ``rank{r}.py`` per rank).
+
+The program is SPMD: its text is the same on every rank (of a pipeline stage); only the header differs.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.fx as fx
 
-from autopar.ir import OP_NAMESPACE, Axis, Kernel, Partial, Placement, Plan, Replicate, Shard, format_placements
+from autopar.ir import (
+    OP_NAMESPACE,
+    Axis,
+    Kernel,
+    Partial,
+    Placement,
+    Plan,
+    Recompute,
+    Replicate,
+    Shard,
+    format_placements,
+)
 from autopar.passes.capture.graph import module_path
 from autopar.passes.cost.kernels import experts_top_k, kernel_bytes
+from autopar.passes.rewrite.regather import regather_gathered_inputs
+from autopar.passes.rewrite.stages import StageProgram
 
 AXIS_MEANING = {
     Axis.DP: "data parallel: the batch is split, gradients are summed",
@@ -45,6 +61,7 @@ KERNEL_TRAFFIC = {
     "vocab_embedding": Kernel.VOCAB,
     "vocab_cross_entropy": Kernel.VOCAB,
 }
+RECEIVED = "received_"  # a stage program's placeholder for a value the previous stage module sends
 COLLECTIVE_COLOR = "orange"
 PARAM_COLOR = "lightblue"
 INPUT_COLOR = "palegreen"
@@ -55,7 +72,7 @@ class PlaceholderInfo:
     """What one placeholder of the program holds on a rank."""
 
     name: str  # placeholder name in the program
-    kind: str  # "param", "buffer" or "input"
+    kind: str  # "param", "buffer", "input" or "received" (from the previous stage module)
     label: str  # parameter name for params, else the placeholder name
     placements: tuple[Placement, ...]
     full_shape: tuple[int, ...] | None
@@ -78,17 +95,26 @@ class CollectiveCall:
 # -- ranks and shapes ------------------------------------------------------------------
 
 
+def mesh_degrees(plan: Plan) -> dict[str, int]:
+    """Every dimension of the mesh, outermost first: the pipeline stages (the outermost, when
+    there are several: :class:`~autopar.ir.Schedule`), then ``plan.degrees``."""
+    stages = plan.schedule.stages
+    return {**({Axis.PP: stages} if stages > 1 else {}), **plan.degrees}
+
+
 def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
-    """This rank's index along every parallel dimension; ranks run row-major over ``plan.degrees``.
+    """This rank's index along every dimension of the mesh; ranks run row-major over
+    :func:`mesh_degrees`.
 
     >>> rank_coordinates(plan, 5)   # degrees {"dp": 2, "tp": 4}   # doctest: +SKIP
     {'dp': 1, 'tp': 1}
     """
-    world = math.prod(plan.degrees.values())
+    degrees = mesh_degrees(plan)
+    world = math.prod(degrees.values())
     if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside the {world} ranks of degrees {plan.degrees}")
+        raise ValueError(f"rank {rank} is outside the {world} ranks of degrees {degrees}")
     coords, inner = {}, world
-    for axis, size in plan.degrees.items():
+    for axis, size in degrees.items():
         inner //= size
         coords[axis] = (rank // inner) % size
     return coords
@@ -96,9 +122,10 @@ def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
 
 def axis_group(plan: Plan, rank: int, axis: str) -> list[int]:
     """The ranks that differ from ``rank`` only along ``axis``: its group for that axis."""
-    inner = math.prod(list(plan.degrees.values())[list(plan.degrees).index(axis) + 1 :])
+    degrees = mesh_degrees(plan)
+    inner = math.prod(list(degrees.values())[list(degrees).index(axis) + 1 :])
     base = rank - rank_coordinates(plan, rank)[axis] * inner
-    return [base + k * inner for k in range(plan.degrees[axis])]
+    return [base + k * inner for k in range(degrees[axis])]
 
 
 def local_shape(shape: tuple[int, ...], placements: tuple[Placement, ...], degrees: dict[str, int]) -> tuple[int, ...]:
@@ -143,6 +170,9 @@ def placeholders(program: fx.GraphModule, plan: Plan) -> list[PlaceholderInfo]:
             kind, label, placements = "param", by_position[node.name], plan.params[by_position[node.name]]
         elif node.name in plan.inputs:
             kind, label, placements = "input", node.name, plan.inputs[node.name]
+        elif node.name.startswith(RECEIVED) and node.name[len(RECEIVED) :] in plan.nodes:
+            kind, label = "received", node.name[len(RECEIVED) :]
+            placements = plan.nodes[label].output or replicated
         else:
             kind, label, placements = "buffer", node.name, replicated
         val = _tensor(node)
@@ -250,30 +280,33 @@ def _consumer_module(node: fx.Node) -> str:
 # -- program text ----------------------------------------------------------------------
 
 
-def program_code(program: fx.GraphModule, plan: Plan, rank: int) -> str:
+def program_code(program: fx.GraphModule, plan: Plan, rank: int, stages: list[StageProgram] | None = None) -> str:
     """Readable Python of ``rank``'s program: a header, then fx's code with annotated inputs.
 
     The header names the rank's coordinate per parallel dimension, the degrees and the ranks
-    each group name stands for; every placeholder of ``forward`` is annotated with its
-    placement and its full → local shape.
+    each group name stands for, and what the runtime adds to the program (:func:`schedule_lines`);
+    every placeholder is annotated with its placement and its full → local shape. With pipeline
+    ``stages`` (``program`` split by :func:`~autopar.passes.rewrite.stages.split_stages`), the
+    rank's own stage modules follow, one function each.
 
     >>> text = program_code(program, plan, rank=1)   # doctest: +SKIP
     >>> "torch.ops.autopar.all_reduce.default(" in text   # doctest: +SKIP
     True
     """
-    coords = rank_coordinates(plan, rank)
-    world = math.prod(plan.degrees.values())
-    degrees = " x ".join(f"{axis}={size}" for axis, size in plan.degrees.items())
+    coords, degrees = rank_coordinates(plan, rank), mesh_degrees(plan)
     lines = [
-        f"# autopar program for rank {rank} of {world} on mesh {plan.mesh} ({plan.hardware}, global batch "
-        f"{plan.batch_size})",
-        f"# degrees: {degrees}; this rank's coordinates: " + ", ".join(f"{a}={c}" for a, c in coords.items()),
-        f"#   ranks are laid out row-major over the degrees ({', '.join(plan.degrees)}; the last varies fastest)",
+        f"# autopar program for rank {rank} of {math.prod(degrees.values())} on mesh {plan.mesh} ({plan.hardware}, "
+        f"global batch {plan.batch_size})",
+        "# degrees: "
+        + " x ".join(f"{axis}={size}" for axis, size in degrees.items())
+        + "; this rank's coordinates: "
+        + ", ".join(f"{a}={c}" for a, c in coords.items()),
+        f"#   ranks are laid out row-major over the degrees ({', '.join(degrees)}; the last varies fastest)",
         "# group names in the collectives below:",
     ]
-    for axis, size in plan.degrees.items():
+    for axis, size in degrees.items():
         lines.append(
-            f"#   {axis!r}: ranks {axis_group(plan, rank, axis)} (this rank's {axis} group of {size}; "
+            f"#   '{axis}': ranks {axis_group(plan, rank, axis)} (this rank's {axis} group of {size}; "
             f"{AXIS_MEANING.get(axis, 'a parallel dimension')})"
         )
     synced = {axes for axes in plan.grad_sync.values()}
@@ -285,6 +318,7 @@ def program_code(program: fx.GraphModule, plan: Plan, rank: int) -> str:
         + " (not part of this graph)",
         f"# plan {plan.fingerprint}: predicted step {plan.cost.step_s * 1e3:.2f} ms, "
         f"peak memory {plan.cost.peak_memory / 2**20:.1f} MiB per device",
+        *schedule_lines(program, plan),
         "",
         "import torch",
         "from math import inf, nan",
@@ -293,7 +327,50 @@ def program_code(program: fx.GraphModule, plan: Plan, rank: int) -> str:
         "import autopar  # noqa: F401  (registers torch.ops.autopar.*: collectives and parallel kernels)",
         "",
     ]
-    return "\n".join(lines) + "\n" + _annotated_code(program, plan)
+    if stages is None:
+        return "\n".join(lines) + "\n" + _annotated_code(program, plan)
+    for module in plan.schedule.device_modules()[coords[Axis.PP]]:
+        stage = stages[module]
+        lines += [
+            "",
+            f"# stage module {module}: {', '.join(stage.layers)}; "
+            + (f"receives {', '.join(stage.received)} from module {module - 1}; " if stage.received else "")
+            + (f"sends {', '.join(stage.sent)} to module {module + 1}" if stage.sent else "returns the loss"),
+            _annotated_code(stage.graph_module, plan).replace("def forward(", f"def stage{module}(", 1),
+        ]
+    return "\n".join(lines)
+
+
+def schedule_lines(program: fx.GraphModule, plan: Plan) -> list[str]:
+    """The header's account of what the runtime does to this program beyond the text below
+    (``passes/program.py``): the microbatches it runs it on, the layers it checkpoints, the
+    gathers it fuses with their linears, the stages it splits it into."""
+    schedule = plan.schedule
+    lines = [f"# schedule: {schedule}"]
+    if schedule.microbatches > 1:
+        lines.append(
+            f"#   the runtime runs this program on 1/{schedule.microbatches} of the batch at a time "
+            "(shapes below: the whole batch), gradients accumulated"
+        )
+    if schedule.recompute != Recompute.NONE:
+        lines.append(
+            f"#   recompute {schedule.recompute}: each layer's span of ops runs under activation checkpointing"
+            + (
+                ", the outputs of its matmuls, attention and collectives kept"
+                if schedule.recompute == Recompute.SELECTIVE
+                else ""
+            )
+        )
+    if schedule.regather:
+        gathers = regather_gathered_inputs(copy.deepcopy(program))[1]
+        lines.append(
+            f"#   regather: {len(gathers)} all-gather(s) read only by linears run fused with them "
+            "(torch.ops.autopar.gathered_linears: the shard kept for backward, gathered again there): "
+            + ", ".join(gathers)
+        )
+    if schedule.stages > 1:
+        lines.append(f"#   split into {schedule.modules} stage modules; this rank's are below, one function each")
+    return lines
 
 
 def _annotated_code(program: fx.GraphModule, plan: Plan) -> str:
@@ -412,27 +489,3 @@ def _clusters(members: dict[str, list[str]]) -> list[str]:
     for top in children.get("", []):
         lines += emit(top, 1)
     return lines
-
-
-# -- files -----------------------------------------------------------------------------
-
-
-def write_export(directory: str | Path, program_by_rank: dict[int, fx.GraphModule], plan: Plan) -> list[Path]:
-    """Write ``rank{r}.py`` per rank, ``plan.json`` and ``graph.dot`` into ``directory``.
-
-    >>> write_export("out", {r: program for r in range(4)}, plan)   # doctest: +SKIP
-    [PosixPath('out/rank0.py'), ..., PosixPath('out/plan.json'), PosixPath('out/graph.dot')]
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    written = []
-    for rank in sorted(program_by_rank):
-        path = directory / f"rank{rank}.py"
-        path.write_text(program_code(program_by_rank[rank], plan, rank))
-        written.append(path)
-    (directory / "plan.json").write_text(plan_json(plan))
-    written.append(directory / "plan.json")
-    if program_by_rank:
-        (directory / "graph.dot").write_text(graph_dot(program_by_rank[min(program_by_rank)], plan))
-        written.append(directory / "graph.dot")
-    return written

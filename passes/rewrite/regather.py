@@ -26,14 +26,15 @@ from autopar.ir import OP_NAMESPACE
 from autopar.passes.rewrite.async_tp import LINEAR, feeds_only_linears
 
 
-def regather_gathered_inputs(program: fx.GraphModule) -> tuple[fx.GraphModule, int]:
+def regather_gathered_inputs(program: fx.GraphModule) -> tuple[fx.GraphModule, list[str]]:
     """``program`` with each all-gather that only linears read fused with them (see the module
-    docstring), and how many it fused."""
+    docstring), and the names of the gathers it fused."""
     ops = getattr(torch.ops, OP_NAMESPACE)
     graph = program.graph
-    fused = 0
+    fused = []
     for gather in [n for n in graph.nodes if n.target is ops.all_gather.default and feeds_only_linears(n)]:
-        fused += _fuse(graph, gather, ops.gathered_linears.default)
+        if _fuse(graph, gather, ops.gathered_linears.default):
+            fused.append(gather.name)
     if fused:
         graph.lint()
         program.recompile()
@@ -44,7 +45,7 @@ def _bias(linear: fx.Node) -> fx.Node | None:
     return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
 
 
-def _fuse(graph: fx.Graph, gather: fx.Node, target) -> int:
+def _fuse(graph: fx.Graph, gather: fx.Node, target) -> bool:
     order = {node: index for index, node in enumerate(graph.nodes)}
     linears = sorted(gather.users, key=order.__getitem__)
     first = linears[0]
@@ -53,7 +54,7 @@ def _fuse(graph: fx.Graph, gather: fx.Node, target) -> int:
     # the weights a later linear reads may be made after the first linear (a ZeRO-3 gather): move them up
     late = _made_after(weights + [b for b in biases if b is not None], first, order)
     if late is None:
-        return 0
+        return False
     for node in sorted(late, key=order.__getitem__):
         first.prepend(node)
     x, group_name, dim, reduce_grad = gather.args
@@ -78,7 +79,7 @@ def _fuse(graph: fx.Graph, gather: fx.Node, target) -> int:
     for linear in linears:
         graph.erase_node(linear)
     graph.erase_node(gather)
-    return 1
+    return True
 
 
 def _made_after(nodes: list, first: fx.Node, order: dict) -> set[fx.Node] | None:

@@ -45,14 +45,47 @@ def test_plan_pins_regather_and_shows_it(capsys, tmp_path):
     says so, explain too); with full recomputation there is nothing to regather."""
     saved = tmp_path / "plan.json"
     sequence_parallel = ["--constraint", "layers.*.attn_norm=S(1)", "--constraint", "layers.*.mlp_norm=S(1)"]
-    pins = ["--degrees", "tp=2", *sequence_parallel, "--recompute", "none", "--regather", "on"]
+    pins = ["--degrees", "dp=2,tp=2", *sequence_parallel, "--recompute", "none", "--regather", "on"]
     assert main(["plan", "gpt", *MESH, *pins, "--save", str(saved)]) == 0
-    assert "gathered inputs regathered" in capsys.readouterr().out
+    assert "gathered inputs kept as shards and gathered again in backward" in capsys.readouterr().out
     assert Plan.load(saved).schedule.regather
     assert main(["explain", str(saved)]) == 0
     assert "m=1, none, regather" in capsys.readouterr().out  # the search's table, its one configuration
     assert main(["plan", "gpt", *MESH, "--recompute", "full", "--regather", "on"]) == 1
     assert "no gathered input to regather" in capsys.readouterr().err
+
+
+def test_export_says_what_the_runtime_does_beyond_the_program(capsys, tmp_path):
+    """The exported program is the rewrite; its header names what the runtime adds: microbatches,
+    checkpointed layers, and each all-gather it fuses with its linears (every one that only linears
+    read: the two sequence-parallel norms of each of the 2 layers)."""
+    sequence_parallel = ["--constraint", "layers.*.attn_norm=S(1)", "--constraint", "layers.*.mlp_norm=S(1)"]
+    pins = ["--degrees", "dp=2,tp=2", *sequence_parallel, "--recompute", "selective", "--regather", "on"]
+    assert main(["export", "gpt", *MESH, *pins, "--microbatches", "2", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    rank0 = (tmp_path / "rank0.py").read_text()
+    assert "on 1/2 of the batch at a time" in rank0 and "recompute selective: each layer's span" in rank0
+    fused = re.search(r"regather: (\d+) all-gather\(s\).*: (.*)", rank0)
+    names = fused.group(2).split(", ")
+    assert int(fused.group(1)) == len(names) == 4
+    assert all(re.search(rf"{name} = torch\.ops\.autopar\.all_gather\.default\(", rank0) for name in names)
+
+
+def test_export_of_a_pipeline_writes_each_rank_its_stage_modules(capsys, tmp_path):
+    """With pipeline stages (the outermost mesh dimension), each rank's file holds the stage
+    modules its pipeline device runs: the first stage's ranks the layer that sends, the last's the
+    one that receives it and returns the loss."""
+    assert main(["export", "gpt", "--mesh", "4", "--batch", "8", "--degrees", "pp=2,dp=2", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    files = [(tmp_path / f"rank{rank}.py").read_text() for rank in range(4)]
+    for rank, text in enumerate(files):
+        compile(text, f"rank{rank}.py", "exec")
+        assert f"this rank's coordinates: pp={rank // 2}, dp={rank % 2}" in text
+        assert f"'pp': ranks [{rank % 2}, {rank % 2 + 2}]" in text
+    first, last = files[0], files[3]
+    assert "def stage0(" in first and "def stage1(" not in first and "# stage module 0: layers.0; sends" in first
+    assert "def stage1(" in last and "def stage0(" not in last and "receives" in last and "returns the loss" in last
+    assert re.search(r"received_\w+,  # received \(S\(0\), R\) \[8, 64, 128\] -> local \[4, 64, 128\]", last)
 
 
 def test_plan_makes_the_inputs_of_an_unmodified_hugging_face_model(capsys):

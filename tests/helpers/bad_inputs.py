@@ -258,6 +258,13 @@ MISTAKES = [
         lambda folder: caught(lambda: autopar.plan(_gpt_neo(positions=8), 2, example_kwargs=_tokens(2, 16))),
     ),
     Mistake(
+        "a model splitting tokens by counts it computes (torch.split(x, counts.tolist()), as JetMoE's experts)",
+        "ConfigError",
+        r"item .* in the model gives a size only the data decides \(u\d+: .*\), which autopar cannot place: "
+        r"write the experts as autopar recognizes them",
+        lambda folder: caught(lambda: autopar.plan(_SplitByCounts(), 2, (torch.randn(8, 4),))),
+    ),
+    Mistake(
         "degrees={'mp': 2}: a parallel dimension autopar does not have",
         "ConfigError",
         r"unknown parallel dimension\(s\) \['mp'\]; choose from",
@@ -349,6 +356,20 @@ MISTAKES = [
         _script_crashing_in_rank_1,
     ),
 ]
+
+
+class _SplitByCounts(torch.nn.Module):
+    """Rows split into two groups by a count computed from the data (a router's choice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        chosen = x[:, 0] > 0
+        counts = torch.stack([chosen.sum(), (~chosen).sum()]).tolist()
+        first, rest = (x * self.weight)[chosen.argsort(descending=True)].split(counts)
+        return first.sum() - rest.sum()
 
 
 class _LearnedPositions(torch.nn.Module):
