@@ -36,6 +36,7 @@ from transformers import (
     DeepseekV3Config,
     GPT2Config,
     GPT2LMHeadModel,
+    JetMoeConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -297,7 +298,7 @@ def from_config(
     dropout: float = 0.0,
 ) -> PreTrainedModel:
     """An unmodified ``AutoModelForCausalLM.from_config`` model of ``family`` ("llama", "mixtral",
-    "deepseek_v3", "gpt2", "qwen2") with a small config: no dropout but GPT-2's residual and embedding dropout
+    "deepseek_v3", "jetmoe", "gpt2", "qwen2") with a small config: no dropout but GPT-2's residual and embedding dropout
     ``dropout`` (its attention dropout stays 0: SDPA draws it per shard, not as one process does), no router
     jitter; ``tie_embeddings`` None keeps the family's default (GPT-2 and small Qwen2 tie the embedding and the head).
 
@@ -333,6 +334,12 @@ def from_config(
                 kv_lora_rank=hidden // 2, q_lora_rank=hidden // 2, qk_rope_head_dim=head, qk_nope_head_dim=head,
                 v_head_dim=head,
             )  # fmt: skip
+        elif family == "jetmoe":  # experts over the attention heads and the MLP, tokens split by counts
+            config = JetMoeConfig(
+                hidden_size=hidden, num_hidden_layers=layers, num_key_value_heads=heads // 2,
+                kv_channels=hidden // heads, intermediate_size=ffn, max_position_embeddings=seq,
+                num_local_experts=experts, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, **common,
+            )  # fmt: skip
         else:
-            raise ValueError(f"family {family!r}: choose llama, mixtral, deepseek_v3, gpt2 or qwen2")
+            raise ValueError(f"family {family!r}: choose llama, mixtral, deepseek_v3, jetmoe, gpt2 or qwen2")
     return AutoModelForCausalLM.from_config(config)

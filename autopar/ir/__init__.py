@@ -24,6 +24,7 @@ from autopar.ir.hardware import PROFILES, HardwareProfile, KernelFigures, LinkTi
 from autopar.ir.mesh import BATCH_DIMS, PARALLEL_DIMS, Mesh, batch_split, check_degrees, degree_choices
 from autopar.ir.names import (
     CASTS_IN_PROGRAM,
+    DATA_SIZED,
     EARLIER_GRAD,
     EXTRA_INPUTS,
     GRAD_CHUNK,
@@ -58,6 +59,7 @@ __all__ = [
     "BATCH_DIMS",
     "KERNEL_DIMS",
     "CASTS_IN_PROGRAM",
+    "DATA_SIZED",
     "EARLIER_GRAD",
     "EXTRA_INPUTS",
     "GRAD_CHUNK",

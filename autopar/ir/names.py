@@ -62,6 +62,9 @@ class Precision(StrEnum):
 
 
 OP_NAMESPACE = "autopar"  # torch.ops.autopar.*: the collectives and kernels rewritten graphs call
+# A node's meta key: it reads a size from the data, or makes or reads a value of such a size
+# (tokens per expert: autopar.passes.capture.data_sizes), so it runs whole on every rank
+DATA_SIZED = "autopar_data_sized"
 # A compiled program's meta: what it takes after the call's inputs, in order, as (kind, parameter
 # name) pairs: EARLIER_GRAD, the gradient the step's earlier microbatches accumulated (the last
 # one's program sums it with its own); GRAD_CHUNK, ZeRO-2's chunk of the parameter, into which

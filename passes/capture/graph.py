@@ -28,7 +28,6 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
 import autopar.ir
@@ -36,6 +35,7 @@ from autopar.ir import ConfigError, TraceError, layer_of
 from autopar.passes.capture.attention_pattern import buffer_values, fuse_eager_attention
 from autopar.passes.capture.calls import capture_settings, config_positions
 from autopar.passes.capture.causal_mask import constant_value, node_value
+from autopar.passes.capture.data_sizes import record_data_sizes
 from autopar.passes.capture.dropout import draw_dropout_masks_whole
 from autopar.passes.capture.moe import EXPERTS_OP, composite_moe, record_expert_load
 
@@ -180,15 +180,15 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
     graph_module.recompile()
     leaves, in_spec = tree_flatten((example_inputs, example_kwargs))
     state = {**{p: model.get_parameter(n) for p, n in params.items()}, **_buffer_values(model, buffers, constants)}
-    _check_static_sizes(graph_module)
-    _measure_experts(graph_module, state, [x for x in leaves if isinstance(x, torch.Tensor)])
+    key = fingerprint(graph_module.graph)  # before the data's sizes are recorded: the same for every call
+    _run_once(graph_module, state, [x for x in leaves if isinstance(x, torch.Tensor)])
     return CapturedGraph(
         graph_module=graph_module,
         params=params,
         buffers=buffers,
         user_inputs=tuple(user_inputs),
         outputs=outputs,
-        fingerprint=fingerprint(graph_module.graph),
+        fingerprint=key,
         tied=tied,
         in_spec=in_spec,
         out_spec=exported.call_spec.out_spec,
@@ -271,34 +271,20 @@ def _buffer_values(model: torch.nn.Module, buffers: dict[str, str], constants: d
     return {b: constants[n] if n in constants else model.get_buffer(n) for b, n in buffers.items()}
 
 
-def _measure_experts(graph_module: fx.GraphModule, state: dict, example_inputs) -> None:
-    """Routing depends on the data: with real weights and inputs, run the graph once and note
-    how the example's tokens spread over the experts (for the cost model's load imbalance)."""
-    if not any(str(node.target).startswith(EXPERTS_OP) for node in graph_module.graph.nodes):  # moe, moe_experts
-        return
+def _run_once(graph_module: fx.GraphModule, state: dict, example_inputs) -> None:
+    """What only the data decides, from the example call run on real weights and inputs: the sizes
+    torch.export could not know (:mod:`autopar.passes.capture.data_sizes`), and how the tokens
+    spread over the experts (for the cost model's load imbalance)."""
     inputs = iter(example_inputs)
     args = [
         state[node.name] if node.name in state else next(inputs)
         for node in graph_module.graph.nodes
         if node.op == "placeholder"
     ]
-    if not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+    record_data_sizes(graph_module, args, module_path)
+    experts = any(str(node.target).startswith(EXPERTS_OP) for node in graph_module.graph.nodes)  # moe, moe_experts
+    if experts and not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
         record_expert_load(graph_module, args)
-
-
-def _check_static_sizes(graph_module: fx.GraphModule) -> None:
-    """Every size is known at capture. A model that splits tokens by counts it computes
-    (``torch.split(x, counts.tolist())``: JetMoE's experts) exports sizes only the data decides
-    (torch.export's unbacked symbols, ``u0``): each rank's would differ under a split batch, and
-    the plan places and prices values by their sizes."""
-    for node in graph_module.graph.nodes:
-        if node.op == "call_function" and free_unbacked_symbols(node.meta.get("val")):
-            raise ConfigError(
-                f"{node.name} ({node.target}) in {module_path(node) or 'the model'} gives a size only the data decides "
-                f"({node.meta['val']}: e.g. tokens per expert from counts the model computes), which autopar cannot "
-                "place: write the experts as autopar recognizes them (passes/capture/moe.py: stacked gate_up_proj "
-                "and down_proj, or transformers' experts call), or give the split sizes statically"
-            )
 
 
 def _merge_tied_parameters(graph: fx.Graph, params: dict[str, str], model: torch.nn.Module) -> dict[str, str]:

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from autopar.ir import (
+    DATA_SIZED,
     KERNEL_DIMS,
     LOSS_COUNT,
     OP_NAMESPACE,
@@ -354,8 +355,8 @@ def localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degr
     if "device" in node.kwargs:
         node.kwargs = {**node.kwargs, "device": torch.device(device)}
     packet = getattr(node.target, "overloadpacket", None)
-    if packet not in SHAPE_ARG_OPS | RESHAPE_OPS or output is None:
-        return
+    if packet not in SHAPE_ARG_OPS | RESHAPE_OPS or output is None or node.meta.get(DATA_SIZED):
+        return  # a size the data decides stays the node computing it
     val = node.meta.get("val")
     shape = list(val.shape)
     for placement, size in zip(output, degrees.values()):

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.ir import (
+    DATA_SIZED,
     Axis,
     ConfigError,
     HardwareProfile,
@@ -353,7 +354,9 @@ def _to_plan(captured, facts, strategies, best: Candidate, mesh, hardware) -> Pl
                 slot_pl = tuple(tuple(R for _ in axes) for _ in fact.slots)
                 out = None
             elif any(s is None for s in per_axis):
-                continue
+                if not fact.node.meta.get(DATA_SIZED):
+                    continue
+                slot_pl, out = tuple(tuple(R for _ in axes) for _ in fact.slots), None  # a size read: alike everywhere
             else:
                 slot_pl = tuple(tuple(s.inputs[i] for s in per_axis) for i in range(len(fact.slots)))
                 out = tuple(s.output for s in per_axis)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from autopar.ir import Kernel, Partial, Placement, Replicate, Shard
+from autopar.ir import DATA_SIZED, Kernel, Partial, Placement, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
 from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
@@ -468,7 +468,7 @@ def node_strategies(view: OpView, axis_size: int) -> tuple[list[Strategy], bool]
     rule = rule_for(view.node.target)
     fallback = Strategy(tuple(R for _ in view.in_shapes), R)
     candidates = [fallback]
-    if axis_size > 1 and rule is not None:
+    if axis_size > 1 and rule is not None and not view.node.meta.get(DATA_SIZED):  # each rank's sizes alike
         for strategy in rule(view):
             if (
                 strategy != fallback

@@ -6,14 +6,15 @@ smaller one (``pmodel.clip_grad_norm_``), and every parameter after AdamW (fp32,
 gloo ranks, in one spawn.
 
 Llama, Mixtral and GPT-2 (tied embedding and head, and dropout: its masks are the ones one process
-draws) on DP2xTP2 (Llama from a per-rank data
-loader, ``local_batches``), Mixtral on EP4, DeepSeek-V3 (its router's own ops, then the experts
-op) on EP2xTP2; a Qwen2 with tied embeddings across pipeline stages
-on PP4, PP2xDP2 with ZeRO-1 (its labels right-padded, another length per row, so microbatches
-count unequal targets) and ZeRO-3, and the zero-bubble V schedule (both uses on one
-device). The same families on DP4, TP4, PP2xDP2 and CP2xDP2 are ``benchmarks/coverage.py
-families``'s columns (the same check, on every rank), with every other family. Also on one of
-the models: calls of other sizes and with a padding mask (no new plan), a loss computed outside
+draws) on DP2xTP2 (Llama from a per-rank data loader, ``local_batches``), Mixtral on EP4,
+DeepSeek-V3 (its router's own ops, then the experts op) on EP2xTP2; a Qwen2 with tied embeddings
+across pipeline stages on PP4, PP2xDP2 with ZeRO-1 (its labels right-padded, another length per
+row, so microbatches count unequal targets) and ZeRO-3, and the zero-bubble V schedule (both uses
+on one device); JetMoE (experts over attention heads and the MLP, its tokens split by counts it
+computes: sizes only the data decides, other ones in each microbatch) on PP2xDP2. The same
+families on DP4, TP4, PP2xDP2 and CP2xDP2 are ``benchmarks/coverage.py families``'s columns (the
+same check, on every rank), with every other family. Also on one of the models: calls of other
+sizes and with a padding mask (no new plan), a loss computed outside
 from returned logits, and a batch the mesh cannot split."""
 
 import torch
@@ -38,6 +39,7 @@ CASES = [
     ("qwen2", TIED, dict(PP2xDP2, zero=1, padded=True)),  # microbatches counting unequal targets
     ("qwen2", TIED, dict(PP2xDP2, zero=3)),
     ("qwen2", TIED, dict(PP2xDP2, pipeline="zbv")),
+    ("jetmoe", SIZES, PP2xDP2),  # tokens split by counts it computes: sizes only the data decides, per microbatch
 ]
 
 

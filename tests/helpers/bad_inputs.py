@@ -258,11 +258,11 @@ MISTAKES = [
         lambda folder: caught(lambda: autopar.plan(_gpt_neo(positions=8), 2, example_kwargs=_tokens(2, 16))),
     ),
     Mistake(
-        "a model splitting tokens by counts it computes (torch.split(x, counts.tolist()), as JetMoE's experts)",
+        "a model on the meta device splitting tokens by counts it computes (x.split(counts.tolist()), as JetMoE)",
         "ConfigError",
-        r"item .* in the model gives a size only the data decides \(u\d+: .*\), which autopar cannot place: "
-        r"write the experts as autopar recognizes them",
-        lambda folder: caught(lambda: autopar.plan(_SplitByCounts(), 2, (torch.randn(8, 4),))),
+        r"item .* in the model reads a size from the data \(u\d+: .*\), which a model on the meta device cannot "
+        r"compute: plan it with real weights",
+        lambda folder: caught(lambda: autopar.plan(_meta(_SplitByCounts), 2, (torch.randn(8, 4, device="meta"),))),
     ),
     Mistake(
         "degrees={'mp': 2}: a parallel dimension autopar does not have",
@@ -356,6 +356,11 @@ MISTAKES = [
         _script_crashing_in_rank_1,
     ),
 ]
+
+
+def _meta(factory):
+    with torch.device("meta"):
+        return factory()
 
 
 class _SplitByCounts(torch.nn.Module):
