@@ -75,6 +75,7 @@ def build_programs(
     synced = plan.grad_sync  # what the runtime sums, whatever plan this call runs
     count = plan.schedule.microbatches
     micro = captured if captured is not None and count == 1 else _capture(model, microbatch(bound, count), log, plan)
+    check_constants(micro, planned)
     if _nodes(micro) != _nodes(planned):
         whole = _capture(model, bound, log, plan) if count > 1 else micro
         plan = _same_placements(plan, replan(whole, pinned_options(plan)))
@@ -94,6 +95,24 @@ def build_programs(
     if plan.schedule.stages > 1:
         stages = log.run("split stages", split_stages, program, set(micro.params), set(micro.buffers), plan.schedule)
     return Programs(micro, plan, program, loss_only(program), stages)
+
+
+def check_constants(captured: CapturedGraph, planned: CapturedGraph) -> None:
+    """The tensors the forward makes from Python data (torch.export's constants) hold what they
+    held in the planning call: the module keeps that call's, one per name, for every call."""
+    for placeholder, name in captured.buffers.items():
+        if name not in captured.constants or name not in planned.constants:
+            continue
+        value, kept = captured.constants[name], planned.constants[name]
+        if value.shape != kept.shape or not torch.equal(value, kept):
+            node = next(n for n in captured.graph.nodes if n.name == placeholder)
+            module = next((module_path(u) for u in node.users if module_path(u)), "") or "the model"
+            raise ConfigError(
+                f"{module} makes a tensor from Python data ({name}: torch.tensor(...) of values the call decides, "
+                f"{tuple(value.shape)} here, {tuple(kept.shape)} in the planning call): autopar keeps the planning "
+                "call's. Plan with inputs of the sizes you call it with (example_inputs=/example_kwargs=, and "
+                "no microbatches), or make the tensor with torch ops (torch.arange) so the graph computes it"
+            )
 
 
 def check_inputs(bound: dict, plan: Plan) -> None:

@@ -179,6 +179,24 @@ def _microbatches_not_dividing():
     autopar.parallelize(model, 2, model.example_inputs(8), degrees={"dp": 2}, microbatches=3)
 
 
+class _PythonCountdown(torch.nn.Module):
+    """Scales each position by a tensor made from Python data of the call's length (as CPM-Ant's
+    ``torch.tensor(list(range(seqlen))[::-1])``): torch.export keeps it as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        countdown = torch.tensor(list(range(x.shape[1]))[::-1], dtype=x.dtype)
+        return (x * self.weight * countdown[:, None]).square().mean()
+
+
+def _constant_of_another_call():
+    pmodel = autopar.parallelize(_PythonCountdown(), 2, (torch.randn(4, 8, 4),), degrees={"dp": 2})
+    pmodel(torch.randn(4, 6, 4))
+
+
 def in_ranks(mistakes: list[Mistake], folder: Path) -> dict[str, str]:
     """The texts of the ``in_ranks`` mistakes, made on two local gloo ranks in one spawn (rank 0's)."""
     texts = run_local(_make_all, 2, [m.make for m in mistakes], folder, timeout_s=180)
@@ -326,6 +344,14 @@ MISTAKES = [
         "ConfigError",
         r"3 microbatches must divide the local batch of 4",
         _ranked(_microbatches_not_dividing),
+        in_ranks=True,
+    ),
+    Mistake(
+        "a model making a tensor from Python data of the call's length, called at another length",
+        "ConfigError",
+        r"the model makes a tensor from Python data \(\w+: .* \(6,\) here, \(8,\) in the planning call\): autopar "
+        r"keeps the planning call's. Plan with inputs of the sizes you call it with",
+        _ranked(_constant_of_another_call),
         in_ranks=True,
     ),
     Mistake(
