@@ -118,8 +118,10 @@ class _StageModule(nn.Module):
         params = [leaves[name] for name in self._names]
         with self._zero3.forward(leaves) if self._zero3 is not None else contextlib.nullcontext():
             outputs = self._run(*params, *self._buffer_values, *inputs, *received)
-        # zero-bubble schedules detach outputs in place, which views do not allow: copy those
-        outputs = [out.clone() if out._is_view() else out for out in outputs]
+        # zero-bubble schedules detach outputs in place, which views do not allow, and p2p sends
+        # contiguous tensors only: copy those
+        copy = lambda out: out.clone(memory_format=torch.contiguous_format)  # noqa: E731
+        outputs = [copy(out) if out._is_view() or not out.is_contiguous() else out for out in outputs]
         if self._last:  # the loss, as a 1-element tensor so the schedule can merge microbatches
             (loss,) = self._precision.outputs(outputs[:1])
             return loss.reshape(1).clone()
