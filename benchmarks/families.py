@@ -47,6 +47,8 @@ FAMILIES = [
     "olmo2", "olmoe", "starcoder2", "stablelm", "falcon", "opt", "bloom", "granite", "granitemoe",
     "cohere", "glm", "smollm3", "internlm3", "deepseek_v3", "mamba",
     "dbrx",  # loops over the experts a batch hits: data-dependent Python control flow
+    "jetmoe",  # tokens split by counts it computes: sizes only the data decides
+    "inkling2_text",  # a stage boundary value that is not contiguous
 ]  # fmt: skip
 
 
