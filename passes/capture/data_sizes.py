@@ -11,9 +11,11 @@ then, in each ``meta["val"]``: the graph's nodes still compute each call's sizes
 Every rank must compute the same sizes, or their collectives differ in size (or their programs'
 runtime assertions fail): the nodes that read a size from a tensor or make or read a value of
 such a size are marked (``meta[DATA_SIZED]``) and run whole on every rank, their inputs
-replicated (:func:`autopar.passes.sharding.rules.node_strategies`; :func:`size_readers` for the
-``item`` nodes, which output no tensor). On the meta device nothing runs: a graph with such sizes
-there is a :class:`ConfigError` naming the first node that reads one.
+replicated (:func:`autopar.passes.sharding.rules.node_strategies`; the ``item`` nodes, which
+output no tensor and have no strategies, get replicated inputs in the plan:
+``autopar.passes.search.search._to_plan``). On the meta device nothing runs: a graph with such
+sizes there is a :class:`ConfigError` naming the first node that reads one
+(:func:`size_readers`).
 """
 
 from __future__ import annotations
