@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.ir import (
-    Axis,
     ConfigError,
     Mesh,
     MeshError,
@@ -185,7 +184,7 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
     _check_runnable(plan)
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     stages = plan.schedule.stages
-    device_mesh = build_device_mesh({Axis.PP: stages, **plan.degrees} if stages > 1 else plan.degrees, device_type)
+    device_mesh = build_device_mesh(plan.full_degrees, device_type)
     groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
     synced_in_program: set[str] = set()  # compile=True: the gradients the programs sum themselves
 

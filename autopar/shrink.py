@@ -46,16 +46,10 @@ def shrink(factory, kwargs: dict, plan: Plan, max_ranks: int) -> Shrunk:
     >>> shrink(build, {"hidden": 4096, "layers": 32}, plan, max_ranks=4).changes   # doctest: +SKIP
     ('layers 32 -> 2', 'hidden 4096 -> 64', ..., 'dp 8 -> 2', 'tp 8 -> 2')
     """
-    degrees, degree_changes = shrink_degrees(full_degrees(plan), plan.zero, max_ranks)
+    degrees, degree_changes = shrink_degrees(plan.full_degrees, plan.zero, max_ranks)
     layers = max(SIZES["layers"], degrees.get(Axis.PP, 1) * plan.schedule.virtual)
     new_kwargs, size_changes = shrink_sizes(factory, kwargs, layers)
     return Shrunk(new_kwargs, degrees, size_changes + degree_changes)
-
-
-def full_degrees(plan: Plan) -> dict[str, int]:
-    """The plan's degrees with its pipeline stages as ``pp`` (outermost), as ``PlanOptions`` pins them."""
-    stages = {Axis.PP: plan.schedule.stages} if plan.schedule.stages > 1 else {}
-    return {**stages, **plan.degrees}
 
 
 def shrink_degrees(degrees: dict[str, int], zero: int, max_ranks: int) -> tuple[dict[str, int], tuple[str, ...]]:
@@ -116,7 +110,7 @@ def pattern_options(plan: Plan, degrees: dict[str, int], *, params: set[str], mo
         if node.kernel and node.module in modules and degrees.get(KERNEL_DIMS[node.kernel], 1) > 1:
             constraints[module_label(node.module)] = str(node.kernel)
     stages = degrees.get(Axis.PP, 1)
-    same = degrees == full_degrees(plan)
+    same = degrees == plan.full_degrees
     microbatches = plan.schedule.microbatches if same else min(plan.schedule.microbatches, 2 * stages)
     return PlanOptions(
         degrees=degrees,

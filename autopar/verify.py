@@ -34,7 +34,7 @@ from autopar.api import plan as make_plan
 from autopar.ir import ConfigError, Mesh, Plan, PlanOptions, Replicate, StalePlanError, batch_split
 from autopar.passes.rewrite.rewrite import check_plan
 from autopar.runtime.spawn import run_local
-from autopar.shrink import SIZES, full_degrees, pattern_batch, pattern_options, shrink
+from autopar.shrink import SIZES, pattern_batch, pattern_options, shrink
 
 RTOL, ATOL = 1e-4, 1e-6  # fp32; an element near zero is judged by ATOL (the equivalence tests use these too)
 # Adam's first step moves each element by lr * g / (|g| + eps): fp32 rounding in a gradient
@@ -253,7 +253,7 @@ def _runnable_plan(factory, args, kwargs, mesh: Mesh, plan: Plan, meta_fingerpri
             f"the plan was made for graph {plan.fingerprint}, but this model captures as {cpu} (on CPU) and "
             f"{meta_fingerprint} (on meta): it is a plan for another model or other input shapes; re-plan it"
         )
-    options = pattern_options(plan, full_degrees(plan), params=set(plan.params), modules=_modules(model))
+    options = pattern_options(plan, plan.full_degrees, params=set(plan.params), modules=_modules(model))
     note = (
         "the plan was made on the meta device, whose graph differs from the CPU model's (attention's strides); "
         "verified the plan re-made on the CPU graph with its degrees, schedule, parameter placements and kernels"
@@ -381,7 +381,7 @@ def _one_step(target: Target) -> dict:
     grad_errors = {n: math.inf for n in (set(reference_grads) ^ set(grads)) & set(params)}
     grad_errors.update({n: relative_error(g, reference_grads[n]) for n, g in grads.items() if n in reference_grads})
     return {
-        "degrees": full_degrees(pmodel.plan),
+        "degrees": pmodel.plan.full_degrees,
         "split": split_counts(pmodel.plan),
         "loss": relative_error(loss, reference_loss),
         "grads": grad_errors,

@@ -106,7 +106,7 @@ def check_constants(captured: CapturedGraph, planned: CapturedGraph) -> None:
         value, kept = captured.constants[name], planned.constants[name]
         if value.shape != kept.shape or not torch.equal(value, kept):
             node = next(n for n in captured.graph.nodes if n.name == placeholder)
-            module = next((module_path(u) for u in node.users if module_path(u)), "") or "the model"
+            module = next((path for user in node.users if (path := module_path(user))), "the model")
             raise ConfigError(
                 f"{module} makes a tensor from Python data ({name}: torch.tensor(...) of values the call decides, "
                 f"{tuple(value.shape)} here, {tuple(kept.shape)} in the planning call): autopar keeps the planning "
@@ -174,7 +174,7 @@ def pinned_options(plan: Plan) -> PlanOptions:
     schedule = plan.schedule
     tp = list(plan.degrees).index(Axis.TP) if plan.degrees.get(Axis.TP, 1) > 1 else None
     return PlanOptions(
-        degrees={**plan.degrees, **({Axis.PP: schedule.stages} if schedule.stages > 1 else {})},
+        degrees=plan.full_degrees,
         constraints={name: str(placements[tp]) for name, placements in plan.params.items()} if tp is not None else None,
         hardware=plan.hardware,
         zero=plan.zero,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from autopar.cli.models import load_model, model_call, model_factory
 from autopar.cli.progress import ProgressLine
 from autopar.ir import InvalidPlanError, Plan, PlanOptions, get_profile
 from autopar.passes.cost.symbolic import symbolic_cost
-from autopar.passes.rewrite.export import graph_dot, mesh_degrees, plan_json, program_code
+from autopar.passes.rewrite.export import graph_dot, plan_json, program_code, schedule_lines
 from autopar.passes.rewrite.rewrite import rewrite
 from autopar.passes.rewrite.stages import split_stages
 from autopar.report import (
@@ -149,9 +148,10 @@ def _cmd_export(args) -> int:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"rank{rank}.py" for rank in range(math.prod(mesh_degrees(plan).values()))]
+    paths = [out / f"rank{rank}.py" for rank in range(plan.mesh.size)]
+    notes = schedule_lines(program, plan)  # what the runtime adds: the same for every rank
     for rank, path in enumerate(paths):
-        path.write_text(program_code(program, plan, rank, stages))
+        path.write_text(program_code(program, plan, rank, stages, notes))
     paths += [out / "plan.json", out / "graph.dot"]
     paths[-2].write_text(plan_json(plan))
     paths[-1].write_text(graph_dot(program, plan))

@@ -196,6 +196,14 @@ class Plan:
     def axes(self) -> tuple[str, ...]:
         return tuple(self.degrees)
 
+    @property
+    def full_degrees(self) -> dict[str, int]:
+        """Every dimension of the mesh, outermost first: the pipeline stages as ``pp`` when there
+        are several (the outermost, as the runtime lays ranks out), then ``degrees``; what
+        ``PlanOptions`` pins to run this plan again."""
+        stages = self.schedule.stages
+        return {**({Axis.PP: stages} if stages > 1 else {}), **self.degrees}
+
     # -- persistence -------------------------------------------------------------------
     def to_json(self) -> dict:
         data = asdict(self)

@@ -56,16 +56,15 @@ def record_data_sizes(graph_module: fx.GraphModule, args: list, module_of) -> No
     with torch.no_grad():
         Recorder(graph_module).run(*args)
 
-    def concrete(size):
-        return int(size.node.expr.xreplace(values)) if isinstance(size, torch.SymInt) else size
-
     def recorded(value):
-        if isinstance(value, torch.SymInt | torch.SymBool | torch.SymFloat) and free_unbacked_symbols(value):
-            number = value.node.expr.xreplace(values)  # a size, or a check on sizes (u0 + u1 == 8)
-            return {torch.SymInt: int, torch.SymBool: bool, torch.SymFloat: float}[type(value)](number)
+        symbolic = isinstance(value, torch.SymInt | torch.SymBool | torch.SymFloat)
+        if symbolic and free_unbacked_symbols(value):  # a size, or a check on sizes (u0 + u1 == 8)
+            return {torch.SymInt: int, torch.SymBool: bool, torch.SymFloat: float}[type(value)](
+                value.node.expr.xreplace(values)
+            )
         if isinstance(value, torch.Tensor) and free_unbacked_symbols(value):
             with value.fake_mode:
-                shape, stride = [concrete(s) for s in value.shape], [concrete(s) for s in value.stride()]
+                shape, stride = [recorded(s) for s in value.shape], [recorded(s) for s in value.stride()]
                 return torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device)
         return value
 

@@ -95,21 +95,14 @@ class CollectiveCall:
 # -- ranks and shapes ------------------------------------------------------------------
 
 
-def mesh_degrees(plan: Plan) -> dict[str, int]:
-    """Every dimension of the mesh, outermost first: the pipeline stages (the outermost, when
-    there are several: :class:`~autopar.ir.Schedule`), then ``plan.degrees``."""
-    stages = plan.schedule.stages
-    return {**({Axis.PP: stages} if stages > 1 else {}), **plan.degrees}
-
-
 def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
     """This rank's index along every dimension of the mesh; ranks run row-major over
-    :func:`mesh_degrees`.
+    :attr:`~autopar.ir.Plan.full_degrees`.
 
     >>> rank_coordinates(plan, 5)   # degrees {"dp": 2, "tp": 4}   # doctest: +SKIP
     {'dp': 1, 'tp': 1}
     """
-    degrees = mesh_degrees(plan)
+    degrees = plan.full_degrees
     world = math.prod(degrees.values())
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside the {world} ranks of degrees {degrees}")
@@ -122,7 +115,7 @@ def rank_coordinates(plan: Plan, rank: int) -> dict[str, int]:
 
 def axis_group(plan: Plan, rank: int, axis: str) -> list[int]:
     """The ranks that differ from ``rank`` only along ``axis``: its group for that axis."""
-    degrees = mesh_degrees(plan)
+    degrees = plan.full_degrees
     inner = math.prod(list(degrees.values())[list(degrees).index(axis) + 1 :])
     base = rank - rank_coordinates(plan, rank)[axis] * inner
     return [base + k * inner for k in range(degrees[axis])]
@@ -280,20 +273,27 @@ def _consumer_module(node: fx.Node) -> str:
 # -- program text ----------------------------------------------------------------------
 
 
-def program_code(program: fx.GraphModule, plan: Plan, rank: int, stages: list[StageProgram] | None = None) -> str:
+def program_code(
+    program: fx.GraphModule,
+    plan: Plan,
+    rank: int,
+    stages: list[StageProgram] | None = None,
+    schedule: list[str] | None = None,
+) -> str:
     """Readable Python of ``rank``'s program: a header, then fx's code with annotated inputs.
 
     The header names the rank's coordinate per parallel dimension, the degrees and the ranks
     each group name stands for, and what the runtime adds to the program (:func:`schedule_lines`);
     every placeholder is annotated with its placement and its full → local shape. With pipeline
     ``stages`` (``program`` split by :func:`~autopar.passes.rewrite.stages.split_stages`), the
-    rank's own stage modules follow, one function each.
+    rank's own stage modules follow, one function each. ``schedule``: :func:`schedule_lines`, when
+    the caller writes every rank's (the same for all).
 
     >>> text = program_code(program, plan, rank=1)   # doctest: +SKIP
     >>> "torch.ops.autopar.all_reduce.default(" in text   # doctest: +SKIP
     True
     """
-    coords, degrees = rank_coordinates(plan, rank), mesh_degrees(plan)
+    coords, degrees = rank_coordinates(plan, rank), plan.full_degrees
     lines = [
         f"# autopar program for rank {rank} of {math.prod(degrees.values())} on mesh {plan.mesh} ({plan.hardware}, "
         f"global batch {plan.batch_size})",
@@ -318,7 +318,7 @@ def program_code(program: fx.GraphModule, plan: Plan, rank: int, stages: list[St
         + " (not part of this graph)",
         f"# plan {plan.fingerprint}: predicted step {plan.cost.step_s * 1e3:.2f} ms, "
         f"peak memory {plan.cost.peak_memory / 2**20:.1f} MiB per device",
-        *schedule_lines(program, plan),
+        *(schedule if schedule is not None else schedule_lines(program, plan)),
         "",
         "import torch",
         "from math import inf, nan",
