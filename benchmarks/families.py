@@ -53,7 +53,7 @@ FAMILIES = [
 
 
 def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
-    value, reference = value.detach().float(), reference.detach().float()
+    value, reference = value.detach().float().to(reference.device), reference.detach().float()
     return ((value - reference).abs() / (1e-6 + 1e-4 * reference.abs())).max().item()
 
 
@@ -65,8 +65,9 @@ def padded(tokens: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def one_step(family: str, pins: dict) -> dict:
-    """One training step of ``family`` under ``pins`` against one process (see the module docstring)."""
+def one_step(family: str, pins: dict, device: str = "cpu") -> dict:
+    """One training step of ``family`` under ``pins`` against one process (see the module docstring);
+    on ``device`` (the runtime's, by its process group's backend) for the step and the reference."""
     torch.manual_seed(0)
     model = small_model(family)
     pins = dict(pins)
@@ -75,11 +76,12 @@ def one_step(family: str, pins: dict) -> dict:
     planned = time.perf_counter() - started
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
     tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    labels = padded(tokens)
+    tokens, labels = tokens.to(device), padded(tokens).to(device)
     out = pmodel(input_ids=tokens, labels=labels)
     out.loss.backward()
     grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters() if p.grad is not None}
     optimizer.step()
+    model.to(device)
     reference_optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     reference = model(input_ids=tokens, labels=labels)
     reference.loss.backward()

@@ -14,6 +14,10 @@ is made when the record is rendered (:func:`price`), by the cost model of the co
 - ``equivalence``: the GPT example in fp32 on CUDA, autopar eager and compiled against the plain
   model: first loss and every full gradient;
 - ``optimizer``: one AdamW step over 740 M fp32 parameters, foreach and fused;
+- ``hf_families``: unmodified Hugging Face families (small configs, as the coverage benchmark
+  builds them) through the two-argument ``autopar.parallelize(model, 1)`` on CUDA, fp32, eager and
+  (a few) compiled: one step's loss, full gradients and parameters after AdamW against the plain
+  model on the same GPU (benchmarks/families.one_step);
 - ``steps``: the GPT example at Megatron-Core's 1.7B and 7.1B layer shapes (fewer layers, one
   sequence), the 1.7B row's whole model (24 layers, its 4 sequences per GPU as microbatches) and
   Llama 3 8B's layers (4 of them, torchtitan's 2 x 8192 tokens per GPU), bf16 mixed precision:
@@ -87,6 +91,8 @@ QUICK_STEPS = {
     "tiny": dict(kind="gpt", shape=dict(hidden=64, heads=4, ffn=256, vocab=512, seq=64, layers=2), sequences=2),
     "tiny llama": dict(kind="llama", shape=dict(hidden=64, heads=4, kv_heads=2, ffn=128, vocab=512, seq=64, layers=2)),
 }
+HF_FAMILIES = ("llama", "mixtral", "qwen3_moe", "gemma3_text", "deepseek_v3", "gpt2", "falcon", "mamba", "jetmoe")
+HF_COMPILED = ("llama", "qwen3_moe")
 TIMED_STEPS, WARMUP_STEPS = 10, 3
 STEP_PINS = dict(precision="bf16-mixed", recompute="none", zero=0)
 RUNS = (  # (label, compiled): the eager runs first, so a run cut short still has them
@@ -293,10 +299,11 @@ def _build(spec: dict, device=None) -> torch.nn.Module:
         return build_model(spec["kind"], spec["shape"])
 
 
-def measure_steps(preset: HardwareProfile, device: str, quick: bool, results: list, save) -> list[dict]:
+def measure_steps(preset: HardwareProfile, device: str, quick: bool, results: list, save, only=None) -> list[dict]:
     """autopar's one-GPU step, eager and compiled (planned on ``preset``), and the plain model's:
-    every shape's eager runs first, so a record cut short by the time limit still has them."""
-    steps = QUICK_STEPS if quick else STEPS
+    every shape's eager runs first, so a record cut short by the time limit still has them.
+    ``only``: the names of the shapes to measure (all by default)."""
+    steps = {name: spec for name, spec in (QUICK_STEPS if quick else STEPS).items() if not only or name in only}
     entries = {name: {"name": name, **spec, "runs": {}} for name, spec in steps.items()}
     results.extend(entries.values())
     for compiled in (False, True):
@@ -352,6 +359,27 @@ def measure_optimizer(device: str, quick: bool) -> list[dict]:
     return results
 
 
+def check_hf_families(device: str, quick: bool) -> list[dict]:
+    """Each of HF_FAMILIES (``llama`` alone in a smoke run) through the two-argument form on one
+    rank of ``device``, eager and, for HF_COMPILED, compiled: one step against the plain model."""
+    from families import one_step  # transformers: imported only by the part that needs it
+
+    results = []
+    for family in HF_FAMILIES[:1] if quick else HF_FAMILIES:
+        for label, pins in (("eager", {}), ("compiled", {"compile": True})):
+            if pins and family not in HF_COMPILED:
+                continue
+            try:
+                started = time.perf_counter()
+                result = one_step(family, {"mesh": 1, "precision": "fp32", **pins}, device)
+                result["step_s"] = time.perf_counter() - started - result["plan_s"]
+            except Exception as error:  # one family failing leaves the others to run
+                result = _failure(error)
+            results.append({"family": family, "program": label, **result})
+            _log(f"hf {family} {label}: {result}")
+    return results
+
+
 def _failure(error: Exception) -> dict:
     """What a failed part or run leaves in the record (and on stderr)."""
     failure = {"error": f"{type(error).__name__}: {error}"[:2000], "traceback": traceback.format_exc()[-4000:]}
@@ -393,7 +421,7 @@ def price(record: dict, calibrated: Path | None) -> dict:
     return record
 
 
-def measure(out: Path, quick: bool, only: list[str] | None = None) -> dict:
+def measure(out: Path, quick: bool, only: list[str] | None = None, shapes: list[str] | None = None) -> dict:
     device = "cuda" if torch.cuda.is_available() and not quick else "cpu"
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu (smoke run)"
     preset = gpu_preset(name) if device == "cuda" else get_profile("h100-80gb")
@@ -416,7 +444,8 @@ def measure(out: Path, quick: bool, only: list[str] | None = None) -> dict:
         ("attention_occupancy", lambda: measure_attention_occupancy(device, quick)),
         ("equivalence", lambda: check_equivalence(device)),
         ("optimizer", lambda: measure_optimizer(device, quick)),
-        ("steps", lambda: measure_steps(preset, device, quick, record.setdefault("steps", []), save)),
+        ("hf_families", lambda: check_hf_families(device, quick)),
+        ("steps", lambda: measure_steps(preset, device, quick, record.setdefault("steps", []), save, shapes)),
     )
     for part, run in parts:
         if only and part not in only:
@@ -444,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         "and write their BENCHMARKS.md section",
     )
     parser.add_argument("--quick", action="store_true", help="CPU smoke run: tiny shapes, prints only")
-    parser.add_argument("--parts", nargs="*", help="measure only these parts (kernels, steps, ...)")
+    parser.add_argument("--parts", nargs="*", help="measure only these parts (kernels, steps, hf_families, ...)")
+    parser.add_argument("--shapes", nargs="*", help="the steps part's shapes to measure (all by default)")
     args = parser.parse_args(argv)
     if args.render:
         profiles = [*args.calibrated, *[None] * len(args.render)]
@@ -452,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         print(section)
         write_section(SECTION, section)
         return 0
-    record = measure(args.out or Path("gpu.json"), args.quick, args.parts)
+    record = measure(args.out or Path("gpu.json"), args.quick, args.parts, args.shapes)
     if args.quick:
         print(render([price(record, None)]))
     return 0

@@ -93,7 +93,8 @@ def _render_record(record: dict) -> list[str]:
     ]
     labels = ["preset", "calibrated"] if _has_calibrated(record) else ["preset"]
     priced = [f"{label} / measured" for label in labels]
-    parts = {part: record.get(part) for part in ("kernels", "attention_occupancy", "optimizer", "equivalence", "steps")}
+    names = ("kernels", "attention_occupancy", "optimizer", "equivalence", "hf_families", "steps")
+    parts = {part: record.get(part) for part in names}
     for part, value in parts.items():
         if not value or (isinstance(value, dict) and "error" in value):
             lines += [f"{part}: not measured ({(value or {}).get('error', 'no record')})", ""]
@@ -130,6 +131,13 @@ def _render_record(record: dict) -> list[str]:
         title = f"autopar on {record['backend']} (one rank), fp32, one step against the plain model"
         columns = ["program", "loss", "plain model's", "max full-gradient difference", "gradients compared"]
         lines += _table(title, columns, rows)
+    if isinstance(parts["hf_families"], list):
+        title = (
+            f"Unmodified Hugging Face families on {record['backend']} (one rank, `autopar.parallelize(model, 1)`), "
+            "fp32, one step against the plain model"
+        )
+        columns = ["family", "program", "plan s", "step s", "worst difference / tolerance", "result"]
+        lines += _table(title, columns, [_family_row(r) for r in parts["hf_families"]], FAMILIES_NOTE)
     if isinstance(parts["steps"], list):
         title = "One-GPU training step, bf16 mixed precision, AdamW (first step, which compiles, apart)"
         columns = ["shape", "predicted ms", "run", "measured ms", "predicted / measured", "TFLOP/s (model)"]
@@ -146,6 +154,21 @@ def _render_record(record: dict) -> list[str]:
         )
         lines += _table(title, ["shape", "run", *(f"{kind} measured / predicted ms" for kind in KINDS)], rows)
     return lines
+
+
+FAMILIES_NOTE = (
+    "Each family's small config as the coverage benchmark builds it (hidden 64, 2 layers; "
+    "benchmarks/hf_configs.py), planned with no example inputs; the step (its first, compiling when compiled) "
+    "is `pmodel(input_ids=..., labels=...).loss.backward()` and AdamW, with right-padded labels; "
+    "tolerance: rtol 1e-4, atol 1e-6 on the loss, every full gradient and every parameter after the step."
+)
+
+
+def _family_row(r: dict) -> list:
+    if "error" in r:
+        return [r["family"], r["program"], "", "", "", f"failed: {r['error'][:200]}"]
+    passed = "matches" if r["ok"] else "differs"
+    return [r["family"], r["program"], f"{r['plan_s']:.1f}", f"{r['step_s']:.1f}", f"{r['worst']:.2f}", passed]
 
 
 def _has_calibrated(record: dict) -> bool:

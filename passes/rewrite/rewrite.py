@@ -11,7 +11,7 @@ input's LOCAL shard, in which
 - partial gradients are completed where :mod:`gradients` says (Megatron's f, fused into the
   all-gather when the input was just gathered: sequence parallelism's reduce-scatter), and
   left to the runtime's bucketed gradient sync for the parameters in ``plan.grad_sync``;
-- shape arguments of views and factory device arguments are local;
+- shape arguments of views are local, and every device an op names is the runtime's;
 - a mean loss over targets split on an axis (its output ``P(avg)`` there) divides its sum by
   the global count of targets not ignored (over the shards, divided by their number, counted
   first thing in forward where the targets are an input): the shards' average is then the
@@ -85,6 +85,7 @@ def rewrite(
         raise StalePlanError("the plan's gradient sync does not match its placements: re-run autopar.plan")
 
     for node in list(graph.nodes):
+        on_device(node, device)
         decision = plan.nodes.get(node.name)
         if decision is None:
             continue
@@ -345,6 +346,18 @@ def _replace_inputs(node: fx.Node, slots: list[fx.Node], new_inputs: list[fx.Nod
     node.args, node.kwargs = tree_unflatten(flat, spec)
 
 
+def on_device(node: fx.Node, device: torch.device | str) -> None:
+    """Every device ``node`` names becomes ``device``: the graph names the one it was captured on
+    (in factories, copies and torch.export's ``_assert_tensor_metadata``), and the two-argument
+    form captures its planning call on the CPU whatever the ranks run on. An assertion compares
+    devices exactly, so ``cuda`` becomes the current one (``cuda:0``)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    swap = lambda value: device if isinstance(value, torch.device) else value  # noqa: E731
+    node.args, node.kwargs = fx.node.map_aggregate(node.args, swap), fx.node.map_aggregate(node.kwargs, swap)
+
+
 def localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degrees: dict[str, int], device) -> None:
     """Shape arguments become the local shape; factory ops build on the runtime device.
 
@@ -352,8 +365,7 @@ def localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degr
     placement per axis of ``degrees``); the rule validation (tests/helpers/rule_check.py) runs
     each op per shard through this same function. Example: ``view(x, [8, 64])`` with output
     ``(S(0),)`` on 2 ranks becomes ``view(x, [4, 64])``."""
-    if "device" in node.kwargs:
-        node.kwargs = {**node.kwargs, "device": torch.device(device)}
+    on_device(node, device)
     packet = getattr(node.target, "overloadpacket", None)
     if packet not in SHAPE_ARG_OPS | RESHAPE_OPS or output is None or node.meta.get(DATA_SIZED):
         return  # a size the data decides stays the node computing it

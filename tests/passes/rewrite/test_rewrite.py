@@ -111,3 +111,34 @@ def test_a_split_piece_taken_in_another_placement_is_moved_once_taken():
     (chunk,) = piece.users
     assert chunk.target is torch.ops.autopar.chunk.default and chunk.args[1:] == ("TP", 1)
     assert [a.target for a in program.graph.nodes if a.target is torch.ops.autopar.chunk.default] == [chunk.target]
+
+
+class _Positions(torch.nn.Module):
+    """Makes positions on its input's device and casts them, as Hugging Face rotary embeddings do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1], device=x.device)[None, :, None].float().expand(x.shape[0], -1, 1)
+        return (self.proj(x) * positions).sum()
+
+
+def test_every_device_the_captured_graph_names_becomes_the_runtimes():
+    # the two-argument form captures its planning call on the CPU; on CUDA ranks a factory or
+    # torch.export's _assert_tensor_metadata naming the CPU fails ("Tensor device mismatch")
+    model, x = _Positions(), torch.randn(2, 4, 8)
+    captured = capture(model, (x,))
+    plan = autopar.plan(model, 1, (x,), hardware="a100-80gb")
+
+    def devices(graph):
+        found = []
+        torch.fx.node.map_aggregate(
+            [(n.args, n.kwargs) for n in graph.nodes], lambda a: found.append(a) if isinstance(a, torch.device) else a
+        )
+        return found
+
+    assert devices(captured.graph) and set(devices(captured.graph)) == {torch.device("cpu")}
+    program = rewrite(captured, plan, groups={"dp": "DP"}, device="meta")
+    assert devices(program.graph) and set(devices(program.graph)) == {torch.device("meta")}
