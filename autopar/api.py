@@ -139,7 +139,8 @@ def parallelize(
     whose graph would need the parameters placed otherwise raises :class:`ConfigError`.
     ``pins`` and ``options`` are :func:`plan`'s (``degrees={"pp": p, ...}`` for pipeline stages).
     ``precision="bf16-mixed"`` (or "fp16-mixed", with dynamic loss scaling; default: the
-    hardware's natural one, fp32 on CPU) trains fp32 master parameters with 16-bit compute
+    hardware's natural one: fp32 on CPU; on GPU ranks, with no ``hardware`` given, the GPU's preset
+    and its bf16-mixed) trains fp32 master parameters with 16-bit compute
     copies, reducing gradients in ``reduce_dtype`` (default "float32"); see
     :mod:`autopar.runtime.mixed_precision`. ``check_finite=True`` makes every ``train_step``
     raise :class:`NonFiniteError` on every rank when the loss or a gradient holds a NaN or
@@ -156,7 +157,7 @@ def parallelize(
 
     mesh = Mesh.of(mesh)
     _check_world(mesh)
-    options = PlanOptions.of(options, **pins)
+    options = _on_this_hardware(PlanOptions.of(options, **pins))
     with reported("parallelize"):
         call = (example_inputs, example_kwargs)
         return _parallelize(model, mesh, call, plan, options, local_batches, check_finite)
@@ -182,7 +183,7 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
         compiled = dict(compiled=True, async_tp=options.async_tp or plan.schedule.async_tp)
         plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, **compiled))
     _check_runnable(plan)
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    device_type = _device_type()
     stages = plan.schedule.stages
     device_mesh = build_device_mesh(plan.full_degrees, device_type)
     groups = {axis: group_name(device_mesh, (axis,)) for axis in plan.degrees}
@@ -241,6 +242,21 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
         lambda: _rank_module(model, captured, plan, device_mesh, calls, first, check_finite, compiler),
         "building this rank's module",
     )
+
+
+def _device_type() -> str:
+    """Where the ranks compute: NCCL ranks on their GPU, gloo ranks on the CPU."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _on_this_hardware(options: PlanOptions) -> PlanOptions:
+    """``options``, planning for the GPU the ranks run on when they name no hardware: its preset
+    (and so its natural precision, bf16-mixed on an A100/H100/H200), not this host's CPU."""
+    if options.hardware is not None or _device_type() != "cuda":
+        return options
+    from autopar.passes.cost.calibration import gpu_preset
+
+    return dataclasses.replace(options, hardware=gpu_preset(torch.cuda.get_device_name()))
 
 
 def _captured_with_plan(model, mesh: Mesh, call: tuple, plan: Plan | str | None, options: PlanOptions, log: PassLog):

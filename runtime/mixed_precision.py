@@ -4,12 +4,14 @@ The parameters (the DTensors ``pmodel.parameters()`` returns, and the leaves the
 storage with) are the fp32 masters, sharded as the plan says (ZeRO-3: this rank's chunk), and
 the optimizer steps them. The program computes with 16-bit copies of them:
 
-- **Where the cast lives: in the runtime, once per step.** The graph is captured in the
+- **Where the cast lives: in the runtime, once per call.** The graph is captured in the
   compute dtype (``passes.capture.graph.capture(param_dtype=...)``), so it already holds the
   model's own upcasts (norms, softmax in fp32) exactly as the model runs under FSDP2; the
-  runtime feeds it :class:`MixedPrecision` leaves: a 16-bit copy of each master, recast only
-  when the master changed (its version counter moved: an optimizer step, a checkpoint load),
-  so microbatches and pipeline stages share one cast per step. A rewrite pass inserting casts
+  runtime feeds it :class:`MixedPrecision` leaves: a 16-bit copy of each master, cast afresh at
+  each call of the module (a train step, a forward: :meth:`MixedPrecision.new_call`), so its
+  microbatches and pipeline stages share one cast, as FSDP2 casts once per forward. Version
+  counters cannot say when a master changed: a foreach optimizer step on DTensors moves neither
+  the DTensor's nor its local tensor's (training kept the first step's copies). A rewrite pass inserting casts
   at parameter uses would cast once per use and per microbatch, and could not recover the
   model's upcasts from a graph captured in fp32. Under ZeRO-3 the copy is of the shard, so the
   per-layer all-gathers move 16-bit data, as FSDP2's do. A compiled program that sums gradients
@@ -108,7 +110,7 @@ def _collective_device(group: dist.ProcessGroup) -> torch.device:
 
 class _ComputeLeaf(torch.autograd.Function):
     """The 16-bit copy of a master as the program's leaf: forward hands out the copy (made
-    once per step), backward casts the gradient to the master's dtype, where it accumulates."""
+    once per call), backward casts the gradient to the master's dtype, where it accumulates."""
 
     @staticmethod
     def forward(ctx, master: Tensor, copy: Tensor) -> Tensor:
@@ -139,7 +141,8 @@ class MixedPrecision:
     outputs, and the end of each step. Under "fp32" every method is the identity. Example::
 
         precision = MixedPrecision(plan.precision_policy, masters)   # name → fp32 leaf
-        leaves = precision.leaves()                  # name → 16-bit leaf, cast once per step
+        precision.new_call()                         # at each call of the module
+        leaves = precision.leaves()                  # name → 16-bit leaf, cast once per call
         outputs = precision.outputs(program(*leaves.values(), *precision.inputs(batch)))
         outputs[0].backward()                        # fp32 gradients on the masters
         skip = precision.finish(grads, group)        # fp16: unscale; True: inf/NaN somewhere
@@ -152,7 +155,14 @@ class MixedPrecision:
         self.loss_scaler = LossScaler() if policy.loss_scaling else None
         self.masters = masters  # name → the leaf a DTensor parameter shares storage with
         self._copies: dict[str, Tensor] = {}  # made on first use: a program casting for itself needs none
-        self._cast_at_version: dict[str, int] = {}
+        self._cast_this_call = False
+
+    def new_call(self) -> None:
+        """A call of the module begins: the masters may have changed since the copies were made
+        (an optimizer step, a checkpoint load, the user's own edit), so they are cast again at
+        first use. New tensors, not copies into the old ones: an earlier call's autograd graph
+        may still hold those for its backward."""
+        self._cast_this_call = False
 
     def leaves(self, through: dict[str, Tensor] | None = None, cast_by_program: bool = False) -> dict[str, Tensor]:
         """name → the tensor the programs take for that parameter: the master itself, or its
@@ -162,17 +172,15 @@ class MixedPrecision:
         leaves = {**self.masters, **(through or {})}
         if self.param_dtype is None or cast_by_program:
             return leaves
-        for name, master in self.masters.items():
-            if not master.is_floating_point():
-                continue
-            if name not in self._copies:
-                self._copies[name] = torch.empty_like(master, dtype=self.param_dtype)
-                self._cast_at_version[name] = -1
-            copy = self._copies[name]
-            if self._cast_at_version[name] != master._version:
-                with torch.no_grad():
-                    copy.copy_(master)
-                self._cast_at_version[name] = master._version
+        if not self._cast_this_call:
+            with torch.no_grad():
+                self._copies = {
+                    name: master.to(self.param_dtype)
+                    for name, master in self.masters.items()
+                    if master.is_floating_point()
+                }
+            self._cast_this_call = True
+        for name, copy in self._copies.items():
             target = leaves[name]
             leaves[name] = _ComputeLeaf.apply(target, copy) if target.requires_grad else copy
         return leaves

@@ -13,7 +13,7 @@ parameters (3) of data-parallel replicated parameters are split over dp: ZeRO-2 
 and ZeRO-3 parameters are DTensors sharded over dp, so ``full_tensor()`` still gives the whole.
 
 Under mixed precision (``plan.precision``, see :mod:`autopar.runtime.mixed_precision`) the
-parameters are the fp32 masters and the program takes their 16-bit copies, cast once per step;
+parameters are the fp32 masters and the program takes their 16-bit copies, cast once per call;
 fp16's loss scale is ``pmodel.loss_scaler``.
 """
 
@@ -59,10 +59,12 @@ def to_dtensor_placement(placement):
 
 def communicating(method):
     """Marks a ``train_step`` or ``forward``: its failure reaches the peers (``faults.reported``),
-    and with ``check_finite`` a train step's loss and gradients are checked on every rank."""
+    with ``check_finite`` a train step's loss and gradients are checked on every rank, and under
+    mixed precision the call computes with copies of the masters as they are now."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
+        self._precision.new_call()
         with reported(method.__name__):
             result = method(self, *args, **kwargs)
             if self.check_finite and method.__name__ == "train_step":

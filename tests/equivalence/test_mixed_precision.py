@@ -3,7 +3,9 @@ master weights, forward and backward with 16-bit copies, gradients cast to fp32 
 fp32, AdamW on the masters: FSDP2's ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)``),
 on gloo meshes of 4 ranks: DP2xTP2 with ZeRO 0-3, pipelines (ZeRO-3 inside a zero-bubble
 schedule), context and expert parallelism, gradient accumulation; fp16's loss scaling; model
-state per rank against the plan; the global gradient norm; checkpoints.
+state per rank against the plan; the global gradient norm; checkpoints; several steps of
+torch's AdamW over ``pmodel.parameters()``, as a training script builds it (each step's
+forward computes with the masters the last one stepped).
 
 Tolerance: 16 units of the 16-bit dtype's rounding, u = 2^-8 for bf16 and 2^-11 for fp16
 (6.25% and 0.78%). Both sides round at every op, but where autopar splits a sum over ranks
@@ -56,15 +58,18 @@ class Case:
     precision: str
     options: dict  # planning options (the search runs without ZeRO ...)
     zero: int = 0  # ... and the plan is then given this stage
-    checks: frozenset = frozenset()  # what else to check: "memory", "clip", "overflow", "checkpoint"
+    checks: frozenset = frozenset()  # what else: "memory", "clip", "overflow", "checkpoint", "steps"
 
 
 CASES = {
     **{
         f"bf16 DP2xTP2 ZeRO-{zero}": Case("gpt", GPT, "bf16-mixed", DP2xTP2, zero, frozenset({"memory", "clip"}))
-        for zero in (0, 1, 2, 3)
+        for zero in (1, 2, 3)
     },
-    "bf16 PP2xDP2 zbv ZeRO-3": Case("gpt", PIPELINED_GPT, "bf16-mixed", {**PP2xDP2, "pipeline": "zbv"}, zero=3),
+    "bf16 DP2xTP2 ZeRO-0": Case("gpt", GPT, "bf16-mixed", DP2xTP2, checks=frozenset({"memory", "clip", "steps"})),
+    "bf16 PP2xDP2 zbv ZeRO-3": Case(
+        "gpt", PIPELINED_GPT, "bf16-mixed", {**PP2xDP2, "pipeline": "zbv"}, zero=3, checks=frozenset({"steps"})
+    ),
     "bf16 CP2xDP2 ring": Case("long_context_gpt", LONG, "bf16-mixed", CP2xDP2),
     "bf16 EP4": Case("moe_gpt", MOE, "bf16-mixed", EP4),
     "fp16 DP4 2 microbatches ZeRO-2": Case("gpt", GPT, "fp16-mixed", dict(degrees={"dp": 4}, microbatches=2), zero=2),
@@ -129,7 +134,29 @@ def _case(name: str, path: str) -> dict:
         result["overflow"] = _overflow_skips_and_growth_resumes(pmodel, optimizer, inputs)
     if "checkpoint" in case.checks:
         result["checkpoint"] = _checkpoint_keeps_masters(pmodel, optimizer, model, inputs, path)
+    if "steps" in case.checks:
+        result["steps"] = _steps_with_torch_adamw(model, inputs, mesh, plan, dtype)
     return result
+
+
+STEPS, STEPS_LR = 6, 2e-2  # on one batch: the loss falls far more than the tolerance
+
+
+def _steps_with_torch_adamw(model, inputs, mesh, plan, dtype) -> dict:
+    """STEPS steps of torch's AdamW over ``pmodel.parameters()`` (DTensors: a foreach step moves
+    no version counter) on one batch: each step's loss against the reference's."""
+    pmodel = autopar.parallelize(model, mesh, inputs, plan=plan)
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(pmodel.parameters(), lr=STEPS_LR, eps=ADAM_EPS)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=STEPS_LR, eps=ADAM_EPS)
+    losses, ref_losses = [], []
+    for _ in range(STEPS):
+        ref_losses.append(reference_step(reference, inputs, dtype, ref_optimizer)[0].float())
+        reference.zero_grad()
+        losses.append(pmodel.train_step(*pmodel.shard_batch(*inputs)).float())
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"error": max(map(_relative, losses, ref_losses)), "fall": _relative(ref_losses[-1], ref_losses[0])}
 
 
 def _global_norm(tensors) -> torch.Tensor:
@@ -186,6 +213,7 @@ def _checkpoint_keeps_masters(writer, writer_optimizer, model, inputs, path) -> 
         optimizer = reader.optimizer(torch.optim.AdamW, lr=1.0)
         reader(*inputs)  # the global batch, as a call takes it: casts the compute copies of the initial weights
         load_checkpoint(reader, optimizer, path)
+        reader._precision.new_call()  # what the reader's next call does first
         copies = reader._precision.leaves()
         found[precision] = {
             "masters": all(close(p.full_tensor(), written[n]) for n, p in reader.named_parameters()),
@@ -222,6 +250,14 @@ def test_mixed_precision_step_matches_the_same_policy_in_one_process(four_ranks,
         }, (rank, name, result["dtypes"])
         held |= set(result["held"])
     assert len(held) > 10, held  # the pipelined ranks hold every parameter between them
+
+
+def test_each_step_computes_with_the_masters_the_last_one_stepped(four_ranks):
+    for results in four_ranks:
+        for name in ("bf16 DP2xTP2 ZeRO-0", "bf16 PP2xDP2 zbv ZeRO-3"):
+            steps, tolerance = results[name]["steps"], results[name]["tolerance"]
+            assert steps["fall"] > 2 * tolerance, (name, steps)  # stale compute copies would err by it
+            assert steps["error"] <= tolerance, (name, steps)
 
 
 def test_clip_grad_norm_gives_the_global_norm_under_tp_and_zero3(four_ranks):

@@ -32,6 +32,20 @@ def test_the_default_is_the_hardware_s_natural_choice():
     assert _plan().precision == "bf16-mixed" and _plan("fp32").precision == "fp32"
 
 
+def test_parallelize_on_gpu_ranks_plans_for_their_gpu_and_its_precision(monkeypatch):
+    # the two-argument form on NCCL ranks names no hardware: it plans for the GPU (an H100 found
+    # on an H100 machine planned for this host's CPU profile and trained in fp32)
+    from autopar import api
+
+    monkeypatch.setattr(api.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(api.torch.cuda, "get_device_name", lambda *_: "NVIDIA H100 80GB HBM3")
+    options = api._on_this_hardware(PlanOptions())
+    assert options.profile.name == "h100-80gb" and options.precision_policy.precision == "bf16-mixed"
+    assert api._on_this_hardware(PlanOptions(hardware="cpu-local")).precision_policy.precision == "fp32"
+    monkeypatch.setattr(api.dist, "get_backend", lambda: "gloo")
+    assert api._on_this_hardware(PlanOptions()).hardware is None  # gloo ranks: this machine's profile
+
+
 def test_precision_changes_model_state_by_the_bytes_per_parameter():
     fp32, mixed = _plan("fp32"), _plan("bf16-mixed")
     params = sum(p.numel() for p in meta_model("mlp.py", **MLP).parameters())
