@@ -48,8 +48,18 @@ FAMILIES_LEFT_OUT = ("gpt_neo", "mamba", "deepseek_v3")
 FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode")  # tables of fewer positions: planned at their length
 # Defaults that are no released model, replaced by one's shapes: BLOOM's default is 2 layers of
-# hidden 64 (16M parameters); BLOOM-7b1's (BigScience, arXiv 2211.05100, Table 3): 30 layers of 4096, 32 heads
-FAMILY_OVERRIDES = {"bloom": dict(hidden_size=4096, n_layer=30, n_head=32)}
+# hidden 64 (16M parameters); BLOOM-7b1's (BigScience, arXiv 2211.05100, Table 3): 30 layers of 4096, 32 heads.
+# DBRX's default (hidden 2048, 4 experts) builds no model in transformers 5.24 (its attention config
+# lacks rope_theta); DBRX's released configuration (databricks/dbrx-base config.json): 40 layers of
+# 6144, 48 heads, 8 KV heads, 16 experts of 10752, top-4, RoPE base 500000, vocabulary 100352.
+FAMILY_OVERRIDES = {
+    "bloom": dict(hidden_size=4096, n_layer=30, n_head=32),
+    "dbrx": dict(
+        d_model=6144, n_heads=48, n_layers=40, vocab_size=100352, max_seq_len=32768,
+        attn_config=dict(kv_n_heads=8, rope_theta=500000.0, clip_qkv=8.0),
+        ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4),
+    ),
+}  # fmt: skip
 
 
 def _gpt(hidden: int, layers: int, heads: int) -> dict:

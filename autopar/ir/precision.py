@@ -78,7 +78,7 @@ class Held:
 # out its gradient chunks only in ``step()``, until ``zero_grad``).
 # Mixed precision keeps FSDP2's layout: the fp32 master is the parameter (a DTensor), gradients
 # land on it in fp32, and a 16-bit copy of the master (of its ZeRO-3 shard) is what the
-# program computes with, refreshed once per step.
+# program computes with, cast afresh at each call of the module (once per step).
 LAYOUTS: dict[bool, tuple[Held, ...]] = {
     False: (
         Held("params", "weight", 4, split_from=3),

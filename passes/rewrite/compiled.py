@@ -29,7 +29,7 @@ where the cast sits against the sum says which dtype the gradient is summed in
 (``reduce_dtype``): a sum before the cast sums the master's fp32 gradient, one after it sums the
 compute dtype's (FSDP2's ``MixedPrecisionPolicy`` either way). A program that sums nothing (a
 pipeline stage below ZeRO-3, a microbatch before the last) takes the 16-bit copies the runtime
-casts once per step (:mod:`autopar.runtime.mixed_precision`), not one cast per microbatch.
+casts once per call (:mod:`autopar.runtime.mixed_precision`), not one cast per microbatch.
 
 The scheduling pass then buckets and places these collectives like every other
 (:mod:`autopar.passes.rewrite.overlap`). Syncing in the program is exact in every case (the sum
