@@ -44,9 +44,18 @@ SCALING_DEVICES = (8, 64, 512, 4096)
 # The Hugging Face families of benchmarks/families.py, planned at their default configurations;
 # not GPT-Neo (its mask, sized for 2048 positions, does not trace at longer sequences), Mamba (its unrolled
 # scan takes minutes to capture) nor DeepSeek-V3 (a row of the table above)
-FAMILIES_LEFT_OUT = ("gpt_neo", "mamba", "deepseek_v3")
+FAMILIES_LEFT_OUT = {  # family: why the table cannot plan it at its default configuration (said under it)
+    "mamba": "its selective scan without the CUDA kernels is a Python loop over the tokens, which torch.export "
+    "unrolls (4096 steps in each of 64 layers)",
+    "jetmoe": "its experts split the tokens by counts only the data decides, which a model on the meta device "
+    "cannot compute (autopar plans it with real weights)",
+}
 FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
-LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode")  # tables of fewer positions: planned at their length
+# DeepSeek-V3's default is its 671B model, whose training state does not fit 64 GPUs: planned on its own
+# cluster's size and final batch (DeepSeek-V3 technical report, arXiv 2412.19437: 2048 H800s, §3.1;
+# 15360 sequences of 4096 tokens, §4.2), H800s priced as H100s (the same compute, slower NVLink)
+FAMILY_CLUSTERS = {"deepseek_v3": dict(gpus=2048, batch=15360)}
+LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "gpt_neo")  # fewer positions: planned at their length
 # Defaults that are no released model, replaced by one's shapes: BLOOM's default is 2 layers of
 # hidden 64 (16M parameters); BLOOM-7b1's (BigScience, arXiv 2211.05100, Table 3): 30 layers of 4096, 32 heads.
 # DBRX's default (hidden 2048, 4 experts) builds no model in transformers 5.24 (its attention config
@@ -172,9 +181,8 @@ def family_rows() -> list[dict]:
             "builder": "default_config",
             "kwargs": {"family": family, "seq": seq, **FAMILY_OVERRIDES.get(family, {})},
         }
-        out.append(
-            {"name": family, "model": model, "gpus": FAMILY_GPUS, "batch": FAMILY_BATCH, "hardware": "h100-80gb"}
-        )
+        cluster = FAMILY_CLUSTERS.get(family, dict(gpus=FAMILY_GPUS, batch=FAMILY_BATCH))
+        out.append({"name": family, "model": model, **cluster, "hardware": "h100-80gb"})
     return out
 
 
@@ -396,11 +404,16 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
         f"{datetime.date.today().isoformat()}; this machine: 2 shared CPU cores; planning only",
         f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, Hugging Face's default "
         f"configuration (most are a released checkpoint's shapes; BLOOM's, 2 layers of hidden 64, is replaced by "
-        f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}), unmodified, on the meta device in bfloat16; {FAMILY_BATCH} "
-        f"sequences of {FAMILY_SEQ} tokens "
+        f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}; DBRX's builds no model in transformers 5.24, replaced by DBRX's "
+        f"released configuration: {FAMILY_OVERRIDES['dbrx']}), unmodified, on the meta device in bfloat16; "
+        f"{FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
         f"({', '.join(LEARNED_POSITIONS)}: as many as their learned positions) on "
         f'{FAMILY_GPUS} simulated H100s (mesh {FAMILY_GPUS // 8}x8), `precision="bf16-mixed"`, nothing pinned; '
         "a fresh process per family. TFLOP/s per GPU as above (the cost model's FLOPs, no recomputation).",
+        "- "
+        + "; ".join(f"{family}: {c['batch']} sequences on {c['gpus']} H100s" for family, c in FAMILY_CLUSTERS.items())
+        + " (its training state does not fit 64 GPUs; its own cluster's size and final batch).",
+        "- not planned here: " + "; ".join(f"{family}: {why}" for family, why in FAMILIES_LEFT_OUT.items()) + ".",
         "",
         "| family | parameters | sequence | capture s | search s | peak RSS GiB | plan | step s | TFLOP/s | peak GiB |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",

@@ -57,8 +57,10 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
     """A collective over nodes with ``link.local_ranks`` members in each, NCCL-style: inside
     the node first, then across nodes on the node's share, then inside again.
 
-    All-to-all has no such shortcut: (nodes − 1)/nodes of every rank's data crosses nodes,
-    and the members of a node share its bandwidth — the penalty of all-to-all across nodes.
+    All-to-all has no such shortcut: (nodes − 1)/nodes of every rank's data crosses nodes, each
+    rank's through its own adapter (the presets' inter-node bandwidth is per GPU, one adapter
+    each, as on DGX nodes; a node with fewer adapters has its per-GPU share as that bandwidth) —
+    the penalty of all-to-all across nodes is that share at the slower tier's rate.
     """
     local, nodes = link.local_ranks, ranks // link.local_ranks
     inner, outer = link.inner, dataclasses.replace(link, inner=None, local_ranks=1)
@@ -78,7 +80,7 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
         )
     if kind == "all_to_all":
         alpha, bandwidth = outer.alpha_beta(kind, ranks)
-        crossing = nbytes / ranks * (nodes - 1) / nodes * local  # leaves one node, through its links
+        crossing = nbytes / ranks * (nodes - 1) / nodes  # what leaves this rank's node, through its adapter
         return (
             (ranks - 1) * alpha
             + crossing / bandwidth

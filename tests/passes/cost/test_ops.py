@@ -201,7 +201,7 @@ def test_groups_across_nodes_run_hierarchically_and_all_to_all_pays_for_crossing
     )
     flat = dataclasses.replace(link, inner=None, local_ranks=1)
     assert collective_time("all_reduce", n, 16, link) < collective_time("all_reduce", n, 16, flat)
-    crossing = n / 16 * 3 / 4 * 4 / 25e9  # 3/4 of each rank's data leaves its node, 4 ranks share the node's links
+    crossing = n / 16 * 3 / 4 / 25e9  # 3/4 of each rank's data leaves its node, through the rank's own adapter
     assert collective_time("all_to_all", n, 16, link) == pytest.approx(
         15 * 1e-5 + crossing + collective_time("all_to_all", n / 4, 4, inner)
     )
