@@ -11,9 +11,9 @@ the optimizer steps them. The program computes with 16-bit copies of them:
   each call of the module (a train step, a forward: :meth:`MixedPrecision.new_call`), so its
   microbatches and pipeline stages share one cast, as FSDP2 casts once per forward. Version
   counters cannot say when a master changed: a foreach optimizer step on DTensors moves neither
-  the DTensor's nor its local tensor's (training kept the first step's copies). A rewrite pass inserting casts
-  at parameter uses would cast once per use and per microbatch, and could not recover the
-  model's upcasts from a graph captured in fp32. Under ZeRO-3 the copy is of the shard, so the
+  the DTensor's nor its local tensor's. A rewrite pass inserting casts at parameter uses would
+  cast once per use and per microbatch, and could not recover the model's upcasts from a graph
+  captured in fp32. Under ZeRO-3 the copy is of the shard, so the
   per-layer all-gathers move 16-bit data, as FSDP2's do. A compiled program that sums gradients
   itself casts the masters itself (``leaves(cast_by_program=True)``:
   :mod:`autopar.passes.rewrite.compiled`), placed against its sums so they run in
