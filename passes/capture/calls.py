@@ -1,6 +1,6 @@
 """How a model is called: its arguments bound by name, an example call when none is given,
 and the settings a model is captured under (Hugging Face models: no KV cache, exportable
-experts).
+experts; a custom autograd backward, which export drops, said).
 
 Pre: an ``nn.Module`` (any, or a Hugging Face ``PreTrainedModel`` recognized by duck typing,
 with no import of transformers).
@@ -130,7 +130,38 @@ def capture_settings(model: nn.Module):
         validate = torch.distributions.Distribution._validate_args
         torch.distributions.Distribution.set_default_validate_args(False)
         stack.callback(torch.distributions.Distribution.set_default_validate_args, validate)
+        stack.enter_context(_custom_backwards_said())
         yield model
+
+
+@contextmanager
+def _custom_backwards_said():
+    """While active, notes each ``torch.autograd.Function`` with a backward of its own that the
+    forward applies to a tensor needing a gradient; says so on exit. torch.export traces such a
+    Function's forward and drops its backward (pytorch/pytorch#106388), so the captured program
+    differentiates the forward instead: the gradients differ wherever that backward is not the
+    forward's derivative (PhiMoE's sampled routing, a clipped or straight-through gradient)."""
+    function = torch.autograd.Function
+    apply, found = function.__dict__["apply"], {}
+
+    def noting(cls, *args, **kwargs):
+        own = cls.backward is not function.backward or cls.vjp is not function.vjp
+        if own and torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad for a in args):
+            caller = inspect.stack(context=0)[1]
+            found.setdefault(cls.__qualname__, f"{caller.filename}:{caller.lineno}")
+        return apply.__func__(cls, *args, **kwargs)
+
+    function.apply = classmethod(noting)
+    try:
+        yield
+    finally:
+        function.apply = apply
+    for name, where in found.items():
+        say_once(
+            f"{name} ({where}) is a torch.autograd.Function with a backward of its own, which torch.export "
+            "drops: autopar's program differentiates its forward instead, so the gradients differ wherever that "
+            "backward is not the forward's derivative (a sampled, clipped or straight-through gradient)"
+        )
 
 
 def _uses_unexportable_experts(model: nn.Module) -> bool:

@@ -127,6 +127,29 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
             module._parameters[name] = param
 
 
+def detach_no_grad_regions(graph_module: fx.GraphModule) -> None:
+    """What the forward computes under ``torch.no_grad()`` reads its inputs detached.
+
+    torch.export keeps such a region as one ``wrap_with_set_grad_enabled(False, ...)`` node,
+    which ``run_decompositions`` inlines, and with it the region's ops would pass gradients
+    (Hugging Face's HRM runs its early reasoning cycles without gradients: they flowed through
+    all of them). Detaching every tensor the region reads gives the gradients the model's own
+    backward gives; the memory no_grad saves is not saved.
+    """
+    graph = graph_module.graph
+    for node in graph.find_nodes(op="call_function", target=torch.ops.higher_order.wrap_with_set_grad_enabled):
+        if node.args[0] is not False:
+            continue
+        inputs = list(node.args[2:])
+        for index, value in enumerate(inputs):
+            if isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor):
+                with graph.inserting_before(node):
+                    inputs[index] = graph.call_function(torch.ops.aten.detach.default, (value,))
+                inputs[index].meta["val"] = value.meta["val"].detach()
+        node.args = (*node.args[:2], *inputs)
+    graph_module.recompile()
+
+
 def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict) -> CapturedGraph:
     try:
         # A table that decomposes copy alone keeps ops like linear and sdpa whole but functionalizes
@@ -136,6 +159,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             # each mixture-of-experts block becomes one autopar.moe node (or its experts one moe_experts)
             with capture_settings(model), composite_moe(model):
                 exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+                detach_no_grad_regions(exported.graph_module)
                 exported = exported.run_decompositions(DIFFERENTIABLE_COPY)
     except Exception as error:  # export raises many types; all mean the same to the user
         raise TraceError(

@@ -120,3 +120,62 @@ def test_examples_trace_where_the_model_is():
     captured = capture(model, (ids, ids))
     tokens = captured.graph_module.graph.find_nodes(op="placeholder")[-1].meta["val"]
     assert tokens.device.type == "meta" and tokens.shape == (2, 16) and tokens.dtype == torch.int64
+
+
+class _NoGradient(torch.autograd.Function):
+    """A backward that is not the forward's derivative (as a straight-through or sampled estimator's)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0
+
+
+class _WithCustomBackward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _NoGradient.apply(self.linear(x)).sum()
+
+
+def test_a_custom_autograd_backward_which_export_drops_is_said(monkeypatch):
+    from autopar.passes.capture import calls
+
+    said, apply = [], torch.autograd.Function.__dict__["apply"]
+    monkeypatch.setattr(calls, "say_once", said.append)
+    captured = capture(_WithCustomBackward(), (torch.randn(2, 4),))
+    assert len(said) == 1 and "_NoGradient (" in said[0] and "test_graph.py" in said[0], said
+    ops = [str(n.target) for n in captured.graph.nodes if n.op == "call_function"]
+    assert "aten.mul.Tensor" in ops  # the forward traced; its custom backward is gone (said above)
+    assert torch.autograd.Function.__dict__["apply"] is apply  # restored
+
+
+class _PartlyWithoutGradients(torch.nn.Module):
+    """Runs a layer twice, the first time under no_grad (as HRM's early reasoning cycles)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            x = self.linear(x).tanh()
+        return self.linear(x).square().sum()
+
+
+def test_what_the_forward_runs_without_gradients_passes_none():
+    torch.manual_seed(0)
+    model, x = _PartlyWithoutGradients(), torch.randn(3, 4, requires_grad=True)
+    captured = capture(model, (x,))
+    params = [model.get_parameter(name) for name in captured.params.values()]
+    (captured_loss,) = captured.graph_module(*params, x)
+    got = torch.autograd.grad(captured_loss, params, allow_unused=True)
+    want = torch.autograd.grad(model(x), params)
+    assert torch.allclose(captured_loss, model(x)) and all(torch.allclose(g, w) for g, w in zip(got, want))
+    (again,) = captured.graph_module(*params, x)
+    assert torch.autograd.grad(again, x, allow_unused=True)[0] is None  # x feeds only the no-grad region
