@@ -112,7 +112,8 @@ class _StageModule(nn.Module):
         self._casts_itself = stage.graph_module.meta.get(CASTS_IN_PROGRAM, False)  # compiled, summing in program
 
     def forward(self, *received, **user_inputs):
-        received = () if self._first else received  # the first stage reads the inputs by name
+        # the first stage reads the inputs by name; the others send their inputs' gradients back
+        received = () if self._first else tuple(_ContiguousGradient.apply(value) for value in received)
         inputs = self._precision.inputs(user_inputs[_keyword(name)] for name in self._input_names)
         leaves = self._precision.leaves(self._own, cast_by_program=self._casts_itself)
         params = [leaves[name] for name in self._names]
@@ -131,6 +132,21 @@ class _StageModule(nn.Module):
         """The zero-bubble W action of this compiled stage's last backward (:mod:`autopar.runtime.weight_pass`)."""
         leaves = functools.partial(self._precision.leaves, self._own, cast_by_program=self._casts_itself)
         return adding_weight_gradients(self._run.weight_passes, leaves, self._weight_of)
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """Identity forward; backward hands the gradient on contiguous. A stage sends its received
+    values' gradients to the stage before, which sizes its buffers after their strides, and p2p
+    moves contiguous tensors only (gloo: "input tensor has to be contiguous"; Zamba2's Mamba
+    layers give a transposed gradient)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _keyword(input_name: str) -> str:

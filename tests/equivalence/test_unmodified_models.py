@@ -45,6 +45,7 @@ CASES = [
     ("qwen2", TIED, dict(PP2xDP2, pipeline="zbv")),
     ("jetmoe", SIZES, PP2xDP2),  # tokens split by counts it computes: sizes only the data decides, per microbatch
     ("inkling2_text", SHRUNK, PP2xDP2),  # its stage 0 sends a non-contiguous value (p2p takes contiguous ones)
+    ("zamba2", SHRUNK, PP2xDP2),  # its stage 1 sends back a non-contiguous gradient
 ]
 
 
