@@ -98,8 +98,9 @@ def _assign(nodes: list[fx.Node], by_layer: dict[str, int], modules: int) -> dic
         if node.op == "call_function" and (layer := node_layer(node)) is not None:
             if by_layer[layer] < lower:
                 raise ConfigError(
-                    f"node {node.format_node()} of {layer} reads a value of a later stage: the layers do not run in "
-                    "order"
+                    f"node {node.name} ({node.target}) of {layer} reads a value a later stage computes: the layers "
+                    "do not run in order (a model that runs its layers again, in cycles, cannot be cut into stages "
+                    "by layer); plan it without pipeline stages (degrees={'pp': 1})"
                 )
             lower = by_layer[layer]
         earliest[node] = lower
