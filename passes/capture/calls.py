@@ -145,7 +145,10 @@ def _custom_backwards_said():
     apply, found = function.__dict__["apply"], {}
 
     def noting(cls, *args, **kwargs):
-        own = cls.backward is not function.backward or cls.vjp is not function.vjp
+        # a custom op's own autograd (torch.library) stays with its op, one node in the graph
+        own = not cls.__module__.startswith("torch._library") and (
+            cls.backward is not function.backward or cls.vjp is not function.vjp
+        )
         if own and torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad for a in args):
             caller = inspect.stack(context=0)[1]
             found.setdefault(cls.__qualname__, f"{caller.filename}:{caller.lineno}")

@@ -179,3 +179,32 @@ def test_what_the_forward_runs_without_gradients_passes_none():
     assert torch.allclose(captured_loss, model(x)) and all(torch.allclose(g, w) for g, w in zip(got, want))
     (again,) = captured.graph_module(*params, x)
     assert torch.autograd.grad(again, x, allow_unused=True)[0] is None  # x feeds only the no-grad region
+
+
+@torch.library.custom_op("autopar_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_scaled.register_fake(lambda x: torch.empty_like(x))
+_scaled.register_autograd(lambda ctx, grad: grad * 2)
+
+
+class _WithCustomOp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _scaled(self.linear(x)).sum()
+
+
+def test_a_custom_op_keeps_its_backward_and_is_not_said(monkeypatch):
+    # torch.library runs a custom op's autograd as an autograd.Function: the op stays one node,
+    # its backward with it (autopar's own mixture-of-experts ops are such)
+    from autopar.passes.capture import calls
+
+    said = []
+    monkeypatch.setattr(calls, "say_once", said.append)
+    captured = capture(_WithCustomOp(), (torch.randn(2, 4),))
+    assert torch.ops.autopar_test.scaled.default in {n.target for n in captured.graph.nodes} and said == [], said
