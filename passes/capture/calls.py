@@ -140,7 +140,7 @@ def _custom_backwards_said():
     forward applies to a tensor needing a gradient; says so on exit. torch.export traces such a
     Function's forward and drops its backward (pytorch/pytorch#106388), so the captured program
     differentiates the forward instead: the gradients differ wherever that backward is not the
-    forward's derivative (PhiMoE's sampled routing, a clipped or straight-through gradient)."""
+    forward's derivative (a sampled, clipped or straight-through gradient)."""
     function = torch.autograd.Function
     apply, found = function.__dict__["apply"], {}
 

@@ -90,8 +90,36 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
     if not isinstance(top_k, int) or _expert_shape(experts.gate_up_proj, experts.down_proj) != router.weight.shape:
         return None
     normalize = getattr(block, "norm_topk_prob", getattr(router, "norm_topk_prob", True))
+    if not _routes_by_softmax_top_k(router, top_k, bool(normalize)):
+        return None
     returns_logits = bool(getattr(block, "returns_router_logits", False))
     return MoEParts(router, experts, top_k, bool(normalize), returns_logits, shared, shared_gate)
+
+
+def _routes_by_softmax_top_k(router: nn.Module, top_k: int, normalize: bool) -> bool:
+    """Whether ``router`` routes as the op does. A plain linear leaves the routing to its block;
+    a router with a forward of its own (transformers' ``*TopKRouter``) is run once, on random
+    tokens with a random weight of its shape on the CPU, and must give (logits, the top-k
+    softmax weights, renormalized when ``normalize``, their experts): PhiMoE's router has the
+    same weight and name but samples its experts (sparsemixer), which the op does not."""
+    if type(router).forward is nn.Linear.forward:
+        return True
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(router.weight.shape, generator=generator)
+    tokens = torch.randn(16, weight.shape[1], generator=generator)
+    try:
+        with torch.no_grad():
+            out = torch.func.functional_call(router, {"weight": weight}, (tokens,))
+    except Exception:  # noqa: BLE001  (a router this call does not suit is not one the op replaces)
+        return False
+    if not (isinstance(out, tuple) and len(out) == 3 and all(torch.is_tensor(t) for t in out)):
+        return False
+    top, experts = torch.softmax(tokens @ weight.T, dim=-1).topk(top_k, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True) if normalize else top
+    _, scores, indices = out
+    return indices.shape == experts.shape and bool(
+        (indices == experts).all() and torch.allclose(scores.float(), top, atol=1e-5)
+    )
 
 
 def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:

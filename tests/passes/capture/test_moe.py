@@ -54,9 +54,20 @@ def test_blocks_whose_math_differs_are_not_recognized():
     gelu.experts.act_fn = nn.GELU()
     biased_router = block()
     biased_router.gate = nn.Linear(8, 4)
+    other_routing = block()  # a router of the op's shape routing otherwise (as PhiMoE's samples)
+    other_routing.gate = _LeastLikelyRouter(8, 4, bias=False)
     assert list(moe_modules(block())) == [""]
-    for model in (shared_expert, gelu, biased_router):
+    for model in (shared_expert, gelu, biased_router, other_routing):
         assert moe_modules(model) == {}
+
+
+class _LeastLikelyRouter(nn.Linear):
+    """Returns (logits, weights, experts) as transformers' routers do, but picks the least likely experts."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        weights, experts = (-logits).softmax(dim=-1).topk(2, dim=-1)
+        return logits, weights / weights.sum(dim=-1, keepdim=True), experts
 
 
 def _op_nodes(graph):
