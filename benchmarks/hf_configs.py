@@ -29,13 +29,17 @@ SIZES = {
     **dict.fromkeys(("n_group", "topk_group", "n_shared_experts", "first_k_dense_replace"), 1),
 }
 TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
-PER_LAYER = ("layer_types", "mlp_layer_types", "layers_block_type", "attn_layer_indices", "no_rope_layers")
+PER_LAYER = (
+    "layer_types", "mlp_layer_types", "layers_block_type", "attn_layer_indices", "no_rope_layers", "block_types",
+)  # fmt: skip
 # Beyond the generic shrink, what a family needs (the survey's findings).
 SPECIAL = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "mamba": {"expand": 2, "state_size": 16, "time_step_rank": 8},
     "deepseek_v3": {"num_key_value_heads": HEADS, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16,
                     "qk_nope_head_dim": 16, "v_head_dim": 16},  # MLA: as many KV heads as heads
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # one Mamba layer, one attention layer
+    "bamba": {"attn_layer_indices": [1]},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": KV_HEADS, "clip_qkv": 8.0},
              "ffn_config": {"ffn_hidden_size": FFN, "moe_num_experts": 4, "moe_top_k": 2, "hidden_size": HIDDEN}},
 }  # fmt: skip
@@ -58,10 +62,20 @@ def small_config(family: str):
         if name == "sliding_window" and isinstance(current, int) and current > 8:
             overrides[name] = 8  # shorter than the sequence: the windowed mask is real
         if name in PER_LAYER and isinstance(current, list) and len(current) > LAYERS:
-            kinds = list(dict.fromkeys(current))
+            kinds = _attention_second(list(dict.fromkeys(current)))
             overrides[name] = (kinds + kinds)[:LAYERS] if not isinstance(current[0], int) else current[:LAYERS]
     overrides.update(SPECIAL.get(family, {}))
     return AutoConfig.for_model(family, **overrides)
+
+
+def _attention_second(kinds: list) -> list:
+    """Layer kinds with an attention kind second when the first is not one: a hybrid shrunk to two
+    layers keeps one of each (transformers' hybrids fail without an attention layer)."""
+    attention = lambda kind: isinstance(kind, str) and "attention" in kind and "linear" not in kind  # noqa: E731
+    if len(kinds) < 2 or attention(kinds[0]):
+        return kinds
+    first = next((k for k in kinds[1:] if attention(k)), None)
+    return kinds if first is None else [kinds[0], first, *(k for k in kinds[1:] if k != first)]
 
 
 def small_model(family: str):
