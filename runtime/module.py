@@ -59,12 +59,12 @@ def to_dtensor_placement(placement):
 
 def communicating(method):
     """Marks a ``train_step`` or ``forward``: its failure reaches the peers (``faults.reported``),
-    with ``check_finite`` a train step's loss and gradients are checked on every rank, and under
-    mixed precision the call computes with copies of the masters as they are now."""
+    it computes with 16-bit copies of the masters as they are now, and with ``check_finite`` a
+    train step's loss and gradients are checked on every rank."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
-        self._precision.new_call()
+        self._precision.new_call()  # (mixed precision)
         with reported(method.__name__):
             result = method(self, *args, **kwargs)
             if self.check_finite and method.__name__ == "train_step":
@@ -426,10 +426,7 @@ def _register(root: nn.Module, name: str, value, buffer: bool = False) -> None:
         if not hasattr(module, part) or not isinstance(getattr(module, part), nn.Module):
             module.add_module(part, nn.Module())
         module = getattr(module, part)
-    if buffer:
-        module.register_buffer(leaf, value)
-    else:
-        module.register_parameter(leaf, value)
+    (module.register_buffer if buffer else module.register_parameter)(leaf, value)
 
 
 class AccumulatingModule(ParallelModule):
