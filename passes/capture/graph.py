@@ -134,7 +134,7 @@ def detach_no_grad_regions(graph_module: fx.GraphModule) -> None:
     which ``run_decompositions`` inlines, and with it the region's ops would pass gradients
     (Hugging Face's HRM runs its early reasoning cycles without gradients: they flowed through
     all of them). Detaching every tensor the region reads gives the gradients the model's own
-    backward gives; the memory no_grad saves is not saved.
+    backward gives, and autograd records nothing of the region, as under no_grad.
     """
     graph = graph_module.graph
     for node in graph.find_nodes(op="call_function", target=torch.ops.higher_order.wrap_with_set_grad_enabled):
