@@ -150,8 +150,8 @@ def _custom_backwards_said():
             cls.backward is not function.backward or cls.vjp is not function.vjp
         )
         if own and torch.is_grad_enabled() and any(torch.is_tensor(a) and a.requires_grad for a in args):
-            caller = inspect.stack(context=0)[1]
-            found.setdefault(cls.__qualname__, f"{caller.filename}:{caller.lineno}")
+            caller = inspect.currentframe().f_back  # the model's line applying it
+            found.setdefault(cls.__qualname__, f"{caller.f_code.co_filename}:{caller.f_lineno}")
         return apply.__func__(cls, *args, **kwargs)
 
     function.apply = classmethod(noting)

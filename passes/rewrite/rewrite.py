@@ -85,9 +85,9 @@ def rewrite(
         raise StalePlanError("the plan's gradient sync does not match its placements: re-run autopar.plan")
 
     for node in list(graph.nodes):
-        on_device(node, device)
         decision = plan.nodes.get(node.name)
         if decision is None:
+            on_device(node, device)  # a decided node's arguments are localized, its devices with them
             continue
         with at_node(node):
             _rewrite_node(node, decision, plan, placements, builder, gradients, device)

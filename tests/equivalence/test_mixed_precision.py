@@ -152,7 +152,6 @@ def _steps_with_torch_adamw(model, inputs, mesh, plan, dtype) -> dict:
     losses, ref_losses = [], []
     for _ in range(STEPS):
         ref_losses.append(reference_step(reference, inputs, dtype, ref_optimizer)[0].float())
-        reference.zero_grad()
         losses.append(pmodel.train_step(*pmodel.shard_batch(*inputs)).float())
         optimizer.step()
         optimizer.zero_grad()
