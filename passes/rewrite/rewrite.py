@@ -50,12 +50,13 @@ from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.facts import move_scope
 from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.runner import at_node
+from autopar.passes.sharding.factories import SIZE_ARGUMENT as FACTORY_SIZES
 from autopar.passes.sharding.strategies import tensor_inputs
 
 aten = torch.ops.aten
 R = Replicate()
-# Ops whose argument 1 is the output shape (or sizes derived from it).
-SHAPE_ARG_OPS = {aten.view, aten.reshape, aten._unsafe_view, aten.expand}
+# Ops whose argument i is the output shape (or sizes derived from it): views and sized factories.
+SIZE_ARGUMENT = {**dict.fromkeys([aten.view, aten.reshape, aten._unsafe_view, aten.expand], 1), **FACTORY_SIZES}
 # Ops whose arguments fix the output shape otherwise: on a shard they become a reshape to the local
 # shape (unflatten's sizes are the whole dim's; squeeze(d) would drop a dim a shard has made 1).
 RESHAPE_OPS = {aten.unflatten, aten.squeeze}
@@ -367,7 +368,7 @@ def localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degr
     ``(S(0),)`` on 2 ranks becomes ``view(x, [4, 64])``."""
     on_device(node, device)
     packet = getattr(node.target, "overloadpacket", None)
-    if packet not in SHAPE_ARG_OPS | RESHAPE_OPS or output is None or node.meta.get(DATA_SIZED):
+    if packet not in SIZE_ARGUMENT.keys() | RESHAPE_OPS or output is None or node.meta.get(DATA_SIZED):
         return  # a size the data decides stays the node computing it
     val = node.meta.get("val")
     shape = list(val.shape)
@@ -378,7 +379,8 @@ def localize_arguments(node: fx.Node, output: tuple[Placement, ...] | None, degr
         if shape != list(val.shape):
             node.target, node.args, node.kwargs = torch.ops.aten.reshape.default, (node.args[0], shape), {}
         return
-    node.args = (node.args[0], shape, *node.args[2:])
+    at = SIZE_ARGUMENT[packet]
+    node.args = (*node.args[:at], shape, *node.args[at + 1 :])
 
 
 class _Collectives:

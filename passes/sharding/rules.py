@@ -4,7 +4,7 @@
 op's arguments and shapes; :func:`node_strategies` adds the universal all-replicated
 fallback, drops candidates whose sharded dims do not divide by the axis size, and says
 whether the op had a rule at all (the coverage report). The rules of the ops indexed by a
-vocabulary (embedding, losses) are in :mod:`vocab`.
+vocabulary (embedding, losses) are in :mod:`vocab`, the factories' in :mod:`factories`.
 
 Partial values flow only through ops that are linear in them (views, sums, scaling,
 matmuls with a replicated partner); everything else must see them reduced first.
@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from autopar.ir import DATA_SIZED, Kernel, Partial, Placement, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
+from autopar.passes.sharding.factories import SIZE_ARGUMENT, like_input, replicated_only, sized_factory
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
 from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
 
@@ -92,11 +93,6 @@ def repeat_interleave(view: OpView) -> list[Strategy]:
     if dim is None or not isinstance(view.arg(1, "repeats"), int):
         return []
     return along_dim(2)(view)
-
-
-def like_input(view: OpView) -> list[Strategy]:
-    """``zeros_like`` and friends: the output is laid out like the first input."""
-    return _shard_all_but(view, set())
 
 
 # -- matrix products --------------------------------------------------------------------
@@ -382,11 +378,6 @@ def mse(view: OpView) -> list[Strategy]:
     return [Strategy((Shard(d), Shard(d)), out or Shard(d)) for d in range(len(view.in_shapes[0]))]
 
 
-def replicated_only(view: OpView) -> list[Strategy]:
-    """Factory ops and anything that must see whole tensors: the fallback alone, not a gap."""
-    return []
-
-
 RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.linear: linear,
     aten.mm: mm,
@@ -437,8 +428,8 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     **dict.fromkeys([aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like], like_input),
     operator.getitem: getitem,
     aten.repeat_interleave: repeat_interleave,
-    **dict.fromkeys([aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty, aten.arange], replicated_only),
-    **dict.fromkeys([aten.zeros, aten.ones, aten.full, aten.empty, aten.scalar_tensor], replicated_only),
+    **dict.fromkeys(SIZE_ARGUMENT, sized_factory),
+    **dict.fromkeys([aten.arange, aten.scalar_tensor], replicated_only),
 }
 
 

@@ -50,9 +50,14 @@ class OpView:
         return self.node.kwargs.get(name, default)
 
 
+# The tensor a ``new_*`` factory is called on lends it a dtype and a device only: not an input to lay out.
+TEMPLATE_FIRST = {aten.new_empty, aten.new_zeros, aten.new_ones, aten.new_full}
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The node's inputs that carry tensors (or tuples of them), in argument order."""
-    flat, _ = tree_flatten((node.args, node.kwargs))
+    args = node.args[1:] if getattr(node.target, "overloadpacket", None) in TEMPLATE_FIRST else node.args
+    flat, _ = tree_flatten((args, node.kwargs))
     return [arg for arg in flat if isinstance(arg, fx.Node) and _is_tensorish(arg.meta.get("val"))]
 
 

@@ -73,3 +73,27 @@ def test_ops_along_a_dim_never_shard_that_dim():
     assert [s.output for s in node_strategies(softmax, 2)[0]] == [R, Shard(0)]
     assert Strategy((Shard(0),), Shard(0)) in node_strategies(split, 2)[0]
     assert all(s.output != Shard(1) for s in node_strategies(split, 2)[0])
+
+
+class AssembledQuery(torch.nn.Module):
+    """A query built as DeepSeek-V3's attention builds it: its two parts written into ``new_empty``."""
+
+    def __init__(self):
+        super().__init__()
+        self.nope, self.rope = torch.nn.Linear(64, 48), torch.nn.Linear(64, 16)
+
+    def forward(self, x):
+        query = x.new_empty(*x.shape[:-1], 64)
+        query[..., :48] = self.nope(x)
+        query[..., 48:] = self.rope(x)
+        return query.pow(2).mean()
+
+
+def test_a_buffer_its_parts_are_written_into_stays_split_with_them():
+    """The factory builds each rank's chunk (its size localized by the rewrite), its template lending
+    only a dtype: no rank gathers the parts to meet a buffer built whole."""
+    import autopar
+
+    plan = autopar.plan(AssembledQuery(), 4, (torch.randn(8, 32, 64),), degrees={"dp": 4})
+    (buffer,) = [d for d in plan.nodes.values() if d.op == "aten.new_empty.default"]
+    assert buffer.inputs == () and buffer.output[list(plan.degrees).index("dp")] == Shard(0)
