@@ -209,7 +209,8 @@ def _check(sample: Sample, strategy: Strategy, p: int) -> bool:
     generator = torch.Generator().manual_seed(0)
     pieces = {slot: _split(whole[slot], placement, p, generator) for slot, placement in zip(slots, strategy.inputs)}
     # an input that is no slot (a new_* factory's template, lending its dtype) stays whole
-    local_outputs = [_flat(_run_rank(node, {**whole, **{s: pieces[s][rank] for s in slots}}, rank)) for rank in range(p)]
+    local = [{**whole, **{s: pieces[s][rank] for s in slots}} for rank in range(p)]
+    local_outputs = [_flat(_run_rank(node, local[rank], rank)) for rank in range(p)]
     reference = _flat(node.meta["val"])
     for index, expected in enumerate(reference):
         ranks = [outputs[index] for outputs in local_outputs]
