@@ -195,10 +195,12 @@ def render(
         f"- rows: `benchmarks/data/published_runs.json`, {len(data['rows'])} rows curated from the collected "
         f"published runs (each with its citation, what it printed and what was derived); {len(data['dropped'])} "
         "rows dropped, reasons below. A row marked * is partly known: the source leaves out "
-        "the microbatch size, recomputation or virtual stages, which the planner then chose.",
-        "- each row: its model on the meta device in fp32 (`benchmarks/published_models.py`: Megatron-LM's GPT of "
-        "2021-22 with unfused attention; a GPT with fused attention for Megatron-Core; Llama 3's shapes), priced in "
-        "the published precision; planned on mesh (GPUs/8)x8 with tp, pp, dp, ZeRO stage, recomputation, "
+        "the microbatch size, recomputation or virtual stages, which the planner then chose (a microbatch size: "
+        "the stack's recipe's where the stack states one, below).",
+        "- each row: its model on the meta device (`benchmarks/published_models.py`: Megatron-LM's GPT of "
+        "2021-22 with unfused attention; a GPT with fused attention for Megatron-Core, both taking their loss over "
+        "fp32 logits as Megatron does; Llama 3's shapes), captured and priced in the published precision; "
+        "planned on mesh (GPUs/8)x8 with tp, pp, dp, ZeRO stage, recomputation, "
         "microbatches (global batch / dp / microbatch size) and pipeline schedule pinned and Megatron's "
         "tensor-parallel layout pinned by module; the published virtual stages priced by `evaluate_plan`. "
         "Hardware: the `a100-80gb` and `h100-80gb` presets, one set of figures for every row (GEMM efficiency "
@@ -242,6 +244,11 @@ def render(
         accumulation = stack.get("grad_accumulation_bytes")
         cite += f"; {stack['grad_accumulation_cite']}" if accumulation is not None else ""
         accumulation = "autopar runtime's (18 mixed, 12 fp32)" if accumulation is None else accumulation
+        cite += (
+            f"; microbatch size {stack['microbatch']} where a row leaves it out: {stack['microbatch_cite']}"
+            if "microbatch" in stack
+            else ""
+        )
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
             f"| {buckets} | {'reduce-scatter' if stack.get('zero1_reduce_scatter') else 'all-reduce'} + gather; "

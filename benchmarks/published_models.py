@@ -14,6 +14,8 @@ whatever device is current (the benchmark builds them on "meta": nothing is allo
   [batch, heads, seq, seq] scores (Megatron fuses scale, mask and softmax into one kernel; here
   the scale rides on q and mask and softmax are two, one more pass over the scores).
 - GPT with fused attention (Megatron-Core on H100): ``examples/gpt.py``.
+
+Both Megatron GPTs take their loss over fp32 logits, as Megatron does (:func:`megatron_loss`).
 - :func:`llama`: Llama 3's shapes: RMSNorm, SwiGLU, grouped-query attention (the K/V heads
   repeated to the query heads before fused causal attention, as Hugging Face does), no biases,
   an untied output layer. RoPE is left out: elementwise work on q and k, a few passes over
@@ -39,6 +41,14 @@ def _inputs(vocab: int, seq: int, batch: int, device) -> tuple[torch.Tensor, tor
         return tuple(torch.empty(shape, dtype=torch.int64, device=device) for _ in range(2))
     stream = torch.randint(0, vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0))
     return stream[:, :-1].contiguous().to(device), stream[:, 1:].contiguous().to(device)
+
+
+def megatron_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Megatron's cross-entropy, over the logits in fp32 whatever the compute dtype: Megatron-LM
+    2021 called ``vocab_parallel_cross_entropy(output.float(), labels)`` (gpt_model.py, unless
+    --fp16-lm-cross-entropy), Megatron-Core casts inside it (megatron/core/tensor_parallel/
+    cross_entropy.py, ``VocabParallelCrossEntropy.calculate_logits_max``)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(0, 1))
 
 
 def dropout(x: torch.Tensor) -> torch.Tensor:
@@ -99,8 +109,7 @@ class MegatronGPT(nn.Module):
         h = dropout(self.tok_embeddings(tokens) + self.pos_embeddings(positions))
         for layer in self.layers:
             h = layer(h)
-        logits = F.linear(self.norm(h), self.tok_embeddings.weight)
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(0, 1))
+        return megatron_loss(F.linear(self.norm(h), self.tok_embeddings.weight), labels)
 
     def example_inputs(self, batch_size: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         return _inputs(self.vocab, self.seq, batch_size, device or self.tok_embeddings.weight.device)
@@ -195,11 +204,13 @@ def llama(*, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, voca
 
 
 def fused_gpt(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int | None = None) -> nn.Module:
-    """``examples/gpt.py``: a GPT whose attention is one fused (flash) kernel."""
+    """``examples/gpt.py``: a GPT whose attention is one fused (flash) kernel; its loss Megatron's."""
     spec = importlib.util.spec_from_file_location("gpt_example", ROOT / "examples" / "gpt.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.build(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn)
+    model = module.build(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn)
+    model.loss = megatron_loss  # the example's forward ends in self.loss(logits, labels)
+    return model
 
 
 BUILDERS = {"megatron-gpt": megatron_gpt, "gpt": fused_gpt, "llama": llama}

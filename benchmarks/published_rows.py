@@ -71,8 +71,9 @@ def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
     )
 
 
-def options_for(row: dict) -> dict:
-    """The planning options that pin the row's published configuration."""
+def options_for(row: dict, stack: dict) -> dict:
+    """The planning options that pin the row's published configuration (a microbatch size the row
+    leaves out: its stack's recipe's, where the stack states one)."""
     config = row["config"]
     constraints = dict(MEGATRON_TP[row["model_kind"]]) if config["tp"] > 1 else {}
     sequence_parallel = row.get("sequence_parallel") and config["tp"] > 1
@@ -87,8 +88,9 @@ def options_for(row: dict) -> dict:
     }
     if row["recompute"] is not None:
         options["recompute"] = row["recompute"]
-    if config["microbatch"]:
-        options["microbatches"] = config["global_batch"] // config["dp"] // config["microbatch"]
+    microbatch = config["microbatch"] or stack.get("microbatch")
+    if microbatch:
+        options["microbatches"] = config["global_batch"] // config["dp"] // microbatch
     if config["pp"] > 1:  # interleaved as published; where the source does not say, as the stack runs
         unstated = "virtual stages" in row["missing"]
         interleaved = config["virtual"] or unstated and row["stack"] not in ONE_F_ONE_B_ONLY
@@ -141,12 +143,18 @@ class Captures:
         self._graphs = {}
 
     def get(self, row: dict):
-        key = (row["model_kind"], json.dumps(row["model"], sort_keys=True), row["config"]["global_batch"])
+        key = (
+            row["model_kind"],
+            json.dumps(row["model"], sort_keys=True),
+            row["config"]["global_batch"],
+            row["precision"],
+        )
         if key not in self._graphs:
             with torch.device("meta"):
                 model = build(row["model_kind"], row["model"])
             params = sum(p.numel() for p in model.parameters())
-            self._graphs[key] = (autopar.capture(model, model.example_inputs(key[2], device="meta")), params)
+            inputs = model.example_inputs(key[2], device="meta")
+            self._graphs[key] = (autopar.capture(model, inputs, precision=row["precision"]), params)
         return self._graphs[key]
 
 
@@ -161,7 +169,7 @@ def predict(row: dict, stacks: dict, captures: Captures) -> dict:
     captured_s = time.perf_counter() - started
     hardware = hardware_for(row, stacks)
     mesh = (row["config"]["gpus"] // 8, 8)
-    options = options_for(row)
+    options = options_for(row, stacks[row["stack"]])
     try:
         plan = autopar.plan(captured, mesh, hardware=hardware, **options)
         fits = True

@@ -197,8 +197,9 @@ def analyze(
 ) -> dict[str, NodeFacts]:
     """Per-node facts: slots, shapes, unsharded cost, whether a gradient flows through it.
 
-    Priced as ``policy`` (default fp32) runs the graph, whatever dtype it was captured in: floating tensors in
-    the policy's compute dtype (FLOP rates, bytes moved and saved), parameters' state kept and
+    Priced as ``policy`` (default fp32) runs the graph: floating tensors in the policy's compute dtype (FLOP
+    rates, bytes moved and saved) where the graph was captured in another (in fp32), each in its own where it
+    was captured in the policy's (as ``plan`` captures a model), parameters' state kept and
     gradients reduced as the policy says. An op's time is measured on this machine when
     ``hardware`` is this machine (``measure_ops``), else GEMMs and attention at the efficiency
     their shapes reach (with kernel figures) and other ops at the roofline of their kernels; views are free;
@@ -210,6 +211,8 @@ def analyze(
     params, buffers = captured.params, captured.buffers
     policy = policy or PrecisionPolicy()
     cast = getattr(torch, policy.param_dtype)
+    if captured.param_dtype == cast:
+        cast = None  # captured as the policy computes: the model's own upcasts (fp32 logits) priced as they run
     grad_bytes = getattr(torch, policy.reduce_dtype).itemsize
     for node in captured.graph.nodes:
         outputs = output_tensors(node)

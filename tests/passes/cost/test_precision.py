@@ -105,6 +105,43 @@ def test_a_model_captured_in_fp32_is_priced_as_the_policy_runs_it():
     assert tokens.elem_bytes == 8  # integer inputs keep their dtype
 
 
+class UpcastLoss(torch.nn.Module):
+    """A loss over fp32 logits whatever the compute dtype, as Megatron and torchtitan take it."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(64, 512)
+
+    def forward(self, x, labels):
+        return torch.nn.functional.cross_entropy(self.head(x).float(), labels)
+
+
+def test_a_model_captured_in_the_compute_dtype_keeps_its_own_upcasts():
+    """Captured as bf16-mixed runs it (as ``plan`` captures), the loss over upcast logits is priced
+    in fp32 and the cast itself counts; captured in fp32, every floating op is priced in bf16."""
+    x, labels = torch.empty(256, 64, device="meta"), torch.empty(256, dtype=torch.int64, device="meta")
+    with torch.device("meta"):
+        model = UpcastLoss()
+    policy = PrecisionPolicy.of("bf16-mixed")
+    a100 = get_profile("a100-80gb")
+    ops = {
+        precision: {
+            str(f.node.target): f
+            for f in analyze(autopar.capture(model, (x, labels), precision=precision), a100, policy=policy).values()
+            if f.kind == "op"
+        }
+        for precision in ("bf16-mixed", None)
+    }
+    as_run, as_fp32 = ops["bf16-mixed"], ops[None]
+    assert as_run["aten.linear.default"].dtype == "bfloat16" and as_run["aten._to_copy.default"].dtype == "float32"
+    assert (
+        as_run["aten.cross_entropy_loss.default"].profile.io_bytes
+        > as_fp32["aten.cross_entropy_loss.default"].profile.io_bytes
+    )
+    assert as_run["aten._to_copy.default"].full_time_s > 0
+    assert "aten._to_copy.default" not in as_fp32  # .float() of an fp32 tensor is no op in the graph
+
+
 def test_collectives_move_compute_dtype_bytes():
     fp32, mixed = (
         plan_example(
