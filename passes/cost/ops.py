@@ -106,30 +106,39 @@ def grad_sync_time(
     return collective_time(kind, nbytes, ranks, quiet) - (1.0 - min(1.0, nbytes / bucket_bytes)) * latency
 
 
+def reshard_collectives(src: Placement, dst: Placement, needs_grad: bool) -> tuple[str, ...] | None:
+    """The collectives one redistribution runs on its axis, forward then (when a gradient flows
+    back) backward; None where none can (S → P, P(sum) ↔ P(avg): never chosen)."""
+    if src == dst:
+        return ()
+    backward_gather = ("all_gather",) if needs_grad else ()
+    if isinstance(src, Replicate):
+        if isinstance(dst, Shard):  # take a chunk; backward all-gathers
+            return backward_gather
+        if isinstance(dst, Partial) and dst.reduce_op == "sum":
+            return ()  # R → P keeps the value on one rank; backward is identity
+        return None
+    if isinstance(src, Shard):
+        if isinstance(dst, Replicate):
+            return ("all_gather",)  # backward takes a chunk
+        if isinstance(dst, Shard):
+            return ("all_to_all",) * (2 if needs_grad else 1)
+    if isinstance(src, Partial) and isinstance(dst, Replicate):
+        return ("all_reduce",)
+    if isinstance(src, Partial) and isinstance(dst, Shard):
+        return ("reduce_scatter", *backward_gather)
+    return None
+
+
 def reshard_time(src: Placement, dst: Placement, nbytes: float, ranks: int, link: LinkTier, needs_grad: bool) -> float:
     """Forward plus (when a gradient flows back) backward time of one redistribution.
 
     ``nbytes`` is the size of the tensor on this axis before sharding by it.
     """
-    if src == dst or ranks <= 1:
+    if ranks <= 1:
         return 0.0
-    gather = collective_time("all_gather", nbytes, ranks, link)
-    if isinstance(src, Replicate):
-        if isinstance(dst, Shard):  # take a chunk; backward all-gathers
-            return gather if needs_grad else 0.0
-        if isinstance(dst, Partial) and dst.reduce_op == "sum":
-            return 0.0  # R → P keeps the value on one rank; backward is identity
-        return float("inf")
-    if isinstance(src, Shard):
-        if isinstance(dst, Replicate):
-            return gather  # backward takes a chunk
-        if isinstance(dst, Shard):
-            return collective_time("all_to_all", nbytes, ranks, link) * (2 if needs_grad else 1)
-    if isinstance(src, Partial) and isinstance(dst, Replicate):
-        return collective_time("all_reduce", nbytes, ranks, link)
-    if isinstance(src, Partial) and isinstance(dst, Shard):
-        return collective_time("reduce_scatter", nbytes, ranks, link) + (gather if needs_grad else 0.0)
-    return float("inf")  # S → P, P(sum) ↔ P(avg): never chosen
+    kinds = reshard_collectives(src, dst, needs_grad)
+    return float("inf") if kinds is None else sum((collective_time(kind, nbytes, ranks, link) for kind in kinds), 0.0)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ from autopar.ir import (
 from autopar.passes.capture.graph import CapturedGraph, module_path
 from autopar.passes.cost.evaluate import LayoutTerms, PricedConfiguration, evaluate, stage_mesh
 from autopar.passes.cost.facts import NodeFacts, analyze
+from autopar.passes.cost.ops import reshard_collectives
 from autopar.passes.cost.schedule import bubble_share
 from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.search.axes import solve_axes, split_dims
@@ -53,7 +54,7 @@ from autopar.passes.search.ranking import Candidate, choose, near, within_reach
 from autopar.passes.search.schedule import NO_SAVING, accumulations, leanest, levels, price, variants
 from autopar.passes.search.space import BOUND, MEMORY, LowerBounds, configurations, optional_dims
 from autopar.passes.sharding.rules import rule_for
-from autopar.passes.sharding.strategies import Strategy
+from autopar.passes.sharding.strategies import Strategy, local_shape
 
 R = Replicate()
 
@@ -362,7 +363,12 @@ def _to_plan(captured, facts, strategies, best: Candidate, mesh, hardware) -> Pl
                 out = tuple(s.output for s in per_axis)
             kernel = next((s.kernel for s in per_axis if s is not None and s.kernel), "")
             nodes[name] = NodeDecision(
-                op=str(fact.node.target), module=module_path(fact.node), inputs=slot_pl, output=out, kernel=kernel
+                op=str(fact.node.target),
+                module=module_path(fact.node),
+                inputs=slot_pl,
+                output=out,
+                comm_bytes=_moved_bytes(fact, slot_pl, strategies, facts, best.degrees),
+                kernel=kernel,
             )
         elif fact.kind == "param":
             params[fact.name] = tuple(s.output for s in per_axis)
@@ -385,3 +391,23 @@ def _to_plan(captured, facts, strategies, best: Candidate, mesh, hardware) -> Pl
     gradients = plan_gradients(captured.graph, plan, captured.params, captured.user_inputs)
     grad_sync = {captured.params[name]: axes for name, axes in gradients.synced_params.items()}
     return dataclasses.replace(plan, grad_sync=grad_sync)
+
+
+def _moved_bytes(fact: NodeFacts, wanted, strategies, facts, degrees: dict[str, int]) -> float:
+    """Bytes of the collectives that bring ``fact``'s inputs from where their producers leave them
+    to ``wanted`` (per slot, one placement per axis), forward and backward, in a step: each counted
+    at the size of the value it takes on one rank, as ``autopar plan`` counts the program's (a move
+    several consumers share counts with each)."""
+    total = 0.0
+    for slot, shape, dst in zip(fact.slots, fact.slot_shapes, wanted):
+        src = [strategies[axis].get(slot.name) for axis in degrees]
+        if slot.name not in facts or shape is None or any(s is None for s in src):
+            continue
+        sizes = list(degrees.values())
+        for index, size in enumerate(sizes):
+            kinds = reshard_collectives(src[index].output, dst[index], facts[slot.name].needs_grad) if size > 1 else ()
+            local = tuple(shape)  # the value on this axis: sharded by the others
+            for other, other_size in enumerate(sizes):
+                local = local_shape(local, src[other].output, other_size) if other != index else local
+            total += len(kinds or ()) * math.prod(local) * facts[slot.name].elem_bytes
+    return total

@@ -1,12 +1,13 @@
-"""What `autopar plan` shows at scale: identical layers once, the search's progress on a terminal."""
+"""What `autopar plan` and `explain` show: identical layers once, the search's progress on a terminal,
+each node's input moves."""
 
 import io
 
-from planning import meta_model
+from planning import meta_model, plan_example
 
 import autopar
 from autopar.cli.progress import ProgressLine
-from autopar.report import fold_rows
+from autopar.report import decisions_text, fold_rows
 
 
 def _row(module: str, output: str = "(S(0), R)", param_bytes: int = 64) -> dict:
@@ -57,3 +58,28 @@ def test_the_search_reports_progress_and_the_line_shows_the_best_so_far():
     text = stream.getvalue()
     assert text.endswith("\n") and f"{len(plan.search)}/{len(plan.search)} configurations" in text
     assert "best " in text and "ms/step" in text
+
+
+MEGATRON = {
+    "layers.*.attn.w[qkv]": "S(-1)",
+    "layers.*.attn.wo": "P",
+    "layers.*.mlp.fc1": "S(-1)",
+    "layers.*.mlp.fc2": "P",
+}
+
+
+def test_each_node_shows_the_bytes_its_inputs_move():
+    """Megatron's layers on dp2 x tp2: the row-parallel output's partial sum is all-reduced over tp
+    where the next norm reads it (its [4, 64, 128] fp32 share of the batch), the loss's mean over dp
+    where the step returns it; nothing else moves."""
+    plan = plan_example("gpt.py", "2x2", 8, degrees={"dp": 2, "tp": 2}, constraints=MEGATRON, zero=0)
+    moved = {name: d.comm_bytes for name, d in plan.nodes.items() if d.comm_bytes}
+    assert moved == {
+        "layer_norm_1": 4 * 64 * 128 * 4,
+        "layer_norm_2": 4 * 64 * 128 * 4,
+        "layer_norm_3": 4 * 64 * 128 * 4,
+        "layer_norm_4": 4 * 64 * 128 * 4,
+        "output": 4,
+    }
+    assert "128.0 KiB" in decisions_text(plan)
+    assert autopar.Plan.from_json(plan.to_json()).nodes["output"].comm_bytes == 4  # kept in the plan file
