@@ -29,7 +29,7 @@ from autopar.ir.zero import accumulates_in_program, scatters_in_program, syncs_w
 from autopar.passes.capture.calls import bind_call, example_call
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.capture.graph import capture as capture_graph
-from autopar.passes.program import build_programs
+from autopar.passes.program import alike_in_microbatches, build_programs
 from autopar.passes.rewrite.async_tp import pipeline_tp_matmuls
 from autopar.passes.rewrite.compiled import sync_in_program
 from autopar.passes.rewrite.loss import loss_count
@@ -177,7 +177,8 @@ def _parallelize(model, mesh: Mesh, call: tuple, plan, options: PlanOptions, loc
     if plan is None:
         # one search, shared: ops timed while planning differ from rank to rank, and ranks
         # running different plans would wait on each other forever
-        plan = from_rank_zero(lambda: _search(captured, mesh, options, log), "searching for a plan")
+        search = lambda: _runnable_search(model, example, captured, mesh, options, log)  # noqa: E731
+        plan = from_rank_zero(search, "searching for a plan")
     if options.compile and not plan.schedule.compiled or options.async_tp and not plan.schedule.async_tp:
         # a given plan runs compiled (with async TP) when asked
         compiled = dict(compiled=True, async_tp=options.async_tp or plan.schedule.async_tp)
@@ -257,6 +258,18 @@ def _on_this_hardware(options: PlanOptions) -> PlanOptions:
     from autopar.passes.cost.calibration import gpu_preset
 
     return dataclasses.replace(options, hardware=gpu_preset(torch.cuda.get_device_name()))
+
+
+def _runnable_search(model, example: dict, captured: CapturedGraph, mesh: Mesh, options: PlanOptions, log) -> Plan:
+    """The search's plan, in fewer microbatches where one of its microbatches captures another graph
+    than the whole call (the runtime could not run it): the most that capture alike, pinned."""
+    plan = _search(captured, mesh, options, log)
+    count = plan.schedule.microbatches
+    alike = lambda c: alike_in_microbatches(model, example, c, captured, plan, log)  # noqa: E731
+    if options.microbatches is not None or alike(count):
+        return plan
+    fewer = next(c for c in range(count - 1, 0, -1) if count % c == 0 and alike(c))  # 1 always is
+    return _search(captured, mesh, dataclasses.replace(options, microbatches=fewer), log)
 
 
 def _captured_with_plan(model, mesh: Mesh, call: tuple, plan: Plan | str | None, options: PlanOptions, log: PassLog):

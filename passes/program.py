@@ -97,6 +97,13 @@ def build_programs(
     return Programs(micro, plan, program, loss_only(program), stages)
 
 
+def alike_in_microbatches(model, bound: dict, count: int, whole: CapturedGraph, plan: Plan, log: PassLog) -> bool:
+    """Whether one of ``count`` microbatches of the call captures the graph the whole call does
+    (what :func:`build_programs` needs: torch.export specializes a dim of size 1, and a model may
+    compute otherwise for one sequence)."""
+    return count == 1 or _nodes(_capture(model, microbatch(bound, count), log, plan)) == _nodes(whole)
+
+
 def check_constants(captured: CapturedGraph, planned: CapturedGraph) -> None:
     """The tensors the forward makes from Python data (torch.export's constants) hold what they
     held in the planning call: the module keeps that call's, one per name, for every call."""

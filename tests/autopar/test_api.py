@@ -1,6 +1,7 @@
 """The public API's user errors, in one process (a "fake" process group stands in for ranks)."""
 
 import pytest
+import torch
 import torch.distributed as dist
 from equivalence import load_example
 from planning import meta_model
@@ -60,3 +61,36 @@ def test_a_plan_is_not_run_in_another_precision(fake_world_of_two):
     plan = autopar.plan(meta_model("mlp.py"), 2, model.example_inputs(8, device="meta"))
     with pytest.raises(ConfigError, match="dataclasses.replace"):
         autopar.parallelize(model, 2, model.example_inputs(8), plan=plan, precision="bf16-mixed")
+
+
+class OneSequenceOtherwise(torch.nn.Module):
+    """A model that computes otherwise for a batch of one sequence (torch.export specializes it)."""
+
+    def __init__(self, branches: bool):
+        super().__init__()
+        self.branches, self.proj = branches, torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return (y.squeeze(0) if self.branches and x.shape[0] == 1 else y).pow(2).mean()
+
+
+@pytest.mark.parametrize("branches, runs_in", [(True, 2), (False, 4)])
+def test_a_searched_plan_runs_in_microbatches_that_capture_as_the_whole_batch(monkeypatch, branches, runs_in):
+    """The search here takes 4 microbatches: of one sequence each, a model computing otherwise for
+    one sequence would not run them (the runtime compares the graphs); 2 of two sequences it does."""
+    from autopar import api
+    from autopar.ir import Mesh, PlanOptions
+    from autopar.passes.runner import PassLog
+
+    search = api._search
+    monkeypatch.setattr(
+        api,
+        "_search",
+        lambda c, m, o, log: search(c, m, o if o.microbatches else PlanOptions.of(o, microbatches=4), log),
+    )
+    model, example = OneSequenceOtherwise(branches), {"x": torch.randn(4, 8)}
+    options = PlanOptions.of(None, degrees={"dp": 1})
+    captured = api._capture(model, (), options.precision_policy, None, example)
+    plan = api._runnable_search(model, example, captured, Mesh.of(1), options, PassLog())
+    assert plan.schedule.microbatches == runs_in
