@@ -88,6 +88,29 @@ def split_stages(
     ]
 
 
+def layers_out_of_order(graph: fx.Graph) -> fx.Node | None:
+    """The first op of a layer that reads what a later layer computes (a model running its layers
+    again, in cycles), or None: only layers that run in order can be cut into stages by layer."""
+    place: dict[str, int] = {}  # layer → its place in execution order
+    latest: dict[fx.Node, int] = {}  # node → the latest layer it depends on (-1: none)
+    for node in graph.nodes:
+        after = max((latest.get(arg, -1) for arg in node.all_input_nodes), default=-1)
+        if node.op == "call_function" and (layer := node_layer(node)) is not None:
+            if place.setdefault(layer, len(place)) < after:
+                return node
+            after = place[layer]
+        latest[node] = after
+    return None
+
+
+def out_of_order_error(node: fx.Node) -> ConfigError:
+    return ConfigError(
+        f"node {node.name} ({node.target}) of {node_layer(node)} reads a value a later layer computes: the layers "
+        "do not run in order (a model that runs its layers again, in cycles, cannot be cut into stages by layer); "
+        "plan it without pipeline stages (degrees={'pp': 1})"
+    )
+
+
 def _assign(nodes: list[fx.Node], by_layer: dict[str, int], modules: int) -> dict[fx.Node, int]:
     """Stage module of every call and of the output: layers where the schedule puts them,
     other ops at their earliest consumer but never before their inputs."""
@@ -97,11 +120,7 @@ def _assign(nodes: list[fx.Node], by_layer: dict[str, int], modules: int) -> dic
         lower = max(inputs, default=0)
         if node.op == "call_function" and (layer := node_layer(node)) is not None:
             if by_layer[layer] < lower:
-                raise ConfigError(
-                    f"node {node.name} ({node.target}) of {layer} reads a value a later stage computes: the layers "
-                    "do not run in order (a model that runs its layers again, in cycles, cannot be cut into stages "
-                    "by layer); plan it without pipeline stages (degrees={'pp': 1})"
-                )
+                raise out_of_order_error(node)
             lower = by_layer[layer]
         earliest[node] = lower
     stage: dict[fx.Node, int] = {}

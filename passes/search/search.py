@@ -47,6 +47,7 @@ from autopar.passes.cost.facts import NodeFacts, analyze
 from autopar.passes.cost.ops import reshard_collectives
 from autopar.passes.cost.schedule import bubble_share
 from autopar.passes.rewrite.gradients import plan_gradients
+from autopar.passes.rewrite.stages import layers_out_of_order, out_of_order_error
 from autopar.passes.search.axes import solve_axes, split_dims
 from autopar.passes.search.fold import LayerFolding, fold_layers
 from autopar.passes.search.pins import user_pins
@@ -103,6 +104,11 @@ def search(
     each configuration is weighed.
     """
     started = time.perf_counter()
+    cycling = layers_out_of_order(captured.graph)
+    if cycling is not None and (options.stages or 1) > 1:
+        raise out_of_order_error(cycling)
+    if cycling is not None:  # no stage cut by layer can run it
+        options = dataclasses.replace(options, degrees={**(options.degrees or {}), Axis.PP: 1})
     hardware = options.profile
     whole = analyze(captured, hardware, hardware.contention(mesh.shape), options.precision_policy)
     folding = fold_layers(whole, user_pins(whole, options.constraints or {})) if fold else LayerFolding.unfolded(whole)

@@ -1,8 +1,12 @@
-"""Pipeline planning: balanced cut points, the schedule choice, the memory ladder."""
+"""Pipeline planning: balanced cut points, the schedule choice, the memory ladder, models whose layers
+cannot be cut."""
 
+import pytest
+import torch
 from planning import plan_example, slow_network
 
-from autopar.ir import MemoryLimitError
+import autopar
+from autopar.ir import ConfigError, MemoryLimitError
 from autopar.passes.search.partition import _balanced_starts
 
 LADDER_GPT = dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256)
@@ -99,3 +103,41 @@ def test_without_stages_a_batch_that_does_not_fit_is_accumulated():
     assert plan.schedule.stages == 1 and plan.schedule.microbatches > 1
     assert plan.cost.peak_memory <= 0.8 * whole.cost.peak_memory
     assert plan.cost.step_s >= whole.cost.step_s  # smaller GEMMs: never faster
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Cycles(torch.nn.Module):
+    """Its layers run ``cycles`` times over, in order each time (as HRM's reasoning cycles do)."""
+
+    def __init__(self, layers: int, cycles: int, hidden: int = 1024):
+        super().__init__()
+        self.layers, self.cycles = torch.nn.ModuleList(_Block(hidden) for _ in range(layers)), cycles
+
+    def forward(self, x):
+        for _ in range(self.cycles):
+            for layer in self.layers:
+                x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_layers_that_run_in_cycles_are_never_cut_into_stages():
+    """Where stages pay (nodes joined by a slow network), 8 layers in order get them; 4 layers run
+    twice cannot be cut by layer: the search keeps to one stage, and stages pinned are refused at
+    once, naming the op that reads a later layer's value."""
+    x = torch.empty(64, 512, 1024, device="meta")
+    plans = {}
+    for layers, cycles in ((8, 1), (4, 2)):
+        with torch.device("meta"):
+            model = _Cycles(layers, cycles)
+        plans[cycles] = autopar.plan(model, (2, 8), (x,), hardware=slow_network(), precision="bf16-mixed")
+    assert plans[1].schedule.stages == 2 and plans[2].schedule.stages == 1
+    with pytest.raises(ConfigError, match=r"of layers\.0 reads a value a later layer computes.*'pp': 1"):
+        autopar.plan(model, (2, 8), (x,), hardware=slow_network(), degrees={"pp": 2})
