@@ -14,12 +14,12 @@ whatever device is current (the benchmark builds them on "meta": nothing is allo
   [batch, heads, seq, seq] scores (Megatron fuses scale, mask and softmax into one kernel; here
   the scale rides on q and mask and softmax are two, one more pass over the scores).
 - GPT with fused attention (Megatron-Core on H100): ``examples/gpt.py``.
-
-Both Megatron GPTs take their loss over fp32 logits, as Megatron does (:func:`megatron_loss`).
 - :func:`llama`: Llama 3's shapes: RMSNorm, SwiGLU, grouped-query attention (the K/V heads
   repeated to the query heads before fused causal attention, as Hugging Face does), no biases,
   an untied output layer. RoPE is left out: elementwise work on q and k, a few passes over
   [batch, seq, hidden] per layer.
+
+Both Megatron GPTs take their loss over fp32 logits, as Megatron does (:func:`megatron_loss`).
 """
 
 from __future__ import annotations
