@@ -13,7 +13,7 @@ whatever device is current (the benchmark builds them on "meta": nothing is allo
   the causal mask, softmax, dropout and the product with v run as separate kernels on
   [batch, heads, seq, seq] scores (Megatron fuses scale, mask and softmax into one kernel; here
   the scale rides on q and mask and softmax are two, one more pass over the scores).
-- GPT with fused attention (Megatron-Core on H100): ``examples/gpt.py``.
+- GPT with fused attention (Megatron-Core on H100; MosaicML's MPT, its output tied): ``examples/gpt.py``.
 - :func:`llama`: Llama 3's shapes: RMSNorm, SwiGLU, grouped-query attention (the K/V heads
   repeated to the query heads before fused causal attention, as Hugging Face does), no biases,
   an untied output layer. RoPE is left out: elementwise work on q and k, a few passes over
@@ -203,13 +203,18 @@ def llama(*, hidden: int, layers: int, heads: int, kv_heads: int, ffn: int, voca
     return Llama(hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab, seq=seq)
 
 
-def fused_gpt(*, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int | None = None) -> nn.Module:
-    """``examples/gpt.py``: a GPT whose attention is one fused (flash) kernel; its loss Megatron's."""
+def fused_gpt(
+    *, hidden: int, layers: int, heads: int, vocab: int, seq: int, ffn: int | None = None, tied: bool = False
+) -> nn.Module:
+    """``examples/gpt.py``: a GPT whose attention is one fused (flash) kernel; its loss over fp32
+    logits (Megatron's; torch autocast's too); ``tied``: the output layer is the token embedding (MPT)."""
     spec = importlib.util.spec_from_file_location("gpt_example", ROOT / "examples" / "gpt.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     model = module.build(hidden=hidden, layers=layers, heads=heads, vocab=vocab, seq=seq, ffn=ffn)
     model.loss = megatron_loss  # the example's forward ends in self.loss(logits, labels)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
     return model
 
 
@@ -222,4 +227,5 @@ def build(kind: str, shapes: dict) -> nn.Module:
         keys = ("hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "seq")
     else:
         keys = ("hidden", "layers", "heads", "vocab", "seq", "ffn")
-    return BUILDERS[kind](**{key: shapes[key] for key in keys})
+    extra = {"tied": True} if shapes.get("tied") else {}  # the fused GPT's output layer tied (MPT)
+    return BUILDERS[kind](**{key: shapes[key] for key in keys}, **extra)
