@@ -105,9 +105,9 @@ def search(
     """
     started = time.perf_counter()
     cycling = layers_out_of_order(captured.graph)
-    if cycling is not None and (options.stages or 1) > 1:
-        raise out_of_order_error(cycling)
     if cycling is not None:  # no stage cut by layer can run it
+        if (options.stages or 1) > 1:
+            raise out_of_order_error(cycling)
         options = dataclasses.replace(options, degrees={**(options.degrees or {}), Axis.PP: 1})
     hardware = options.profile
     whole = analyze(captured, hardware, hardware.contention(mesh.shape), options.precision_policy)
@@ -404,12 +404,11 @@ def _moved_bytes(fact: NodeFacts, wanted, strategies, facts, degrees: dict[str, 
     to ``wanted`` (per slot, one placement per axis), forward and backward, in a step: each counted
     at the size of the value it takes on one rank, as ``autopar plan`` counts the program's (a move
     several consumers share counts with each)."""
-    total = 0.0
+    total, sizes = 0.0, list(degrees.values())
     for slot, shape, dst in zip(fact.slots, fact.slot_shapes, wanted):
         src = [strategies[axis].get(slot.name) for axis in degrees]
         if slot.name not in facts or shape is None or any(s is None for s in src):
             continue
-        sizes = list(degrees.values())
         for index, size in enumerate(sizes):
             kinds = reshard_collectives(src[index].output, dst[index], facts[slot.name].needs_grad) if size > 1 else ()
             local = tuple(shape)  # the value on this axis: sharded by the others
