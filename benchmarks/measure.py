@@ -1,12 +1,14 @@
 """What the benchmarks measure besides time: the memory a rank holds (its named tensors, and
-the allocator's peak during a step), and a step's compute alone, its collectives replaced by
-local stand-ins.
+the allocator's peak during a step), a step's compute alone, its collectives replaced by
+local stand-ins, and how fast the shared cores run.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -294,3 +296,18 @@ def schedule_without_communication(graph, forms) -> None:
     (``forms``, the real ones, ignored); the program's opaque kernels communicate through
     ``torch.distributed``, which :func:`no_communication` replaces."""
     schedule_communication(graph, _stand_in_forms())
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def python_loop_s() -> float:
+    """Seconds a fixed pure-Python loop (10^7 additions) takes here, the median of 3: how fast the
+    shared cores ran while the search times were taken (it varies from day to day)."""
+    times = []
+    for _ in range(3):
+        started, total = time.perf_counter(), 0
+        for i in range(10_000_000):
+            total += i
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+from measure import python_loop_s  # noqa: E402
 from publish import publish  # noqa: E402
 
 REFERENCE = ROOT.parent / "shared" / "reference" / "published-megatron-a100.json"
@@ -321,12 +322,22 @@ def _why(free: dict, expert: dict) -> str:
     return ", ".join(f"{k} {d:+.2f} s" for d, k in deltas[:3] if abs(d) > 0.005 * expert["step_s"]) or "same"
 
 
-def render(results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], elapsed: float) -> str:
+def speed_note(probes: list[float]) -> str:
+    return (
+        f"machine speed: a pure-Python loop of 10^7 additions took {probes[0]:.2f} s before the rows and "
+        f"{probes[-1]:.2f} s after (median of 3 each; compare search times within one run)"
+    )
+
+
+def render(
+    results: list[tuple[dict, dict]], scaling: list[tuple[dict, dict]], elapsed: float, probes: list[float]
+) -> str:
     lines = [
         "## Planning at scale",
         "",
         f"- command: `python benchmarks/planning_scale.py` ({elapsed:.0f} s); date "
-        f"{datetime.date.today()}; this machine: 2 shared CPU cores (other work may run beside it); planning only "
+        f"{datetime.date.today()}; this machine: 2 shared CPU cores (other work may run beside it; "
+        f"{speed_note(probes)}); planning only "
         '(meta-device models in bfloat16, `precision="bf16-mixed"`, simulated meshes (GPUs/8)x8)',
         "- search s: `autopar.plan` on the captured graph (capture s: tracing it, apart; a row whose target is "
         f"at most {REPEATED_UNDER_S} s: the median of {REPEATS} fresh processes); peak RSS: the row's own "
@@ -396,12 +407,13 @@ def _count(params: int) -> str:
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
 
 
-def render_families(results: list[tuple[dict, dict]], elapsed: float) -> str:
+def render_families(results: list[tuple[dict, dict]], elapsed: float, probes: list[float]) -> str:
     lines = [
         "## Planning at scale: Hugging Face families at their default configurations",
         "",
         f"- command: `python benchmarks/planning_scale.py --families` ({elapsed:.0f} s); date "
-        f"{datetime.date.today().isoformat()}; this machine: 2 shared CPU cores; planning only",
+        f"{datetime.date.today().isoformat()}; this machine: 2 shared CPU cores ({speed_note(probes)}); "
+        "planning only",
         f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, Hugging Face's default "
         f"configuration (most are a released checkpoint's shapes; BLOOM's, 2 layers of hidden 64, is replaced by "
         f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}; DBRX's builds no model in transformers 5.24, replaced by DBRX's "
@@ -450,7 +462,7 @@ def main() -> int:
     if args.row:
         print(json.dumps(measure(json.loads(args.row))))
         return 0
-    started = time.perf_counter()
+    probes, started = [python_loop_s()], time.perf_counter()
     if args.families:
         results = []
         for row in family_rows()[: 3 if args.quick else None]:
@@ -460,7 +472,8 @@ def main() -> int:
                 results.append((row, {"error": str(error).strip().splitlines()[-1][:300]}))
             done = results[-1][1].get("error") or f"{results[-1][1]['search_s']:.1f} s"
             print(f"[planning-families] {row['name']}: {done}", file=sys.stderr, flush=True)
-        publish("planning-families", render_families(results, time.perf_counter() - started), args.quick)
+        elapsed = time.perf_counter() - started
+        publish("planning-families", render_families(results, elapsed, probes + [python_loop_s()]), args.quick)
         return 0
     table, scaling = rows(), scaling_rows()
     if args.quick:
@@ -473,7 +486,8 @@ def main() -> int:
     for row in scaling:
         measured.append((row, run_row(row)))
         print(f"[planning-scale] {row['name']}: {measured[-1][1]['search_s']:.1f} s", file=sys.stderr, flush=True)
-    publish("planning-scale", render(results, measured, time.perf_counter() - started), args.quick)
+    elapsed = time.perf_counter() - started
+    publish("planning-scale", render(results, measured, elapsed, probes + [python_loop_s()]), args.quick)
     return 0
 
 

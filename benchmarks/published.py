@@ -249,9 +249,11 @@ def render(
             if "microbatch" in stack
             else ""
         )
+        cite += f"; {stack['param_gather_overlap_cite']}" if stack.get("param_gather_overlap") else ""
+        gather = "gather behind the next forward" if stack.get("param_gather_overlap") else "gather"
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
-            f"| {buckets} | {'reduce-scatter' if stack.get('zero1_reduce_scatter') else 'all-reduce'} + gather; "
+            f"| {buckets} | {'reduce-scatter' if stack.get('zero1_reduce_scatter') else 'all-reduce'} + {gather}; "
             f"{'per parameter' if stack.get('zero3_per_parameter') else 'per layer'} "
             f"| {accumulation} "
             f"| {stack['description']}; {stack['cite']}{cite} |"

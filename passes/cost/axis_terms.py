@@ -50,7 +50,7 @@ class AxisContext:
     link: LinkTier
     pins: dict[str, Placement]
     local: ShardedShapes  # before this axis
-    overlap: float  # share of gradient sync hidden behind backward
+    overlap: float  # share of gradient sync that leaves the step behind backward (HardwareProfile.hidden)
     bind_memory: bool = False
     batch: dict[str, Strategy] | None = None  # node → its batch-dim sharding; never used on this axis
     sequence: dict[str, Strategy] | None = None  # node → its sequence-dim sharding; matmuls never split it here
@@ -70,7 +70,7 @@ class AxisContext:
         axis, what the stack does not hide behind GEMMs (:mod:`overlap`, without its cap)."""
         if not self.linear_overlap or self.name != Axis.TP or self.hardware is None:
             return 1.0
-        return 1.0 - self.hardware.tp_overlap
+        return 1.0 - self.hardware.hidden(self.hardware.tp_overlap)
 
 
 def axis_spans(degrees: dict[str, int]) -> dict[str, int]:
@@ -127,21 +127,21 @@ def param_sync(
     reduced: bool = True,
 ) -> tuple[float, float]:
     """(seconds, seconds once per step) of one parameter's data-parallel traffic under ZeRO
-    (Rajbhandari et al. 2020, §5-7). Stages 0-1 all-reduce the gradient once per step; stage 1
-    then all-gathers the stepped weight (``master_bytes``: fp32 masters under mixed precision), as
-    autopar's runtime and DeepSpeed's bf16 pipeline do; a stack that reduce-scatters instead
-    (``zero1_reduce_scatter``: Megatron's distributed optimizer) moves what the all-reduce alone
-    moves. Stage 2 reduce-scatters the gradient every microbatch and gathers the stepped weight
-    once per step; stage 3 reduce-scatters it and gathers the parameter's compute copy
-    (``param_bytes``) for forward and again for backward, every microbatch (for stages 2-3 the
-    first figure is per microbatch: :class:`autopar.passes.cost.evaluate.PricedConfiguration`
-    counts it so). Gradients and stepped weights go in the stack's buckets (``grad_bucket_bytes``),
-    each paying a collective's latency once; ZeRO-3 moves a layer's parameters in one collective
-    each way, whose latency :func:`zero3_layer_s` adds per layer. Under ZeRO-3 a gradient that is
-    not ``reduced`` (its op ran whole on every rank) is cut to the rank's chunk, not
-    reduce-scattered; a frozen parameter (not ``trainable``) moves nothing but the forward gather:
-    the runtime saves its whole copy for backward rather than gathering it again
-    (:mod:`autopar.runtime.zero.gather`)."""
+    (Rajbhandari et al. 2020, §5-7). Stages 0-1 all-reduce the gradient once per step; stage 1 then
+    all-gathers the stepped weight (``master_bytes``: fp32 masters under mixed precision), as
+    autopar's runtime and DeepSpeed's bf16 pipeline do; a stack that reduce-scatters the gradient
+    instead (``zero1_reduce_scatter``: Megatron's distributed optimizer) then gathers the stepped
+    compute copy (``param_bytes``: bf16 under mixed precision). Stage 2 reduce-scatters the gradient
+    every microbatch and gathers the stepped weight once per step; stage 3 reduce-scatters it and
+    gathers the parameter's compute copy (``param_bytes``) for forward and again for backward, every
+    microbatch (for stages 2-3 the first figure is per microbatch:
+    :class:`autopar.passes.cost.evaluate.PricedConfiguration` counts it so). Gradients and stepped
+    weights go in the stack's buckets (``grad_bucket_bytes``), each paying a collective's latency
+    once; ZeRO-3 moves a layer's parameters in one collective each way, whose latency
+    :func:`zero3_layer_s` adds per layer. Under ZeRO-3 a gradient that is not ``reduced`` (its op
+    ran whole on every rank) is cut to the rank's chunk, not reduce-scattered; a frozen parameter
+    (not ``trainable``) moves nothing but the forward gather: the runtime saves its whole copy for
+    backward rather than gathering it again (:mod:`autopar.runtime.zero.gather`)."""
     if not trainable and (ctx.name != Axis.DP or ctx.zero != 3):
         return 0.0, 0.0
     bucket = (ctx.hardware.grad_bucket_bytes if ctx.hardware else 0.0) or GRAD_BUCKET_BYTES
@@ -151,8 +151,10 @@ def param_sync(
         param_bytes if master_bytes is None else master_bytes, ctx.size, ctx.link, bucket, kind="all_gather"
     )
     if ctx.zero == 1:
-        reduce_scatters = ctx.hardware is not None and ctx.hardware.zero1_reduce_scatter
-        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0 if reduce_scatters else stepped
+        if ctx.hardware is not None and ctx.hardware.zero1_reduce_scatter:  # the stepped compute copies gathered
+            scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter")
+            return scatter, grad_sync_time(param_bytes, ctx.size, ctx.link, bucket, kind="all_gather")
+        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), stepped
     if ctx.zero == 2:
         return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter"), stepped
     # bandwidth only: the layer pays the latency (zero3_layer_s), or each gather its own for a stack that gathers alone
@@ -332,7 +334,7 @@ def axis_contexts(
             hardware.link(mesh.shape, spans[axis], degrees[axis]),
             {},
             local,
-            hardware.overlap if step is None else 0.0,
+            hardware.hidden(hardware.overlap) if step is None else 0.0,
             data_parallel=degrees.get(Axis.DP, 1),
             zero=zero,
             hardware=hardware,
@@ -453,7 +455,7 @@ def _input_gradients_s(facts, chosen: dict[str, Strategy], readers: list[tuple[s
         share = profile.forward_flops / max(profile.forward_flops + profile.backward_flops, 1.0)
         work = ctx.local.work[reader] * work_fraction(s, ctx.size)
         seconds += fact.seconds(work, local_slot_shapes(fact, s, ctx)) * share
-    return seconds * (ctx.hardware.overlap if ctx.hardware is not None else 0.0)
+    return seconds * (ctx.hardware.hidden(ctx.hardware.overlap) if ctx.hardware is not None else 0.0)
 
 
 def regathers(facts, src: Placement, dst: Placement, readers: list[tuple[str, int]]) -> bool:

@@ -105,7 +105,7 @@ class LayoutTerms:
             syncs_whole_in_program(zero, schedule),
             zero == 3 or scatters_in_program(zero, schedule),
             schedule.async_tp,
-            concurrency=hardware.overlap,
+            concurrency=hardware.hidden(hardware.overlap),
             sync_window=1 / schedule.microbatches if accumulates_in_program(zero, schedule) else 1.0,
         )
         return comm + step.kernel_s, sync
@@ -168,7 +168,7 @@ class PricedConfiguration:
         layout: LayoutTerms | None = None,
     ) -> PricedConfiguration:
         """Price ``strategies`` at ``zero``; ``layout``: their terms, from another ZeRO stage
-        that syncs alike (both 3, both 2, or both below 2)."""
+        that syncs alike (both 3, both 2, or both below 2 where ZeRO-1 all-reduces)."""
         layout = layout or LayoutTerms.of(facts, degrees, strategies, mesh, hardware, zero)
         memory, optimizer_s, accumulate_s = _model_state(facts, layout, degrees, mesh, hardware, zero)
         cost = dataclasses.replace(layout.cost, memory={**memory, **layout.cost.memory}, optimizer_s=optimizer_s)

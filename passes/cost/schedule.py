@@ -257,13 +257,14 @@ def scheduled(
     again = 1.5 if schedule.recompute == Recompute.FULL else 1.0
     tp_comm = parts.tp_comm_s * again
     comm = (cost.comm_s - parts.tp_comm_s) * again + exposed_tp_comm(
-        tp_comm, times.gemm_s + times.recompute_gemm_s[schedule.recompute], hardware.tp_overlap
+        tp_comm, times.gemm_s + times.recompute_gemm_s[schedule.recompute], hardware.hidden(hardware.tp_overlap)
     )
     work = (times.compute_s + recompute_s + comm) * time_share
     sync = cost.grad_sync_s * param_share
     if not parts.replayed:
-        sync = exposed_grad_sync(sync, sync_window_s(times, parts.zero, time_share, micro), hardware.overlap)
-    sync += parts.gather_once_s * param_share
+        window = sync_window_s(times, parts.zero, time_share, micro)
+        sync = exposed_grad_sync(sync, window, hardware.hidden(hardware.overlap))
+    sync += stepped_gather_s(parts.gather_once_s * param_share, times, time_share, micro, hardware)
     return dataclasses.replace(
         cost,
         compute_s=(times.compute_s + recompute_s) * time_share,
@@ -285,6 +286,16 @@ def sync_window_s(times: StepTimes, zero: int, time_share: float, microbatches: 
         return times.compute_s * time_share
     backward = times.backward_s * time_share
     return backward if zero == 2 else backward / microbatches
+
+
+def stepped_gather_s(gather_s: float, times: StepTimes, time_share: float, microbatches: int, hardware) -> float:
+    """What ZeRO-1/2's gather of the stepped weights leaves on the step: all of it where it runs
+    after the optimizer; where the stack overlaps it (``param_gather_overlap``), what the next
+    step's first forward (the busiest device's) does not hide."""
+    if not hardware.param_gather_overlap:
+        return gather_s
+    forward = (times.compute_s - times.backward_s) * time_share / microbatches
+    return exposed_grad_sync(gather_s, forward, hardware.hidden(hardware.overlap))
 
 
 def _boundary_transfers(terms: LayerTerms, schedule: Schedule, hardware: HardwareProfile, link, parts) -> float:

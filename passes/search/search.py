@@ -272,10 +272,13 @@ class _Weighing:
         if strategies is None:
             self.log.append({**entry, "pruned": BOUND})
             return
-        if zero == 2:  # ZeRO-2 moves its own traffic (a reduce-scatter per microbatch) on ZeRO-1's layout
-            if 2 not in layouts:
-                layouts[2] = LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, 2, ctx.memo)
-            terms = layouts[2]
+        # ZeRO-2 moves its own traffic on ZeRO-1's layout (a reduce-scatter per microbatch); so does ZeRO-0
+        # (an all-reduce) where ZeRO-1 reduce-scatters (Megatron's distributed optimizer)
+        if zero == 2 or zero < solved and hardware.zero1_reduce_scatter:
+            key = ("sync", zero)
+            if key not in layouts:
+                layouts[key] = LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, zero, ctx.memo)
+            terms = layouts[key]
         free = PricedConfiguration.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, zero, layout=terms)
         tried, budgeted = [], {}
         for rung in levels(options):

@@ -291,7 +291,8 @@ class LowerBounds:
         for ctx, _, moved in axis_contexts(self.facts, degrees, before, stage, self.hardware, zero, self.memo):
             if ctx is not None:  # shared by the configurations with these axes first: priced once
                 # at most the profile's shares hide (overlap.py caps them further)
-                comm += moved.comm_s * (1 - self.hardware.tp_overlap if ctx.name == Axis.TP else 1.0)
+                hidden = self.hardware.hidden(self.hardware.tp_overlap) if ctx.name == Axis.TP else 0.0
+                comm += moved.comm_s * (1 - hidden)
                 sync += moved.sync_s * (1 - ctx.overlap)
         work, last_sync = floor
         optimizer = self._state_update_s(degrees, zero, stage)
@@ -327,7 +328,7 @@ class LowerBounds:
                 link=link,
                 pins={},
                 local=self.unsharded,
-                overlap=hardware.overlap,
+                overlap=hardware.hidden(hardware.overlap),
                 data_parallel=dp,
                 zero=zero,
                 hardware=hardware,

@@ -223,11 +223,12 @@ def test_zero3_pays_each_collectives_latency_per_layer_or_per_parameter_as_the_s
     assert round(extra) + groups >= 9 * GPT["layers"]
 
 
-def test_zero1_gathers_the_updated_parameters_after_the_optimizer_with_nothing_to_hide_behind():
+def test_zero1_gathers_the_stepped_parameters_after_the_optimizer_or_behind_the_next_forward():
     """autopar's ZeRO-1 (as DeepSpeed's bf16 pipeline) all-reduces the gradients and, once the
     optimizer has stepped this rank's chunks, all-gathers the parameters in buckets: ZeRO-0's sync
     plus that gather, which no overlap hides. A stack that reduce-scatters instead (Megatron's
-    distributed optimizer) moves what the all-reduce alone moves."""
+    distributed optimizer) gathers the stepped compute copies (bf16 under bf16-mixed), behind the
+    next step's first forward where it overlaps them (``param_gather_overlap``)."""
     mlp = dict(hidden=64, ffn=256, layers=2)
     model = meta_model("mlp.py", **mlp)
     graph = capture(model, model.example_inputs(16, device="meta"))
@@ -245,7 +246,42 @@ def test_zero1_gathers_the_updated_parameters_after_the_optimizer_with_nothing_t
     # bf16-mixed steps fp32 masters: the gather still moves 4 bytes per element
     mixed = sync(1, "bf16-mixed").grad_sync_s - sync(0, "bf16-mixed").grad_sync_s
     assert mixed == pytest.approx(expected, rel=1e-6)
-    assert sync(1, zero1_reduce_scatter=True).grad_sync_s == pytest.approx(sync(0).grad_sync_s)
+
+    def moved(precision: str, kind: str) -> float:  # the collective of every parameter, in its bytes
+        per = {"gradient": 4.0, "bf16-mixed": 2.0, "fp32": 4.0}[precision if kind == "all_gather" else "gradient"]
+        return sum(grad_sync_time(per * p.numel(), 8, link, BUCKET_BYTES, kind) for p in model.parameters())
+
+    all_reduce = sum(grad_sync_time(4.0 * p.numel(), 8, link, BUCKET_BYTES) for p in model.parameters())
+    for precision in ("fp32", "bf16-mixed"):
+        scattered = sync(1, precision, zero1_reduce_scatter=True, overlap=0.0).grad_sync_s
+        difference = moved(precision, "reduce_scatter") + moved(precision, "all_gather") - all_reduce
+        assert scattered - sync(0, precision, overlap=0.0).grad_sync_s == pytest.approx(difference, rel=1e-6)
+    # overlapped with the next forward, the gather hides as far as that forward lasts: all of it
+    # on this link, part of it on one 10^6 times slower
+    for slower in (1.0, 1e6):
+        links = tuple(dataclasses.replace(tier, bandwidth=tier.bandwidth / slower) for tier in FLAT_A100.links)
+        profile = dict(zero1_reduce_scatter=True, overlap_slowdown=0.0, links=links)
+        slow = dataclasses.replace(dataclasses.replace(FLAT_A100, links=links).link((2, 4), 8, 8), sync_s=0.0)
+        gather = sum(grad_sync_time(2.0 * p.numel(), 8, slow, BUCKET_BYTES, "all_gather") for p in model.parameters())
+        after = sync(1, "bf16-mixed", **profile).grad_sync_s
+        hidden = after - sync(1, "bf16-mixed", param_gather_overlap=True, **profile).grad_sync_s
+        assert hidden == pytest.approx(gather, rel=1e-6) if slower == 1.0 else 0 < hidden < 0.5 * gather
+
+
+def test_communication_hidden_on_a_gpu_still_slows_the_compute_beside_it():
+    """A gradient sync the backward hides entirely costs nothing with no slowdown; where compute
+    beside a collective runs ``1 + s`` slower (the GPU presets' ``overlap_slowdown``), the step pays
+    ``s / (1 + s)`` of the collective's time."""
+    plan = _plan(degrees={"dp": 8}, zero=0, microbatches=1, precision="fp32")
+    graph = capture(meta_model("gpt.py", **GPT), meta_model("gpt.py", **GPT).example_inputs(16, device="meta"))
+
+    def sync(**profile) -> float:
+        return evaluate_plan(graph, plan, dataclasses.replace(FLAT_A100, **profile)).grad_sync_s
+
+    whole, hidden = sync(overlap=0.0), sync(overlap=1.0, overlap_slowdown=0.0)
+    assert whole > 0 and hidden == pytest.approx(0.0, abs=1e-12)  # the backward outlasts the sync
+    assert sync(overlap=1.0, overlap_slowdown=0.25) == pytest.approx(whole * 0.25 / 1.25, rel=1e-6)
+    assert get_profile("h100-80gb").overlap_slowdown > 0 and get_profile("cpu-local").overlap_slowdown == 0
 
 
 def test_zero1_and_2_pay_the_copies_around_the_gather_of_the_stepped_weights():
