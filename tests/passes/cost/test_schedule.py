@@ -247,14 +247,12 @@ def test_zero1_gathers_the_stepped_parameters_after_the_optimizer_or_behind_the_
     mixed = sync(1, "bf16-mixed").grad_sync_s - sync(0, "bf16-mixed").grad_sync_s
     assert mixed == pytest.approx(expected, rel=1e-6)
 
-    def moved(precision: str, kind: str) -> float:  # the collective of every parameter, in its bytes
-        per = {"gradient": 4.0, "bf16-mixed": 2.0, "fp32": 4.0}[precision if kind == "all_gather" else "gradient"]
-        return sum(grad_sync_time(per * p.numel(), 8, link, BUCKET_BYTES, kind) for p in model.parameters())
+    def moved(per_element: float, kind: str, over=link) -> float:  # one collective of every parameter
+        return sum(grad_sync_time(per_element * p.numel(), 8, over, BUCKET_BYTES, kind) for p in model.parameters())
 
-    all_reduce = sum(grad_sync_time(4.0 * p.numel(), 8, link, BUCKET_BYTES) for p in model.parameters())
-    for precision in ("fp32", "bf16-mixed"):
+    for precision, weight_bytes in (("fp32", 4.0), ("bf16-mixed", 2.0)):  # fp32 gradients either way
         scattered = sync(1, precision, zero1_reduce_scatter=True, overlap=0.0).grad_sync_s
-        difference = moved(precision, "reduce_scatter") + moved(precision, "all_gather") - all_reduce
+        difference = moved(4.0, "reduce_scatter") + moved(weight_bytes, "all_gather") - moved(4.0, "all_reduce")
         assert scattered - sync(0, precision, overlap=0.0).grad_sync_s == pytest.approx(difference, rel=1e-6)
     # overlapped with the next forward, the gather hides as far as that forward lasts: all of it
     # on this link, part of it on one 10^6 times slower
@@ -262,7 +260,7 @@ def test_zero1_gathers_the_stepped_parameters_after_the_optimizer_or_behind_the_
         links = tuple(dataclasses.replace(tier, bandwidth=tier.bandwidth / slower) for tier in FLAT_A100.links)
         profile = dict(zero1_reduce_scatter=True, overlap_slowdown=0.0, links=links)
         slow = dataclasses.replace(dataclasses.replace(FLAT_A100, links=links).link((2, 4), 8, 8), sync_s=0.0)
-        gather = sum(grad_sync_time(2.0 * p.numel(), 8, slow, BUCKET_BYTES, "all_gather") for p in model.parameters())
+        gather = moved(2.0, "all_gather", slow)
         after = sync(1, "bf16-mixed", **profile).grad_sync_s
         hidden = after - sync(1, "bf16-mixed", param_gather_overlap=True, **profile).grad_sync_s
         assert hidden == pytest.approx(gather, rel=1e-6) if slower == 1.0 else 0 < hidden < 0.5 * gather
@@ -273,7 +271,8 @@ def test_communication_hidden_on_a_gpu_still_slows_the_compute_beside_it():
     beside a collective runs ``1 + s`` slower (the GPU presets' ``overlap_slowdown``), the step pays
     ``s / (1 + s)`` of the collective's time."""
     plan = _plan(degrees={"dp": 8}, zero=0, microbatches=1, precision="fp32")
-    graph = capture(meta_model("gpt.py", **GPT), meta_model("gpt.py", **GPT).example_inputs(16, device="meta"))
+    model = meta_model("gpt.py", **GPT)
+    graph = capture(model, model.example_inputs(16, device="meta"))
 
     def sync(**profile) -> float:
         return evaluate_plan(graph, plan, dataclasses.replace(FLAT_A100, **profile)).grad_sync_s
