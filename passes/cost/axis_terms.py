@@ -230,6 +230,22 @@ def edge_time(
     return minimum(seconds, IMPOSSIBLE_S)
 
 
+def edge_times(memo: dict | None, ctx: AxisContext):
+    """:func:`edge_time` on ``ctx``'s axis as ``(producer, src, dst, shape) -> seconds``, each kept
+    in ``memo`` for the search's other layouts (a move's time depends on its bytes, placements and axis)."""
+    if memo is None:
+        return lambda fact, src, dst, shape: edge_time(fact, src, dst, shape, ctx)
+    times = memo.setdefault(("edge times", ctx.name, ctx.size, repr(ctx.link), ctx.comm_share), {})
+
+    def timed(fact: NodeFacts, src, dst, shape) -> float:
+        key = (fact.elem_bytes, fact.needs_grad, src, dst, shape)
+        if key not in times:
+            times[key] = edge_time(fact, src, dst, shape, ctx)
+        return times[key]
+
+    return timed
+
+
 def edges(facts, ctx: AxisContext):
     """Every (producer, consumer, slot index, local shape of the value on that edge)."""
     for consumer, fact in facts.items():
@@ -345,7 +361,7 @@ def axis_contexts(
             _, moved, local = memo[key]
         else:
             moved, local = (
-                traffic(facts, ctx, chosen, param_shapes, step),
+                traffic(facts, ctx, chosen, param_shapes, step, memo),
                 shapes_after(local, chosen, degrees[axis], memo),
             )
             if memo is not None:
@@ -380,11 +396,17 @@ def traffic_key(ctx: AxisContext, chosen: dict[str, Strategy]) -> tuple:
 
 
 def traffic(
-    facts, ctx: AxisContext, chosen: dict[str, Strategy], param_shapes: dict, step: CompiledStep | None = None
+    facts,
+    ctx: AxisContext,
+    chosen: dict[str, Strategy],
+    param_shapes: dict,
+    step: CompiledStep | None = None,
+    memo: dict | None = None,
 ) -> Traffic:
     """What one solved axis moves (:class:`Traffic`): parallel kernels, each partial gradient once,
     each value moved once per destination and scope; each noted in ``step`` when given (a
-    compiled step, :mod:`replay`)."""
+    compiled step, :mod:`replay`). ``memo`` keeps the moves' times (:func:`edge_times`)."""
+    timed = edge_times(memo, ctx)
     comm = sync = once_s = 0.0
     synced: set[str] = set()
     partial: dict[str, tuple[float, float]] = {}
@@ -426,7 +448,7 @@ def traffic(
             moves[move][2].append((consumer, slot_index))  # one more reader of the same move
             continue
         moves[move] = (consumer, shape, [(consumer, slot_index)])
-        seconds = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx)
+        seconds = timed(facts[producer], chosen[producer].output, dst, shape)
         comm += seconds * facts[consumer].weight
         if step is not None and seconds:
             forward = edge_time(facts[producer], chosen[producer].output, dst, shape, ctx, backward=False)

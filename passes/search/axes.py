@@ -34,7 +34,7 @@ from autopar.passes.cost.axis_terms import (
     IMPOSSIBLE_S,
     AxisContext,
     axis_spans,
-    edge_time,
+    edge_times,
     edges,
     local_slot_shapes,
     node_memory,
@@ -279,10 +279,13 @@ def solve_axis(
     the strategy of the node it maps to, and each variable's costs and memory are its nodes'
     sums, a node and an edge counted ``weight`` times (:attr:`NodeFacts.weight`). ``memo`` keeps
     each node's candidates across the axes of one search (they depend on its local shapes only).
-    ``worth(work, sync)``, given the axis's cost floor (:func:`floor_of`), may answer False: then
-    :class:`Pruned` is raised before the pairs are built. ``twin`` maps a node of an identical
-    layer to its counterpart (:attr:`LayerFolding.twin`): where their local shapes agree, their
-    candidates and costs are computed once.
+    ``worth(work, sync)``, given a floor of what the axis's layout costs (the least work of its
+    ops, and the least of work and sync together less that: :func:`floor_of`), may answer False:
+    then :class:`Pruned` is raised. It is asked twice: with each op's cheapest option, then with
+    the least any layout of the axis costs with its moves too (a small ILP), before the ILP
+    itself. ``twin`` maps a node of an identical layer to its counterpart
+    (:attr:`LayerFolding.twin`): where their local shapes agree, their candidates and costs are
+    computed once.
     """
     names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
     var_of = {n: (variable or {}).get(n, n) for n in names}
@@ -305,33 +308,46 @@ def solve_axis(
         if key not in by_twin:
             by_twin[key] = [node_terms(facts[r], s, ctx, facts) for s in options[r]]
         terms[r] = by_twin[key]
-    if worth is not None and not worth(*floor_of(facts, ctx, options, terms, weight)):
+    # the rule "bound" (see ``worth``): a layout's work and sync weigh differently in a step (the
+    # pipeline bubble stretches work), so the floor is the least work, and the least of both less it
+    floors = floor_of(facts, ctx, options, terms) if worth is not None else {}
+    least_work = sum(weight[r] * float(w.min()) for r, (w, _) in floors.items())
+    if worth is not None and not worth(
+        least_work, sum(weight[r] * float((w + s).min()) for r, (w, s) in floors.items()) - least_work
+    ):
         raise Pruned
     unary = [weight[r] * np.array([sum(t) for t in terms[r]]) for r in reps]
     if not (ctx.bind_memory and limit is not None):
         memory = None
-    edge_weight: dict[tuple, float] = {}  # (producer variable, consumer variable or None for the output, slot, shape)
-    for producer, consumer, slot_index, shape in edges(facts, ctx):
-        if facts[consumer].kind == "output":
-            key = (var_of[producer], None, 0, shape)
-        elif consumer in var_of:
-            key = (var_of[producer], var_of[consumer], slot_index, shape)
-        else:
-            continue
-        edge_weight[key] = edge_weight.get(key, 0) + facts[consumer].weight
+    # per (producer variable, consumer variable or None for the output, slot, shape): the edges'
+    # weight, and for the bound the least a step moves for them (below)
+    edge_weight: dict[tuple, list[float]] = {}
+    found = [
+        (producer, consumer, slot_index, shape)
+        for producer, consumer, slot_index, shape in edges(facts, ctx)
+        if facts[consumer].kind == "output" or consumer in var_of
+    ]
+    least_reader: dict[str, float] = {}
+    for producer, consumer, _, _ in found:
+        least_reader[producer] = min(least_reader.get(producer, math.inf), facts[consumer].weight)
+    for producer, consumer, slot_index, shape in found:
+        output = facts[consumer].kind == "output"
+        key = (var_of[producer], None, 0, shape) if output else (var_of[producer], var_of[consumer], slot_index, shape)
+        weights = edge_weight.setdefault(key, [0.0, 0.0])
+        weights[0] += facts[consumer].weight
+        # a value moves once for readers that want it alike, counted at its first reader's weight: at
+        # least its readers' least weight times their mean move
+        weights[1] += least_reader[producer] / max(1, facts[producer].consumers)
     pairs = []
-    # an edge's time depends on the bytes, the placements and the axis: kept across the search's axes
-    moves = (memo if memo is not None else {}).setdefault(("moves", ctx.name, ctx.size, repr(ctx.link)), {})
-
-    def move(fact: NodeFacts, src, dst, shape) -> float:
-        key = (fact.elem_bytes, fact.needs_grad, src, dst, shape)
-        if key not in moves:
-            moves[key] = edge_time(fact, src, dst, shape, ctx)
-        return moves[key]
-
-    # edges alike (the same candidate lists, slot, shape and bytes: identical layers) share their matrix
-    alike: dict[tuple, tuple] = {}
-    for (producer, consumer, slot_index, shape), count in edge_weight.items():
+    move = edge_times(memo, ctx)  # kept across the search's axes
+    # edges alike (the same candidate lists, slot, shape and bytes: identical layers) share their
+    # matrix; so do the search's other layouts, whose candidate lists are the memo's same (ids kept)
+    alike = (
+        {}
+        if memo is None
+        else memo.setdefault(("edge matrices", ctx.name, ctx.size, repr(ctx.link), ctx.comm_share), {})
+    )
+    for (producer, consumer, slot_index, shape), (count, least_count) in edge_weight.items():
         fact = facts[producer]
         consumed = None if consumer is None else options[consumer]
         key = (id(options[producer]), id(consumed), slot_index, shape, fact.elem_bytes, fact.needs_grad)
@@ -345,11 +361,19 @@ def solve_axis(
                 None if consumed is None else np.array([wanted.index(s.inputs[slot_index]) for s in consumed]),
             )
         matrix, class_u, class_v = alike[key]
-        if consumer is None:
-            unary[index[producer]] = unary[index[producer]] + count * matrix[class_u, 0]
-        else:
-            pairs.append((index[producer], index[consumer], count * matrix, class_u, class_v))
+        consumer = None if consumer is None else index[consumer]
+        pairs.append((index[producer], consumer, count, least_count, matrix, class_u, class_v))
     leaders, penalties = followers(facts, options, index, var_of)
+    if worth is not None:
+        # tighter, before the ILP: the least any layout costs with its moves; followers follow in every layout
+        least = [
+            np.zeros(len(options[r])) if r not in floors else weight[r] * (floors[r][0] + floors[r][1]) for r in reps
+        ]
+        least, shared = _with_edges(least, [(u, v, least_count, *rest) for u, v, _, least_count, *rest in pairs])
+        bound = solve_choices(ChoiceProblem(least, shared + penalties, followers=leaders))
+        if not worth(least_work, bound.objective - least_work):
+            raise Pruned
+    unary, pairs = _with_edges(unary, [(u, v, count, *rest) for u, v, count, _, *rest in pairs])
     problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
     solution = solve_choices(problem)
     if solution is None:
@@ -357,21 +381,23 @@ def solve_axis(
     return {n: options[var_of[n]][solution.choice[index[var_of[n]]]] for n in names}
 
 
-def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, float]:
-    """(work, gradient sync) seconds an axis's ops cost at least, whatever its ILP chooses and
-    whichever schedule prices the layout: per op its cheapest option's compute (its batch in one
-    piece: a GEMM split into microbatches runs no faster), kernel traffic and partial gradients
-    (each shared among the ops it comes from, so one all-reduced once is never counted twice; a
-    parameter's counts as gradient sync); edges, which cost nothing when placements agree, count
-    nothing. Parameters' optimizer steps are left to the caller. ``terms``: :func:`node_terms`
-    of each option under ``ctx``'s schedule."""
-    work = sync = 0.0
-    for rep, count in weight.items():
+def floor_of(facts, ctx: AxisContext, options, terms) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per op, each option's (work, gradient sync) seconds at least, whichever schedule prices the
+    layout: its compute (its batch in one piece: a GEMM split into microbatches runs no faster),
+    kernel traffic and partial gradients (each shared among the ops it comes from, so one
+    all-reduced once is never counted twice; a parameter's counts as gradient sync). Edges are the
+    caller's; parameters' optimizer steps are left to the caller. ``terms``: :func:`node_terms` of
+    each option under ``ctx``'s schedule."""
+    floors, alike = {}, {}  # twins share their terms' list, and so their floors
+    for rep, rep_terms in terms.items():
         fact = facts[rep]
         if fact.kind != "op":
             continue
-        cheapest = (math.inf, 0.0)
-        for strategy, (compute, comm, _) in zip(options[rep], terms[rep]):
+        if id(rep_terms) in alike:
+            floors[rep] = alike[id(rep_terms)]
+            continue
+        works, syncs = [], []
+        for strategy, (compute, comm, _) in zip(options[rep], rep_terms):
             if ctx.schedule.microbatches > 1:
                 whole = ctx.local.work[rep] * work_fraction(strategy, ctx.size)
                 compute = min(compute, fact.seconds(whole, local_slot_shapes(fact, strategy, ctx)))
@@ -380,10 +406,22 @@ def floor_of(facts, ctx: AxisContext, options, terms, weight) -> tuple[float, fl
                 for slot, share, once in partial_gradients(fact, strategy, ctx, facts)
                 if facts[slot].kind == "param"
             )
-            cheapest = min(cheapest, (compute + comm + synced, synced))
-        work += count * (cheapest[0] - cheapest[1])
-        sync += count * cheapest[1]
-    return work, sync
+            works.append(compute + comm)
+            syncs.append(synced)
+        floors[rep] = alike[id(rep_terms)] = (np.array(works), np.array(syncs))
+    return floors
+
+
+def _with_edges(unary: list[np.ndarray], pairs: list[tuple]) -> tuple[list[np.ndarray], list[tuple]]:
+    """The ILP's terms from the edges (u, v or None for the output, count, matrix, class_u, class_v):
+    an edge to the output adds to its producer's own costs."""
+    unary, joined = list(unary), []
+    for u, v, count, matrix, class_u, class_v in pairs:
+        if v is None:
+            unary[u] = unary[u] + count * matrix[class_u, 0]
+        else:
+            joined.append((u, v, count * matrix, class_u, class_v))
+    return unary, joined
 
 
 def _candidates(fact: NodeFacts, ctx: AxisContext, memo: dict | None, twin: str | None = None) -> list[Strategy]:

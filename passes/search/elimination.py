@@ -74,22 +74,32 @@ def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MA
     for v, costs in enumerate(unary):
         add((v,), np.asarray(costs, dtype=float))
     for u, v, matrix, class_u, class_v in pairs:
-        add((u, v), matrix[np.ix_(class_u, class_v)])
+        add((u, v), matrix[class_u][:, class_v])
     constant = 0.0
     for v in order:
+        if len(holding[v]) == 1 and len(factors[next(iter(holding[v]))][0]) == 1:  # its own costs alone
+            table = factors.pop(holding[v].pop())[1]
+            best = np.argmin(table)
+            trace.append((v, (), best))
+            constant += float(table[best])
+            continue
         around = tuple(sorted({w for key in holding[v] for w in factors[key][0]} - {v}))
-        axes = around + (v,)
-        joint = np.zeros([sizes[w] for w in axes])
-        for key in list(holding[v]):
+        position = {w: i for i, w in enumerate(around + (v,))}
+        joint = 0.0  # the sum of v's factors, broadcast over (*around, v): each axis is some factor's
+        for key in holding[v]:
             variables, table = factors.pop(key)
             for w in variables:
-                holding[w].discard(key)
-            order_in = sorted(range(len(variables)), key=lambda i: axes.index(variables[i]))
-            shape = [sizes[w] if w in variables else 1 for w in axes]
-            joint += table.transpose(order_in).reshape(shape)
+                if w != v:
+                    holding[w].discard(key)
+            order_in = sorted(range(len(variables)), key=lambda i: position[variables[i]])
+            shape = [1] * len(position)
+            for w in variables:
+                shape[position[w]] = sizes[w]
+            joint = joint + table.transpose(order_in).reshape(shape)
+        holding[v].clear()
         best = np.argmin(joint, axis=-1)
         trace.append((v, around, best))
-        reduced = np.take_along_axis(joint, best[..., None], axis=-1)[..., 0]
+        reduced = joint.min(axis=-1)
         if around:
             add(around, reduced)
         else:

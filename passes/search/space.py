@@ -172,8 +172,10 @@ class LowerBounds:
       ops that use it, each counted for one parameter, unsplit over dp.
 
     :meth:`layout_s`, once the axes before the last sharded one are solved (they are shared by
-    many configurations), is tighter: their exact traffic, and per op of the last axis its
-    cheapest candidate (:func:`~autopar.passes.search.axes.floor_of`).
+    many configurations), is tighter: their exact traffic (gradient sync over the parameters'
+    shards before the last axis, divided by its size), and what the last axis's ops cost at least:
+    each its cheapest candidate (:func:`~autopar.passes.search.axes.floor_of`), then with the
+    least its layout moves (:func:`~autopar.passes.search.axes.solve_axis`).
 
     >>> bounds = LowerBounds(facts, hardware, limit=80e9)        # doctest: +SKIP
     >>> bounds.step_s(mesh, 2, {"dp": 4, "tp": 8}, zero=1)         # doctest: +SKIP
@@ -284,7 +286,7 @@ class LowerBounds:
     def layout_s(self, stages: int, degrees: dict[str, int], zero: int, solved, floor, stage: Mesh, bubble: float):
         """Seconds of a step, at least, once the axes before the last sharded one are solved
         (``solved``: their (context, strategies)): their exact traffic, the last axis's
-        ``floor`` ((work, gradient sync): :func:`~autopar.passes.search.axes.floor_of`), the
+        ``floor`` ((work, gradient sync): :func:`~autopar.passes.search.axes.solve_axis`'s), the
         least pipeline ``bubble`` on the work, and the optimizer step, the stages balanced perfectly."""
         comm = sync = 0.0
         before = {ctx.name: chosen for ctx, chosen in solved}
@@ -293,7 +295,10 @@ class LowerBounds:
                 # at most the profile's shares hide (overlap.py caps them further)
                 hidden = self.hardware.hidden(self.hardware.tp_overlap) if ctx.name == Axis.TP else 0.0
                 comm += moved.comm_s * (1 - hidden)
-                sync += moved.sync_s * (1 - ctx.overlap)
+                # its parameters' shards before the later axes, which may split them: a collective of
+                # 1/k of the bytes takes at least 1/k of the time
+                later = math.prod(list(degrees.values())[list(degrees).index(ctx.name) + 1 :])
+                sync += moved.sync_s * (1 - ctx.overlap) / later
         work, last_sync = floor
         optimizer = self._state_update_s(degrees, zero, stage)
         return ((comm + work) * (1 + bubble) + sync + last_sync + optimizer) / stages

@@ -74,13 +74,15 @@ def test_no_configuration_prices_below_its_bound_and_pruning_keeps_the_plan(case
     weighed = [entry for entry in plan.search if "step_s" in entry]
     assert any("pruned" in entry for entry in plan.search) and len(weighed) > 3
     for entry in weighed:
-        assert entry["bound_s"] <= entry["step_s"] * (1 + 1e-9), entry
+        assert entry["bound_s"] <= entry.get("layout_bound_s", entry["bound_s"]) <= entry["step_s"] * (1 + 1e-9), entry
     # every configuration weighed in full (the bound never prunes): the same plan
     monkeypatch.setattr(search_module, "within_reach", lambda step_s, fastest: True)
     full = autopar.plan(captured, mesh, **options)
     assert not any(entry.get("pruned") == "bound" for entry in full.search)
     assert (full.degrees, full.zero, full.schedule) == (plan.degrees, plan.zero, plan.schedule)
     assert full.cost.step_s == pytest.approx(plan.cost.step_s, rel=1e-12)
+    bounded = [entry for entry in full.search if "layout_bound_s" in entry]
+    assert len(bounded) > 3
     for entry in full.search:
         if "step_s" in entry:
-            assert entry["bound_s"] <= entry["step_s"] * (1 + 1e-9), entry
+            assert entry["bound_s"] <= entry.get("layout_bound_s", entry["bound_s"]) <= entry["step_s"] * (1 + 1e-9), entry
