@@ -85,4 +85,6 @@ def test_no_configuration_prices_below_its_bound_and_pruning_keeps_the_plan(case
     assert len(bounded) > 3
     for entry in full.search:
         if "step_s" in entry:
-            assert entry["bound_s"] <= entry.get("layout_bound_s", entry["bound_s"]) <= entry["step_s"] * (1 + 1e-9), entry
+            assert entry["bound_s"] <= entry.get("layout_bound_s", entry["bound_s"]) <= entry["step_s"] * (1 + 1e-9), (
+                entry
+            )
