@@ -173,7 +173,7 @@ class LowerBounds:
 
     :meth:`layout_s`, once the axes before the last sharded one are solved (they are shared by
     many configurations), is tighter: their exact traffic (gradient sync over the parameters'
-    shards before the last axis, divided by its size), and what the last axis's ops cost at least:
+    shards before the later axes, divided by their sizes), and what the last axis's ops cost at least:
     each its cheapest candidate (:func:`~autopar.passes.search.axes.floor_of`), then with the
     least its layout moves (:func:`~autopar.passes.search.axes.solve_axis`).
 
