@@ -14,9 +14,10 @@ whatever device is current (the benchmark builds them on "meta": nothing is allo
   [batch, heads, seq, seq] scores (Megatron fuses scale, mask and softmax into one kernel; here
   the scale rides on q and mask and softmax are two, one more pass over the scores).
 - GPT with fused attention (Megatron-Core on H100; MosaicML's MPT, its output tied): ``examples/gpt.py``.
-- :func:`llama`: Llama 3's shapes: RMSNorm, SwiGLU, grouped-query attention (the K/V heads
-  repeated to the query heads before fused causal attention, as Hugging Face does), no biases,
-  an untied output layer. RoPE is left out: elementwise work on q and k, a few passes over
+- :func:`llama`: Llama 3's shapes: RMSNorm, SwiGLU, grouped-query attention (fused causal
+  attention reading the K/V heads as they are, each serving its group of query heads, as Llama
+  3's flash attention does: no copy of them repeated to every query head), no biases, an untied
+  output layer. RoPE is left out: elementwise work on q and k, a few passes over
   [batch, seq, hidden] per layer.
 
 Both Megatron GPTs take their loss over fp32 logits, as Megatron does (:func:`megatron_loss`).
@@ -143,19 +144,14 @@ class GroupedAttention(nn.Module):
         self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(hidden, hidden, bias=False)
 
-    def _heads(self, x: torch.Tensor, repeat: int) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        x = x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        if repeat == 1:
-            return x
-        batch, kv, seq, dim = x.shape
-        return x[:, :, None].expand(batch, kv, repeat, seq, dim).reshape(batch, kv * repeat, seq, dim)
+        return x.view(batch, seq, -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self._heads(self.wq(x), 1)
-        k, v = self._heads(self.wk(x), self.repeats), self._heads(self.wv(x), self.repeats)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q, k, v = self._heads(self.wq(x)), self._heads(self.wk(x)), self._heads(self.wv(x))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.repeats > 1)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
