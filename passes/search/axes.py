@@ -312,15 +312,14 @@ def solve_axis(
     # pipeline bubble stretches work), so the floor is the least work, and the least of both less it
     floors = floor_of(facts, ctx, options, terms) if worth is not None else {}
     least_work = sum(weight[r] * float(w.min()) for r, (w, _) in floors.items())
-    if worth is not None and not worth(
-        least_work, sum(weight[r] * float((w + s).min()) for r, (w, s) in floors.items()) - least_work
-    ):
+    least_both = sum(weight[r] * float((w + s).min()) for r, (w, s) in floors.items())
+    if worth is not None and not worth(least_work, least_both - least_work):
         raise Pruned
     unary = [weight[r] * np.array([sum(t) for t in terms[r]]) for r in reps]
     if not (ctx.bind_memory and limit is not None):
         memory = None
     # per (producer variable, consumer variable or None for the output, slot, shape): the edges'
-    # weight, and for the bound the least a step moves for them (below)
+    # weight, and for the bound what a step moves of them at least (below)
     edge_weight: dict[tuple, list[float]] = {}
     found = [
         (producer, consumer, slot_index, shape)
@@ -338,7 +337,7 @@ def solve_axis(
         # a value moves once for readers that want it alike, counted at its first reader's weight: at
         # least its readers' least weight times their mean move
         weights[1] += least_reader[producer] / max(1, facts[producer].consumers)
-    pairs = []
+    moved, counts, least_counts = [], [], []  # (producer, consumer or None, matrix, classes), per edge key
     move = edge_times(memo, ctx)  # kept across the search's axes
     # edges alike (the same candidate lists, slot, shape and bytes: identical layers) share their
     # matrix; so do the search's other layouts, whose candidate lists are the memo's same (ids kept)
@@ -361,19 +360,20 @@ def solve_axis(
                 None if consumed is None else np.array([wanted.index(s.inputs[slot_index]) for s in consumed]),
             )
         matrix, class_u, class_v = alike[key]
-        consumer = None if consumer is None else index[consumer]
-        pairs.append((index[producer], consumer, count, least_count, matrix, class_u, class_v))
+        moved.append((index[producer], None if consumer is None else index[consumer], matrix, class_u, class_v))
+        counts.append(count)
+        least_counts.append(least_count)
     leaders, penalties = followers(facts, options, index, var_of)
     if worth is not None:
         # tighter, before the ILP: the least any layout costs with its moves; followers follow in every layout
         least = [
             np.zeros(len(options[r])) if r not in floors else weight[r] * (floors[r][0] + floors[r][1]) for r in reps
         ]
-        least, shared = _with_edges(least, [(u, v, least_count, *rest) for u, v, _, least_count, *rest in pairs])
+        least, shared = _with_edges(least, moved, least_counts)
         bound = solve_choices(ChoiceProblem(least, shared + penalties, followers=leaders))
         if not worth(least_work, bound.objective - least_work):
             raise Pruned
-    unary, pairs = _with_edges(unary, [(u, v, count, *rest) for u, v, count, _, *rest in pairs])
+    unary, pairs = _with_edges(unary, moved, counts)
     problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
     solution = solve_choices(problem)
     if solution is None:
@@ -412,11 +412,13 @@ def floor_of(facts, ctx: AxisContext, options, terms) -> dict[str, tuple[np.ndar
     return floors
 
 
-def _with_edges(unary: list[np.ndarray], pairs: list[tuple]) -> tuple[list[np.ndarray], list[tuple]]:
-    """The ILP's terms from the edges (u, v or None for the output, count, matrix, class_u, class_v):
-    an edge to the output adds to its producer's own costs."""
+def _with_edges(
+    unary: list[np.ndarray], moved: list[tuple], counts: list[float]
+) -> tuple[list[np.ndarray], list[tuple]]:
+    """The ILP's terms from the edges ((u, v or None for the output, matrix, class_u, class_v), each
+    weighed by its count): an edge to the output adds to its producer's own costs."""
     unary, joined = list(unary), []
-    for u, v, count, matrix, class_u, class_v in pairs:
+    for (u, v, matrix, class_u, class_v), count in zip(moved, counts):
         if v is None:
             unary[u] = unary[u] + count * matrix[class_u, 0]
         else:
