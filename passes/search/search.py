@@ -234,13 +234,14 @@ class _Weighing:
     def run(self, context_for, progress, started: float) -> None:
         space = self.configurations()
         bound = {i: self.bounds.step_s(self.mesh, s, d, z, b) for i, (s, d, z, b) in enumerate(space)}
-        # lowest bound first; but first, per stage count, the most data parallelism (ZeRO-1) with
-        # tensor parallelism off and over one node (a good plan found early lets the bounds prune)
+        # lowest bound first; but first, per stage count, the most batch split (dp x ep) with tensor
+        # parallelism off and over one node, its ZeRO stage and its ep the lowest bound's (a good plan
+        # found early lets the bounds prune)
         seeds = {}
         node = self.mesh.shape[-1]
-        for i in sorted(range(len(space)), key=lambda i: (-space[i][1][Axis.DP], space[i][2] != 1, bound[i])):
+        for i in sorted(range(len(space)), key=lambda i: (-batch_split(space[i][1]), bound[i])):
             stages, degrees, _, _ = space[i]
-            if len(degrees) == 2 and degrees[Axis.TP] in (1, node):
+            if Axis.CP not in degrees and degrees[Axis.TP] in (1, node):
                 seeds.setdefault((stages, degrees[Axis.TP]), i)
         order = list(seeds.values()) + sorted(set(range(len(space))) - set(seeds.values()), key=lambda i: bound[i])
         contexts, caches, layouts = {}, {}, {}
@@ -276,7 +277,8 @@ class _Weighing:
         (the rules named here are :mod:`space`'s)."""
         options, hardware = self.options, self.hardware
         local_batch = self.batch // batch_split(degrees)
-        solved = zero if options.zero is not None or degrees[Axis.DP] == 1 else max(zero, 1)  # ZeRO-0 on ZeRO-1's
+        # ZeRO-0 and -2 on ZeRO-1's layout, whichever of the three comes first (each priced with its own traffic below)
+        solved = zero if options.zero is not None or degrees[Axis.DP] == 1 else 3 if zero == 3 else 1
         zero_class = 3 if solved == 3 else min(solved, 1)
         if zero_class not in layouts:
             base = leanest(options, ctx.stages, local_batch, levels(options)[0][0])

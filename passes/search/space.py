@@ -324,7 +324,7 @@ class LowerBounds:
         """Per parameter, the seconds of its gradient's sync over dp (ZeRO-3 regathers it too)."""
         hardware = self.hardware
         link = hardware.link(stage.shape, stage.size, dp)
-        key = (repr(link), dp, zero == 3)
+        key = (repr(link), dp, zero)  # each stage its own (ZeRO-0 all-reduces where ZeRO-1/2 may reduce-scatter)
         if key not in self._sync:
             facts = self.facts
             ctx = AxisContext(

@@ -88,3 +88,21 @@ def test_no_configuration_prices_below_its_bound_and_pruning_keeps_the_plan(case
             assert entry["bound_s"] <= entry.get("layout_bound_s", entry["bound_s"]) <= entry["step_s"] * (1 + 1e-9), (
                 entry
             )
+
+
+def test_a_configuration_prices_alike_whichever_configuration_is_weighed_first(monkeypatch):
+    # ZeRO-0, -1 and -2 share one layout: whichever of them is weighed first, each is priced with its own traffic
+    file, builder, kwargs, mesh, batch, options = CASES["llama3-8b-shapes"]
+    model = meta_model(file, builder, **kwargs)
+    captured = autopar.capture(model, model.example_inputs(batch, device="meta"))
+    monkeypatch.setattr(search_module, "within_reach", lambda step_s, fastest: True)
+    monkeypatch.setattr(search_module.LowerBounds, "step_s", lambda *args: 0.0)  # weighed in the order listed
+    steps = []
+    listed = search_module._Weighing.configurations
+    for order in (lambda space: space, lambda space: space[::-1]):
+        monkeypatch.setattr(search_module._Weighing, "configurations", lambda self, order=order: order(listed(self)))
+        plan = autopar.plan(captured, mesh, **options)
+        steps.append({(e["stages"], tuple(e["degrees"].items()), e["zero"]): e["step_s"] for e in plan.search})
+    assert steps[0].keys() == steps[1].keys()
+    for key, step in steps[0].items():
+        assert steps[1][key] == pytest.approx(step, rel=1e-12), key
