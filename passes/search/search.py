@@ -47,7 +47,6 @@ from autopar.passes.capture.graph import CapturedGraph, module_path
 from autopar.passes.cost.evaluate import LayoutTerms, PricedConfiguration, evaluate, stage_mesh
 from autopar.passes.cost.facts import NodeFacts, analyze
 from autopar.passes.cost.ops import reshard_collectives
-from autopar.passes.cost.schedule import bubble_share
 from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.rewrite.stages import layers_out_of_order, out_of_order_error
 from autopar.passes.search.axes import solve_axes, split_dims
@@ -55,7 +54,15 @@ from autopar.passes.search.fold import LayerFolding, fold_layers
 from autopar.passes.search.pins import user_pins
 from autopar.passes.search.ranking import Candidate, choose, near, within_reach
 from autopar.passes.search.schedule import NO_SAVING, accumulations, leanest, levels, price, variants
-from autopar.passes.search.space import BOUND, MEMORY, LowerBounds, configurations, optional_dims
+from autopar.passes.search.space import (
+    BOUND,
+    MEMORY,
+    NO_PIPELINE,
+    LowerBounds,
+    configurations,
+    optional_dims,
+    schedule_shapes,
+)
 from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.strategies import Strategy, local_shape
 
@@ -202,7 +209,7 @@ class _Weighing:
         self.memory_pruned: list[tuple[float, int, dict[str, int], int]] = []
 
     def configurations(self) -> list[tuple[int, dict[str, int], int, float]]:
-        """(stages, degrees, ZeRO stage, the least pipeline bubble of its schedules) of every
+        """(stages, degrees, ZeRO stage, its schedules' :func:`schedule_shapes`) of every
         configuration; unpinned stage counts that no schedule runs are left out."""
         found, refusal = [], None
         for stages, degrees in configurations(self.facts, self.mesh, self.options, self.hardware, self.batch):
@@ -216,13 +223,13 @@ class _Weighing:
                     raise
                 refusal = refusal or error
                 continue
-            bubble = min(bubble_share(schedule) for schedule in runnable)
+            runs = schedule_shapes(runnable)
             dp = degrees[Axis.DP]
             if self.options.zero is not None:
                 zeros = [self.options.zero] if self.options.zero == 0 or dp > 1 else []
             else:
                 zeros = [0, 1, 2, 3] if dp > 1 else [0]
-            found += [(stages, degrees, zero, bubble) for zero in zeros]
+            found += [(stages, degrees, zero, runs) for zero in zeros]
         if not found and self.options.zero:
             raise ConfigError(
                 f"zero={self.options.zero} shards model state over the data-parallel axis: pin a dp degree above 1"
@@ -246,7 +253,7 @@ class _Weighing:
         order = list(seeds.values()) + sorted(set(range(len(space))) - set(seeds.values()), key=lambda i: bound[i])
         contexts, caches, layouts = {}, {}, {}
         for done, i in enumerate(order, 1):
-            stages, degrees, zero, bubble = space[i]
+            stages, degrees, zero, runs = space[i]
             entry = {"stages": stages, "degrees": degrees, "zero": zero, "bound_s": bound[i]}
             state = self.bounds.model_state_bytes(stages, degrees, zero)
             if state > self.limit:
@@ -257,9 +264,7 @@ class _Weighing:
             else:
                 ctx = contexts.setdefault(stages, context_for(stages))
                 key = (stages, tuple(degrees.items()))
-                self._weigh(
-                    ctx, degrees, zero, caches.setdefault(stages, {}), layouts.setdefault(key, {}), entry, bubble
-                )
+                self._weigh(ctx, degrees, zero, caches.setdefault(stages, {}), layouts.setdefault(key, {}), entry, runs)
             if progress is not None:
                 pruned = sum("pruned" in e for e in self.log)
                 best = min(self.candidates, key=lambda c: c.cost.step_s, default=None)
@@ -271,7 +276,7 @@ class _Weighing:
             )
 
     def _weigh(
-        self, ctx: SearchContext, degrees, zero: int, cache: dict, layouts: dict, entry: dict, bubble: float = 0.0
+        self, ctx: SearchContext, degrees, zero: int, cache: dict, layouts: dict, entry: dict, runs=NO_PIPELINE
     ) -> None:
         """Solve one configuration's layout, price its schedules, keep what the tie rule could choose
         (the rules named here are :mod:`space`'s)."""
@@ -283,10 +288,10 @@ class _Weighing:
         if zero_class not in layouts:
             base = leanest(options, ctx.stages, local_batch, levels(options)[0][0])
 
-            floors = [self.bounds.step_s(self.mesh, ctx.stages, degrees, solved, bubble)]
+            floors = [self.bounds.step_s(self.mesh, ctx.stages, degrees, solved, runs)]
 
             def worth(before, work, sync) -> bool:  # the rule "bound", once the axes before the last are solved
-                floors.append(self.bounds.layout_s(ctx.stages, degrees, solved, before, (work, sync), ctx.mesh, bubble))
+                floors.append(self.bounds.layout_s(ctx.stages, degrees, solved, before, (work, sync), ctx.mesh, runs))
                 return within_reach(floors[-1], self.fastest)
 
             strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)

@@ -60,12 +60,13 @@ from autopar.passes.cost.evaluate import stage_mesh
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import param_state_bytes, state_update_s
-from autopar.passes.cost.schedule import dropped, forward_share
+from autopar.passes.cost.schedule import bubble_share, dropped, forward_share
 from autopar.passes.search.pins import chunks_per_rank, expert_params
 from autopar.passes.sharding.rules import node_strategies
 from autopar.passes.sharding.strategies import OpView, Strategy, numel, work_fraction
 
 MEMORY, BOUND = "memory", "bound"  # the prune rules, as the search log names them
+NO_PIPELINE = ((0.0, 1),)  # the bounds' runs (schedule_shapes) of one schedule: no bubble, one microbatch
 
 
 def configurations(
@@ -163,13 +164,17 @@ class LowerBounds:
 
     - compute: every op's work split over every axis whose size divides some dim of its
       shapes (its rule's strategies there), whole layers spread over the stages as evenly as
-      they go (:func:`busiest_stage_s`); and the least pipeline bubble of the schedules the
+      they go (:func:`busiest_stage_s`); and the pipeline bubble of the schedules the
       configuration runs;
     - optimizer: the AdamW step over each parameter split over tp (ep for experts) where its
       shape allows, ZeRO-sharded over dp, its stage's share 1/p;
     - gradients, with dp > 1: per parameter, the cheaper of syncing its gradient over dp (the
       cost model's own :func:`partial_gradients`, over its share left by tp) and running the
-      ops that use it, each counted for one parameter, unsplit over dp.
+      ops that use it, each counted for one parameter, unsplit over dp; under ZeRO-2/3 once per
+      microbatch (they reduce-scatter, and ZeRO-3 regathers, every microbatch).
+
+    Each is the least over the configuration's schedules, whose bubble and microbatch count
+    trade against each other (a pipeline of few microbatches idles longer, of many moves more).
 
     :meth:`layout_s`, once the axes before the last sharded one are solved (they are shared by
     many configurations), is tighter: their exact traffic (gradient sync over the parameters'
@@ -247,15 +252,20 @@ class LowerBounds:
             / stages
         )
 
-    def step_s(self, mesh: Mesh, stages: int, degrees: dict[str, int], zero: int, bubble: float = 0.0) -> float:
+    def step_s(self, mesh: Mesh, stages: int, degrees: dict[str, int], zero: int, runs=NO_PIPELINE) -> float:
         """Seconds of a step, at least, on ``mesh`` (the whole mesh) under any layout and any
-        schedule whose pipeline bubble is at least ``bubble`` (a share of the busiest device's work)."""
+        schedule of ``runs`` (:func:`schedule_shapes`: (pipeline bubble as a share of the busiest
+        device's work, microbatches) pairs; ZeRO-2/3 sync gradients every microbatch)."""
         key = (stages, tuple(degrees.items()))
         if key not in self._busiest:
             self._busiest[key] = self._busiest_s(stages, degrees)
         stage = stage_mesh(mesh, stages)
         optimizer = self._state_update_s(degrees, zero, stage)
-        return self._busiest[key] * (1 + bubble) + (optimizer + self._gradients_s(stage, degrees, zero)) / stages
+        return min(
+            self._busiest[key] * (1 + bubble)
+            + (optimizer + self._gradients_s(stage, degrees, zero, micro if zero >= 2 else 1)) / stages
+            for bubble, micro in runs
+        )
 
     def _busiest_s(self, stages: int, degrees: dict[str, int]) -> float:
         """The work of the busiest device, at least: each op split as far as its shapes allow,
@@ -283,11 +293,12 @@ class LowerBounds:
                 total += fact.full_time_s * fact.weight * forward_share(fact) * self._work(name, degrees)
         return total / stages
 
-    def layout_s(self, stages: int, degrees: dict[str, int], zero: int, solved, floor, stage: Mesh, bubble: float):
+    def layout_s(self, stages: int, degrees: dict[str, int], zero: int, solved, floor, stage: Mesh, runs):
         """Seconds of a step, at least, once the axes before the last sharded one are solved
         (``solved``: their (context, strategies)): their exact traffic, the last axis's
         ``floor`` ((work, gradient sync): :func:`~autopar.passes.search.axes.solve_axis`'s), the
-        least pipeline ``bubble`` on the work, and the optimizer step, the stages balanced perfectly."""
+        optimizer step and, of ``runs`` (as :meth:`step_s`'s), the least pipeline bubble on the work
+        and gradient sync per microbatch, the stages balanced perfectly."""
         comm = sync = 0.0
         before = {ctx.name: chosen for ctx, chosen in solved}
         for ctx, _, moved in axis_contexts(self.facts, degrees, before, stage, self.hardware, zero, self.memo):
@@ -301,9 +312,12 @@ class LowerBounds:
                 sync += moved.sync_s * (1 - ctx.overlap) / later
         work, last_sync = floor
         optimizer = self._state_update_s(degrees, zero, stage)
-        return ((comm + work) * (1 + bubble) + sync + last_sync + optimizer) / stages
+        return min(
+            ((comm + work) * (1 + bubble) + (sync + last_sync) * (micro if zero >= 2 else 1) + optimizer) / stages
+            for bubble, micro in runs
+        )
 
-    def _gradients_s(self, stage: Mesh, degrees: dict[str, int], zero: int) -> float:
+    def _gradients_s(self, stage: Mesh, degrees: dict[str, int], zero: int, microbatches: int = 1) -> float:
         dp = degrees.get(Axis.DP, 1)
         if dp == 1:
             return 0.0
@@ -316,7 +330,7 @@ class LowerBounds:
                 unsplit[param] = unsplit.get(param, 0.0) + work * (1 - 1 / dp)
         # a collective over 1/k of the bytes takes at least 1/k of the time (alpha-beta)
         return sum(
-            min(seconds * facts[p].weight * self._param_share(p, degrees), unsplit.get(p, 0.0))
+            min(seconds * facts[p].weight * self._param_share(p, degrees) * microbatches, unsplit.get(p, 0.0))
             for p, seconds in sync.items()
         )
 
@@ -348,6 +362,15 @@ class LowerBounds:
                             sync[slot] = max(sync.get(slot, 0.0), seconds * (1 - ctx.overlap))
             self._sync[key] = sync
         return self._sync[key]
+
+
+def schedule_shapes(schedules) -> tuple[tuple[float, int], ...]:
+    """What the bounds need of a configuration's runnable ``schedules``: (the least pipeline
+    bubble, microbatches) per microbatch count (gradient accumulation only adds microbatches)."""
+    least: dict[int, float] = {}
+    for schedule in schedules:
+        least[schedule.microbatches] = min(least.get(schedule.microbatches, math.inf), bubble_share(schedule))
+    return tuple((bubble, micro) for micro, bubble in sorted(least.items()))
 
 
 def busiest_stage_s(layers: list[float], first: float, last: float, stages: int) -> float:
