@@ -292,7 +292,7 @@ def solve_axis(
     reps = list(dict.fromkeys(var_of.values()))
     index = {rep: i for i, rep in enumerate(reps)}
     twin = twin or {}
-    options = {rep: _candidates(facts[rep], ctx, memo, twin.get(rep, rep)) for rep in reps}
+    options = _all_candidates(facts, ctx, reps, memo, twin)
     if ctx.size == 1:  # every strategy of a node is the same on one device
         return {n: options[var_of[n]][0] for n in names}
     weight = dict.fromkeys(reps, 0)
@@ -424,6 +424,17 @@ def _with_edges(
         else:
             joined.append((u, v, count * matrix, class_u, class_v))
     return unary, joined
+
+
+def _all_candidates(facts, ctx: AxisContext, reps: list[str], memo: dict | None, twin: dict[str, str]):
+    """Each variable's candidates, kept in ``memo`` per local shapes (which the memo holds: their id stays theirs)."""
+    key = ("candidates", id(ctx.local), ctx.name, ctx.size, ctx.later)
+    if memo is not None and key in memo:
+        return memo[key]
+    found = {rep: _candidates(facts[rep], ctx, memo, twin.get(rep, rep)) for rep in reps}
+    if memo is not None:
+        memo[key] = found
+    return found
 
 
 def _candidates(fact: NodeFacts, ctx: AxisContext, memo: dict | None, twin: str | None = None) -> list[Strategy]:

@@ -42,6 +42,8 @@ import bisect
 import itertools
 import math
 
+import numpy as np
+
 from autopar.ir import (
     Axis,
     ConfigError,
@@ -192,6 +194,8 @@ class LowerBounds:
         self._sync: dict[tuple, dict[str, float]] = {}
         self._works: dict[tuple, float] = {}
         self._busiest: dict[tuple, float] = {}
+        self._rows = None  # the ops, their unsplit seconds and the layer rows they add to (_busiest_s)
+        self._split_masks: dict[int, np.ndarray] = {}  # axis size -> which ops split over it
         self.unsharded = ShardedShapes.unsharded(facts)
         self.experts = expert_params(facts)
         self.params = [n for n, f in facts.items() if f.kind == "param"]
@@ -270,19 +274,32 @@ class LowerBounds:
     def _busiest_s(self, stages: int, degrees: dict[str, int]) -> float:
         """The work of the busiest device, at least: each op split as far as its shapes allow,
         the layers spread over the stages as evenly as whole layers can be."""
-        rows: dict[str, float] = {}  # per layer, what its ops cost at least (ops outside layers: first or last)
-        layers: list[str] = []
-        for name, fact in self.facts.items():
-            if fact.kind != "op":
-                continue
-            if fact.layer is not None and fact.layer not in rows:
-                layers.append(fact.layer)
-            key = fact.layer or ("prefix" if not layers else "suffix")
-            work = fact.full_time_s * self._work(name, degrees)
-            for layer in fact.folded_layers or (key,):
-                rows[layer] = rows.get(layer, 0.0) + work
-        first, last = rows.pop("prefix", 0.0), rows.pop("suffix", 0.0)
-        return busiest_stage_s(list(rows.values()), first, last, stages)
+        if self._rows is None:  # per layer, which ops it runs (ops outside layers: first or last)
+            rows: dict[str, int] = {}
+            ops, op_index, row_index, layers = [], [], [], []
+            for name, fact in self.facts.items():
+                if fact.kind != "op":
+                    continue
+                if fact.layer is not None and fact.layer not in rows:
+                    layers.append(fact.layer)
+                key = fact.layer or ("prefix" if not layers else "suffix")
+                for layer in fact.folded_layers or (key,):
+                    op_index.append(len(ops))
+                    row_index.append(rows.setdefault(layer, len(rows)))
+                ops.append(name)
+            full = np.array([self.facts[n].full_time_s for n in ops])
+            self._rows = (ops, full, np.array(op_index, dtype=int), np.array(row_index, dtype=int), rows)
+        ops, full, op_index, row_index, rows = self._rows
+        share = np.ones(len(ops))
+        for size in degrees.values():
+            if size > 1:
+                if size not in self._split_masks:
+                    self._split_masks[size] = np.array([self.splits(n, size) for n in ops])
+                share *= np.where(self._split_masks[size], 1 / size, 1.0)
+        sums = np.bincount(row_index, weights=(full * share)[op_index], minlength=len(rows))
+        first, last = (float(sums[rows[k]]) if k in rows else 0.0 for k in ("prefix", "suffix"))
+        layers = [float(sums[i]) for name, i in rows.items() if name not in ("prefix", "suffix")]
+        return busiest_stage_s(layers, first, last, stages)
 
     def recompute_s(self, stages: int, degrees: dict[str, int], level: str) -> float:
         """Seconds of forward that recomputation at ``level`` runs again, at least (the ops it
