@@ -276,13 +276,12 @@ class LowerBounds:
         the layers spread over the stages as evenly as whole layers can be."""
         if self._rows is None:  # per layer, which ops it runs (ops outside layers: first or last)
             rows: dict[str, int] = {}
-            ops, op_index, row_index, layers = [], [], [], []
+            ops, op_index, row_index, inside = [], [], [], False
             for name, fact in self.facts.items():
                 if fact.kind != "op":
                     continue
-                if fact.layer is not None and fact.layer not in rows:
-                    layers.append(fact.layer)
-                key = fact.layer or ("prefix" if not layers else "suffix")
+                inside = inside or fact.layer is not None
+                key = fact.layer or ("suffix" if inside else "prefix")
                 for layer in fact.folded_layers or (key,):
                     op_index.append(len(ops))
                     row_index.append(rows.setdefault(layer, len(rows)))
