@@ -208,7 +208,7 @@ class _Weighing:
         self.leanest: tuple[float, dict, str] | None = None  # (peak memory, log entry, breakdown) of the leanest tried
         self.memory_pruned: list[tuple[float, int, dict[str, int], int]] = []
 
-    def configurations(self) -> list[tuple[int, dict[str, int], int, float]]:
+    def configurations(self) -> list[tuple[int, dict[str, int], int, tuple[tuple[float, int], ...]]]:
         """(stages, degrees, ZeRO stage, its schedules' :func:`schedule_shapes`) of every
         configuration; unpinned stage counts that no schedule runs are left out."""
         found, refusal = [], None
