@@ -77,7 +77,9 @@ def solve_axes(
     sizes, the devices after it and what ZeRO changes of its costs; ``cache`` (a dict) keeps it
     for every configuration sharing that prefix. ``worth(solved, work, sync)``, asked before the last
     sharded axis's ILP with the (context, strategies) of the axes before it and that axis's cost
-    floor (:func:`floor_of`), may answer False: then the layout is not solved and the result is None."""
+    floor (:func:`floor_of`), may answer False: then the layout is not solved and the result is None.
+    The floors are kept in ``cache`` too, and asked again first where that axis's layout is reused or
+    was pruned before (another ZeRO stage's bound may differ)."""
     facts = search.facts
     axes = list(degrees)
     last_sharded = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
@@ -92,6 +94,12 @@ def solve_axes(
         zero_key = zero == 3 if axis == Axis.DP else zero > 0 and degrees[Axis.DP] > 1
         key = (axis, degrees[axis], later, zero_key, degrees[Axis.DP], before)
         free = limit is None or index != last_sharded  # the budget binds on the last sharded axis only
+        bounded = worth is not None and index == last_sharded
+        # the floors this axis's layout had before (a function of the key, as its solution is), asked again
+        # first: the configuration's own bound may rule it out with no term computed, or the layout reused
+        known = cache.get(("floors", key), []) if bounded and cache is not None else []
+        if any(not worth(solved, work, sync) for work, sync in known):
+            return None
         if free and cache is not None and key in cache:
             strategies[axis] = cache[key]
             solved.append((_context(search, degrees, zero, schedule, index, local, experts), cache[key]))
@@ -99,7 +107,13 @@ def solve_axes(
             before += ((axis, degrees[axis], id(cache[key])),)
             continue
         ctx = _context(search, degrees, zero, schedule, index, local, experts)
-        floor = (lambda work, sync: worth(solved, work, sync)) if index == last_sharded and worth else None
+        asked: list[tuple[float, float]] = []
+
+        def floor(work: float, sync: float) -> bool:
+            asked.append((work, sync))
+            return worth(solved, work, sync)
+
+        floor = floor if bounded else None
         try:
             chosen = None if free else solve_axis(facts, ctx, limit, search.variable, search.memo, floor, search.twin)
             if chosen is None and not free and cache is not None and key in cache:
@@ -107,6 +121,9 @@ def solve_axes(
             chosen = chosen or solve_axis(facts, ctx, None, search.variable, search.memo, floor, search.twin)
         except Pruned:
             return None
+        finally:
+            if bounded and cache is not None and len(asked) >= len(known):
+                cache[("floors", key)] = asked
         if free and cache is not None:
             chosen = cache.setdefault(("solution", _fingerprint(chosen)), chosen)  # one object per distinct solution
             cache[key] = chosen

@@ -194,6 +194,7 @@ class LowerBounds:
         self._sync: dict[tuple, dict[str, float]] = {}
         self._works: dict[tuple, float] = {}
         self._busiest: dict[tuple, float] = {}
+        self._gradients: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._rows = None  # the ops, their unsplit seconds and the layer rows they add to (_busiest_s)
         self._split_masks: dict[int, np.ndarray] = {}  # axis size -> which ops split over it
         self.unsharded = ShardedShapes.unsharded(facts)
@@ -337,18 +338,22 @@ class LowerBounds:
         dp = degrees.get(Axis.DP, 1)
         if dp == 1:
             return 0.0
-        facts = self.facts
-        sync = self._syncs(stage, dp, zero)
-        unsplit: dict[str, float] = {}
-        for name, param in self.owner.items():
-            if self.splits(name, dp):  # else it never splits over dp and never leaves a partial gradient
-                work = facts[name].full_time_s * facts[name].weight * self._work(name, degrees, skip=Axis.DP)
-                unsplit[param] = unsplit.get(param, 0.0) + work * (1 - 1 / dp)
+        key = (stage.shape, tuple(degrees.items()), zero)
+        if key not in self._gradients:  # per parameter: one microbatch's sync, and what it saves at most
+            facts = self.facts
+            sync = self._syncs(stage, dp, zero)
+            unsplit: dict[str, float] = {}
+            for name, param in self.owner.items():
+                if self.splits(name, dp):  # else it never splits over dp and never leaves a partial gradient
+                    work = facts[name].full_time_s * facts[name].weight * self._work(name, degrees, skip=Axis.DP)
+                    unsplit[param] = unsplit.get(param, 0.0) + work * (1 - 1 / dp)
+            self._gradients[key] = (
+                np.array([seconds * facts[p].weight * self._param_share(p, degrees) for p, seconds in sync.items()]),
+                np.array([unsplit.get(p, 0.0) for p in sync]),
+            )
+        each, most = self._gradients[key]
         # a collective over 1/k of the bytes takes at least 1/k of the time (alpha-beta)
-        return sum(
-            min(seconds * facts[p].weight * self._param_share(p, degrees) * microbatches, unsplit.get(p, 0.0))
-            for p, seconds in sync.items()
-        )
+        return float(np.minimum(each * microbatches, most).sum())
 
     def _syncs(self, stage: Mesh, dp: int, zero: int) -> dict[str, float]:
         """Per parameter, the seconds of its gradient's sync over dp (ZeRO-3 regathers it too)."""
