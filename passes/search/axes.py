@@ -304,27 +304,17 @@ def solve_axis(
     (:attr:`LayerFolding.twin`): where their local shapes agree, their candidates and costs are
     computed once.
     """
-    names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
-    var_of = {n: (variable or {}).get(n, n) for n in names}
-    reps = list(dict.fromkeys(var_of.values()))
+    names, var_of, reps, weight = _variables(facts, variable)
     index = {rep: i for i, rep in enumerate(reps)}
     twin = twin or {}
     options = _all_candidates(facts, ctx, reps, memo, twin)
     if ctx.size == 1:  # every strategy of a node is the same on one device
         return {n: options[var_of[n]][0] for n in names}
-    weight = dict.fromkeys(reps, 0)
-    for n in names:
-        weight[var_of[n]] += facts[n].weight
     if ctx.bind_memory and limit is not None:
         memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
         if sum(float(m.min()) for m in memory) > limit:
             return None  # not even the leanest option of every node keeps the budget
-    terms, by_twin = {}, {}
-    for r in reps:
-        key = (twin.get(r, r), ctx.local.work.get(r), tuple(ctx.local.slot_shapes[r]), tuple(ctx.local.shapes[r]))
-        if key not in by_twin:
-            by_twin[key] = [node_terms(facts[r], s, ctx, facts) for s in options[r]]
-        terms[r] = by_twin[key]
+    terms = _terms(facts, ctx, options, reps, twin)
     # the rule "bound" (see ``worth``): a layout's work and sync weigh differently in a step (the
     # pipeline bubble stretches work), so the floor is the least work, and the least of both less it
     floors = floor_of(facts, ctx, options, terms) if worth is not None else {}
@@ -396,6 +386,52 @@ def solve_axis(
     if solution is None:
         return None
     return {n: options[var_of[n]][solution.choice[index[var_of[n]]]] for n in names}
+
+
+def _variables(facts, variable: dict[str, str] | None):
+    """The nodes an axis places, the variable each maps to, the variables, and how many nodes (each
+    counted its ``weight`` times) each stands for."""
+    names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
+    var_of = {n: (variable or {}).get(n, n) for n in names}
+    reps = list(dict.fromkeys(var_of.values()))
+    weight = dict.fromkeys(reps, 0)
+    for n in names:
+        weight[var_of[n]] += facts[n].weight
+    return names, var_of, reps, weight
+
+
+def _terms(facts, ctx: AxisContext, options, reps: list[str], twin: dict[str, str]) -> dict[str, list[tuple]]:
+    """:func:`node_terms` of each variable's options, computed once for twins whose local shapes agree."""
+    terms, by_twin = {}, {}
+    for r in reps:
+        key = (twin.get(r, r), ctx.local.work.get(r), tuple(ctx.local.slot_shapes[r]), tuple(ctx.local.shapes[r]))
+        if key not in by_twin:
+            by_twin[key] = [node_terms(facts[r], s, ctx, facts) for s in options[r]]
+        terms[r] = by_twin[key]
+    return terms
+
+
+def ahead_floor(search, degrees: dict[str, int], zero: int, schedule: Schedule) -> float | None:
+    """The least work of the last sharded axis's layout (:func:`floor_of`'s) before the axes ahead of
+    it are solved: its ops' cheapest options on the unsharded shapes, over the product of the sizes
+    ahead. A floor, as the cost model is sub-homogeneous: an op on 1/k of a dim costs at least 1/k
+    of it (tiles and waves round up, a collective pays its latency whole, a kernel's efficiency
+    never grows as it shrinks), and an axis of size k splits an op's work k ways at most. None where
+    no axis comes before it; kept in ``search.memo`` for every configuration with that last axis."""
+    axes = list(degrees)
+    last = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
+    ahead = math.prod(degrees[a] for a in axes[: max(last, 0)])
+    if ahead == 1:
+        return None
+    facts, memo = search.facts, search.memo
+    ctx = _context(search, degrees, zero, schedule, last, unsharded_shapes(facts, memo), expert_params(facts))
+    key = ("ahead floor", ctx.name, ctx.size, repr(ctx.link), ctx.zero, ctx.data_parallel, schedule.microbatches)
+    if key not in memo:
+        _, _, reps, weight = _variables(facts, search.variable)
+        options = _all_candidates(facts, ctx, reps, memo, search.twin)
+        floors = floor_of(facts, ctx, options, _terms(facts, ctx, options, reps, search.twin))
+        memo[key] = sum(weight[r] * float(w.min()) for r, (w, _) in floors.items())
+    return memo[key] / ahead
 
 
 def floor_of(facts, ctx: AxisContext, options, terms) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -5,7 +5,9 @@ per variable, a cost matrix per pair): eliminate one variable at a time — add 
 that holds it, keep the minimum over its options for each combination of its neighbours' (a
 new factor over them) and remember the argmin; then read the choices back in reverse order.
 The next variable is the one whose joint table is smallest (a greedy elimination order, which
-the options' counts alone decide: :func:`elimination_order` finds it before any table is built).
+the options' counts alone decide: :func:`elimination_order` finds it before any table is built,
+and :func:`_steps` what each step adds up, once per problem shape: a search solves one shape many
+times with other costs).
 The tables stay small when the variables' graph is narrow, as a transformer's layer folded to
 one set of variables is (a chain with residual and attention branches; a mixture-of-experts
 router's branches widen it); a problem whose table would exceed ``max_entries`` is left to
@@ -17,6 +19,7 @@ Exact: the same optimal objective as the ILP; among equal optima it takes the fi
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -56,55 +59,81 @@ def elimination_order(sizes: list[int], pairs: list[tuple], max_entries: int = M
 def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MAX_ENTRIES):
     """(choice per variable, objective) minimizing Σ unary[v][s_v] + Σ matrix[class_u[s_u], class_v[s_v]]
     over ``pairs`` of (u, v, matrix, class_u, class_v) with u ≠ v; None when a table would be too large."""
-    sizes = [len(u) for u in unary]
-    order = elimination_order(sizes, pairs, max_entries)
-    if order is None:
+    steps = _steps(tuple(len(u) for u in unary), tuple((u, v) for u, v, *_ in pairs), max_entries)
+    if steps is None:
         return None
-    factors: dict[int, tuple[tuple[int, ...], np.ndarray]] = {}
-    holding: list[set[int]] = [set() for _ in unary]
-    keys = itertools.count()
-
-    def add(variables: tuple[int, ...], table: np.ndarray) -> None:
-        key = next(keys)
-        factors[key] = (variables, table)
-        for v in variables:
-            holding[v].add(key)
-
+    tables = [np.asarray(costs, dtype=float) for costs in unary]
+    tables += [matrix[class_u][:, class_v] for _, _, matrix, class_u, class_v in pairs]
     trace: list[tuple[int, tuple[int, ...], np.ndarray]] = []  # (variable, its neighbours, argmin over it)
-    for v, costs in enumerate(unary):
-        add((v,), np.asarray(costs, dtype=float))
-    for u, v, matrix, class_u, class_v in pairs:
-        add((u, v), matrix[class_u][:, class_v])
     constant = 0.0
-    for v in order:
-        if len(holding[v]) == 1 and len(factors[next(iter(holding[v]))][0]) == 1:  # its own costs alone
-            table = factors.pop(holding[v].pop())[1]
-            best = np.argmin(table)
+    for v, around, inputs in steps:
+        if inputs is None:  # its own costs alone
+            table = tables[v]
+            best = table.argmin()
             trace.append((v, (), best))
             constant += float(table[best])
             continue
-        around = tuple(sorted({w for key in holding[v] for w in factors[key][0]} - {v}))
-        position = {w: i for i, w in enumerate(around + (v,))}
-        joint = 0.0  # the sum of v's factors, broadcast over (*around, v): each axis is some factor's
-        for key in holding[v]:
-            variables, table = factors.pop(key)
-            for w in variables:
-                if w != v:
-                    holding[w].discard(key)
-            order_in = sorted(range(len(variables)), key=lambda i: position[variables[i]])
-            shape = [1] * len(position)
-            for w in variables:
-                shape[position[w]] = sizes[w]
-            joint = joint + table.transpose(order_in).reshape(shape)
-        holding[v].clear()
-        best = np.argmin(joint, axis=-1)
+        joint = 0.0  # the sum of v's factors, broadcast over (*around, v)
+        for key, order_in, shape in inputs:
+            joint = joint + tables[key].transpose(order_in).reshape(shape)
+        best = joint.argmin(axis=-1)
         trace.append((v, around, best))
-        reduced = joint.min(axis=-1)
+        reduced = np.minimum.reduce(joint, axis=-1)
         if around:
-            add(around, reduced)
+            tables.append(reduced)
         else:
             constant += float(reduced)
     choice = [0] * len(unary)
     for v, around, best in reversed(trace):
         choice[v] = int(best[tuple(choice[w] for w in around)]) if around else int(best)
     return tuple(choice), constant
+
+
+@functools.lru_cache(maxsize=256)
+def _steps(sizes: tuple[int, ...], links: tuple[tuple[int, int], ...], max_entries: int):
+    """What eliminating in :func:`elimination_order` does, from the problem's shape alone (a search
+    solves one shape many times, with other costs): per variable, (it, its neighbours, and the
+    factors to add up: (index, axes' order, broadcast shape)), or (it, (), None) where only its own
+    costs hold it. Factors are numbered as :func:`eliminate` lists them: each variable's costs,
+    the pairs', then each step's new factor over its neighbours."""
+    order = elimination_order(list(sizes), list(links), max_entries)
+    if order is None:
+        return None
+    factors: dict[int, tuple[int, ...]] = {}
+    holding: list[set[int]] = [set() for _ in sizes]
+    keys = itertools.count()
+
+    def add(variables: tuple[int, ...]) -> None:
+        key = next(keys)
+        factors[key] = variables
+        for w in variables:
+            holding[w].add(key)
+
+    for v in range(len(sizes)):
+        add((v,))
+    for link in links:
+        add(link)
+    steps = []
+    for v in order:
+        if len(holding[v]) == 1 and len(factors[next(iter(holding[v]))]) == 1:
+            factors.pop(holding[v].pop())
+            steps.append((v, (), None))
+            continue
+        around = tuple(sorted({w for key in holding[v] for w in factors[key]} - {v}))
+        position = {w: i for i, w in enumerate(around + (v,))}
+        inputs = []
+        for key in holding[v]:
+            variables = factors.pop(key)
+            for w in variables:
+                if w != v:
+                    holding[w].discard(key)
+            order_in = tuple(sorted(range(len(variables)), key=lambda i: position[variables[i]]))
+            shape = [1] * len(position)
+            for w in variables:
+                shape[position[w]] = sizes[w]
+            inputs.append((key, order_in, tuple(shape)))
+        holding[v].clear()
+        steps.append((v, around, inputs))
+        if around:
+            add(around)
+    return steps

@@ -49,7 +49,7 @@ from autopar.passes.cost.facts import NodeFacts, analyze
 from autopar.passes.cost.ops import reshard_collectives
 from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.rewrite.stages import layers_out_of_order, out_of_order_error
-from autopar.passes.search.axes import solve_axes, split_dims
+from autopar.passes.search.axes import ahead_floor, solve_axes, split_dims
 from autopar.passes.search.fold import LayerFolding, fold_layers
 from autopar.passes.search.pins import user_pins
 from autopar.passes.search.ranking import Candidate, choose, near, within_reach
@@ -294,7 +294,13 @@ class _Weighing:
                 floors.append(self.bounds.layout_s(ctx.stages, degrees, solved, before, (work, sync), ctx.mesh, runs))
                 return within_reach(floors[-1], self.fastest)
 
-            strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)
+            ahead = ahead_floor(ctx, degrees, solved, base)  # the rule "bound" before any axis is solved
+            if ahead is not None:
+                floors.append(self.bounds.ahead_s(ctx.stages, degrees, solved, ahead, ctx.mesh, runs))
+            if ahead is None or within_reach(floors[-1], self.fastest):
+                strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)
+            else:
+                strategies = None
             terms = strategies and LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, solved, ctx.memo)
             layouts[zero_class] = (strategies, terms, max(floors), solved)
         strategies, terms, floor, bounded = layouts[zero_class]

@@ -264,10 +264,19 @@ class LowerBounds:
         key = (stages, tuple(degrees.items()))
         if key not in self._busiest:
             self._busiest[key] = self._busiest_s(stages, degrees)
-        stage = stage_mesh(mesh, stages)
+        return self._with_syncs(self._busiest[key], stages, degrees, zero, stage_mesh(mesh, stages), runs)
+
+    def ahead_s(self, stages: int, degrees: dict[str, int], zero: int, work: float, stage: Mesh, runs) -> float:
+        """:meth:`step_s` with ``work`` (:func:`~autopar.passes.search.axes.ahead_floor`'s, all
+        stages') for the busiest device's, the stages balanced perfectly."""
+        return self._with_syncs(work / stages, stages, degrees, zero, stage, runs)
+
+    def _with_syncs(self, busiest: float, stages: int, degrees: dict[str, int], zero: int, stage: Mesh, runs):
+        """The least over ``runs`` of the busiest device's work stretched by the bubble, and the
+        optimizer step and gradient sync (every microbatch's under ZeRO-2/3)."""
         optimizer = self._state_update_s(degrees, zero, stage)
         return min(
-            self._busiest[key] * (1 + bubble)
+            busiest * (1 + bubble)
             + (optimizer + self._gradients_s(stage, degrees, zero, micro if zero >= 2 else 1)) / stages
             for bubble, micro in runs
         )

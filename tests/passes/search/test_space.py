@@ -77,7 +77,12 @@ def test_no_configuration_prices_below_its_bound_and_pruning_keeps_the_plan(case
         assert entry["bound_s"] <= entry.get("layout_bound_s", entry["bound_s"]) <= entry["step_s"] * (1 + 1e-9), entry
     # every configuration weighed in full (the bound never prunes): the same plan
     monkeypatch.setattr(search_module, "within_reach", lambda step_s, fastest: True)
+    floors = _floors_ahead_and_after(monkeypatch)
     full = autopar.plan(captured, mesh, **options)
+    # the last axis's floor before the axes ahead are solved is never above its floor after
+    compared = [(ahead, after) for ahead, after in floors.values() if ahead is not None and after is not None]
+    assert len(compared) > 3
+    assert all(ahead <= after * (1 + 1e-9) for ahead, after in compared), compared
     assert not any(entry.get("pruned") == "bound" for entry in full.search)
     assert (full.degrees, full.zero, full.schedule) == (plan.degrees, plan.zero, plan.schedule)
     assert full.cost.step_s == pytest.approx(plan.cost.step_s, rel=1e-12)
@@ -88,6 +93,28 @@ def test_no_configuration_prices_below_its_bound_and_pruning_keeps_the_plan(case
             assert entry["bound_s"] <= entry.get("layout_bound_s", entry["bound_s"]) <= entry["step_s"] * (1 + 1e-9), (
                 entry
             )
+
+
+def _floors_ahead_and_after(monkeypatch) -> dict:
+    """Per configuration solved, the last axis's least work from :func:`ahead_floor` and from its
+    layout once the axes ahead are solved (the first floor the search asks)."""
+    floors, real_ahead, real_solve = {}, search_module.ahead_floor, search_module.solve_axes
+
+    def ahead(ctx, degrees, zero, schedule):
+        floors[(ctx.stages, tuple(degrees.items()), zero)] = [real_ahead(ctx, degrees, zero, schedule), None]
+        return floors[(ctx.stages, tuple(degrees.items()), zero)][0]
+
+    def solve(ctx, degrees, zero, schedule, limit=None, cache=None, worth=None):
+        def first(before, work, sync):
+            entry = floors[(ctx.stages, tuple(degrees.items()), zero)]
+            entry[1] = work if entry[1] is None else entry[1]
+            return worth(before, work, sync)
+
+        return real_solve(ctx, degrees, zero, schedule, limit, cache, worth and first)
+
+    monkeypatch.setattr(search_module, "ahead_floor", ahead)
+    monkeypatch.setattr(search_module, "solve_axes", solve)
+    return floors
 
 
 def test_a_configuration_prices_alike_whichever_configuration_is_weighed_first(monkeypatch):
