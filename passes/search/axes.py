@@ -423,10 +423,13 @@ def ahead_floor(search, degrees: dict[str, int], zero: int, schedule: Schedule) 
     ahead = math.prod(degrees[a] for a in axes[: max(last, 0)])
     if ahead == 1:
         return None
-    facts, memo = search.facts, search.memo
-    ctx = _context(search, degrees, zero, schedule, last, unsharded_shapes(facts, memo), expert_params(facts))
-    key = ("ahead floor", ctx.name, ctx.size, repr(ctx.link), ctx.zero, ctx.data_parallel, schedule.microbatches)
+    facts, memo, axis = search.facts, search.memo, axes[last]
+    link = search.hardware.link(search.mesh.shape, axis_spans(degrees)[axis], degrees[axis])
+    # ZeRO and dp change a dp axis's op costs only (and parameters', which floors leave out)
+    alike = (zero, degrees[Axis.DP]) if axis == Axis.DP else ()
+    key = ("ahead floor", axis, degrees[axis], repr(link), schedule.microbatches, *alike)
     if key not in memo:
+        ctx = _context(search, degrees, zero, schedule, last, unsharded_shapes(facts, memo), expert_params(facts))
         _, _, reps, weight = _variables(facts, search.variable)
         options = _all_candidates(facts, ctx, reps, memo, search.twin)
         floors = floor_of(facts, ctx, options, _terms(facts, ctx, options, reps, search.twin))
