@@ -182,7 +182,10 @@ class LowerBounds:
     many configurations), is tighter: their exact traffic (gradient sync over the parameters'
     shards before the later axes, divided by their sizes), and what the last axis's ops cost at least:
     each its cheapest candidate (:func:`~autopar.passes.search.axes.floor_of`), then with the
-    least its layout moves (:func:`~autopar.passes.search.axes.solve_axis`).
+    least its layout moves (:func:`~autopar.passes.search.axes.solve_axis`). :meth:`ahead_s`,
+    before any axis is solved, counts for the compute the last axis's ops' cheapest candidates on
+    the unsharded shapes over the sizes ahead (:func:`~autopar.passes.search.axes.ahead_floor`):
+    the collectives tensor parallelism cannot avoid count there, which the compute bound leaves out.
 
     >>> bounds = LowerBounds(facts, hardware, limit=80e9)        # doctest: +SKIP
     >>> bounds.step_s(mesh, 2, {"dp": 4, "tp": 8}, zero=1)         # doctest: +SKIP
