@@ -16,6 +16,7 @@ Axes are solved outermost first, each on the local shapes the earlier ones leave
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -242,8 +243,37 @@ def solve_axis(
     unary = [weight[r] * np.array([sum(t) for t in terms[r]]) for r in reps]
     if not (ctx.bind_memory and limit is not None):
         memory = None
-    # per (producer variable, consumer variable or None for the output, slot, shape): the edges'
-    # weight, and for the bound what a step moves of them at least (below)
+    moved, counts, least_counts = _edges(facts, ctx, options, index, var_of, memo)
+    leaders, penalties = followers(facts, options, index, var_of)
+    if worth is not None:
+        # tighter, before the ILP: the least any layout costs with its moves; followers follow in every layout
+        bound = _least_layout(floors, options, reps, weight, moved, least_counts, leaders, penalties)
+        if not worth(least_work, bound - least_work):
+            raise Pruned
+    unary, pairs = _with_edges(unary, moved, counts)
+    problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
+    solution = solve_choices(problem)
+    if solution is None:
+        return None
+    return {n: options[var_of[n]][solution.choice[index[var_of[n]]]] for n in names}
+
+
+def _variables(facts, variable: dict[str, str] | None):
+    """The nodes an axis places, the variable each maps to, the variables, and how many nodes (each
+    counted its ``weight`` times) each stands for."""
+    names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
+    var_of = {n: (variable or {}).get(n, n) for n in names}
+    reps = list(dict.fromkeys(var_of.values()))
+    weight = dict.fromkeys(reps, 0)
+    for n in names:
+        weight[var_of[n]] += facts[n].weight
+    return names, var_of, reps, weight
+
+
+def _edges(facts, ctx: AxisContext, options, index: dict[str, int], var_of: dict[str, str], memo):
+    """The ILP's edges: per (producer variable, consumer variable or None for the output, slot, shape),
+    (u, v or None, matrix, class_u, class_v) and its count, and for the bound what a step moves of it
+    at least (its count there)."""
     edge_weight: dict[tuple, list[float]] = {}
     found = [
         (producer, consumer, slot_index, shape)
@@ -287,34 +317,16 @@ def solve_axis(
         moved.append((index[producer], None if consumer is None else index[consumer], matrix, class_u, class_v))
         counts.append(count)
         least_counts.append(least_count)
-    leaders, penalties = followers(facts, options, index, var_of)
-    if worth is not None:
-        # tighter, before the ILP: the least any layout costs with its moves; followers follow in every layout
-        least = [
-            np.zeros(len(options[r])) if r not in floors else weight[r] * (floors[r][0] + floors[r][1]) for r in reps
-        ]
-        least, shared = _with_edges(least, moved, least_counts)
-        bound = solve_choices(ChoiceProblem(least, shared + penalties, followers=leaders))
-        if not worth(least_work, bound.objective - least_work):
-            raise Pruned
-    unary, pairs = _with_edges(unary, moved, counts)
-    problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
-    solution = solve_choices(problem)
-    if solution is None:
-        return None
-    return {n: options[var_of[n]][solution.choice[index[var_of[n]]]] for n in names}
+    return moved, counts, least_counts
 
 
-def _variables(facts, variable: dict[str, str] | None):
-    """The nodes an axis places, the variable each maps to, the variables, and how many nodes (each
-    counted its ``weight`` times) each stands for."""
-    names = [n for n, f in facts.items() if f.kind != "output" and f.out_shapes]
-    var_of = {n: (variable or {}).get(n, n) for n in names}
-    reps = list(dict.fromkeys(var_of.values()))
-    weight = dict.fromkeys(reps, 0)
-    for n in names:
-        weight[var_of[n]] += facts[n].weight
-    return names, var_of, reps, weight
+def _least_layout(floors, options, reps: list[str], weight, moved, counts, leaders, penalties) -> float:
+    """The least any layout costs: each op's option at its floor (:func:`floor_of`'s work and sync),
+    the edges' moves (weighed by ``counts``), followers following (a small ILP without the memory
+    budget)."""
+    least = [np.zeros(len(options[r])) if r not in floors else weight[r] * sum(floors[r]) for r in reps]
+    least, shared = _with_edges(least, moved, counts)
+    return solve_choices(ChoiceProblem(least, shared + penalties, followers=leaders)).objective
 
 
 def _terms(facts, ctx: AxisContext, options, reps: list[str], twin: dict[str, str]) -> dict[str, list[tuple]]:
@@ -328,30 +340,47 @@ def _terms(facts, ctx: AxisContext, options, reps: list[str], twin: dict[str, st
     return terms
 
 
-def ahead_floor(search, degrees: dict[str, int], zero: int, schedule: Schedule) -> float | None:
-    """The least work of the last sharded axis's layout (:func:`floor_of`'s) before the axes ahead of
-    it are solved: its ops' cheapest options on the unsharded shapes, over the product of the sizes
-    ahead. A floor, as the cost model is sub-homogeneous: an op on 1/k of a dim costs at least 1/k
-    of it (tiles and waves round up, a collective pays its latency whole, a kernel's efficiency
-    never grows as it shrinks), and an axis of size k splits an op's work k ways at most. None where
-    no axis comes before it; kept in ``search.memo`` for every configuration with that last axis."""
+def ahead_floors(search, degrees: dict[str, int], zero: int, schedule: Schedule):
+    """The last sharded axis's layout floors as :func:`solve_axis` asks them once the axes ahead are
+    solved ((least work, least of work and gradient sync less that), then with the least its layout
+    moves too), before they are: taken on the unsharded shapes, over the product of the sizes ahead;
+    yielded cheapest first, so a caller that prunes on the first skips the second's small ILP. Floors,
+    as the cost model is sub-homogeneous: an op or a move on 1/k of a dim costs at least 1/k of it
+    (tiles and waves round up, a collective pays its latency whole, a kernel's efficiency never grows
+    as it shrinks), and an axis of size k splits an op's work and a tensor's bytes k ways at most (a
+    parameter's sync, which dp and cp leave whole, counts 1/k of itself: less than it is). Nothing
+    where no axis comes before it. Kept in ``search.memo`` for every configuration with that last
+    axis."""
     axes = list(degrees)
     last = max((i for i, a in enumerate(axes) if degrees[a] > 1), default=-1)
     ahead = math.prod(degrees[a] for a in axes[: max(last, 0)])
     if ahead == 1:
-        return None
+        return
     facts, memo, axis = search.facts, search.memo, axes[last]
     link = search.hardware.link(search.mesh.shape, axis_spans(degrees)[axis], degrees[axis])
     # ZeRO and dp change a dp axis's op costs only (and parameters', which floors leave out)
     alike = (zero, degrees[Axis.DP]) if axis == Axis.DP else ()
-    key = ("ahead floor", axis, degrees[axis], repr(link), schedule.microbatches, *alike)
+    key = ("ahead floor", axis, degrees[axis], repr(link), *alike)
     if key not in memo:
+        # taken at one microbatch, a floor for every count: an op run in pieces runs no faster, and an
+        # axis behind others is not dp, whose parameters' sync alone has a once-per-step part to spread
+        schedule = dataclasses.replace(schedule, microbatches=1)
         ctx = _context(search, degrees, zero, schedule, last, unsharded_shapes(facts, memo), expert_params(facts))
-        _, _, reps, weight = _variables(facts, search.variable)
+        _, var_of, reps, weight = _variables(facts, search.variable)
         options = all_candidates(facts, ctx, reps, memo, search.twin)
         floors = floor_of(facts, ctx, options, _terms(facts, ctx, options, reps, search.twin))
-        memo[key] = sum(weight[r] * float(w.min()) for r, (w, _) in floors.items())
-    return memo[key] / ahead
+        work = sum(weight[r] * float(w.min()) for r, (w, _) in floors.items())
+        both = sum(weight[r] * float((w + s).min()) for r, (w, s) in floors.items())
+        memo[key] = [work, both, (ctx, var_of, reps, weight, options, floors)]
+    work, both, layout = memo[key]
+    yield work / ahead, (both - work) / ahead
+    if isinstance(layout, tuple):  # the small ILP, once per last axis
+        ctx, var_of, reps, weight, options, floors = layout
+        index = {rep: i for i, rep in enumerate(reps)}
+        moved, _, least_counts = _edges(facts, ctx, options, index, var_of, memo)
+        leaders, penalties = followers(facts, options, index, var_of)
+        memo[key][2] = _least_layout(floors, options, reps, weight, moved, least_counts, leaders, penalties)
+    yield work / ahead, (memo[key][2] - work) / ahead
 
 
 def floor_of(facts, ctx: AxisContext, options, terms) -> dict[str, tuple[np.ndarray, np.ndarray]]:

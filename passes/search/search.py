@@ -49,7 +49,7 @@ from autopar.passes.cost.facts import NodeFacts, analyze
 from autopar.passes.cost.ops import reshard_collectives
 from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.rewrite.stages import layers_out_of_order, out_of_order_error
-from autopar.passes.search.axes import ahead_floor, solve_axes, split_dims
+from autopar.passes.search.axes import ahead_floors, solve_axes, split_dims
 from autopar.passes.search.fold import LayerFolding, fold_layers
 from autopar.passes.search.pins import user_pins
 from autopar.passes.search.ranking import Candidate, choose, near, within_reach
@@ -287,30 +287,33 @@ class _Weighing:
         zero_class = 3 if solved == 3 else min(solved, 1)
         if zero_class not in layouts:
             base = leanest(options, ctx.stages, local_batch, levels(options)[0][0])
-
-            floors = [self.bounds.step_s(self.mesh, ctx.stages, degrees, solved, runs)]
+            # the layout's floors bound every ZeRO stage that shares it: the least of theirs (ZeRO-0 and -2
+            # can move less than ZeRO-1); the last axis's sync is ZeRO-1's where that axis is dp: left out
+            sharing = (0, 1, 2) if solved == 1 and options.zero is None else (solved,)
+            dp_last = all(size == 1 for axis, size in degrees.items() if axis != Axis.DP)
+            floors = [min(self.bounds.step_s(self.mesh, ctx.stages, degrees, z, runs) for z in sharing)]
 
             def worth(before, work, sync) -> bool:  # the rule "bound", once the axes before the last are solved
-                floors.append(self.bounds.layout_s(ctx.stages, degrees, solved, before, (work, sync), ctx.mesh, runs))
+                last = (work, 0.0 if dp_last and len(sharing) > 1 else sync)
+                floors.append(
+                    min(self.bounds.layout_s(ctx.stages, degrees, z, before, last, ctx.mesh, runs) for z in sharing)
+                )
                 return within_reach(floors[-1], self.fastest)
 
-            ahead = ahead_floor(ctx, degrees, solved, base)  # the rule "bound" before any axis is solved
-            if ahead is not None:
-                floors.append(self.bounds.ahead_s(ctx.stages, degrees, solved, ahead, ctx.mesh, runs))
-            if ahead is None or within_reach(floors[-1], self.fastest):
-                strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth)
-            else:
-                strategies = None
+            reach = True
+            for ahead in ahead_floors(ctx, degrees, solved, base):  # the rule "bound" before any axis is solved
+                floors.append(min(self.bounds.ahead_s(ctx.stages, degrees, z, ahead, ctx.mesh, runs) for z in sharing))
+                reach = within_reach(floors[-1], self.fastest)
+                if not reach:
+                    break
+            strategies = solve_axes(ctx, degrees, solved, base, cache=cache, worth=worth) if reach else None
             terms = strategies and LayoutTerms.of(ctx.facts, degrees, strategies, ctx.mesh, hardware, solved, ctx.memo)
-            layouts[zero_class] = (strategies, terms, max(floors), solved)
-        strategies, terms, floor, bounded = layouts[zero_class]
+            layouts[zero_class] = (strategies, terms, max(floors))
+        strategies, terms, floor = layouts[zero_class]
         if strategies is None:
             self.log.append({**entry, "pruned": BOUND})
             return
-        if bounded == zero:  # the layout's floor bounds the ZeRO stage it was solved for (ZeRO-2 can move less)
-            entry["layout_bound_s"] = floor
-        else:
-            floor = entry["bound_s"]
+        floor = entry["layout_bound_s"] = max(floor, entry.get("bound_s", floor))  # both bound this ZeRO stage
         # ZeRO-2 moves its own traffic on ZeRO-1's layout (a reduce-scatter per microbatch); so does ZeRO-0
         # (an all-reduce) where ZeRO-1 reduce-scatters (Megatron's distributed optimizer)
         if zero == 2 or zero < solved and hardware.zero1_reduce_scatter:

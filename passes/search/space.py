@@ -183,9 +183,10 @@ class LowerBounds:
     shards before the later axes, divided by their sizes), and what the last axis's ops cost at least:
     each its cheapest candidate (:func:`~autopar.passes.search.axes.floor_of`), then with the
     least its layout moves (:func:`~autopar.passes.search.axes.solve_axis`). :meth:`ahead_s`,
-    before any axis is solved, counts for the compute the last axis's ops' cheapest candidates on
-    the unsharded shapes over the sizes ahead (:func:`~autopar.passes.search.axes.ahead_floor`):
-    the collectives tensor parallelism cannot avoid count there, which the compute bound leaves out.
+    before any axis is solved, counts the last axis's floor taken on the unsharded shapes over the
+    sizes ahead (:func:`~autopar.passes.search.axes.ahead_floors`): its ops' cheapest candidates,
+    then the least its layout moves; the collectives tensor parallelism cannot avoid count there,
+    which the compute bound leaves out.
 
     >>> bounds = LowerBounds(facts, hardware, limit=80e9)        # doctest: +SKIP
     >>> bounds.step_s(mesh, 2, {"dp": 4, "tp": 8}, zero=1)         # doctest: +SKIP
@@ -269,18 +270,22 @@ class LowerBounds:
             self._busiest[key] = self._busiest_s(stages, degrees)
         return self._with_syncs(self._busiest[key], stages, degrees, zero, stage_mesh(mesh, stages), runs)
 
-    def ahead_s(self, stages: int, degrees: dict[str, int], zero: int, work: float, stage: Mesh, runs) -> float:
-        """:meth:`step_s` with ``work`` (:func:`~autopar.passes.search.axes.ahead_floor`'s, all
-        stages') for the busiest device's, the stages balanced perfectly."""
-        return self._with_syncs(work / stages, stages, degrees, zero, stage, runs)
+    def ahead_s(self, stages: int, degrees: dict[str, int], zero: int, floor, stage: Mesh, runs) -> float:
+        """:meth:`step_s` with ``floor`` (:func:`~autopar.passes.search.axes.ahead_floors`' (work,
+        gradient sync), all stages') for the busiest device's work, its sync added as :meth:`layout_s`
+        adds the last axis's, the stages balanced perfectly."""
+        work, sync = floor
+        return self._with_syncs(work / stages, stages, degrees, zero, stage, runs, sync)
 
-    def _with_syncs(self, busiest: float, stages: int, degrees: dict[str, int], zero: int, stage: Mesh, runs):
+    def _with_syncs(self, busiest: float, stages: int, degrees: dict[str, int], zero: int, stage: Mesh, runs, last=0.0):
         """The least over ``runs`` of the busiest device's work stretched by the bubble, and the
-        optimizer step and gradient sync (every microbatch's under ZeRO-2/3)."""
+        optimizer step and gradient sync (every microbatch's under ZeRO-2/3; ``last``: the last
+        axis's, per microbatch there too, as :meth:`layout_s` counts it)."""
         optimizer = self._state_update_s(degrees, zero, stage)
         return min(
             busiest * (1 + bubble)
             + (optimizer + self._gradients_s(stage, degrees, zero, micro if zero >= 2 else 1)) / stages
+            + last * (micro if zero >= 2 else 1) / stages
             for bubble, micro in runs
         )
 
