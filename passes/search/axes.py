@@ -371,16 +371,17 @@ def ahead_floors(search, degrees: dict[str, int], zero: int, schedule: Schedule)
         floors = floor_of(facts, ctx, options, _terms(facts, ctx, options, reps, search.twin))
         work = sum(weight[r] * float(w.min()) for r, (w, _) in floors.items())
         both = sum(weight[r] * float((w + s).min()) for r, (w, s) in floors.items())
-        memo[key] = [work, both, (ctx, var_of, reps, weight, options, floors)]
+        memo[key] = (work, both, (ctx, var_of, reps, weight, options, floors))
     work, both, layout = memo[key]
     yield work / ahead, (both - work) / ahead
-    if isinstance(layout, tuple):  # the small ILP, once per last axis
+    moves = ("ahead moves", *key[1:])
+    if moves not in memo:  # the small ILP, once per last axis
         ctx, var_of, reps, weight, options, floors = layout
         index = {rep: i for i, rep in enumerate(reps)}
         moved, _, least_counts = _edges(facts, ctx, options, index, var_of, memo)
         leaders, penalties = followers(facts, options, index, var_of)
-        memo[key][2] = _least_layout(floors, options, reps, weight, moved, least_counts, leaders, penalties)
-    yield work / ahead, (memo[key][2] - work) / ahead
+        memo[moves] = _least_layout(floors, options, reps, weight, moved, least_counts, leaders, penalties)
+    yield work / ahead, (memo[moves] - work) / ahead
 
 
 def floor_of(facts, ctx: AxisContext, options, terms) -> dict[str, tuple[np.ndarray, np.ndarray]]:
