@@ -163,10 +163,12 @@ class HardwareProfile:
         """The tier a collective over ``group_size`` ranks spread evenly over the
         ``axis_span`` innermost devices crosses (a node is the mesh's innermost dimension).
 
-        A group across nodes with several members in each runs hierarchically: it carries
-        the inner tier and how many members share a node. Ranks that share cores arrive at
-        a collective with more skew: the wait is the one measured for this many ranks on the
-        host (``sync_by_ranks``), else ``sync_s`` per unit of contention."""
+        A group across nodes with several members in each carries the inner tier and how many
+        members share a node (``passes/cost/ops.py`` prices an all-reduce inside the node, then
+        across, then inside again; an all-gather or reduce-scatter as one ring over every rank).
+        Ranks that share cores arrive at a collective with more skew: the wait is the one
+        measured for this many ranks on the host (``sync_by_ranks``), else ``sync_s`` per unit
+        of contention."""
         node = mesh_shape[-1]
         inside_node = axis_span <= node
         link = self.links[0] if inside_node or len(self.links) == 1 else self.links[1]

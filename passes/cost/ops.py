@@ -54,8 +54,8 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
 
 
 def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
-    """A collective over nodes with ``link.local_ranks`` members in each, NCCL-style: inside
-    the node first, then across nodes on the node's share, then inside again.
+    """A collective over nodes with ``link.local_ranks`` members in each, NCCL-style: an
+    all-reduce inside the node first, then across nodes on the node's share, then inside again.
 
     All-to-all has no such shortcut: (nodes − 1)/nodes of every rank's data crosses nodes, each
     rank's through its own adapter (the presets' inter-node bandwidth is per GPU, one adapter
@@ -70,13 +70,16 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
             + collective_time("all_reduce", nbytes / local, nodes, outer)
             + collective_time("all_gather", nbytes, local, inner)
         )
-    if kind == "all_gather":
-        return collective_time("all_gather", nbytes / local, nodes, outer) + collective_time(
-            "all_gather", nbytes, local, inner
-        )
-    if kind == "reduce_scatter":
-        return collective_time("reduce_scatter", nbytes, local, inner) + collective_time(
-            "reduce_scatter", nbytes / local, nodes, outer
+    if kind in ("all_gather", "reduce_scatter"):
+        # NCCL runs these two as one ring over every rank (its tree serves all-reduce only): the
+        # bytes cross nodes once, on the node's share, but a chunk takes ranks − 1 steps, nodes − 1
+        # of them across nodes and ranks − nodes inside (NCCL's tuning.cc, ring latency), where a
+        # ring inside the node and one across would take local − 1 inside.
+        more_inside = ranks - nodes - (local - 1)
+        return (
+            collective_time(kind, nbytes / local, nodes, outer)
+            + collective_time(kind, nbytes, local, inner)
+            + more_inside * inner.alpha_beta(kind, local)[0]
         )
     if kind == "all_to_all":
         alpha, bandwidth = outer.alpha_beta(kind, ranks)

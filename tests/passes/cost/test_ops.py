@@ -185,7 +185,7 @@ def test_mixed_precision_state_is_what_the_runtime_holds():
     assert model_state_bytes(1000, precision="bf16-mixed", zero_stage=3, data_parallel=1)["params"] == 6000
 
 
-def test_groups_across_nodes_run_hierarchically_and_all_to_all_pays_for_crossing():
+def test_groups_across_nodes_reduce_hierarchically_gather_in_one_ring_and_all_to_all_pays_for_crossing():
     inner, outer = LinkTier("nvlink", 1e-6, 200e9), LinkTier("ib", 1e-5, 25e9)
     a100 = dataclasses.replace(get_profile("a100-80gb"), links=(inner, outer))
     link = a100.link((4, 8), 32, 16)  # 16 ranks every other device of 4 nodes: 4 per node
@@ -196,9 +196,11 @@ def test_groups_across_nodes_run_hierarchically_and_all_to_all_pays_for_crossing
         + collective_time("all_reduce", n / 4, 4, outer)
         + collective_time("all_gather", n, 4, inner)
     )
+    ring_inside = (16 - 4) * 1e-6  # one ring over all 16: 15 steps, 3 across nodes, 12 inside
     assert collective_time("all_gather", n, 16, link) == pytest.approx(
-        collective_time("all_gather", n / 4, 4, outer) + collective_time("all_gather", n, 4, inner)
+        collective_time("all_gather", n / 4, 4, outer) + collective_time("all_gather", n, 4, inner) - 3e-6 + ring_inside
     )
+    assert collective_time("reduce_scatter", n, 16, link) == collective_time("all_gather", n, 16, link)
     flat = dataclasses.replace(link, inner=None, local_ranks=1)
     assert collective_time("all_reduce", n, 16, link) < collective_time("all_reduce", n, 16, flat)
     crossing = n / 16 * 3 / 4 / 25e9  # 3/4 of each rank's data leaves its node, through the rank's own adapter
