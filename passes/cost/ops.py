@@ -74,8 +74,8 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
         # NCCL runs these two as one ring over every rank (its tree serves all-reduce only): the
         # bytes cross nodes once, on the node's share, but a chunk takes ranks − 1 steps, nodes − 1
         # of them across nodes and ranks − nodes inside (NCCL's tuning.cc, ring latency), where a
-        # ring inside the node and one across would take local − 1 inside.
-        more_inside = ranks - nodes - (local - 1)
+        # ring inside the node and one across would take local − 1 inside: (nodes − 1)(local − 1) more.
+        more_inside = (nodes - 1) * (local - 1)
         return (
             collective_time(kind, nbytes / local, nodes, outer)
             + collective_time(kind, nbytes, local, inner)
