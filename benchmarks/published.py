@@ -207,7 +207,8 @@ def render(
         "from shapes through the published MAMF, attention tables (FlashAttention-2's on the A100, cuDNN's "
         "measured on an H200 for Hopper), per-GPU InfiniBand; BLOOM's Jean Zay: `a100-80gb-opa`, the A100's "
         "figures with four 100 Gb/s Omni-Path links per node), with each "
-        "source's training-stack overlaps (below). Predicted metric = the source's FLOPs per iteration "
+        "source's training-stack overlaps and, where its stack runs another attention kernel, that kernel's "
+        "published rates (below). Predicted metric = the source's FLOPs per iteration "
         "/ GPUs / predicted step time (or tokens). FLOPs / source: the busiest GPU's FLOPs per step as "
         "autopar counts them over the source's per GPU, both without recomputation (`published_rows.flops_ratio`): "
         "about 1 where the stages are even, above where one stage holds more; it showed attention run whole on "
@@ -233,9 +234,9 @@ def render(
         "### Training stacks (overlaps as each source describes them)",
         "",
         "| stack | tp_overlap | pipeline sends overlapped | data-parallel overlap | gradient buckets | "
-        "ZeRO-1 sync; ZeRO-3 gathers | bytes per gradient element a microbatch adds | "
+        "ZeRO-1 sync; ZeRO-3 gathers | bytes per gradient element a microbatch adds | attention kernel | "
         "what and where from |",
-        "| --- | ---: | --- | ---: | --- | --- | --- | --- |",
+        "| --- | ---: | --- | ---: | --- | --- | --- | --- | --- |",
     ]
     for name, stack in data["stacks"].items():
         fixed, per_rank = stack.get("grad_bucket_params", (0, 0))
@@ -251,11 +252,13 @@ def render(
         )
         cite += f"; {stack['param_gather_overlap_cite']}" if stack.get("param_gather_overlap") else ""
         gather = "gather behind the next forward" if stack.get("param_gather_overlap") else "gather"
+        attention = stack.get("attention", {"kernel": "the preset's"})
+        cite += f"; {attention['cite']}" if "cite" in attention else ""
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
             f"| {buckets} | {'reduce-scatter' if stack.get('zero1_reduce_scatter') else 'all-reduce'} + {gather}; "
             f"{'per parameter' if stack.get('zero3_per_parameter') else 'per layer'} "
-            f"| {accumulation} "
+            f"| {accumulation} | {attention['kernel']} "
             f"| {stack['description']}; {stack['cite']}{cite} |"
         )
     lines += ["", "### FLOPs definitions", ""]

@@ -55,11 +55,20 @@ def load(path: Path = DATA) -> dict:
 def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
     """The row's GPU preset with its training stack's overlaps (``tp_overlap``, ``p2p_overlap``,
     and the data-parallel share ``overlap``), how its ZeRO moves data and its microbatches'
-    gradients accumulate and, where the source states it, gradient buckets."""
+    gradients accumulate, where the source states it, gradient buckets, and the attention kernel's
+    rates where the stack runs another kernel than the preset's."""
     stack = stacks[row["stack"]]
     fixed, per_rank = stack.get("grad_bucket_params", (0, 0))  # parameters per bucket: fixed, or per dp rank
+    preset = get_profile(row["hardware"])
+    if "attention" in stack:
+        tflops = stack["attention"]["tflops"].get(row["hardware"])
+        if tflops is None:
+            raise ValueError(f"stack {row['stack']!r} gives no attention rates for {row['hardware']!r}: add them")
+        rates = {m: {int(d): {int(s): t * 1e12 for s, t in by_s.items()} for d, by_s in by_d.items()}
+                 for m, by_d in tflops.items()}  # fmt: skip
+        preset = dataclasses.replace(preset, kernels=dataclasses.replace(preset.kernels, attention=rates))
     return dataclasses.replace(
-        get_profile(row["hardware"]),
+        preset,
         tp_overlap=stack["tp_overlap"],
         p2p_overlap=stack["p2p_overlap"],
         overlap=stack["dp_overlap"],
