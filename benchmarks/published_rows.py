@@ -63,7 +63,10 @@ def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
     if "attention" in stack:
         tflops = stack["attention"]["tflops"].get(row["hardware"])
         if tflops is None:
-            raise ValueError(f"stack {row['stack']!r} gives no attention rates for {row['hardware']!r}: add them")
+            raise ValueError(
+                f"{DATA.name}: stack {row['stack']!r} gives no attention rates for {row['hardware']!r} "
+                f"(row {row['id']!r}): add them under stacks.{row['stack']}.attention.tflops"
+            )
         rates = {m: {int(d): {int(s): t * 1e12 for s, t in by_s.items()} for d, by_s in by_d.items()}
                  for m, by_d in tflops.items()}  # fmt: skip
         preset = dataclasses.replace(preset, kernels=dataclasses.replace(preset.kernels, attention=rates))
