@@ -252,12 +252,20 @@ def render(
         )
         cite += f"; {stack['param_gather_overlap_cite']}" if stack.get("param_gather_overlap") else ""
         gather = "gather behind the next forward" if stack.get("param_gather_overlap") else "gather"
+        zero3 = "per parameter" if stack.get("zero3_per_parameter") else "per layer"
+        if stack.get("zero3_reuse_elements"):
+            zero3 += (
+                f", under {stack['zero3_persist_elements']:,} elements kept whole, released after each use"
+                f" unless reused within {stack['zero3_reuse_elements']:,} elements"
+            )
+            cite += f"; {stack['zero3_reuse_cite']}"
+        cite += f"; {stack['zero3_per_parameter_cite']}" if "zero3_per_parameter_cite" in stack else ""
         attention = stack.get("attention", {"kernel": "the preset's"})
         cite += f"; {attention['cite']}" if "cite" in attention else ""
         lines.append(
             f"| {name} | {stack['tp_overlap']} | {'yes' if stack['p2p_overlap'] else 'no'} | {stack['dp_overlap']} "
             f"| {buckets} | {'reduce-scatter' if stack.get('zero1_reduce_scatter') else 'all-reduce'} + {gather}; "
-            f"{'per parameter' if stack.get('zero3_per_parameter') else 'per layer'} "
+            f"{zero3} "
             f"| {accumulation} | {attention['kernel']} "
             f"| {stack['description']}; {stack['cite']}{cite} |"
         )

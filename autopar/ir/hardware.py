@@ -103,6 +103,12 @@ class HardwareProfile:
     p2p_overlap: bool = False  # pipeline sends of the steady state run behind compute (only fill and drain wait)
     grad_bucket_bytes: float = 0.0  # the stack's gradient-sync bucket; 0: autopar's runtime's (autopar.ir.buckets)
     zero3_per_parameter: bool = False  # ZeRO-3 gathers each parameter on its own, not a layer's at once
+    zero3_persist_elements: float = 0  # ZeRO-3 keeps parameters of fewer elements whole on every rank
+    # ZeRO-3 releases a gathered parameter after each use unless the parameters used before its next
+    # use number fewer than this (DeepSpeed's stage3_max_reuse_distance): a fully recomputed forward
+    # then gathers again (passes/cost/zero_traffic.py); 0: autopar's runtime, which as FSDP gathers
+    # a layer once for its recomputed forward and backward
+    zero3_reuse_elements: float = 0
     zero1_reduce_scatter: bool = False  # ZeRO-1 reduce-scatters gradients; autopar's all-reduces them whole
     # ZeRO-1/2's gather of the stepped weights runs behind the next step's first forward (Megatron's
     # --overlap-param-gather); autopar's runtime gathers right after the optimizer, nothing to hide behind

@@ -7,8 +7,6 @@ here, one mesh axis at a time; :func:`traffic` sums the same terms over one solv
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass, field
 
 from autopar.ir import (
@@ -24,10 +22,8 @@ from autopar.ir import (
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
 from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.cost.ops import (
-    GRAD_BUCKET_BYTES,
     accumulation_s,
     collective_time,
-    grad_sync_time,
     maximum,
     minimum,
     param_state_bytes,
@@ -36,6 +32,7 @@ from autopar.passes.cost.ops import (
 )
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import kept_share
+from autopar.passes.cost.zero_traffic import param_sync, recompute_gathers_s, zero3_layer_s
 from autopar.passes.rewrite.async_tp import LINEAR, ROW_SUM
 from autopar.passes.sharding.strategies import Strategy, local_shape, numel, work_fraction
 
@@ -111,71 +108,13 @@ def partial_gradients(
         nbytes = numel(shape) * producer.elem_bytes
         if weight:  # (a weight the op slices is gathered whole first, and its gradient is whole)
             grad, master = (numel(shape) * per for per in (producer.grad_bytes, producer.master_bytes))
-            sync = param_sync(nbytes, grad, ctx, master, trainable=producer.needs_grad, reduced=partial)
+            sync = param_sync(
+                nbytes, grad, ctx, master, trainable=producer.needs_grad, reduced=partial, elements=numel(shape)
+            )
             out.append((slot.name, *sync))
         else:
             out.append((slot.name, collective_time("all_reduce", nbytes, ctx.size, ctx.link), 0.0))
     return out
-
-
-def param_sync(
-    param_bytes: float,
-    grad_bytes: float,
-    ctx: AxisContext,
-    master_bytes: float | None = None,
-    trainable: bool = True,
-    reduced: bool = True,
-) -> tuple[float, float]:
-    """(seconds, seconds once per step) of one parameter's data-parallel traffic under ZeRO
-    (Rajbhandari et al. 2020, §5-7). Stages 0-1 all-reduce the gradient once per step; stage 1 then
-    all-gathers the stepped weight (``master_bytes``: fp32 masters under mixed precision), as
-    autopar's runtime and DeepSpeed's bf16 pipeline do; a stack that reduce-scatters the gradient
-    instead (``zero1_reduce_scatter``: Megatron's distributed optimizer) then gathers the stepped
-    compute copy (``param_bytes``: bf16 under mixed precision). Stage 2 reduce-scatters the gradient
-    every microbatch and gathers the stepped weight once per step; stage 3 reduce-scatters it and
-    gathers the parameter's compute copy (``param_bytes``) for forward and again for backward, every
-    microbatch (for stages 2-3 the first figure is per microbatch:
-    :class:`autopar.passes.cost.evaluate.PricedConfiguration` counts it so). Gradients and stepped
-    weights go in the stack's buckets (``grad_bucket_bytes``), each paying a collective's latency
-    once; ZeRO-3 moves a layer's parameters in one collective each way, whose latency
-    :func:`zero3_layer_s` adds per layer. Under ZeRO-3 a gradient that is not ``reduced`` (its op
-    ran whole on every rank) is cut to the rank's chunk, not reduce-scattered; a frozen parameter
-    (not ``trainable``) moves nothing but the forward gather: the runtime saves its whole copy for
-    backward rather than gathering it again (:mod:`autopar.runtime.zero.gather`)."""
-    if not trainable and (ctx.name != Axis.DP or ctx.zero != 3):
-        return 0.0, 0.0
-    bucket = (ctx.hardware.grad_bucket_bytes if ctx.hardware else 0.0) or GRAD_BUCKET_BYTES
-    if ctx.name != Axis.DP or ctx.zero == 0:
-        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), 0.0
-    stepped = grad_sync_time(
-        param_bytes if master_bytes is None else master_bytes, ctx.size, ctx.link, bucket, kind="all_gather"
-    )
-    if ctx.zero == 1:
-        if ctx.hardware is not None and ctx.hardware.zero1_reduce_scatter:  # the stepped compute copies gathered
-            scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter")
-            return scatter, grad_sync_time(param_bytes, ctx.size, ctx.link, bucket, kind="all_gather")
-        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket), stepped
-    if ctx.zero == 2:
-        return grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter"), stepped
-    # bandwidth only: the layer pays the latency (zero3_layer_s), or each gather its own for a stack that gathers alone
-    scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, math.inf, kind="reduce_scatter") if reduced else 0.0
-    alone = ctx.hardware is not None and ctx.hardware.zero3_per_parameter
-    gather = grad_sync_time(param_bytes, ctx.size, ctx.link, param_bytes if alone else math.inf, kind="all_gather")
-    return (scatter + 2 * gather if trainable else gather), 0.0
-
-
-def zero3_layer_s(ctx: AxisContext) -> float:
-    """The latency ZeRO-3 pays per layer on the data-parallel axis, per microbatch: the runtime
-    gathers a layer's parameters in one collective for forward and again for backward, and
-    reduce-scatters their gradients in one (:mod:`autopar.runtime.zero.gather`, as FSDP2 does
-    per block); 0 elsewhere."""
-    if ctx.name != Axis.DP or ctx.zero != 3 or ctx.size <= 1:
-        return 0.0
-    quiet = dataclasses.replace(ctx.link, sync_s=0.0)
-    gathers = 0 if ctx.hardware is not None and ctx.hardware.zero3_per_parameter else 2  # else in param_sync
-    return collective_time("reduce_scatter", 1.0, ctx.size, quiet) + gathers * collective_time(
-        "all_gather", 1.0, ctx.size, quiet
-    )
 
 
 def local_slot_shapes(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> list[tuple[int, ...]]:
@@ -320,6 +259,7 @@ class Traffic:
     synced: frozenset[str] = frozenset()  # the parameters synced
     regather_s: float = 0.0  # under Schedule.regather, what backward's second gathers (:func:`regathers`) leave exposed
     regathered: frozenset[tuple[str, int]] = frozenset()  # (consumer, input slot) of those moves
+    recompute_gather_s: float = 0.0  # ZeRO-3 under full recomputation: a stack's gathers for it, per microbatch
 
 
 def axis_contexts(
@@ -463,7 +403,9 @@ def traffic(
                 maximum(0.0, gather - _input_gradients_s(facts, chosen, readers, ctx)) * facts[consumer].weight
             )
             regathered_inputs.update(readers)
-    return Traffic(comm, sync, once_s, frozenset(synced), regather_s, frozenset(regathered_inputs))
+    trainable = [slot for slot in partial if facts[slot].kind == "param" and facts[slot].needs_grad]
+    recompute_s = recompute_gathers_s(facts, trainable, ctx, param_shapes)
+    return Traffic(comm, sync, once_s, frozenset(synced), regather_s, frozenset(regathered_inputs), recompute_s)
 
 
 def _input_gradients_s(facts, chosen: dict[str, Strategy], readers: list[tuple[str, int]], ctx: AxisContext) -> float:

@@ -21,6 +21,7 @@ from autopar.ir import (
     Mesh,
     Plan,
     PrecisionPolicy,
+    Recompute,
     Replicate,
     Schedule,
     layer_of,
@@ -72,6 +73,7 @@ class LayoutTerms:
     sync_once_s: float = 0.0  # ZeRO-1/2's parameter all-gather, once per step (after the optimizer)
     regather_s: float = 0.0  # under Schedule.regather: backward's second gathers (axis_terms.regathers)
     regathered: frozenset[tuple[str, int]] = frozenset()  # the (linear, input slot) they serve
+    recompute_gather_s: float = 0.0  # ZeRO-3 under full recomputation: a stack's gathers for it (zero_traffic)
     made_of: tuple = ()  # (degrees, strategies, mesh, hardware): for :meth:`compiled_traffic`
     _terms: dict = field(default_factory=dict)
     _times: dict = field(default_factory=dict)
@@ -190,7 +192,8 @@ class PricedConfiguration:
             cost = dataclasses.replace(cost, comm_s=comm, grad_sync_s=sync)
             parts = dataclasses.replace(parts, tp_comm_s=0.0, replayed=True, gather_once_s=0.0)
         if self.zero >= 2:  # gradients are reduce-scattered (ZeRO-3: weights regathered) every microbatch
-            cost = dataclasses.replace(cost, grad_sync_s=cost.grad_sync_s * schedule.microbatches)
+            again = self.layout.recompute_gather_s if schedule.recompute == Recompute.FULL else 0.0
+            cost = dataclasses.replace(cost, grad_sync_s=(cost.grad_sync_s + again) * schedule.microbatches)
         if schedule.regather:  # backward gathers the kept shards again, as tensor parallelism's collectives run
             cost = dataclasses.replace(cost, comm_s=cost.comm_s + self.layout.regather_s)
             parts = dataclasses.replace(parts, tp_comm_s=parts.tp_comm_s + self.layout.regather_s)
@@ -212,7 +215,7 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
     batch with everything saved on one stage, model state left out (compute at one microbatch);
     the parameters whose gradients are synced; the local shapes; what overlaps need. Every sum
     over nodes weighs a node, and every sum over edges the edge's consumer, by its weight."""
-    comm = sync = once = tp_comm = regather_s = 0.0
+    comm = sync = once = tp_comm = regather_s = recompute_s = 0.0
     synced: set[str] = set()
     regathered: frozenset[tuple[str, int]] = frozenset()
     for ctx, _, moved in axis_contexts(facts, degrees, strategies, mesh, hardware, zero, memo):
@@ -223,6 +226,7 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
         tp_comm += moved.comm_s if ctx.name == Axis.TP else 0.0
         synced |= moved.synced
         regather_s, regathered = regather_s + moved.regather_s, regathered | moved.regathered
+        recompute_s += moved.recompute_gather_s
     flops = sum(
         (f.profile.forward_flops + (f.profile.backward_flops if f.needs_grad else 0.0)) * local.work[n] * f.weight
         for n, f in facts.items()
@@ -253,6 +257,7 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
         "sync_once_s": once,
         "regather_s": regather_s,
         "regathered": regathered,
+        "recompute_gather_s": recompute_s,
     }
 
 

@@ -10,7 +10,7 @@ from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile, model_s
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.ir.precision import ZERO_PAPER_LAYOUT
 from autopar.passes.capture.graph import capture
-from autopar.passes.cost.axis_terms import AxisContext, param_sync
+from autopar.passes.cost.axis_terms import AxisContext
 from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import (
     MEASURE_LIMIT_BYTES,
@@ -23,6 +23,7 @@ from autopar.passes.cost.ops import (
     optimizer_time,
     reshard_time,
 )
+from autopar.passes.cost.zero_traffic import param_sync
 
 LINK = LinkTier("test", alpha_s=1e-5, bandwidth=1e9)
 MB = 1e6

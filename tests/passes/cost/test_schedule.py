@@ -10,7 +10,6 @@ from planning import meta_model, plan_example
 from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, PlanOptions, Precision, Schedule, get_profile
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.passes.capture.graph import capture
-from autopar.passes.cost.axis_terms import AxisContext, param_sync, zero3_layer_s
 from autopar.passes.cost.evaluate import evaluate_plan
 from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import (
@@ -185,42 +184,6 @@ def test_a_tight_memory_limit_turns_recomputation_on():
             break
     tight = _plan(**pins, memory_limit=limit)
     assert tight.schedule.recompute != "none" and tight.cost.peak_memory <= limit
-
-
-def test_zero3_pays_each_collectives_latency_per_layer_or_per_parameter_as_the_stack_gathers():
-    """autopar's ZeRO-3 gathers a layer's parameters in one collective for forward, again for
-    backward, and reduce-scatters their gradients in one: a parameter's own share is bandwidth
-    only, and the layer pays the three latencies once. A stack that gathers each parameter alone
-    (DeepSpeed of early 2021) pays the gathers' latency per parameter: over a 4-layer GPT (5
-    groups with the parameters outside layers) the step's sync grows by 2 gathers' latency for
-    every parameter past the first of its group."""
-    link = LinkTier("test", 1e-5, 1e9)
-    ctx = AxisContext("dp", 4, link, {}, None, 0.0, zero=3, hardware=FLAT_A100)
-    alone = dataclasses.replace(ctx, hardware=dataclasses.replace(FLAT_A100, zero3_per_parameter=True))
-    gather, scatter = (collective_time(kind, 1e6, 4, link) for kind in ("all_gather", "reduce_scatter"))
-    for context in (ctx, alone):
-        assert param_sync(1e6, 1e6, context)[0] + zero3_layer_s(context) == pytest.approx(scatter + 2 * gather)
-    one = 3 * 1e-5 + 3 / 4 * 1.0 / 1e9  # (p-1)α and one byte
-    assert zero3_layer_s(ctx) == pytest.approx(3 * one) and zero3_layer_s(alone) == pytest.approx(one)
-
-    hardware = dataclasses.replace(FLAT_A100, overlap=0.0)
-    pins = dict(degrees={"dp": 8, "tp": 1}, zero=3, microbatches=1)
-    plan = _plan(**pins, hardware=hardware)
-    model = meta_model("gpt.py", **GPT)
-    graph = capture(model, model.example_inputs(16, device="meta"))
-    per_layer = evaluate_plan(graph, plan, hardware)
-    per_parameter = evaluate_plan(graph, plan, dataclasses.replace(hardware, zero3_per_parameter=True))
-    instant = tuple(dataclasses.replace(tier, alpha_s=0.0) for tier in hardware.links)
-    no_latency = evaluate_plan(graph, plan, dataclasses.replace(hardware, links=instant))
-    link = dataclasses.replace(hardware.link((2, 4), 8, 8), sync_s=0.0)
-    latency = {kind: collective_time(kind, 1.0, 8, link) for kind in ("all_gather", "reduce_scatter")}
-    groups = GPT["layers"] + 1
-    assert per_layer.grad_sync_s - no_latency.grad_sync_s == pytest.approx(
-        groups * (latency["reduce_scatter"] + 2 * latency["all_gather"]), rel=1e-6
-    )
-    extra = (per_parameter.grad_sync_s - per_layer.grad_sync_s) / (2 * latency["all_gather"])
-    assert extra == pytest.approx(round(extra), abs=1e-6)  # whole parameters: the GPT's 4 x 9 in layers and more
-    assert round(extra) + groups >= 9 * GPT["layers"]
 
 
 def test_zero1_gathers_the_stepped_parameters_after_the_optimizer_or_behind_the_next_forward():
