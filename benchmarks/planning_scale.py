@@ -56,6 +56,9 @@ FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 # cluster's size and final batch (DeepSeek-V3 technical report, arXiv 2412.19437: 2048 H800s, §3.1;
 # 15360 sequences of 4096 tokens, §4.2), H800s priced as H100s (the same compute, slower NVLink)
 FAMILY_CLUSTERS = {"deepseek_v3": dict(gpus=2048, batch=15360)}
+# A family whose training state fits no plan on its cluster (no published one to take) is planned
+# again on 4x the GPUs and sequences, until it fits or passes this many GPUs
+FAMILY_GROWTH, FAMILY_MAX_GPUS = 4, 4096
 LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "gpt_neo")  # fewer positions: planned at their length
 # Defaults that are no released model, replaced by one's shapes: BLOOM's default is 2 layers of
 # hidden 64 (16M parameters); BLOOM-7b1's (BigScience, arXiv 2211.05100, Table 3): 30 layers of 4096, 32 heads.
@@ -306,6 +309,21 @@ def _run_once(row: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def run_family(row: dict) -> tuple[dict, dict]:
+    """(the row as planned, its result): on a cluster :data:`FAMILY_GROWTH` times larger while its
+    training state fits no plan (:class:`autopar.ir.MemoryLimitError`), as far as :data:`FAMILY_MAX_GPUS`."""
+    while True:
+        try:
+            return row, run_row(row)
+        except RuntimeError as error:  # the row says what failed; the other families still run
+            failure = str(error).strip().splitlines()[-1][:300]
+        larger = row["gpus"] * FAMILY_GROWTH
+        if "MemoryLimitError" not in failure or row["name"] in FAMILY_CLUSTERS or larger > FAMILY_MAX_GPUS:
+            return row, {"error": failure}
+        print(f"[planning-families] {row['name']}: fits no plan on {row['gpus']} GPUs", file=sys.stderr, flush=True)
+        row = {**row, "gpus": larger, "batch": row["batch"] * FAMILY_GROWTH}
+
+
 def _plan_text(summary: dict) -> str:
     if not summary:  # no expert configuration pinned
         return "-"
@@ -425,6 +443,12 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float, probes: li
         "- "
         + "; ".join(f"{family}: {c['batch']} sequences on {c['gpus']} H100s" for family, c in FAMILY_CLUSTERS.items())
         + " (its training state does not fit 64 GPUs; its own cluster's size and final batch).",
+        *(
+            f"- {row['name']}: {row['batch']} sequences on {row['gpus']} H100s (its training state fits no plan on "
+            f"fewer: planned on {FAMILY_GROWTH}x the GPUs and sequences until it fits)."
+            for row, _ in results
+            if row["name"] not in FAMILY_CLUSTERS and row["gpus"] != FAMILY_GPUS
+        ),
         "- not planned here: " + "; ".join(f"{family}: {why}" for family, why in FAMILIES_LEFT_OUT.items()) + ".",
         "",
         "| family | parameters | sequence | capture s | search s | peak RSS GiB | plan | step s | TFLOP/s | peak GiB |",
@@ -466,10 +490,7 @@ def main() -> int:
     if args.families:
         results = []
         for row in family_rows()[: 3 if args.quick else None]:
-            try:
-                results.append((row, run_row(row)))
-            except RuntimeError as error:  # the row says what failed; the other families still run
-                results.append((row, {"error": str(error).strip().splitlines()[-1][:300]}))
+            results.append(run_family(row))
             done = results[-1][1].get("error") or f"{results[-1][1]['search_s']:.1f} s"
             print(f"[planning-families] {row['name']}: {done}", file=sys.stderr, flush=True)
         elapsed = time.perf_counter() - started
