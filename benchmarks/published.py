@@ -241,6 +241,7 @@ def render(
     for name, stack in data["stacks"].items():
         fixed, per_rank = stack.get("grad_bucket_params", (0, 0))
         buckets = f"max({fixed:,}, {per_rank:,} x dp) parameters" if fixed else "autopar's (25 MiB)"
+        buckets += f"; reduced in {stack.get('reduce_dtype', 'float32')}"
         cite = f"; {stack['grad_bucket_cite']}" if fixed else ""
         accumulation = stack.get("grad_accumulation_bytes")
         cite += f"; {stack['grad_accumulation_cite']}" if accumulation is not None else ""
@@ -260,6 +261,7 @@ def render(
             )
             cite += f"; {stack['zero3_reuse_cite']}"
         cite += f"; {stack['zero3_per_parameter_cite']}" if "zero3_per_parameter_cite" in stack else ""
+        cite += f"; {stack['reduce_dtype_cite']}" if "reduce_dtype_cite" in stack else ""
         attention = stack.get("attention", {"kernel": "the preset's"})
         cite += f"; {attention['cite']}" if "cite" in attention else ""
         lines.append(

@@ -100,6 +100,7 @@ def options_for(row: dict, stack: dict) -> dict:
         "precision": row["precision"],
         "constraints": constraints or None,
         "regather": True if sequence_parallel else None,
+        "reduce_dtype": stack.get("reduce_dtype"),  # None: fp32, autopar's default
     }
     if row["recompute"] is not None:
         options["recompute"] = row["recompute"]

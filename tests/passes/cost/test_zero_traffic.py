@@ -101,3 +101,20 @@ def test_a_stack_that_releases_gathered_weights_gathers_again_for_the_recomputed
     in_layers = {n: e for n, e in _parameters().items() if n.startswith("layers.")}
     released = [n for n in in_layers if kept is not None and not n.endswith(kept)]
     assert again == pytest.approx(sum(_gather_s(in_layers[n]) for n in released), rel=1e-6, abs=1e-12)
+
+
+def test_a_stack_that_reduce_scatters_parameters_alone_holds_one_parameters_gradient_in_flight():
+    """autopar's ZeRO-3 (as FSDP2) reduce-scatters a layer's gradients at once: two layers' worth
+    in flight (one filling while the one before is reduced); a stack that reduce-scatters each
+    parameter alone holds two of its largest parameter's gradients (fp32 here)."""
+    plan = plan_example("gpt.py", (2, 4), batch=16, model_kwargs=GPT, hardware=FLAT_A100, **PINS)
+    model = meta_model("gpt.py", **GPT)
+    graph = capture(model, model.example_inputs(16, device="meta"))
+
+    def buckets(hardware) -> float:
+        return evaluate_plan(graph, plan, hardware).memory["grad_buckets"]
+
+    layer = sum(e for n, e in _parameters().items() if n.startswith("layers.0."))
+    largest = max(_parameters().values())
+    assert buckets(FLAT_A100) == pytest.approx(2 * 4 * layer)
+    assert buckets(dataclasses.replace(FLAT_A100, **DEEPSPEED)) == pytest.approx(2 * 4 * largest)
