@@ -147,27 +147,10 @@ def scaling_rows() -> list[dict]:
     """Search time against depth (GPT, hidden 4096, on 64 A100) and against devices (GPT 1.7B,
     16 sequences per device as Megatron's 1.7B row: a fixed batch of 1024 does not fit on 8 devices
     without gradient accumulation, which the free search weighs only inside pipelines)."""
-    by_layers = [
-        {
-            "name": f"layers {layers}",
-            "model": _gpt(4096, layers, 32),
-            "gpus": 64,
-            "batch": 512,
-            "hardware": "a100-80gb",
-        }
-        for layers in SCALING_LAYERS
-    ]
-    by_devices = [
-        {
-            "name": f"devices {gpus}",
-            "model": _gpt(2304, 24, 24),
-            "gpus": gpus,
-            "batch": 16 * gpus,
-            "hardware": "a100-80gb",
-        }
-        for gpus in SCALING_DEVICES
-    ]
-    return by_layers + by_devices
+    a100 = dict(hardware="a100-80gb")
+    by_layers = [dict(name=f"layers {n}", model=_gpt(4096, n, 32), gpus=64, batch=512, **a100) for n in SCALING_LAYERS]
+    gpt = _gpt(2304, 24, 24)
+    return by_layers + [dict(name=f"devices {n}", model=gpt, gpus=n, batch=16 * n, **a100) for n in SCALING_DEVICES]
 
 
 def family_rows() -> list[dict]:
