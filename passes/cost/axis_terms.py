@@ -403,8 +403,7 @@ def traffic(
                 maximum(0.0, gather - _input_gradients_s(facts, chosen, readers, ctx)) * facts[consumer].weight
             )
             regathered_inputs.update(readers)
-    trainable = [slot for slot in partial if facts[slot].kind == "param" and facts[slot].needs_grad]
-    recompute_s = recompute_gathers_s(facts, trainable, ctx, param_shapes)
+    recompute_s = recompute_gathers_s(facts, list(partial), ctx, param_shapes)
     return Traffic(comm, sync, once_s, frozenset(synced), regather_s, frozenset(regathered_inputs), recompute_s)
 
 

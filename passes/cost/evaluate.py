@@ -290,8 +290,8 @@ def _model_state(facts, layout: LayoutTerms, degrees, mesh, hardware: HardwarePr
         # each bucket once reduce-scattered (runtime/grad_sync.py), ZeRO-3 each layer group's
         # (runtime/zero/reduce_scatter.py, as FSDP2), or each parameter's for a stack that
         # reduce-scatters them alone: one filling while the one before is in flight
-        layer = maximum(*synced_by_layer.values()) if not hardware.zero3_per_parameter else largest_synced
-        in_flight = 2 * (layer if zero >= 3 else maximum(bucket_cap(1), largest_synced))
+        group = largest_synced if hardware.zero3_per_parameter else maximum(*synced_by_layer.values())
+        in_flight = 2 * (group if zero >= 3 else maximum(bucket_cap(1), largest_synced))
         memory["grad_buckets"] = minimum(memory["grad_buckets"], in_flight)
     return memory, update_s, accumulate_s
 

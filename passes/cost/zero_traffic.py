@@ -105,13 +105,14 @@ def recompute_gathers_s(facts, params: list[str], ctx: AxisContext, param_shapes
     the backward of the layer's weights after it (twice their elements). autopar's runtime, as
     FSDP, gathers a layer once for its recomputed forward and backward together: 0.
 
-    ``params``: the trainable parameters the axis moves, in the order ops use them."""
+    ``params``: what the axis moves (parameters and activations), in the order ops use them."""
     hardware = ctx.hardware
     if ctx.name != Axis.DP or ctx.zero != 3 or ctx.size <= 1 or hardware is None or not hardware.zero3_reuse_elements:
         return 0.0
     by_layer: dict[str, list[str]] = {}
     for name in params:
-        if facts[name].gather_group:  # parameters outside layers are not recomputed
+        fact = facts[name]
+        if fact.kind == "param" and fact.needs_grad and fact.gather_group:  # outside layers: not recomputed
             by_layer.setdefault(facts[name].gather_group, []).append(name)
     seconds = 0.0
     for names in by_layer.values():

@@ -20,12 +20,19 @@ PINS = dict(degrees={"dp": 8, "tp": 1}, zero=3, microbatches=1, precision="fp32"
 DEEPSPEED = dict(zero3_per_parameter=True)
 
 
-def _sync(hardware, **pins) -> float:
-    """The step's gradient sync of the GPT on a 2 x 4 mesh, all of it data-parallel ZeRO-3."""
+DP_LINK = dataclasses.replace(FLAT_A100.link((2, 4), 8, 8), sync_s=0.0)  # the 8 ranks' tier
+
+
+def _cost(hardware, **pins):
+    """The step's cost of the GPT on a 2 x 4 mesh, all of it data-parallel ZeRO-3."""
     plan = plan_example("gpt.py", (2, 4), batch=16, model_kwargs=GPT, hardware=FLAT_A100, **{**PINS, **pins})
     model = meta_model("gpt.py", **GPT)
     graph = capture(model, model.example_inputs(16, device="meta"))
-    return evaluate_plan(graph, plan, hardware).grad_sync_s
+    return evaluate_plan(graph, plan, hardware)
+
+
+def _sync(hardware, **pins) -> float:
+    return _cost(hardware, **pins).grad_sync_s
 
 
 def _parameters() -> dict[str, int]:
@@ -34,13 +41,11 @@ def _parameters() -> dict[str, int]:
 
 def _gather_s(elements: int) -> float:
     """One all-gather of an fp32 parameter over the 8 ranks, latency included."""
-    link = dataclasses.replace(FLAT_A100.link((2, 4), 8, 8), sync_s=0.0)
-    return collective_time("all_gather", 4.0 * elements, 8, link)
+    return collective_time("all_gather", 4.0 * elements, 8, DP_LINK)
 
 
 def _latency(kind: str) -> float:
-    link = dataclasses.replace(FLAT_A100.link((2, 4), 8, 8), sync_s=0.0)
-    return collective_time(kind, 1.0, 8, link)
+    return collective_time(kind, 1.0, 8, DP_LINK)
 
 
 def test_zero3_pays_each_collectives_latency_per_layer_or_per_parameter_as_the_stack_moves():
@@ -107,14 +112,7 @@ def test_a_stack_that_reduce_scatters_parameters_alone_holds_one_parameters_grad
     """autopar's ZeRO-3 (as FSDP2) reduce-scatters a layer's gradients at once: two layers' worth
     in flight (one filling while the one before is reduced); a stack that reduce-scatters each
     parameter alone holds two of its largest parameter's gradients (fp32 here)."""
-    plan = plan_example("gpt.py", (2, 4), batch=16, model_kwargs=GPT, hardware=FLAT_A100, **PINS)
-    model = meta_model("gpt.py", **GPT)
-    graph = capture(model, model.example_inputs(16, device="meta"))
-
-    def buckets(hardware) -> float:
-        return evaluate_plan(graph, plan, hardware).memory["grad_buckets"]
-
     layer = sum(e for n, e in _parameters().items() if n.startswith("layers.0."))
     largest = max(_parameters().values())
-    assert buckets(FLAT_A100) == pytest.approx(2 * 4 * layer)
-    assert buckets(dataclasses.replace(FLAT_A100, **DEEPSPEED)) == pytest.approx(2 * 4 * largest)
+    assert _cost(FLAT_A100).memory["grad_buckets"] == pytest.approx(2 * 4 * layer)
+    assert _cost(dataclasses.replace(FLAT_A100, **DEEPSPEED)).memory["grad_buckets"] == pytest.approx(2 * 4 * largest)
