@@ -2,19 +2,22 @@
 
 Pre: a model whose MoE blocks :func:`moe_modules` recognizes.
 Post: inside :func:`composite_moe`, each recognized block's forward is one call of
-``autopar::moe(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, "")``
+``autopar::moe(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, activation, "")``
 (``runtime/expert_parallel.py`` holds its math), so ``passes.capture.capture`` records one
 ``autopar.moe`` node per layer and none of the routing's data-dependent ops; on exit the
 original forwards are back.
 
 What is recognized (duck-typing, so Hugging Face blocks of Mixtral's shape match too:
 Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE's with its gated shared expert; blocks with biases,
-another activation or another kind of shared expert do not):
+an activation not named below or another kind of shared expert do not):
 
 - a router at ``block.gate`` or ``block.router`` holding only a ``weight`` [E, H] (an
   ``nn.Linear`` without bias, or a Hugging Face ``*TopKRouter``), with softmax → top-k routing;
 - ``block.experts`` holding only ``gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and
-  ``down_proj`` [E, H, F], whose ``act_fn`` computes SiLU;
+  ``down_proj`` [E, H, F], whose ``act_fn`` is a gated activation the ops know
+  (``runtime/kernels/expert_activations.py``): a one-argument one applied as ``act(gate) · up``
+  (SiLU, GELU, tanh-GELU, ReLU), or ``act_fn(gate, up)`` computing Inkling-2's softcapped SwiGLU,
+  told apart by their values on probe inputs (:func:`_activation_name`);
 - ``top_k`` on the block or the router; ``norm_topk_prob`` on either says whether the top-k
   weights are renormalized (without it they are, as in Mixtral);
 - nothing else in the block (no other parameters or buffers), but for Qwen2-MoE's shared expert:
@@ -24,9 +27,9 @@ another activation or another kind of shared expert do not):
 
 Experts a block calls with routing of its own (``experts(hidden_states, top_k_index,
 top_k_weights)``, transformers' experts classes: DeepSeek-V3's behind its grouped sigmoid router,
-DBRX's, ...) in a block not recognized as above become one ``autopar::moe_experts(x, weights,
-ids, gate_up, down, capacity_factor, "")`` call each, when the experts module holds what
-``block.experts`` must hold above or DBRX's layout of the same SwiGLU experts
+DBRX's, Inkling-2's, ...) in a block not recognized as above become one ``autopar::moe_experts(x,
+weights, ids, gate_up, down, capacity_factor, activation, "")`` call each, when the experts module
+holds what ``block.experts`` must hold above or DBRX's layout of the same gated experts
 (:func:`_expert_weights`): the router and whatever else the block does stay ordinary ops.
 
 The block's forward takes hidden states [..., H]. It returns the output alone (Hugging Face), or
@@ -43,11 +46,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from autopar.ir import OP_NAMESPACE, ConfigError
 from autopar.passes.cost.kernels import chosen_load, expert_load
+from autopar.runtime.kernels.expert_activations import UNARY, gated_activation, softcapped_spec
 
 EXPERTS_OP = f"{OP_NAMESPACE}.moe"  # the composite op each mixture-of-experts block becomes
 ROUTED_EXPERTS_OP = f"{OP_NAMESPACE}.moe_experts"  # experts routed by the model's own ops (names start alike)
@@ -65,6 +68,7 @@ class MoEParts:
     top_k: int
     normalize: bool
     returns_router_logits: bool
+    activation: str  # the experts' gated activation, by its ops' name
     shared: nn.Module | None = None  # Qwen2-MoE's shared expert, added under a sigmoid gate
     shared_gate: nn.Module | None = None
 
@@ -84,7 +88,8 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
         return None
     if set(_own_tensors(router)) != {"weight"} or any(True for _ in router.children()):
         return None
-    if not _stacked_experts(experts):
+    activation = _stacked_activation(experts)
+    if activation is None:
         return None
     top_k = getattr(block, "top_k", getattr(router, "top_k", None))
     if not isinstance(top_k, int) or _expert_shape(experts.gate_up_proj, experts.down_proj) != router.weight.shape:
@@ -93,7 +98,7 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
     if not _routes_by_softmax_top_k(router, top_k, bool(normalize)):
         return None
     returns_logits = bool(getattr(block, "returns_router_logits", False))
-    return MoEParts(router, experts, top_k, bool(normalize), returns_logits, shared, shared_gate)
+    return MoEParts(router, experts, top_k, bool(normalize), returns_logits, activation, shared, shared_gate)
 
 
 def _routes_by_softmax_top_k(router: nn.Module, top_k: int, normalize: bool) -> bool:
@@ -129,15 +134,15 @@ def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module 
     return (shared, gate) if gated and gate.out_features == 1 else (None, None)
 
 
-def _stacked_experts(experts) -> bool:
-    """Whether ``experts`` holds only ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]
-    with a SiLU ``act_fn``: the expert weights ``autopar::moe`` and ``moe_experts`` take."""
-    return (
-        isinstance(experts, nn.Module)
-        and set(_own_tensors(experts)) == _EXPERT_PARAMS
-        and _computes_silu(getattr(experts, "act_fn", None))
-        and _expert_shape(experts.gate_up_proj, experts.down_proj) is not None
-    )
+def _stacked_activation(experts) -> str | None:
+    """The activation of ``experts`` if it holds only ``gate_up_proj`` [E, 2F, H] and ``down_proj``
+    [E, H, F] (the expert weights ``autopar::moe`` and ``moe_experts`` take) with an ``act_fn`` the
+    ops know, else None."""
+    if not isinstance(experts, nn.Module) or set(_own_tensors(experts)) != _EXPERT_PARAMS:
+        return None
+    if _expert_shape(experts.gate_up_proj, experts.down_proj) is None:
+        return None
+    return _activation_name(getattr(experts, "act_fn", None))
 
 
 def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -147,30 +152,33 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
     return {
         name: module
         for name, module in model.named_modules()
-        if _expert_weights(module) is not None
+        if _expert_weights(module)[0] is not None
         and _parameter_names(type(module).forward) == _ROUTED_ARGS
         and not any(name.startswith(f"{block}.") for block in blocks)
     }
 
 
 def _expert_weights(experts: nn.Module):
-    """A function giving ``experts``' weights as ``moe_experts`` takes them, (gate_up [E, 2F, H],
-    down [E, H, F]), when it holds SwiGLU experts in a layout known here, else None: stacked
-    (:func:`_stacked_experts`), or DBRX's (``mlp.w1``, ``mlp.v1``, ``mlp.w2``, each [E·F, H]: gate,
-    up and the transposed down of expert e in rows e·F to (e+1)·F; viewed and joined in the graph,
-    so their gradients reach them)."""
-    if _stacked_experts(experts):
-        return lambda: (experts.gate_up_proj, experts.down_proj)
+    """(a function giving ``experts``' weights as ``moe_experts`` takes them, (gate_up [E, 2F, H],
+    down [E, H, F]), and their activation's name) when it holds gated experts in a layout known
+    here, else (None, None): stacked (:func:`_stacked_activation`), or DBRX's (``mlp.w1``,
+    ``mlp.v1``, ``mlp.w2``, each [E·F, H]: gate, up and the transposed down of expert e in rows e·F
+    to (e+1)·F; viewed and joined in the graph, so their gradients reach them)."""
+    activation = _stacked_activation(experts)
+    if activation is not None:
+        return (lambda: (experts.gate_up_proj, experts.down_proj)), activation
     mlp, count = getattr(experts, "mlp", None), getattr(experts, "num_experts", None)
     if _own_tensors(experts) or [name for name, _ in experts.named_children()] != ["mlp"] or not isinstance(count, int):
-        return None
-    if set(_own_tensors(mlp)) != {"w1", "v1", "w2"} or not _computes_silu(getattr(mlp, "activation_fn", None)):
-        return None
+        return None, None
+    activation = _activation_name(getattr(mlp, "activation_fn", None))
+    if set(_own_tensors(mlp)) != {"w1", "v1", "w2"} or activation is None:
+        return None, None
     shape = mlp.w1.shape
     if len(shape) != 2 or shape[0] % count or mlp.v1.shape != shape or mlp.w2.shape != shape:
-        return None
+        return None, None
     split = (count, shape[0] // count, shape[1])
-    return lambda: (torch.cat([mlp.w1.view(split), mlp.v1.view(split)], dim=1), mlp.w2.view(split).transpose(1, 2))
+    weights = lambda: (torch.cat([mlp.w1.view(split), mlp.v1.view(split)], dim=1), mlp.w2.view(split).transpose(1, 2))  # noqa: E731
+    return weights, activation
 
 
 def _parameter_names(forward) -> list[str]:
@@ -234,6 +242,7 @@ def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_fa
             parts.top_k,
             parts.normalize,
             float(capacity_factor),
+            parts.activation,
             "",
         )
         if parts.shared is not None:  # Qwen2-MoE's: routed + sigmoid(gate(x)) * shared(x)
@@ -249,11 +258,12 @@ def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_fa
 
 
 def _routed_forward(experts: nn.Module, capacity_factor: float):
-    weights = _expert_weights(experts)
+    weights, activation = _expert_weights(experts)
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out = torch.ops.autopar.moe_experts(x, top_k_weights, top_k_index, *weights(), float(capacity_factor), "")
+        options = (float(capacity_factor), activation, "")
+        out = torch.ops.autopar.moe_experts(x, top_k_weights, top_k_index, *weights(), *options)
         return out.view(hidden_states.shape)
 
     return forward
@@ -274,14 +284,32 @@ def _own_tensors(module: nn.Module) -> list[str]:
     ]
 
 
-def _computes_silu(act_fn) -> bool:
+def _activation_name(act_fn) -> str | None:
+    """The name the expert ops know ``act_fn`` by (``runtime/kernels/expert_activations.py``), else
+    None: a one-argument activation equal to one of theirs on probe values, or a two-argument
+    ``act_fn(gate, up)`` equal to the softcapped SwiGLU whose caps it shows at large inputs
+    (σ(gate) → 1 and cap(gate) → its cap; cap(up) ≈ up when up is small)."""
     if not callable(act_fn):
-        return False
-    probe = torch.linspace(-3.0, 3.0, 7, device="cpu")
+        return None
+    gate, up = torch.linspace(-8.0, 8.0, 33), torch.linspace(40.0, -40.0, 33)  # past the caps models use
     try:
-        return torch.equal(act_fn(probe), F.silu(probe))
-    except Exception:  # an activation that cannot take a plain CPU tensor is not the SiLU we know
-        return False
+        with torch.no_grad():
+            try:
+                single = act_fn(gate)
+            except TypeError:  # takes (gate, up)
+                single = None
+            if single is not None:
+                return next((name for name, act in UNARY.items() if _close(single, act(gate))), None)
+            large, small = torch.tensor([1e4]), torch.tensor([1e-3])
+            gate_cap = act_fn(large, small).item() / small.item()
+            spec = softcapped_spec(gate_cap, act_fn(large, large).item() / gate_cap)
+            return spec if _close(act_fn(gate, up), gated_activation(spec)(gate, up)) else None
+    except Exception:  # noqa: BLE001  (an activation that cannot take plain CPU tensors is not one the ops know)
+        return None
+
+
+def _close(actual, expected) -> bool:
+    return torch.is_tensor(actual) and actual.shape == expected.shape and torch.allclose(actual, expected, 1e-5, 1e-6)
 
 
 def _expert_shape(gate_up, down) -> tuple[int, int] | None:

@@ -8,8 +8,9 @@ slice of the expert weights. The math is Mixtral's (``MixtralSparseMoeBlock``):
     logits = x @ router_weightᵀ                       [T, E]
     probs  = softmax(logits) (in fp32); the top_k experts per token by probability,
              their probabilities renormalized to sum to 1 if ``normalize``
-    out[t] = Σ_j weight[t, j] · down[e] @ (silu(g) * u),  g, u = (gate_up[e] @ x[t]).chunk(2)
-             with e the token's j-th expert: the gate rows come first in ``gate_up``.
+    out[t] = Σ_j weight[t, j] · down[e] @ glu(g, u),  g, u = (gate_up[e] @ x[t]).chunk(2)
+             with e the token's j-th expert: the gate rows come first in ``gate_up``; glu is the
+             op's ``activation`` (``expert_activations.py``: SwiGLU's ``silu(g) · u`` for Mixtral).
 
 ``group_name == ""``: every expert is local (the single-process meaning, also used by plain
 data parallelism). With an EP group of P ranks, rank r holds experts [r·E/P, (r+1)·E/P) and
@@ -51,6 +52,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autopar.runtime.kernels.expert_activations import gated_activation
 
 
 @dataclass(frozen=True)
@@ -170,35 +173,31 @@ def _from_experts(rows: Tensor, plan: _Dispatch, group) -> Tensor:
     return _exchange(ungrouped, plan.recv_splits, plan.send_splits, group)
 
 
-def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, expert_rows: list[int]) -> Tensor:
-    outs = []
+def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, expert_rows: list[int], activation: str) -> Tensor:
+    glu, outs = gated_activation(activation), []
     for expert, chunk in enumerate(rows.split(expert_rows)):
-        gate, up = F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, down[expert]))
+        outs.append(F.linear(glu(*F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)), down[expert]))
     return torch.cat(outs)
 
 
-def _experts_backward(rows, grads, weights, gate_up, down, expert_rows):
+def _experts_backward(rows, grads, weights, gate_up, down, expert_rows, activation: str):
     """Recompute each expert on its rows and return (dx rows, d weight rows, d gate_up, d down).
 
     ``grads`` are the tokens' output gradients, ``weights`` the slots' combine weights: the
     expert's output y enters the loss as weight · y, so d weight = ⟨grad, y⟩ and dy = weight · grad.
+    The activation's own gradient is ``torch.func.vjp``'s (autograd does not record inside an op).
     """
+    glu = gated_activation(activation)
     d_gate_up, d_down = torch.zeros_like(gate_up), torch.zeros_like(down)
     d_rows, d_weights = [], []
     for expert, (x, grad, weight) in enumerate(
         zip(rows.split(expert_rows), grads.split(expert_rows), weights.split(expert_rows))
     ):
-        gate, up = F.linear(x, gate_up[expert]).chunk(2, dim=-1)
-        sigmoid = torch.sigmoid(gate)
-        activated = gate * sigmoid
-        hidden = activated * up
+        hidden, activation_vjp = torch.func.vjp(glu, *F.linear(x, gate_up[expert]).chunk(2, dim=-1))
         d_weights.append((grad * F.linear(hidden, down[expert])).sum(-1))
         d_out = grad * weight[:, None]
         d_down[expert] = d_out.t() @ hidden
-        d_hidden = d_out @ down[expert]
-        d_gate = d_hidden * up * sigmoid * (1 + gate * (1 - sigmoid))  # silu'(g) = σ(g)(1 + g(1 − σ(g)))
-        d_proj = torch.cat([d_gate, d_hidden * activated], dim=-1)
+        d_proj = torch.cat(activation_vjp(d_out @ down[expert]), dim=-1)
         d_gate_up[expert] = d_proj.t() @ x
         d_rows.append(d_proj @ gate_up[expert])
     return torch.cat(d_rows), torch.cat(d_weights), d_gate_up, d_down
@@ -213,35 +212,40 @@ def moe(
     top_k: int,
     normalize: bool,
     capacity_factor: float,
+    activation: str,
     group_name: str,
 ) -> tuple[Tensor, Tensor]:
     """A mixture-of-experts layer on ``x`` [T, H]: ``(out [T, H], router_logits [T, E])``.
 
     ``gate_up`` [E_local, 2F, H] (gate rows, then up rows) and ``down`` [E_local, H, F] are this
-    rank's experts; ``group_name`` is the EP group ("" for none). See the module docstring for
+    rank's experts, ``activation`` their gated activation (``expert_activations.py``);
+    ``group_name`` is the EP group ("" for none). See the module docstring for
     the math, capacity and gradient semantics. Example::
 
-        out, logits = torch.ops.autopar.moe(x, router.weight, gate_up, down, 2, True, 0.0, "")
+        out, logits = torch.ops.autopar.moe(x, router.weight, gate_up, down, 2, True, 0.0, "silu", "")
     """
     group = _group(group_name)
     _check_shapes(x, router_weight, gate_up, down, top_k, group)
     logits = F.linear(x, router_weight)
     routing = _route(logits, top_k, normalize, capacity_factor)
-    return _combine(x, routing.experts, routing.keep, routing.weights, gate_up, down, group), logits
+    combined = _combine(x, routing.experts, routing.keep, routing.weights, gate_up, down, activation, group)
+    return combined, logits
 
 
-def _combine(x: Tensor, experts: Tensor, keep: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, group) -> Tensor:
+def _combine(
+    x: Tensor, experts: Tensor, keep: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, activation: str, group
+):
     """Σ_j weights[t, j] · expert_j(x[t]) for the kept slots, each slot's row sent to its expert's owner."""
     (tokens, hidden), top_k = x.shape, experts.shape[1]
     plan = _plan_dispatch(experts, keep, gate_up.shape[0] * _size(group), group)
     received = _to_experts(x[plan.slots // top_k], plan, group)
-    returned = _from_experts(_experts_forward(received, gate_up, down, plan.expert_rows), plan, group)
+    returned = _from_experts(_experts_forward(received, gate_up, down, plan.expert_rows, activation), plan, group)
     slot_outputs = x.new_zeros((tokens * top_k, hidden))
     slot_outputs[plan.slots] = returned
     return (weights.to(x.dtype).unsqueeze(-1) * slot_outputs.view(tokens, top_k, hidden)).sum(1)
 
 
-def _combine_backward(grad_out, x, experts, keep, weights, gate_up, down, group):
+def _combine_backward(grad_out, x, experts, keep, weights, gate_up, down, activation, group):
     """(d x, d weights [T, k] in fp32, d gate_up, d down) of :func:`_combine`: each kept slot's
     input row, output gradient and weight go to the expert's owner, which recomputes the expert
     and sends back the input gradient and the weight's gradient (the reverse all-to-all)."""
@@ -252,7 +256,7 @@ def _combine_backward(grad_out, x, experts, keep, weights, gate_up, down, group)
     sent = torch.cat([x[token_of_slot], grad_out[token_of_slot], slot_weights[:, None]], dim=1)
     received = _to_experts(sent, plan, group)
     d_rows, d_weight_rows, d_gate_up, d_down = _experts_backward(
-        received[:, :hidden], received[:, hidden:-1], received[:, -1], gate_up, down, plan.expert_rows
+        received[:, :hidden], received[:, hidden:-1], received[:, -1], gate_up, down, plan.expert_rows, activation
     )
     returned = _from_experts(torch.cat([d_rows, d_weight_rows[:, None]], dim=1), plan, group)
     d_x = torch.zeros_like(x).index_add_(0, token_of_slot, returned[:, :hidden])
@@ -266,7 +270,8 @@ def _size(group) -> int:
 
 
 @moe.register_fake
-def _(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, group_name):
+def _(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, activation, group_name):
+    gated_activation(activation)  # an unknown name fails at capture, named
     _check_shapes(x, router_weight, gate_up, down, top_k, _group(group_name))
     return x.new_empty(x.shape), x.new_empty((x.shape[0], router_weight.shape[0]))
 
@@ -283,6 +288,7 @@ def moe_backward(
     top_k: int,
     normalize: bool,
     capacity_factor: float,
+    activation: str,
     group_name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`moe` for x, router_weight, gate_up, down (what its autograd calls).
@@ -291,7 +297,7 @@ def moe_backward(
     """
     routing = _route(router_logits, top_k, normalize, capacity_factor)
     d_x, d_weights, d_gate_up, d_down = _combine_backward(
-        grad_out, x, routing.experts, routing.keep, routing.weights, gate_up, down, _group(group_name)
+        grad_out, x, routing.experts, routing.keep, routing.weights, gate_up, down, activation, _group(group_name)
     )
     if normalize:  # w = v / Σv  ⇒  dv = (dw − Σ_j dw_j·w_j) / Σv
         d_weights = (d_weights - (d_weights * routing.weights).sum(-1, keepdim=True)) / routing.top_probs.sum(
@@ -319,7 +325,7 @@ def _moe_autograd(ctx, grad_out, grad_logits):
     grad_out = torch.zeros_like(x) if grad_out is None else grad_out
     grad_logits = torch.zeros_like(router_logits) if grad_logits is None else grad_logits
     grads = moe_backward(grad_out, grad_logits, x, router_weight, gate_up, down, router_logits, *ctx.options)
-    return (*grads, None, None, None, None)
+    return (*grads, None, None, None, None, None)
 
 
 moe.register_autograd(_moe_autograd, setup_context=_save_for_backward)
@@ -333,6 +339,7 @@ def moe_experts(
     gate_up: Tensor,
     down: Tensor,
     capacity_factor: float,
+    activation: str,
     group_name: str,
 ) -> Tensor:
     """The experts of a mixture-of-experts layer routed by the model's own router: ``out`` [T, H]
@@ -341,11 +348,12 @@ def moe_experts(
     grouped sigmoid routing, for one). Dispatch, capacity and expert gradients as :func:`moe`;
     ``weights`` gets its gradient, ``experts`` none. Example::
 
-        out = torch.ops.autopar.moe_experts(x, top_weights, top_ids, gate_up, down, 0.0, "")
+        out = torch.ops.autopar.moe_experts(x, top_weights, top_ids, gate_up, down, 0.0, "silu", "")
     """
     group = _group(group_name)
     _check_routed(x, weights, experts, gate_up, down, group)
-    return _combine(x, experts, _kept(experts, gate_up, capacity_factor, group), weights, gate_up, down, group)
+    keep = _kept(experts, gate_up, capacity_factor, group)
+    return _combine(x, experts, keep, weights, gate_up, down, activation, group)
 
 
 def _kept(experts: Tensor, gate_up: Tensor, capacity_factor: float, group) -> Tensor:
@@ -362,7 +370,8 @@ def _check_routed(x, weights, experts, gate_up, down, group) -> None:
 
 
 @moe_experts.register_fake
-def _(x, weights, experts, gate_up, down, capacity_factor, group_name):
+def _(x, weights, experts, gate_up, down, capacity_factor, activation, group_name):
+    gated_activation(activation)
     _check_routed(x, weights, experts, gate_up, down, _group(group_name))
     return x.new_empty(x.shape)
 
@@ -376,12 +385,15 @@ def moe_experts_backward(
     gate_up: Tensor,
     down: Tensor,
     capacity_factor: float,
+    activation: str,
     group_name: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Gradients of :func:`moe_experts` for x, weights, gate_up, down."""
     group = _group(group_name)
     keep = _kept(experts, gate_up, capacity_factor, group)
-    d_x, d_weights, d_gate_up, d_down = _combine_backward(grad_out, x, experts, keep, weights, gate_up, down, group)
+    d_x, d_weights, d_gate_up, d_down = _combine_backward(
+        grad_out, x, experts, keep, weights, gate_up, down, activation, group
+    )
     return d_x, d_weights.to(weights.dtype), d_gate_up, d_down
 
 
@@ -399,7 +411,7 @@ def _save_routed(ctx, inputs, output):
 def _moe_experts_autograd(ctx, grad_out):
     grads = moe_experts_backward(grad_out, *ctx.saved_tensors, *ctx.options)
     d_x, d_weights, d_gate_up, d_down = grads
-    return d_x, d_weights, None, d_gate_up, d_down, None, None
+    return d_x, d_weights, None, d_gate_up, d_down, None, None, None
 
 
 moe_experts.register_autograd(_moe_experts_autograd, setup_context=_save_routed)

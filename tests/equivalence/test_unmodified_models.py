@@ -18,10 +18,8 @@ every other family. Also on one of the models: calls of other sizes and with a p
 new plan), a loss computed outside
 from returned logits, and a batch the mesh cannot split."""
 
-import importlib.util
-
 import torch
-from equivalence import ADAM_EPS, LEARNING_RATE, ROOT, _rel, check_every_case, load_example, run_case
+from equivalence import ADAM_EPS, LEARNING_RATE, _rel, check_every_case, load_example, run_case
 from shared_captures import build
 
 import autopar
@@ -54,18 +52,11 @@ def _batch(seed: int, batch: int = BATCH, seq: int = SEQ) -> dict:
     return {"input_ids": tokens, "labels": tokens.roll(1, 0)}  # a graph mixing them up would show
 
 
-def _hf_configs():
-    spec = importlib.util.spec_from_file_location("hf_configs", ROOT / "benchmarks" / "hf_configs.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _one_step(family: str, sizes: dict | None, options: dict) -> dict:
     options = dict(options)
     torch.manual_seed(0)
     if sizes is SHRUNK:
-        model = build(_hf_configs().small_model, family=family)
+        model = build(load_example("hf_configs.py", "benchmarks").small_model, family=family)
     else:
         model = build(load_example("hf.py").from_config, family=family, **sizes)
     padded = options.pop("padded", False)

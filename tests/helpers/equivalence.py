@@ -35,8 +35,9 @@ GPT2_TP = {"transformer.h.*.mlp.c_fc": "S(-1)", "transformer.h.*.mlp.c_proj": "P
 GPT2_SP = {**GPT2_TP, "transformer.h.*.ln_[12]": "S(1)"}
 
 
-def load_example(file: str):
-    spec = importlib.util.spec_from_file_location(Path(file).stem, ROOT / "examples" / file)
+def load_example(file: str, folder: str = "examples"):
+    """A script of the repository's ``folder`` as a module (``load_example("hf_configs.py", "benchmarks")``)."""
+    spec = importlib.util.spec_from_file_location(Path(file).stem, ROOT / folder / file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

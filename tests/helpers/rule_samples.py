@@ -301,7 +301,8 @@ def experts(draw, p):
     x, router = values(draw, (tokens, hidden)), values(draw, (count, hidden))
     gate_up, down = values(draw, (count, 2 * ffn, hidden)), values(draw, (count, hidden, ffn))
     top_k = draw(st.integers(1, count))
-    return Sample(torch.ops.autopar.moe.default, (x, router, gate_up, down, top_k, draw(st.booleans()), 0.0, ""))
+    options = (top_k, draw(st.booleans()), 0.0, "silu", "")
+    return Sample(torch.ops.autopar.moe.default, (x, router, gate_up, down, *options))
 
 
 def routed_experts(draw, p):
@@ -311,7 +312,7 @@ def routed_experts(draw, p):
     ids = values(draw, (tokens, count)).topk(top_k, dim=-1).indices  # distinct experts per token
     x, weights = values(draw, (tokens, hidden)), values(draw, (tokens, top_k))
     gate_up, down = values(draw, (count, 2 * ffn, hidden)), values(draw, (count, hidden, ffn))
-    return Sample(torch.ops.autopar.moe_experts.default, (x, weights, ids, gate_up, down, 0.0, ""))
+    return Sample(torch.ops.autopar.moe_experts.default, (x, weights, ids, gate_up, down, 0.0, "silu", ""))
 
 
 # -- factories and like-input ops -----------------------------------------------------------------

@@ -50,14 +50,14 @@ def test_blocks_whose_math_differs_are_not_recognized():
 
     shared_expert = block()
     shared_expert.shared_expert = nn.Linear(8, 8)  # its forward would add a dense expert
-    gelu = block()
-    gelu.experts.act_fn = nn.GELU()
+    tanh = block()  # no gated activation the expert ops know
+    tanh.experts.act_fn = nn.Tanh()
     biased_router = block()
     biased_router.gate = nn.Linear(8, 4)
     other_routing = block()  # a router of the op's shape routing otherwise (as PhiMoE's samples)
     other_routing.gate = _LeastLikelyRouter(8, 4, bias=False)
     assert list(moe_modules(block())) == [""]
-    for model in (shared_expert, gelu, biased_router, other_routing):
+    for model in (shared_expert, tanh, biased_router, other_routing):
         assert moe_modules(model) == {}
 
 
@@ -193,6 +193,30 @@ def test_dbrx_experts_in_their_own_layout_become_moe_experts_nodes_and_equal_eag
     captured = capture(model, (ids,))
     nodes = [node for node in captured.graph.nodes if str(node.target) == "autopar.moe_experts.default"]
     assert [module_path(node) for node in nodes] == list(routed_experts(model))
+
+
+def test_experts_of_another_activation_run_it_in_the_op_and_equal_eager():
+    """A GELU block becomes the op with "gelu"; Inkling-2's experts, whose act_fn(gate, up) is a
+    softcapped SwiGLU, become moe_experts nodes with its caps read off the probe values."""
+    torch.manual_seed(0)
+    model = moe_gpt.build(hidden=32, layers=2, heads=2, vocab=64, seq=8)
+    for block in moe_modules(model).values():
+        block.experts.act_fn = nn.GELU()
+    inputs = model.example_inputs(4)
+    _assert_composite_equals_eager(model, inputs)
+    nodes = [node for node in capture(model, inputs).graph.nodes if str(node.target) == "autopar.moe.default"]
+    assert [node.args[7] for node in nodes] == ["gelu", "gelu"]
+
+    model = _LossOf(load_example("hf_configs.py", "benchmarks").small_model("inkling2_text"))
+    with torch.no_grad():  # experts at a scale where the gate's softcap (4) bites
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, 0.5)
+    assert list(routed_experts(model)) == [f"model.model.layers.{i}.mlp.experts" for i in range(2)]
+    ids = torch.randint(0, 64, (2, 8))
+    _assert_composite_equals_eager(model, (ids,))
+    nodes = [node for node in capture(model, (ids,)).graph.nodes if str(node.target) == "autopar.moe_experts.default"]
+    assert [node.args[6] for node in nodes] == ["softcapped_silu:4:25"] * 2
 
 
 def test_mixtral_loss_and_gradients_under_composite_equal_eager():

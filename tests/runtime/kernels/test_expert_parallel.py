@@ -25,6 +25,7 @@ from autopar.runtime.spawn import run_local
 
 moe = torch.ops.autopar.moe
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+SOFTCAPPED = "softcapped_silu:1:1.5"  # caps the routed EP check's unit-scale values reach
 
 
 def _scale_weights(block, generator) -> None:
@@ -99,7 +100,7 @@ def test_capacity_drops_slots_over_capacity_first_choices_first():
     down = torch.randn(2, 2, 3, generator=generator).requires_grad_()
     upstream = torch.randn(3, 2, generator=generator)
 
-    out, logits = moe(x, router, gate_up, down, 2, True, 0.5, "")
+    out, logits = moe(x, router, gate_up, down, 2, True, 0.5, "silu", "")
     actual = torch.autograd.grad((out * upstream).sum(), [x, router, gate_up, down])
 
     probs = torch.softmax(x @ router.t(), dim=-1)  # top-2 of 2 experts: weights are the probs
@@ -110,13 +111,13 @@ def test_capacity_drops_slots_over_capacity_first_choices_first():
     wanted = torch.autograd.grad((expected * upstream).sum(), [x, router, gate_up, down])
     for name, got, want in zip(["x", "router", "gate_up", "down"], actual, wanted):
         torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
-    dropless, _ = moe(x, router, gate_up, down, 2, True, 0.0, "")
+    dropless, _ = moe(x, router, gate_up, down, 2, True, 0.0, "silu", "")
     assert not torch.allclose(dropless, out)  # the hand case really drops
 
 
 def _traced_autopar_ops(*leaves) -> list[str]:
     def loss_grad(*leaves):
-        out, logits = moe(*leaves, 2, True, 0.0, "")
+        out, logits = moe(*leaves, 2, True, 0.0, "silu", "")
         return torch.autograd.grad(out.sum() + logits.sum(), leaves)
 
     graph = make_fx(loss_grad, tracing_mode="fake")(*leaves).graph
@@ -131,14 +132,55 @@ def test_op_passes_opcheck_traces_with_its_backward_and_names_bad_shapes():
     x, router = torch.randn(6, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     gate_up, down = torch.randn(3, 10, 4, requires_grad=True), torch.randn(3, 4, 5, requires_grad=True)
     # schema, autograd registration, fake impl against the real one, AOT dispatch
-    torch.library.opcheck(moe.default, (x, router, gate_up, down, 2, True, 0.0, ""))
+    torch.library.opcheck(moe.default, (x, router, gate_up, down, 2, True, 0.0, "silu", ""))
     assert _traced_autopar_ops(x, router, gate_up, down) == ["autopar::moe", "autopar::moe_backward"]
     try:
-        moe(x, router, gate_up[:2], down, 2, True, 0.0, "")
+        moe(x, router, gate_up[:2], down, 2, True, 0.0, "silu", "")
     except ValueError as error:
         assert "gate_up [3, 2·ffn, 4]" in str(error) and "(2, 10, 4)" in str(error)
     else:
         raise AssertionError("a gate_up with the wrong expert count must be refused")
+
+
+HAND_ACTIVATIONS = {  # glu(gate, up) written out, apart from the ops' table (runtime/kernels/expert_activations.py)
+    "silu": lambda g, u: g * torch.sigmoid(g) * u,
+    "gelu": lambda g, u: 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u,
+    "gelu_tanh": lambda g, u: 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u,
+    "relu": lambda g, u: torch.where(g > 0, g, 0) * u,
+    "softcapped_silu:1.5:2": lambda g, u: 1.5 * torch.tanh(g / 1.5) * torch.sigmoid(g) * 2 * torch.tanh(u / 2),
+}
+
+
+def test_experts_compute_each_activation_and_its_gradient_and_name_an_unknown_one():
+    """moe_experts against each expert written out per slot, out and every gradient (unit-scale
+    values, past the softcaps); an unknown activation is refused with the known ones."""
+    generator = torch.Generator().manual_seed(2)
+    tokens, ids = 6, torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [2, 1], [1, 0]])
+    leaves = [
+        torch.randn(tokens, 4, generator=generator),  # x
+        torch.rand(tokens, 2, generator=generator),  # weights
+        torch.randn(3, 10, 4, generator=generator),  # gate_up [E, 2F, H]
+        torch.randn(3, 4, 5, generator=generator),  # down [E, H, F]
+    ]
+    upstream = torch.randn(tokens, 4, generator=generator)
+    for name, glu in HAND_ACTIVATIONS.items():
+        x, weights, gate_up, down = (leaf.clone().requires_grad_() for leaf in leaves)
+        out = torch.ops.autopar.moe_experts(x, weights, ids, gate_up, down, 0.0, name, "")
+        expected = torch.stack([
+            sum(weights[t, j] * F.linear(glu(*F.linear(x[t], gate_up[e]).chunk(2)), down[e]) for j, e in enumerate(row))
+            for t, row in enumerate(ids.tolist())
+        ])  # fmt: skip
+        torch.testing.assert_close(out, expected, **TOLERANCE, msg=name)
+        actual = torch.autograd.grad((out * upstream).sum(), [x, weights, gate_up, down])
+        wanted = torch.autograd.grad((expected * upstream).sum(), [x, weights, gate_up, down])
+        for leaf, got, want in zip(["x", "weights", "gate_up", "down"], actual, wanted):
+            torch.testing.assert_close(got, want, **TOLERANCE, msg=f"{name}: {leaf}")
+    try:
+        torch.ops.autopar.moe_experts(*leaves[:2], ids, *leaves[2:], 0.0, "swish", "")
+    except ValueError as error:
+        assert "'swish'" in str(error) and "gelu_tanh" in str(error) and "softcapped_silu" in str(error)
+    else:
+        raise AssertionError("an unknown activation must be refused")
 
 
 # --- expert parallelism on gloo ------------------------------------------------------------
@@ -186,7 +228,7 @@ def _check_ep(
     tokens, hidden, ffn, experts = 7, 6, 5, 8
     problem = _full_problem(P, tokens, hidden, ffn, experts)
     local = slice(rank * experts // P, (rank + 1) * experts // P)
-    options = (top_k, normalize, capacity_factor)
+    options = (top_k, normalize, capacity_factor, "silu")
     ep_out, ep_logits, ep_grads = _loss_and_grads(
         problem, problem["x"][rank], problem["gate_up"][local], problem["down"][local], [rank], options, group
     )
@@ -221,7 +263,7 @@ def _check_ep(
     errors[f"{label} gate_up grad"] = _excess(ep_grads[2], expected_expert_grads[0])
     errors[f"{label} down grad"] = _excess(ep_grads[3], expected_expert_grads[1])
     dropless, _ = moe(
-        problem["x"][rank], problem["router"], problem["gate_up"], problem["down"], top_k, normalize, 0.0, ""
+        problem["x"][rank], problem["router"], problem["gate_up"], problem["down"], top_k, normalize, 0.0, "silu", ""
     )
     return not torch.allclose(dropless, own_out)
 
@@ -237,7 +279,8 @@ def _routed_leaves(problem, ranks, gate_up, down):
 
 
 def _check_routed(errors: dict, label: str, group: str, rank: int, P: int) -> None:
-    """moe_experts (the model's own routing) under EP on this rank vs the op over every rank's tokens."""
+    """moe_experts (the model's own routing, Inkling-2's softcapped activation) under EP on this rank
+    vs the op over every rank's tokens."""
     experts = 8
     problem = _full_problem(P, 7, 6, 5, experts)
     local = slice(rank * experts // P, (rank + 1) * experts // P)
@@ -247,7 +290,7 @@ def _check_routed(errors: dict, label: str, group: str, rank: int, P: int) -> No
         (list(range(P)), problem["gate_up"], problem["down"], ""),
     ):
         leaves, ids = _routed_leaves(problem, ranks, gate_up, down)
-        out = torch.ops.autopar.moe_experts(leaves[0], leaves[1], ids, leaves[2], leaves[3], 0.0, group_of)
+        out = torch.ops.autopar.moe_experts(leaves[0], leaves[1], ids, leaves[2], leaves[3], 0.0, SOFTCAPPED, group_of)
         (out * problem["upstream"][ranks].reshape(out.shape)).sum().backward()
         runs.append((out.detach(), [leaf.grad for leaf in leaves]))
     (ep_out, ep_grads), (full_out, full_grads) = runs
@@ -277,10 +320,10 @@ def _two_ranks(rank, world_size):
     result = _ep_checks(rank, world_size, {"ep": ep})
     with FakeTensorMode():
         x, router = torch.empty(7, 6), torch.empty(8, 6)
-        out, logits = moe(x, router, torch.empty(4, 10, 6), torch.empty(4, 6, 5), 2, True, 0.0, ep)
+        out, logits = moe(x, router, torch.empty(4, 10, 6), torch.empty(4, 6, 5), 2, True, 0.0, "silu", ep)
         result["fake shapes"] = (tuple(out.shape), tuple(logits.shape))
     try:
-        moe(torch.randn(7, 6), torch.randn(8, 6), torch.randn(8, 10, 6), torch.randn(8, 6, 5), 2, True, 0.0, ep)
+        moe(torch.randn(7, 6), torch.randn(8, 6), torch.randn(8, 10, 6), torch.randn(8, 6, 5), 2, True, 0.0, "silu", ep)
         result["all experts on each rank"] = "no error"
     except ValueError as error:
         result["all experts on each rank"] = str(error)
