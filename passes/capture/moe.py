@@ -14,10 +14,11 @@ an activation not named below or another kind of shared expert do not):
 - a router at ``block.gate`` or ``block.router`` holding only a ``weight`` [E, H] (an
   ``nn.Linear`` without bias, or a Hugging Face ``*TopKRouter``), with softmax → top-k routing;
 - ``block.experts`` holding only ``gate_up_proj`` [E, 2F, H] (gate rows, then up rows) and
-  ``down_proj`` [E, H, F], whose ``act_fn`` is a gated activation the ops know
-  (``runtime/kernels/expert_activations.py``): a one-argument one applied as ``act(gate) · up``
-  (SiLU, GELU, tanh-GELU, ReLU), or ``act_fn(gate, up)`` computing Inkling-2's softcapped SwiGLU,
-  told apart by their values on probe inputs (:func:`_activation_name`);
+  ``down_proj`` [E, H, F], or both transposed (Aria's, as ``grouped_mm`` takes them: transposed
+  back in the graph), gated by an activation the ops know (``runtime/kernels/expert_activations.py``):
+  the experts' own ``_apply_gate(gate_up)`` where they have one (Hunyuan-V4's and MiniMax-M3's
+  clamped SwiGLUs), else ``act_fn(gate, up)`` (Inkling-2's softcapped SwiGLU) or ``act_fn(gate) · up``
+  (SiLU, GELU, tanh-GELU, ReLU), told apart by their values on probe inputs (:func:`_activation_name`);
 - ``top_k`` on the block or the router; ``norm_topk_prob`` on either says whether the top-k
   weights are renormalized (without it they are, as in Mixtral);
 - nothing else in the block (no other parameters or buffers), but for Qwen2-MoE's shared expert:
@@ -42,6 +43,7 @@ hooks on it (Hugging Face's ``OutputRecorder`` for ``output_router_logits``) see
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -50,7 +52,14 @@ from torch import nn
 
 from autopar.ir import OP_NAMESPACE, ConfigError
 from autopar.passes.cost.kernels import chosen_load, expert_load
-from autopar.runtime.kernels.expert_activations import UNARY, gated_activation, softcapped_spec
+from autopar.runtime.kernels.expert_activations import (
+    CLAMPED_SILU,
+    CLAMPED_SWIGLU,
+    SOFTCAPPED,
+    UNARY,
+    gated_activation,
+    spec,
+)
 
 EXPERTS_OP = f"{OP_NAMESPACE}.moe"  # the composite op each mixture-of-experts block becomes
 ROUTED_EXPERTS_OP = f"{OP_NAMESPACE}.moe_experts"  # experts routed by the model's own ops (names start alike)
@@ -64,7 +73,7 @@ class MoEParts:
     """What the op needs from a recognized block."""
 
     router: nn.Module  # holds ``weight`` [E, H]
-    experts: nn.Module  # holds ``gate_up_proj`` [E, 2F, H] and ``down_proj`` [E, H, F]
+    weights: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the experts' (gate_up [E, 2F, H], down [E, H, F])
     top_k: int
     normalize: bool
     returns_router_logits: bool
@@ -88,17 +97,17 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
         return None
     if set(_own_tensors(router)) != {"weight"} or any(True for _ in router.children()):
         return None
-    activation = _stacked_activation(experts)
+    weights, activation = _stacked(experts)
     if activation is None:
         return None
     top_k = getattr(block, "top_k", getattr(router, "top_k", None))
-    if not isinstance(top_k, int) or _expert_shape(experts.gate_up_proj, experts.down_proj) != router.weight.shape:
+    if not isinstance(top_k, int) or _expert_shape(*weights()) != router.weight.shape:
         return None
     normalize = getattr(block, "norm_topk_prob", getattr(router, "norm_topk_prob", True))
     if not _routes_by_softmax_top_k(router, top_k, bool(normalize)):
         return None
     returns_logits = bool(getattr(block, "returns_router_logits", False))
-    return MoEParts(router, experts, top_k, bool(normalize), returns_logits, activation, shared, shared_gate)
+    return MoEParts(router, weights, top_k, bool(normalize), returns_logits, activation, shared, shared_gate)
 
 
 def _routes_by_softmax_top_k(router: nn.Module, top_k: int, normalize: bool) -> bool:
@@ -134,15 +143,20 @@ def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module 
     return (shared, gate) if gated and gate.out_features == 1 else (None, None)
 
 
-def _stacked_activation(experts) -> str | None:
-    """The activation of ``experts`` if it holds only ``gate_up_proj`` [E, 2F, H] and ``down_proj``
-    [E, H, F] (the expert weights ``autopar::moe`` and ``moe_experts`` take) with an ``act_fn`` the
-    ops know, else None."""
+def _stacked(experts) -> tuple[Callable | None, str | None]:
+    """(a function giving the weights as ``autopar::moe`` and ``moe_experts`` take them, the
+    activation's name) if ``experts`` holds only ``gate_up_proj`` and ``down_proj`` in either layout
+    of the module docstring, gated as the ops know; else (None, None)."""
     if not isinstance(experts, nn.Module) or set(_own_tensors(experts)) != _EXPERT_PARAMS:
-        return None
-    if _expert_shape(experts.gate_up_proj, experts.down_proj) is None:
-        return None
-    return _activation_name(getattr(experts, "act_fn", None))
+        return None, None
+    if _expert_shape(experts.gate_up_proj, experts.down_proj) is not None:
+        weights = lambda: (experts.gate_up_proj, experts.down_proj)  # noqa: E731
+    elif _expert_shape(experts.gate_up_proj.mT, experts.down_proj.mT) is not None:  # [E, H, 2F], [E, F, H]
+        weights = lambda: (experts.gate_up_proj.mT, experts.down_proj.mT)  # noqa: E731
+    else:
+        return None, None
+    activation = _activation_name(experts, "act_fn")
+    return (weights, activation) if activation else (None, None)
 
 
 def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -152,7 +166,7 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
     return {
         name: module
         for name, module in model.named_modules()
-        if _expert_weights(module)[0] is not None
+        if _expert_weights(module)[1] is not None
         and _parameter_names(type(module).forward) == _ROUTED_ARGS
         and not any(name.startswith(f"{block}.") for block in blocks)
     }
@@ -161,17 +175,16 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
 def _expert_weights(experts: nn.Module):
     """(a function giving ``experts``' weights as ``moe_experts`` takes them, (gate_up [E, 2F, H],
     down [E, H, F]), and their activation's name) when it holds gated experts in a layout known
-    here, else (None, None): stacked (:func:`_stacked_activation`), or DBRX's (``mlp.w1``,
+    here, else (None, None): stacked (:func:`_stacked`), or DBRX's (``mlp.w1``,
     ``mlp.v1``, ``mlp.w2``, each [E·F, H]: gate, up and the transposed down of expert e in rows e·F
     to (e+1)·F; viewed and joined in the graph, so their gradients reach them)."""
-    activation = _stacked_activation(experts)
+    weights, activation = _stacked(experts)
     if activation is not None:
-        return (lambda: (experts.gate_up_proj, experts.down_proj)), activation
+        return weights, activation
     mlp, count = getattr(experts, "mlp", None), getattr(experts, "num_experts", None)
     if _own_tensors(experts) or [name for name, _ in experts.named_children()] != ["mlp"] or not isinstance(count, int):
         return None, None
-    activation = _activation_name(getattr(mlp, "activation_fn", None))
-    if set(_own_tensors(mlp)) != {"w1", "v1", "w2"} or activation is None:
+    if set(_own_tensors(mlp)) != {"w1", "v1", "w2"} or (activation := _activation_name(mlp, "activation_fn")) is None:
         return None, None
     shape = mlp.w1.shape
     if len(shape) != 2 or shape[0] % count or mlp.v1.shape != shape or mlp.w2.shape != shape:
@@ -237,8 +250,7 @@ def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_fa
         out, router_logits = torch.ops.autopar.moe(
             x,
             parts.router.weight,
-            parts.experts.gate_up_proj,
-            parts.experts.down_proj,
+            *parts.weights(),
             parts.top_k,
             parts.normalize,
             float(capacity_factor),
@@ -284,28 +296,52 @@ def _own_tensors(module: nn.Module) -> list[str]:
     ]
 
 
-def _activation_name(act_fn) -> str | None:
-    """The name the expert ops know ``act_fn`` by (``runtime/kernels/expert_activations.py``), else
-    None: a one-argument activation equal to one of theirs on probe values, or a two-argument
-    ``act_fn(gate, up)`` equal to the softcapped SwiGLU whose caps it shows at large inputs
-    (σ(gate) → 1 and cap(gate) → its cap; cap(up) ≈ up when up is small)."""
-    if not callable(act_fn):
-        return None
-    gate, up = torch.linspace(-8.0, 8.0, 33), torch.linspace(40.0, -40.0, 33)  # past the caps models use
+def _activation_name(module: nn.Module, act_attr: str) -> str | None:
+    """The name the expert ops know ``module``'s gating by (``runtime/kernels/expert_activations.py``),
+    else None: its values on probe inputs (:func:`_gated`) equal one of the ops' activations, those
+    with a clamp or a scale taken from the module's ``*limit*`` and ``*alpha*`` numbers, then the
+    one-argument ones, then the softcapped SwiGLU whose caps the values show at large inputs
+    (σ(gate) → 1 and cap(gate) → its cap; cap(up) ≈ up while up is small)."""
+    gate = torch.cat([torch.linspace(-8.0, 8.0, 33), torch.tensor([-1e3, -100.0, -30.0, 30.0, 100.0, 1e3])])
+    up = torch.roll(gate, 7) * 1.5  # every sign and size against every other
+    numbers = {
+        name: float(v) for name, v in vars(module).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
+    limit = next((v for name, v in numbers.items() if "limit" in name), None)
+    alpha = next((v for name, v in numbers.items() if "alpha" in name), None)
+
+    def candidates():
+        if limit is not None:
+            yield spec(CLAMPED_SILU, limit)
+            if alpha is not None:
+                yield spec(CLAMPED_SWIGLU, alpha, limit)
+        yield from UNARY
+        large, small = torch.tensor([1e4]), torch.tensor([1e-3])
+        gate_cap = _gated(module, act_attr, large, small).item() / small.item()
+        yield spec(SOFTCAPPED, gate_cap, _gated(module, act_attr, large, large).item() / gate_cap)
+
+    with torch.no_grad():
+        try:
+            values = _gated(module, act_attr, gate, up)
+            for name in candidates():
+                if _close(values, gated_activation(name)(gate, up)):
+                    return name
+        except Exception:  # noqa: BLE001  (gating that cannot take plain CPU tensors is not one the ops know)
+            return None
+    return None
+
+
+def _gated(module: nn.Module, act_attr: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """What ``module``'s experts compute from (gate, up): their ``_apply_gate`` on the two joined,
+    else ``act_fn(gate, up)`` where it takes both, else ``act_fn(gate) · up``."""
+    apply_gate = getattr(module, "_apply_gate", None)
+    if callable(apply_gate):
+        return apply_gate(torch.cat([gate, up], dim=-1))
+    act_fn = getattr(module, act_attr)
     try:
-        with torch.no_grad():
-            try:
-                single = act_fn(gate)
-            except TypeError:  # takes (gate, up)
-                single = None
-            if single is not None:
-                return next((name for name, act in UNARY.items() if _close(single, act(gate))), None)
-            large, small = torch.tensor([1e4]), torch.tensor([1e-3])
-            gate_cap = act_fn(large, small).item() / small.item()
-            spec = softcapped_spec(gate_cap, act_fn(large, large).item() / gate_cap)
-            return spec if _close(act_fn(gate, up), gated_activation(spec)(gate, up)) else None
-    except Exception:  # noqa: BLE001  (an activation that cannot take plain CPU tensors is not one the ops know)
-        return None
+        return act_fn(gate) * up
+    except TypeError:  # takes (gate, up)
+        return act_fn(gate, up)
 
 
 def _close(actual, expected) -> bool:

@@ -5,7 +5,10 @@ named by the string the ops take (``activation``), so the graph, the plan and ev
 - ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``: ``act(gate) · up`` (SwiGLU: Mixtral's,
   Qwen3-MoE's, DeepSeek-V3's experts; GeGLU; ReGLU);
 - ``"softcapped_silu:G:U"``: ``cap_G(gate) · σ(gate) · cap_U(up)`` in fp32, ``cap_c(v) = c·tanh(v / c)``
-  (Inkling-2's softcapped SwiGLU).
+  (Inkling-2's softcapped SwiGLU);
+- ``"clamped_silu:L"``: ``silu(min(gate, L)) · clamp(up, −L, L)`` (Hunyuan-V4's);
+- ``"clamped_swiglu:A:L"``: ``g · σ(A·g) · (clamp(up, −L, L) + 1)`` with ``g = min(gate, L)`` (GPT-OSS's
+  gate, MiniMax-M3's).
 
 The ops' backward differentiates the same function (``torch.func.vjp``), so an entry is its forward only.
 """
@@ -25,7 +28,7 @@ UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "gelu_tanh": partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
 }
-SOFTCAPPED = "softcapped_silu"
+SOFTCAPPED, CLAMPED_SILU, CLAMPED_SWIGLU = "softcapped_silu", "clamped_silu", "clamped_swiglu"
 
 
 def gated_activation(spec: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -34,17 +37,24 @@ def gated_activation(spec: str) -> Callable[[Tensor, Tensor], Tensor]:
     >>> gated_activation("softcapped_silu:4.0:25.0")(torch.zeros(1), torch.ones(1))
     tensor([0.])
     """
-    name, *caps = spec.split(":")
-    if name in UNARY and not caps:
+    name, *numbers = spec.split(":")
+    if name in UNARY and not numbers:
         act = UNARY[name]
         return lambda gate, up: act(gate) * up
-    if name == SOFTCAPPED and len(caps) == 2:
-        try:
-            return partial(_softcapped_silu, *map(float, caps))
-        except ValueError:
-            pass
+    parametrized = {
+        SOFTCAPPED: (_softcapped_silu, 2),
+        CLAMPED_SILU: (_clamped_silu, 1),
+        CLAMPED_SWIGLU: (_clamped_swiglu, 2),
+    }
+    function, count = parametrized.get(name, (None, -1))
+    try:
+        if len(numbers) == count:
+            return partial(function, *map(float, numbers))
+    except ValueError:  # not numbers
+        pass
     raise ValueError(
-        f"unknown expert activation {spec!r}: use one of {', '.join(UNARY)} or {SOFTCAPPED}:GATE_CAP:UP_CAP"
+        f"unknown expert activation {spec!r}: use one of {', '.join(UNARY)}, {SOFTCAPPED}:GATE_CAP:UP_CAP, "
+        f"{CLAMPED_SILU}:LIMIT or {CLAMPED_SWIGLU}:ALPHA:LIMIT"
     )
 
 
@@ -54,5 +64,15 @@ def _softcapped_silu(gate_cap: float, up_cap: float, gate: Tensor, up: Tensor) -
     return capped.to(gate.dtype)
 
 
-def softcapped_spec(gate_cap: float, up_cap: float) -> str:
-    return f"{SOFTCAPPED}:{gate_cap:.6g}:{up_cap:.6g}"
+def _clamped_silu(limit: float, gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+
+
+def _clamped_swiglu(alpha: float, limit: float, gate: Tensor, up: Tensor) -> Tensor:
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1.0) * (gate * torch.sigmoid(gate * alpha))
+
+
+def spec(name: str, *numbers: float) -> str:
+    """An activation's name with its numbers: ``spec("clamped_silu", 7.0) == "clamped_silu:7"``."""
+    return ":".join([name, *(f"{number:.6g}" for number in numbers)])

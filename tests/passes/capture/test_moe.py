@@ -23,9 +23,9 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from autopar.ir import ConfigError
 from autopar.passes.capture.graph import capture, module_path
-from autopar.passes.capture.moe import composite_moe, moe_modules, routed_experts
+from autopar.passes.capture.moe import _expert_weights, composite_moe, moe_modules, routed_experts
 
-moe_gpt, hf = load_example("moe_gpt.py"), load_example("hf.py")
+moe_gpt, hf, hf_configs = load_example("moe_gpt.py"), load_example("hf.py"), load_example("hf_configs.py", "benchmarks")
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 SMALL_MOE = dict(  # the Hugging Face MoE configs' sizes here
     hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=48,
@@ -197,7 +197,8 @@ def test_dbrx_experts_in_their_own_layout_become_moe_experts_nodes_and_equal_eag
 
 def test_experts_of_another_activation_run_it_in_the_op_and_equal_eager():
     """A GELU block becomes the op with "gelu"; Inkling-2's experts, whose act_fn(gate, up) is a
-    softcapped SwiGLU, become moe_experts nodes with its caps read off the probe values."""
+    softcapped SwiGLU, become moe_experts nodes with its caps read off the probe values; MiniMax-M3's
+    clamped SwiGLU (its own ``_apply_gate``) and Aria's transposed weights run in the op too."""
     torch.manual_seed(0)
     model = moe_gpt.build(hidden=32, layers=2, heads=2, vocab=64, seq=8)
     for block in moe_modules(model).values():
@@ -207,16 +208,26 @@ def test_experts_of_another_activation_run_it_in_the_op_and_equal_eager():
     nodes = [node for node in capture(model, inputs).graph.nodes if str(node.target) == "autopar.moe.default"]
     assert [node.args[7] for node in nodes] == ["gelu", "gelu"]
 
-    model = _LossOf(load_example("hf_configs.py", "benchmarks").small_model("inkling2_text"))
-    with torch.no_grad():  # experts at a scale where the gate's softcap (4) bites
-        for name, param in model.named_parameters():
-            if ".experts." in name:
-                param.normal_(0.0, 0.5)
+    model = _LossOf(_unit_scale_experts(hf_configs.small_model("inkling2_text")))
     assert list(routed_experts(model)) == [f"model.model.layers.{i}.mlp.experts" for i in range(2)]
     ids = torch.randint(0, 64, (2, 8))
     _assert_composite_equals_eager(model, (ids,))
     nodes = [node for node in capture(model, (ids,)).graph.nodes if str(node.target) == "autopar.moe_experts.default"]
     assert [node.args[6] for node in nodes] == ["softcapped_silu:4:25"] * 2
+
+    for family, activation in [("minimax_m3_vl_text", "clamped_swiglu:1.702:7"), ("aria_text", "silu")]:
+        model = _LossOf(_unit_scale_experts(hf_configs.small_model(family)))
+        assert [_expert_weights(m)[1] for m in routed_experts(model).values()] == [activation] * 2, family
+        _assert_composite_equals_eager(model, (ids,))
+
+
+def _unit_scale_experts(model: nn.Module) -> nn.Module:
+    """Experts at a scale where caps and clamps bite (gate values past 4 and 7)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.normal_(0.0, 0.5)
+    return model
 
 
 def test_mixtral_loss_and_gradients_under_composite_equal_eager():

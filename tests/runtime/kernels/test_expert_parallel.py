@@ -148,12 +148,22 @@ HAND_ACTIVATIONS = {  # glu(gate, up) written out, apart from the ops' table (ru
     "gelu_tanh": lambda g, u: 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))) * u,
     "relu": lambda g, u: torch.where(g > 0, g, 0) * u,
     "softcapped_silu:1.5:2": lambda g, u: 1.5 * torch.tanh(g / 1.5) * torch.sigmoid(g) * 2 * torch.tanh(u / 2),
+    "clamped_silu:1.5": lambda g, u: (
+        torch.minimum(g, torch.tensor(1.5)).sigmoid()
+        * torch.minimum(g, torch.tensor(1.5))
+        * torch.maximum(torch.minimum(u, torch.tensor(1.5)), torch.tensor(-1.5))
+    ),
+    "clamped_swiglu:1.702:2": lambda g, u: (
+        torch.minimum(g, torch.tensor(2.0))
+        * torch.sigmoid(1.702 * torch.minimum(g, torch.tensor(2.0)))
+        * (torch.maximum(torch.minimum(u, torch.tensor(2.0)), torch.tensor(-2.0)) + 1)
+    ),
 }
 
 
 def test_experts_compute_each_activation_and_its_gradient_and_name_an_unknown_one():
     """moe_experts against each expert written out per slot, out and every gradient (unit-scale
-    values, past the softcaps); an unknown activation is refused with the known ones."""
+    values, past the caps and clamps); an unknown activation is refused with the known ones."""
     generator = torch.Generator().manual_seed(2)
     tokens, ids = 6, torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [2, 1], [1, 0]])
     leaves = [
