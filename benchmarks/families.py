@@ -49,6 +49,7 @@ FAMILIES = [
     "dbrx",  # loops over the experts a batch hits: data-dependent Python control flow
     "jetmoe",  # tokens split by counts it computes: sizes only the data decides
     "inkling2_text",  # a stage boundary value that is not contiguous
+    "gpt_oss",  # experts with biases, their gate and up columns interleaved; attention sinks
 ]  # fmt: skip
 
 

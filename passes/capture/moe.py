@@ -55,6 +55,7 @@ from autopar.passes.cost.kernels import chosen_load, expert_load
 from autopar.runtime.kernels.expert_activations import (
     CLAMPED_SILU,
     CLAMPED_SWIGLU,
+    INTERLEAVED,
     SOFTCAPPED,
     UNARY,
     gated_activation,
@@ -63,9 +64,13 @@ from autopar.runtime.kernels.expert_activations import (
 
 EXPERTS_OP = f"{OP_NAMESPACE}.moe"  # the composite op each mixture-of-experts block becomes
 ROUTED_EXPERTS_OP = f"{OP_NAMESPACE}.moe_experts"  # experts routed by the model's own ops (names start alike)
-_ROUTED_ARGS = ["hidden_states", "top_k_index", "top_k_weights"]  # transformers' experts call
+_ROUTED_ARGS = (  # transformers' experts calls: (tokens, expert ids, their weights)
+    ["hidden_states", "top_k_index", "top_k_weights"],
+    ["hidden_states", "router_indices", "routing_weights"],  # GPT-OSS's
+)
 _ROUTER_NAMES = ("gate", "router")
 _EXPERT_PARAMS = {"gate_up_proj", "down_proj"}
+_EXPERT_BIASES = {"gate_up_proj_bias", "down_proj_bias"}  # GPT-OSS's experts add biases
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,7 @@ def moe_parts(block: nn.Module) -> MoEParts | None:
     if activation is None:
         return None
     top_k = getattr(block, "top_k", getattr(router, "top_k", None))
-    if not isinstance(top_k, int) or _expert_shape(*weights()) != router.weight.shape:
+    if not isinstance(top_k, int) or _expert_shape(*weights()[:2]) != router.weight.shape:
         return None
     normalize = getattr(block, "norm_topk_prob", getattr(router, "norm_topk_prob", True))
     if not _routes_by_softmax_top_k(router, top_k, bool(normalize)):
@@ -144,17 +149,33 @@ def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module 
 
 
 def _stacked(experts) -> tuple[Callable | None, str | None]:
-    """(a function giving the weights as ``autopar::moe`` and ``moe_experts`` take them, the
-    activation's name) if ``experts`` holds only ``gate_up_proj`` and ``down_proj`` in either layout
-    of the module docstring, gated as the ops know; else (None, None)."""
-    if not isinstance(experts, nn.Module) or set(_own_tensors(experts)) != _EXPERT_PARAMS:
+    """(a function giving the weights as ``autopar::moe`` and ``moe_experts`` take them, (gate_up,
+    down, gate_up bias or None, down bias or None), and the activation's name) if ``experts`` holds
+    ``gate_up_proj`` and ``down_proj`` in either layout of the module docstring, and maybe their
+    biases [E, 2F] and [E, H], gated as the ops know; else (None, None)."""
+    if not isinstance(experts, nn.Module) or set(_own_tensors(experts)) not in (
+        _EXPERT_PARAMS,
+        _EXPERT_PARAMS | _EXPERT_BIASES,
+    ):
         return None, None
-    if _expert_shape(experts.gate_up_proj, experts.down_proj) is not None:
-        weights = lambda: (experts.gate_up_proj, experts.down_proj)  # noqa: E731
-    elif _expert_shape(experts.gate_up_proj.mT, experts.down_proj.mT) is not None:  # [E, H, 2F], [E, F, H]
-        weights = lambda: (experts.gate_up_proj.mT, experts.down_proj.mT)  # noqa: E731
-    else:
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    transposed = _expert_shape(gate_up, down) is None  # Aria's and GPT-OSS's [E, H, 2F], [E, F, H]
+    if _expert_shape(*((gate_up.mT, down.mT) if transposed else (gate_up, down))) is None:
         return None, None
+    biased = hasattr(experts, "down_proj_bias")
+    if biased and (experts.gate_up_proj_bias.shape, experts.down_proj_bias.shape) != (
+        gate_up.shape[::2],
+        down.shape[::2],
+    ):
+        return None, None  # not [E, 2F] and [E, H] (transposed or not, the bias is the weight's first and last dims)
+
+    def weights():
+        gate_up, down = (
+            (experts.gate_up_proj.mT, experts.down_proj.mT) if transposed else (experts.gate_up_proj, experts.down_proj)
+        )
+        biases = (experts.gate_up_proj_bias, experts.down_proj_bias) if biased else (None, None)
+        return gate_up, down, *biases
+
     activation = _activation_name(experts, "act_fn")
     return (weights, activation) if activation else (None, None)
 
@@ -167,7 +188,7 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
         name: module
         for name, module in model.named_modules()
         if _expert_weights(module)[1] is not None
-        and _parameter_names(type(module).forward) == _ROUTED_ARGS
+        and _parameter_names(type(module).forward) in _ROUTED_ARGS
         and not any(name.startswith(f"{block}.") for block in blocks)
     }
 
@@ -190,8 +211,12 @@ def _expert_weights(experts: nn.Module):
     if len(shape) != 2 or shape[0] % count or mlp.v1.shape != shape or mlp.w2.shape != shape:
         return None, None
     split = (count, shape[0] // count, shape[1])
-    weights = lambda: (torch.cat([mlp.w1.view(split), mlp.v1.view(split)], dim=1), mlp.w2.view(split).transpose(1, 2))  # noqa: E731
-    return weights, activation
+    return lambda: (
+        torch.cat([mlp.w1.view(split), mlp.v1.view(split)], dim=1),
+        mlp.w2.view(split).mT,
+        None,
+        None,
+    ), activation
 
 
 def _parameter_names(forward) -> list[str]:
@@ -247,16 +272,9 @@ def _composite_forward(name: str, block: nn.Module, parts: MoEParts, capacity_fa
                 "moe op does not: build it with router_jitter_noise=0 or call model.eval()"
             )
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        out, router_logits = torch.ops.autopar.moe(
-            x,
-            parts.router.weight,
-            *parts.weights(),
-            parts.top_k,
-            parts.normalize,
-            float(capacity_factor),
-            parts.activation,
-            "",
-        )
+        gate_up, down, *biases = parts.weights()
+        options = (parts.top_k, parts.normalize, float(capacity_factor), parts.activation, *biases, "")
+        out, router_logits = torch.ops.autopar.moe(x, parts.router.weight, gate_up, down, *options)
         if parts.shared is not None:  # Qwen2-MoE's: routed + sigmoid(gate(x)) * shared(x)
             out = out + torch.sigmoid(parts.shared_gate(x)) * parts.shared(x)
         out = out.view(hidden_states.shape)
@@ -274,8 +292,9 @@ def _routed_forward(experts: nn.Module, capacity_factor: float):
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        options = (float(capacity_factor), activation, "")
-        out = torch.ops.autopar.moe_experts(x, top_k_weights, top_k_index, *weights(), *options)
+        gate_up, down, *biases = weights()
+        options = (float(capacity_factor), activation, *biases, "")
+        out = torch.ops.autopar.moe_experts(x, top_k_weights, top_k_index, gate_up, down, *options)
         return out.view(hidden_states.shape)
 
     return forward
@@ -298,12 +317,13 @@ def _own_tensors(module: nn.Module) -> list[str]:
 
 def _activation_name(module: nn.Module, act_attr: str) -> str | None:
     """The name the expert ops know ``module``'s gating by (``runtime/kernels/expert_activations.py``),
-    else None: its values on probe inputs (:func:`_gated`) equal one of the ops' activations, those
-    with a clamp or a scale taken from the module's ``*limit*`` and ``*alpha*`` numbers, then the
+    else None: its values on probe inputs (:func:`_gated`) equal one of the ops' activations, on
+    the halves of the projection or on its even and odd columns (``:interleaved``): those with a
+    clamp or a scale taken from the module's ``*limit*`` and ``*alpha*`` numbers, then the
     one-argument ones, then the softcapped SwiGLU whose caps the values show at large inputs
     (σ(gate) → 1 and cap(gate) → its cap; cap(up) ≈ up while up is small)."""
     gate = torch.cat([torch.linspace(-8.0, 8.0, 33), torch.tensor([-1e3, -100.0, -30.0, 30.0, 100.0, 1e3])])
-    up = torch.roll(gate, 7) * 1.5  # every sign and size against every other
+    projected = torch.cat([gate, torch.roll(gate, 7) * 1.5])  # every sign and size against every other
     numbers = {
         name: float(v) for name, v in vars(module).items() if isinstance(v, (int, float)) and not isinstance(v, bool)
     }
@@ -316,28 +336,30 @@ def _activation_name(module: nn.Module, act_attr: str) -> str | None:
             if alpha is not None:
                 yield spec(CLAMPED_SWIGLU, alpha, limit)
         yield from UNARY
-        large, small = torch.tensor([1e4]), torch.tensor([1e-3])
-        gate_cap = _gated(module, act_attr, large, small).item() / small.item()
-        yield spec(SOFTCAPPED, gate_cap, _gated(module, act_attr, large, large).item() / gate_cap)
+        gate_cap = _gated(module, act_attr, torch.tensor([1e4, 1e-3])).item() / 1e-3  # ≈ gate cap · up
+        yield spec(SOFTCAPPED, gate_cap, _gated(module, act_attr, torch.tensor([1e4, 1e4])).item() / gate_cap)
 
     with torch.no_grad():
         try:
-            values = _gated(module, act_attr, gate, up)
+            values = _gated(module, act_attr, projected)
             for name in candidates():
-                if _close(values, gated_activation(name)(gate, up)):
-                    return name
+                for layout in (name, f"{name}:{INTERLEAVED}"):
+                    if _close(values, gated_activation(layout)(projected)):
+                        return layout
         except Exception:  # noqa: BLE001  (gating that cannot take plain CPU tensors is not one the ops know)
             return None
     return None
 
 
-def _gated(module: nn.Module, act_attr: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """What ``module``'s experts compute from (gate, up): their ``_apply_gate`` on the two joined,
-    else ``act_fn(gate, up)`` where it takes both, else ``act_fn(gate) · up``."""
+def _gated(module: nn.Module, act_attr: str, projected: torch.Tensor) -> torch.Tensor:
+    """What ``module``'s experts compute from a projection ``projected`` [..., 2F]: their own
+    ``_apply_gate`` of it, else of its halves gate, up ``act_fn(gate, up)`` where it takes both,
+    else ``act_fn(gate) · up``."""
     apply_gate = getattr(module, "_apply_gate", None)
     if callable(apply_gate):
-        return apply_gate(torch.cat([gate, up], dim=-1))
+        return apply_gate(projected)
     act_fn = getattr(module, act_attr)
+    gate, up = projected.chunk(2, dim=-1)
     try:
         return act_fn(gate) * up
     except TypeError:  # takes (gate, up)

@@ -364,12 +364,15 @@ def attention(view: OpView) -> list[Strategy]:
 
 
 def experts(view: OpView) -> list[Strategy]:
-    """autopar::moe(x [T, H], router [E, H], gate_up [E, 2F, H], down [E, H, F]) -> (out, logits), or
-    moe_experts(x, weights [T, k], ids [T, k], gate_up, down) -> out: split the tokens (every rank runs
-    every expert on its tokens), or the experts too, tokens sent to them (the expert-parallel kernel)."""
-    routing = (R,) if len(view.in_shapes) == 4 else (Shard(0), Shard(0))  # the router, or its choices
-    tokens = Strategy((Shard(0), *routing, R, R), Shard(0))
-    return [tokens, Strategy((Shard(0), *routing, Shard(0), Shard(0)), Shard(0), Kernel.EXPERTS)]
+    """autopar::moe(x [T, H], router [E, H], gate_up [E, 2F, H], down [E, H, F], biases [E, ...] if
+    any) -> (out, logits), or moe_experts(x, weights [T, k], ids [T, k], gate_up, down, biases) -> out:
+    split the tokens (every rank runs every expert on its tokens), or the experts too, tokens sent
+    to them (the expert-parallel kernel)."""
+    routed = str(view.node.target).startswith(ROUTED_EXPERTS_OP)
+    routing = (Shard(0), Shard(0)) if routed else (R,)  # its choices, or the router
+    per_expert = len(view.in_shapes) - 1 - len(routing)  # gate_up, down and their biases
+    tokens = Strategy((Shard(0), *routing, *[R] * per_expert), Shard(0))
+    return [tokens, Strategy((Shard(0), *routing, *[Shard(0)] * per_expert), Shard(0), Kernel.EXPERTS)]
 
 
 def mse(view: OpView) -> list[Strategy]:

@@ -1,6 +1,8 @@
 """The experts' gated activations: what ``autopar::moe`` and ``moe_experts`` compute between an
-expert's two matmuls, ``hidden = glu(gate, up)`` with ``gate, up = (gate_up[e] @ x).chunk(2)``,
-named by the string the ops take (``activation``), so the graph, the plan and every rank agree:
+expert's two matmuls, ``hidden = glu(h)`` with ``h = gate_up[e] @ x (+ bias)``, named by the string
+the ops take (``activation``), so the graph, the plan and every rank agree. ``gate, up =
+h.chunk(2)`` (the gate rows of ``gate_up`` first), or with ``:interleaved`` after the name the
+even and odd columns of h (GPT-OSS's layout); then
 
 - ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"relu"``: ``act(gate) · up`` (SwiGLU: Mixtral's,
   Qwen3-MoE's, DeepSeek-V3's experts; GeGLU; ReGLU);
@@ -11,6 +13,7 @@ named by the string the ops take (``activation``), so the graph, the plan and ev
   gate, MiniMax-M3's).
 
 The ops' backward differentiates the same function (``torch.func.vjp``), so an entry is its forward only.
+Example: ``"clamped_swiglu:1.702:7:interleaved"`` is GPT-OSS's.
 """
 
 from __future__ import annotations
@@ -29,15 +32,23 @@ UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": F.relu,
 }
 SOFTCAPPED, CLAMPED_SILU, CLAMPED_SWIGLU = "softcapped_silu", "clamped_silu", "clamped_swiglu"
+INTERLEAVED = "interleaved"
 
 
-def gated_activation(spec: str) -> Callable[[Tensor, Tensor], Tensor]:
-    """``glu(gate, up)`` for an activation named as the module docstring says.
+def gated_activation(spec: str) -> Callable[[Tensor], Tensor]:
+    """``glu(h)`` for an activation named as the module docstring says.
 
-    >>> gated_activation("softcapped_silu:4.0:25.0")(torch.zeros(1), torch.ones(1))
+    >>> gated_activation("softcapped_silu:4.0:25.0")(torch.tensor([0.0, 1.0]))
     tensor([0.])
     """
-    name, *numbers = spec.split(":")
+    glu = _gate_up_activation(spec.removesuffix(f":{INTERLEAVED}"), spec)
+    if spec.endswith(f":{INTERLEAVED}"):
+        return lambda h: glu(h[..., ::2], h[..., 1::2])
+    return lambda h: glu(*h.chunk(2, dim=-1))
+
+
+def _gate_up_activation(name_and_numbers: str, spec: str) -> Callable[[Tensor, Tensor], Tensor]:
+    name, *numbers = name_and_numbers.split(":")
     if name in UNARY and not numbers:
         act = UNARY[name]
         return lambda gate, up: act(gate) * up
@@ -54,7 +65,7 @@ def gated_activation(spec: str) -> Callable[[Tensor, Tensor], Tensor]:
         pass
     raise ValueError(
         f"unknown expert activation {spec!r}: use one of {', '.join(UNARY)}, {SOFTCAPPED}:GATE_CAP:UP_CAP, "
-        f"{CLAMPED_SILU}:LIMIT or {CLAMPED_SWIGLU}:ALPHA:LIMIT"
+        f"{CLAMPED_SILU}:LIMIT or {CLAMPED_SWIGLU}:ALPHA:LIMIT, each optionally followed by :{INTERLEAVED}"
     )
 
 

@@ -8,9 +8,9 @@ slice of the expert weights. The math is Mixtral's (``MixtralSparseMoeBlock``):
     logits = x @ router_weightᵀ                       [T, E]
     probs  = softmax(logits) (in fp32); the top_k experts per token by probability,
              their probabilities renormalized to sum to 1 if ``normalize``
-    out[t] = Σ_j weight[t, j] · down[e] @ glu(g, u),  g, u = (gate_up[e] @ x[t]).chunk(2)
-             with e the token's j-th expert: the gate rows come first in ``gate_up``; glu is the
-             op's ``activation`` (``expert_activations.py``: SwiGLU's ``silu(g) · u`` for Mixtral).
+    out[t] = Σ_j weight[t, j] · (down[e] @ glu(gate_up[e] @ x[t] + gate_up_bias[e]) + down_bias[e])
+             with e the token's j-th expert; glu is the op's ``activation`` (``expert_activations.py``:
+             SwiGLU's ``silu(g) · u`` on the halves g, u for Mixtral), the biases GPT-OSS's (None: 0).
 
 ``group_name == ""``: every expert is local (the single-process meaning, also used by plain
 data parallelism). With an EP group of P ranks, rank r holds experts [r·E/P, (r+1)·E/P) and
@@ -45,6 +45,7 @@ gate-weight gradient: see ``autopar.passes.cost.kernels.dispatch_bytes``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,13 +83,26 @@ def _group(group_name: str):
     return _resolve_process_group(group_name) if group_name else None
 
 
-def _check_shapes(x, router_weight, gate_up, down, top_k: int, group) -> None:
+def _check_shapes(x, router_weight, gate_up, down, top_k: int, group, gate_up_bias=None, down_bias=None) -> None:
     if x.dim() != 2 or router_weight.dim() != 2 or router_weight.shape[1] != x.shape[1]:
         raise ValueError(
             f"moe needs x [tokens, hidden] and router_weight [experts, hidden], got {tuple(x.shape)} "
             f"and {tuple(router_weight.shape)}: flatten batch and sequence into tokens first"
         )
     _check_experts(router_weight.shape[0], x.shape[1], gate_up, down, top_k, group)
+    _check_biases(gate_up, down, gate_up_bias, down_bias)
+
+
+def _check_biases(gate_up, down, gate_up_bias, down_bias) -> None:
+    for name, bias, shape in (
+        ("gate_up_bias", gate_up_bias, gate_up.shape[:2]),
+        ("down_bias", down_bias, down.shape[:2]),
+    ):
+        if bias is not None and bias.shape != shape:
+            raise ValueError(
+                f"the experts' {name} must be [{', '.join(map(str, shape))}] (this rank's experts, then their "
+                f"outputs), got {tuple(bias.shape)}"
+            )
 
 
 def _check_experts(experts: int, hidden: int, gate_up, down, top_k: int, group) -> None:
@@ -173,34 +187,62 @@ def _from_experts(rows: Tensor, plan: _Dispatch, group) -> Tensor:
     return _exchange(ungrouped, plan.recv_splits, plan.send_splits, group)
 
 
-def _experts_forward(rows: Tensor, gate_up: Tensor, down: Tensor, expert_rows: list[int], activation: str) -> Tensor:
-    glu, outs = gated_activation(activation), []
-    for expert, chunk in enumerate(rows.split(expert_rows)):
-        outs.append(F.linear(glu(*F.linear(chunk, gate_up[expert]).chunk(2, dim=-1)), down[expert]))
+@dataclass(frozen=True)
+class _Experts:
+    """This rank's experts: ``gate_up`` [E_local, 2F, H], ``down`` [E_local, H, F], their biases
+    [E_local, 2F] and [E_local, H] or None, and the gated activation between them."""
+
+    gate_up: Tensor
+    down: Tensor
+    gate_up_bias: Tensor | None
+    down_bias: Tensor | None
+    glu: Callable[[Tensor], Tensor]
+
+    def project(self, expert: int, rows: Tensor) -> Tensor:
+        return F.linear(rows, self.gate_up[expert], None if self.gate_up_bias is None else self.gate_up_bias[expert])
+
+    def output(self, expert: int, hidden: Tensor) -> Tensor:
+        return F.linear(hidden, self.down[expert], None if self.down_bias is None else self.down_bias[expert])
+
+
+def _experts(gate_up, down, activation: str, gate_up_bias, down_bias) -> _Experts:
+    return _Experts(gate_up, down, gate_up_bias, down_bias, gated_activation(activation))
+
+
+def _experts_forward(rows: Tensor, experts: _Experts, expert_rows: list[int]) -> Tensor:
+    outs = [
+        experts.output(e, experts.glu(experts.project(e, chunk))) for e, chunk in enumerate(rows.split(expert_rows))
+    ]
     return torch.cat(outs)
 
 
-def _experts_backward(rows, grads, weights, gate_up, down, expert_rows, activation: str):
-    """Recompute each expert on its rows and return (dx rows, d weight rows, d gate_up, d down).
+def _experts_backward(rows, grads, weights, experts: _Experts, expert_rows):
+    """Recompute each expert on its rows and return (dx rows, d weight rows, d gate_up, d down,
+    d gate_up bias, d down bias: empty where the experts have none).
 
     ``grads`` are the tokens' output gradients, ``weights`` the slots' combine weights: the
     expert's output y enters the loss as weight · y, so d weight = ⟨grad, y⟩ and dy = weight · grad.
     The activation's own gradient is ``torch.func.vjp``'s (autograd does not record inside an op).
     """
-    glu = gated_activation(activation)
-    d_gate_up, d_down = torch.zeros_like(gate_up), torch.zeros_like(down)
+    d_gate_up, d_down = torch.zeros_like(experts.gate_up), torch.zeros_like(experts.down)
+    d_biases = [
+        rows.new_empty(0) if b is None else torch.zeros_like(b) for b in (experts.gate_up_bias, experts.down_bias)
+    ]
     d_rows, d_weights = [], []
-    for expert, (x, grad, weight) in enumerate(
+    for e, (x, grad, weight) in enumerate(
         zip(rows.split(expert_rows), grads.split(expert_rows), weights.split(expert_rows))
     ):
-        hidden, activation_vjp = torch.func.vjp(glu, *F.linear(x, gate_up[expert]).chunk(2, dim=-1))
-        d_weights.append((grad * F.linear(hidden, down[expert])).sum(-1))
+        hidden, glu_vjp = torch.func.vjp(experts.glu, experts.project(e, x))
+        d_weights.append((grad * experts.output(e, hidden)).sum(-1))
         d_out = grad * weight[:, None]
-        d_down[expert] = d_out.t() @ hidden
-        d_proj = torch.cat(activation_vjp(d_out @ down[expert]), dim=-1)
-        d_gate_up[expert] = d_proj.t() @ x
-        d_rows.append(d_proj @ gate_up[expert])
-    return torch.cat(d_rows), torch.cat(d_weights), d_gate_up, d_down
+        d_down[e] = d_out.t() @ hidden
+        (d_projected,) = glu_vjp(d_out @ experts.down[e])
+        d_gate_up[e] = d_projected.t() @ x
+        for d_bias, d in zip(d_biases, (d_projected, d_out)):
+            if d_bias.numel():
+                d_bias[e] = d.sum(0)
+        d_rows.append(d_projected @ experts.gate_up[e])
+    return torch.cat(d_rows), torch.cat(d_weights), d_gate_up, d_down, *d_biases
 
 
 @torch.library.custom_op("autopar::moe", mutates_args=())
@@ -213,56 +255,57 @@ def moe(
     normalize: bool,
     capacity_factor: float,
     activation: str,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
     group_name: str,
 ) -> tuple[Tensor, Tensor]:
     """A mixture-of-experts layer on ``x`` [T, H]: ``(out [T, H], router_logits [T, E])``.
 
     ``gate_up`` [E_local, 2F, H] (gate rows, then up rows) and ``down`` [E_local, H, F] are this
-    rank's experts, ``activation`` their gated activation (``expert_activations.py``);
-    ``group_name`` is the EP group ("" for none). See the module docstring for
-    the math, capacity and gradient semantics. Example::
+    rank's experts, ``activation`` their gated activation (``expert_activations.py``), the biases
+    [E_local, 2F] and [E_local, H] or None; ``group_name`` is the EP group ("" for none). See the
+    module docstring for the math, capacity and gradient semantics. Example::
 
-        out, logits = torch.ops.autopar.moe(x, router.weight, gate_up, down, 2, True, 0.0, "silu", "")
+        out, logits = torch.ops.autopar.moe(x, router.weight, gate_up, down, 2, True, 0.0, "silu", None, None, "")
     """
     group = _group(group_name)
-    _check_shapes(x, router_weight, gate_up, down, top_k, group)
+    _check_shapes(x, router_weight, gate_up, down, top_k, group, gate_up_bias, down_bias)
     logits = F.linear(x, router_weight)
     routing = _route(logits, top_k, normalize, capacity_factor)
-    combined = _combine(x, routing.experts, routing.keep, routing.weights, gate_up, down, activation, group)
-    return combined, logits
+    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias)
+    return _combine(x, routing.experts, routing.keep, routing.weights, experts, group), logits
 
 
-def _combine(
-    x: Tensor, experts: Tensor, keep: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, activation: str, group
-):
+def _combine(x: Tensor, chosen: Tensor, keep: Tensor, weights: Tensor, experts: _Experts, group) -> Tensor:
     """Σ_j weights[t, j] · expert_j(x[t]) for the kept slots, each slot's row sent to its expert's owner."""
-    (tokens, hidden), top_k = x.shape, experts.shape[1]
-    plan = _plan_dispatch(experts, keep, gate_up.shape[0] * _size(group), group)
+    (tokens, hidden), top_k = x.shape, chosen.shape[1]
+    plan = _plan_dispatch(chosen, keep, experts.gate_up.shape[0] * _size(group), group)
     received = _to_experts(x[plan.slots // top_k], plan, group)
-    returned = _from_experts(_experts_forward(received, gate_up, down, plan.expert_rows, activation), plan, group)
+    returned = _from_experts(_experts_forward(received, experts, plan.expert_rows), plan, group)
     slot_outputs = x.new_zeros((tokens * top_k, hidden))
     slot_outputs[plan.slots] = returned
     return (weights.to(x.dtype).unsqueeze(-1) * slot_outputs.view(tokens, top_k, hidden)).sum(1)
 
 
-def _combine_backward(grad_out, x, experts, keep, weights, gate_up, down, activation, group):
-    """(d x, d weights [T, k] in fp32, d gate_up, d down) of :func:`_combine`: each kept slot's
-    input row, output gradient and weight go to the expert's owner, which recomputes the expert
-    and sends back the input gradient and the weight's gradient (the reverse all-to-all)."""
-    (tokens, hidden), top_k = x.shape, experts.shape[1]
-    plan = _plan_dispatch(experts, keep, gate_up.shape[0] * _size(group), group)
+def _combine_backward(grad_out, x, chosen, keep, weights, experts: _Experts, group):
+    """(d x, d weights [T, k] in fp32, and the experts' gradients as :func:`_experts_backward`
+    gives them) of :func:`_combine`: each kept slot's input row, output gradient and weight go to
+    the expert's owner, which recomputes the expert and sends back the input gradient and the
+    weight's gradient (the reverse all-to-all)."""
+    (tokens, hidden), top_k = x.shape, chosen.shape[1]
+    plan = _plan_dispatch(chosen, keep, experts.gate_up.shape[0] * _size(group), group)
     token_of_slot = plan.slots // top_k
     slot_weights = weights.reshape(-1)[plan.slots].to(x.dtype)
     sent = torch.cat([x[token_of_slot], grad_out[token_of_slot], slot_weights[:, None]], dim=1)
     received = _to_experts(sent, plan, group)
-    d_rows, d_weight_rows, d_gate_up, d_down = _experts_backward(
-        received[:, :hidden], received[:, hidden:-1], received[:, -1], gate_up, down, plan.expert_rows, activation
+    d_rows, d_weight_rows, *d_experts = _experts_backward(
+        received[:, :hidden], received[:, hidden:-1], received[:, -1], experts, plan.expert_rows
     )
     returned = _from_experts(torch.cat([d_rows, d_weight_rows[:, None]], dim=1), plan, group)
     d_x = torch.zeros_like(x).index_add_(0, token_of_slot, returned[:, :hidden])
     d_weights = weights.new_zeros(tokens * top_k, dtype=torch.float32)
     d_weights[plan.slots] = returned[:, -1].float()
-    return d_x, d_weights.view(tokens, top_k), d_gate_up, d_down
+    return d_x, d_weights.view(tokens, top_k), *d_experts
 
 
 def _size(group) -> int:
@@ -270,10 +313,13 @@ def _size(group) -> int:
 
 
 @moe.register_fake
-def _(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, activation, group_name):
+def _(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, activation, gate_up_bias, down_bias, group):
+    _check_shapes(x, router_weight, gate_up, down, top_k, _group(group), gate_up_bias, down_bias)
     gated_activation(activation)  # an unknown name fails at capture, named
-    _check_shapes(x, router_weight, gate_up, down, top_k, _group(group_name))
     return x.new_empty(x.shape), x.new_empty((x.shape[0], router_weight.shape[0]))
+
+
+BackwardGrads = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # the bias gradients empty where none
 
 
 @torch.library.custom_op("autopar::moe_backward", mutates_args=())
@@ -289,15 +335,19 @@ def moe_backward(
     normalize: bool,
     capacity_factor: float,
     activation: str,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
     group_name: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`moe` for x, router_weight, gate_up, down (what its autograd calls).
+) -> BackwardGrads:
+    """Gradients of :func:`moe` for x, router_weight, gate_up, down and the biases (what its
+    autograd calls; a bias the experts lack gets an empty one).
 
     Routing is recomputed from the saved ``router_logits``; the experts' part is :func:`_combine_backward`.
     """
     routing = _route(router_logits, top_k, normalize, capacity_factor)
-    d_x, d_weights, d_gate_up, d_down = _combine_backward(
-        grad_out, x, routing.experts, routing.keep, routing.weights, gate_up, down, activation, _group(group_name)
+    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias)
+    d_x, d_weights, *d_experts = _combine_backward(
+        grad_out, x, routing.experts, routing.keep, routing.weights, experts, _group(group_name)
     )
     if normalize:  # w = v / Σv  ⇒  dv = (dw − Σ_j dw_j·w_j) / Σv
         d_weights = (d_weights - (d_weights * routing.weights).sum(-1, keepdim=True)) / routing.top_probs.sum(
@@ -306,26 +356,42 @@ def moe_backward(
     d_probs = torch.zeros_like(routing.probs).scatter_(1, routing.experts, d_weights)
     d_logits = routing.probs * (d_probs - (d_probs * routing.probs).sum(-1, keepdim=True))
     d_logits = d_logits.to(x.dtype) + grad_logits
-    return d_x + d_logits @ router_weight, d_logits.t() @ x, d_gate_up, d_down
+    return d_x + d_logits @ router_weight, d_logits.t() @ x, *d_experts
 
 
 @moe_backward.register_fake
-def _(grad_out, grad_logits, x, router_weight, gate_up, down, *options):
-    return tuple(t.new_empty(t.shape) for t in (x, router_weight, gate_up, down))
+def _(grad_out, grad_logits, x, router_weight, gate_up, down, router_logits, *options):
+    gate_up_bias, down_bias = options[-3:-1]
+    return (
+        *(t.new_empty(t.shape) for t in (x, router_weight, gate_up, down)),
+        *_bias_grads(x, gate_up_bias, down_bias),
+    )
+
+
+def _bias_grads(x: Tensor, *biases) -> list[Tensor]:
+    return [x.new_empty(0) if b is None else b.new_empty(b.shape) for b in biases]
 
 
 def _save_for_backward(ctx, inputs, output):
-    x, router_weight, gate_up, down, *options = inputs
-    ctx.save_for_backward(x, router_weight, gate_up, down, output[1])
-    ctx.options = options
+    x, router_weight, gate_up, down, *options, gate_up_bias, down_bias, group_name = inputs
+    ctx.save_for_backward(x, router_weight, gate_up, down, output[1], gate_up_bias, down_bias)
+    ctx.options, ctx.group_name = options, group_name
 
 
 def _moe_autograd(ctx, grad_out, grad_logits):
-    x, router_weight, gate_up, down, router_logits = ctx.saved_tensors
+    x, router_weight, gate_up, down, router_logits, gate_up_bias, down_bias = ctx.saved_tensors
     grad_out = torch.zeros_like(x) if grad_out is None else grad_out
     grad_logits = torch.zeros_like(router_logits) if grad_logits is None else grad_logits
-    grads = moe_backward(grad_out, grad_logits, x, router_weight, gate_up, down, router_logits, *ctx.options)
-    return (*grads, None, None, None, None, None)
+    *grads, d_gate_up_bias, d_down_bias = moe_backward(
+        grad_out, grad_logits, x, router_weight, gate_up, down, router_logits, *ctx.options,
+        gate_up_bias, down_bias, ctx.group_name,
+    )  # fmt: skip
+    biases = _present(d_gate_up_bias, gate_up_bias), _present(d_down_bias, down_bias)
+    return (*grads, None, None, None, None, *biases, None)
+
+
+def _present(grad: Tensor, bias: Tensor | None) -> Tensor | None:
+    return None if bias is None else grad
 
 
 moe.register_autograd(_moe_autograd, setup_context=_save_for_backward)
@@ -335,44 +401,47 @@ moe.register_autograd(_moe_autograd, setup_context=_save_for_backward)
 def moe_experts(
     x: Tensor,
     weights: Tensor,
-    experts: Tensor,
+    chosen: Tensor,
     gate_up: Tensor,
     down: Tensor,
     capacity_factor: float,
     activation: str,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
     group_name: str,
 ) -> Tensor:
     """The experts of a mixture-of-experts layer routed by the model's own router: ``out`` [T, H]
-    = Σ_j weights[t, j] · expert ``experts[t, j]`` (x[t]), for ``weights`` and ``experts`` [T, k]
+    = Σ_j weights[t, j] · expert ``chosen[t, j]`` (x[t]), for ``weights`` and ``chosen`` [T, k]
     (the combine weights, the expert ids) computed as ordinary ops before it (DeepSeek-V3's
-    grouped sigmoid routing, for one). Dispatch, capacity and expert gradients as :func:`moe`;
-    ``weights`` gets its gradient, ``experts`` none. Example::
+    grouped sigmoid routing, for one). Experts, dispatch, capacity and expert gradients as
+    :func:`moe`; ``weights`` gets its gradient, ``chosen`` none. Example::
 
-        out = torch.ops.autopar.moe_experts(x, top_weights, top_ids, gate_up, down, 0.0, "silu", "")
+        out = torch.ops.autopar.moe_experts(x, top_weights, top_ids, gate_up, down, 0.0, "silu", None, None, "")
     """
     group = _group(group_name)
-    _check_routed(x, weights, experts, gate_up, down, group)
-    keep = _kept(experts, gate_up, capacity_factor, group)
-    return _combine(x, experts, keep, weights, gate_up, down, activation, group)
+    _check_routed(x, weights, chosen, gate_up, down, group, gate_up_bias, down_bias)
+    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias)
+    return _combine(x, chosen, _kept(chosen, gate_up, capacity_factor, group), weights, experts, group)
 
 
-def _kept(experts: Tensor, gate_up: Tensor, capacity_factor: float, group) -> Tensor:
-    return _under_capacity(experts, gate_up.shape[0] * _size(group), capacity_factor)
+def _kept(chosen: Tensor, gate_up: Tensor, capacity_factor: float, group) -> Tensor:
+    return _under_capacity(chosen, gate_up.shape[0] * _size(group), capacity_factor)
 
 
-def _check_routed(x, weights, experts, gate_up, down, group) -> None:
-    if x.dim() != 2 or weights.shape != experts.shape or weights.dim() != 2 or weights.shape[0] != x.shape[0]:
+def _check_routed(x, weights, chosen, gate_up, down, group, gate_up_bias, down_bias) -> None:
+    if x.dim() != 2 or weights.shape != chosen.shape or weights.dim() != 2 or weights.shape[0] != x.shape[0]:
         raise ValueError(
             f"moe_experts needs x [tokens, hidden] and weights, experts [tokens, top_k], got {tuple(x.shape)}, "
-            f"{tuple(weights.shape)} and {tuple(experts.shape)}: flatten batch and sequence into tokens first"
+            f"{tuple(weights.shape)} and {tuple(chosen.shape)}: flatten batch and sequence into tokens first"
         )
     _check_experts(gate_up.shape[0] * _size(group), x.shape[1], gate_up, down, weights.shape[1], group)
+    _check_biases(gate_up, down, gate_up_bias, down_bias)
 
 
 @moe_experts.register_fake
-def _(x, weights, experts, gate_up, down, capacity_factor, activation, group_name):
+def _(x, weights, chosen, gate_up, down, capacity_factor, activation, gate_up_bias, down_bias, group_name):
+    _check_routed(x, weights, chosen, gate_up, down, _group(group_name), gate_up_bias, down_bias)
     gated_activation(activation)
-    _check_routed(x, weights, experts, gate_up, down, _group(group_name))
     return x.new_empty(x.shape)
 
 
@@ -381,37 +450,42 @@ def moe_experts_backward(
     grad_out: Tensor,
     x: Tensor,
     weights: Tensor,
-    experts: Tensor,
+    chosen: Tensor,
     gate_up: Tensor,
     down: Tensor,
     capacity_factor: float,
     activation: str,
+    gate_up_bias: Tensor | None,
+    down_bias: Tensor | None,
     group_name: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of :func:`moe_experts` for x, weights, gate_up, down."""
+) -> BackwardGrads:
+    """Gradients of :func:`moe_experts` for x, weights, gate_up, down and the biases (empty where none)."""
     group = _group(group_name)
-    keep = _kept(experts, gate_up, capacity_factor, group)
-    d_x, d_weights, d_gate_up, d_down = _combine_backward(
-        grad_out, x, experts, keep, weights, gate_up, down, activation, group
-    )
-    return d_x, d_weights.to(weights.dtype), d_gate_up, d_down
+    keep = _kept(chosen, gate_up, capacity_factor, group)
+    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias)
+    d_x, d_weights, *d_experts = _combine_backward(grad_out, x, chosen, keep, weights, experts, group)
+    return d_x, d_weights.to(weights.dtype), *d_experts
 
 
 @moe_experts_backward.register_fake
-def _(grad_out, x, weights, experts, gate_up, down, *options):
-    return tuple(t.new_empty(t.shape) for t in (x, weights, gate_up, down))
+def _(grad_out, x, weights, chosen, gate_up, down, *options):
+    gate_up_bias, down_bias = options[-3:-1]
+    return (*(t.new_empty(t.shape) for t in (x, weights, gate_up, down)), *_bias_grads(x, gate_up_bias, down_bias))
 
 
 def _save_routed(ctx, inputs, output):
-    x, weights, experts, gate_up, down, *options = inputs
-    ctx.save_for_backward(x, weights, experts, gate_up, down)
-    ctx.options = options
+    x, weights, chosen, gate_up, down, *options, gate_up_bias, down_bias, group_name = inputs
+    ctx.save_for_backward(x, weights, chosen, gate_up, down, gate_up_bias, down_bias)
+    ctx.options, ctx.group_name = options, group_name
 
 
 def _moe_experts_autograd(ctx, grad_out):
-    grads = moe_experts_backward(grad_out, *ctx.saved_tensors, *ctx.options)
-    d_x, d_weights, d_gate_up, d_down = grads
-    return d_x, d_weights, None, d_gate_up, d_down, None, None, None
+    x, weights, chosen, gate_up, down, gate_up_bias, down_bias = ctx.saved_tensors
+    d_x, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias = moe_experts_backward(
+        grad_out, x, weights, chosen, gate_up, down, *ctx.options, gate_up_bias, down_bias, ctx.group_name
+    )
+    biases = _present(d_gate_up_bias, gate_up_bias), _present(d_down_bias, down_bias)
+    return d_x, d_weights, None, d_gate_up, d_down, None, None, *biases, None
 
 
 moe_experts.register_autograd(_moe_experts_autograd, setup_context=_save_routed)

@@ -301,18 +301,21 @@ def experts(draw, p):
     x, router = values(draw, (tokens, hidden)), values(draw, (count, hidden))
     gate_up, down = values(draw, (count, 2 * ffn, hidden)), values(draw, (count, hidden, ffn))
     top_k = draw(st.integers(1, count))
-    options = (top_k, draw(st.booleans()), 0.0, "silu", "")
+    options = (top_k, draw(st.booleans()), 0.0, "silu", None, None, "")
     return Sample(torch.ops.autopar.moe.default, (x, router, gate_up, down, *options))
 
 
 def routed_experts(draw, p):
-    """autopar::moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up, down) on one rank (no group)."""
+    """autopar::moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up, down, with or without
+    biases [E, 2F] and [E, H], as GPT-OSS's) on one rank (no group)."""
     tokens, hidden, ffn, count = size(draw, p), size(draw, p), size(draw, p), draw(st.integers(2, 4))
     top_k = draw(st.integers(1, count))
     ids = values(draw, (tokens, count)).topk(top_k, dim=-1).indices  # distinct experts per token
     x, weights = values(draw, (tokens, hidden)), values(draw, (tokens, top_k))
     gate_up, down = values(draw, (count, 2 * ffn, hidden)), values(draw, (count, hidden, ffn))
-    return Sample(torch.ops.autopar.moe_experts.default, (x, weights, ids, gate_up, down, 0.0, "silu", ""))
+    biases = (values(draw, (count, 2 * ffn)), values(draw, (count, hidden))) if draw(st.booleans()) else (None, None)
+    options = (0.0, "clamped_swiglu:1.702:7:interleaved" if biases[0] is not None else "silu", *biases, "")
+    return Sample(torch.ops.autopar.moe_experts.default, (x, weights, ids, gate_up, down, *options))
 
 
 # -- factories and like-input ops -----------------------------------------------------------------

@@ -198,7 +198,8 @@ def test_dbrx_experts_in_their_own_layout_become_moe_experts_nodes_and_equal_eag
 def test_experts_of_another_activation_run_it_in_the_op_and_equal_eager():
     """A GELU block becomes the op with "gelu"; Inkling-2's experts, whose act_fn(gate, up) is a
     softcapped SwiGLU, become moe_experts nodes with its caps read off the probe values; MiniMax-M3's
-    clamped SwiGLU (its own ``_apply_gate``) and Aria's transposed weights run in the op too."""
+    clamped SwiGLU (its own ``_apply_gate``), Aria's transposed weights and GPT-OSS's biased
+    experts, their gate and up columns interleaved, run in the op too."""
     torch.manual_seed(0)
     model = moe_gpt.build(hidden=32, layers=2, heads=2, vocab=64, seq=8)
     for block in moe_modules(model).values():
@@ -215,7 +216,11 @@ def test_experts_of_another_activation_run_it_in_the_op_and_equal_eager():
     nodes = [node for node in capture(model, (ids,)).graph.nodes if str(node.target) == "autopar.moe_experts.default"]
     assert [node.args[6] for node in nodes] == ["softcapped_silu:4:25"] * 2
 
-    for family, activation in [("minimax_m3_vl_text", "clamped_swiglu:1.702:7"), ("aria_text", "silu")]:
+    for family, activation in [
+        ("minimax_m3_vl_text", "clamped_swiglu:1.702:7"),
+        ("aria_text", "silu"),
+        ("gpt_oss", "clamped_swiglu:1.702:7:interleaved"),  # and biases
+    ]:
         model = _LossOf(_unit_scale_experts(hf_configs.small_model(family)))
         assert [_expert_weights(m)[1] for m in routed_experts(model).values()] == [activation] * 2, family
         _assert_composite_equals_eager(model, (ids,))

@@ -100,7 +100,7 @@ def test_capacity_drops_slots_over_capacity_first_choices_first():
     down = torch.randn(2, 2, 3, generator=generator).requires_grad_()
     upstream = torch.randn(3, 2, generator=generator)
 
-    out, logits = moe(x, router, gate_up, down, 2, True, 0.5, "silu", "")
+    out, logits = moe(x, router, gate_up, down, 2, True, 0.5, "silu", None, None, "")
     actual = torch.autograd.grad((out * upstream).sum(), [x, router, gate_up, down])
 
     probs = torch.softmax(x @ router.t(), dim=-1)  # top-2 of 2 experts: weights are the probs
@@ -111,13 +111,13 @@ def test_capacity_drops_slots_over_capacity_first_choices_first():
     wanted = torch.autograd.grad((expected * upstream).sum(), [x, router, gate_up, down])
     for name, got, want in zip(["x", "router", "gate_up", "down"], actual, wanted):
         torch.testing.assert_close(got, want, **TOLERANCE, msg=name)
-    dropless, _ = moe(x, router, gate_up, down, 2, True, 0.0, "silu", "")
+    dropless, _ = moe(x, router, gate_up, down, 2, True, 0.0, "silu", None, None, "")
     assert not torch.allclose(dropless, out)  # the hand case really drops
 
 
 def _traced_autopar_ops(*leaves) -> list[str]:
     def loss_grad(*leaves):
-        out, logits = moe(*leaves, 2, True, 0.0, "silu", "")
+        out, logits = moe(*leaves, 2, True, 0.0, "silu", None, None, "")
         return torch.autograd.grad(out.sum() + logits.sum(), leaves)
 
     graph = make_fx(loss_grad, tracing_mode="fake")(*leaves).graph
@@ -132,10 +132,14 @@ def test_op_passes_opcheck_traces_with_its_backward_and_names_bad_shapes():
     x, router = torch.randn(6, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     gate_up, down = torch.randn(3, 10, 4, requires_grad=True), torch.randn(3, 4, 5, requires_grad=True)
     # schema, autograd registration, fake impl against the real one, AOT dispatch
-    torch.library.opcheck(moe.default, (x, router, gate_up, down, 2, True, 0.0, "silu", ""))
+    torch.library.opcheck(moe.default, (x, router, gate_up, down, 2, True, 0.0, "silu", None, None, ""))
+    weights, ids = torch.rand(6, 2, requires_grad=True), torch.tensor([[0, 1], [2, 0], [1, 2]] * 2)
+    biases = torch.randn(3, 10, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    routed = (x, weights, ids, gate_up, down, 0.0, "silu:interleaved", *biases, "")
+    torch.library.opcheck(torch.ops.autopar.moe_experts.default, routed)
     assert _traced_autopar_ops(x, router, gate_up, down) == ["autopar::moe", "autopar::moe_backward"]
     try:
-        moe(x, router, gate_up[:2], down, 2, True, 0.0, "silu", "")
+        moe(x, router, gate_up[:2], down, 2, True, 0.0, "silu", None, None, "")
     except ValueError as error:
         assert "gate_up [3, 2·ffn, 4]" in str(error) and "(2, 10, 4)" in str(error)
     else:
@@ -173,20 +177,30 @@ def test_experts_compute_each_activation_and_its_gradient_and_name_an_unknown_on
         torch.randn(3, 4, 5, generator=generator),  # down [E, H, F]
     ]
     upstream = torch.randn(tokens, 4, generator=generator)
-    for name, glu in HAND_ACTIVATIONS.items():
-        x, weights, gate_up, down = (leaf.clone().requires_grad_() for leaf in leaves)
-        out = torch.ops.autopar.moe_experts(x, weights, ids, gate_up, down, 0.0, name, "")
+    biases = [torch.randn(3, 10, generator=generator), torch.randn(3, 4, generator=generator)]
+    interleaved = HAND_ACTIVATIONS["clamped_swiglu:1.702:2"]  # GPT-OSS's: gate and up columns alternate, biased
+    cases = [(name, glu, False) for name, glu in HAND_ACTIVATIONS.items()]
+    cases.append(("clamped_swiglu:1.702:2:interleaved", lambda h: interleaved(h[..., ::2], h[..., 1::2]), True))
+    for name, glu, biased in cases:
+        split = (lambda h: glu(h)) if biased else (lambda h: glu(*h.chunk(2)))
+        x, weights, gate_up, down, *bias = (
+            leaf.clone().requires_grad_() for leaf in leaves + (biases if biased else [])
+        )
+        gate_up_bias, down_bias = bias or (torch.zeros(3, 10), torch.zeros(3, 4))
+        out = torch.ops.autopar.moe_experts(x, weights, ids, gate_up, down, 0.0, name, *(bias or (None, None)), "")
         expected = torch.stack([
-            sum(weights[t, j] * F.linear(glu(*F.linear(x[t], gate_up[e]).chunk(2)), down[e]) for j, e in enumerate(row))
+            sum(weights[t, j] * F.linear(split(F.linear(x[t], gate_up[e], gate_up_bias[e])), down[e], down_bias[e])
+                for j, e in enumerate(row))
             for t, row in enumerate(ids.tolist())
         ])  # fmt: skip
         torch.testing.assert_close(out, expected, **TOLERANCE, msg=name)
-        actual = torch.autograd.grad((out * upstream).sum(), [x, weights, gate_up, down])
-        wanted = torch.autograd.grad((expected * upstream).sum(), [x, weights, gate_up, down])
-        for leaf, got, want in zip(["x", "weights", "gate_up", "down"], actual, wanted):
+        differentiated = [x, weights, gate_up, down, *bias]
+        actual = torch.autograd.grad((out * upstream).sum(), differentiated)
+        wanted = torch.autograd.grad((expected * upstream).sum(), differentiated)
+        for leaf, got, want in zip(["x", "weights", "gate_up", "down", "gate_up_bias", "down_bias"], actual, wanted):
             torch.testing.assert_close(got, want, **TOLERANCE, msg=f"{name}: {leaf}")
     try:
-        torch.ops.autopar.moe_experts(*leaves[:2], ids, *leaves[2:], 0.0, "swish", "")
+        torch.ops.autopar.moe_experts(*leaves[:2], ids, *leaves[2:], 0.0, "swish", None, None, "")
     except ValueError as error:
         assert "'swish'" in str(error) and "gelu_tanh" in str(error) and "softcapped_silu" in str(error)
     else:
@@ -238,7 +252,7 @@ def _check_ep(
     tokens, hidden, ffn, experts = 7, 6, 5, 8
     problem = _full_problem(P, tokens, hidden, ffn, experts)
     local = slice(rank * experts // P, (rank + 1) * experts // P)
-    options = (top_k, normalize, capacity_factor, "silu")
+    options = (top_k, normalize, capacity_factor, "silu", None, None)
     ep_out, ep_logits, ep_grads = _loss_and_grads(
         problem, problem["x"][rank], problem["gate_up"][local], problem["down"][local], [rank], options, group
     )
@@ -273,43 +287,60 @@ def _check_ep(
     errors[f"{label} gate_up grad"] = _excess(ep_grads[2], expected_expert_grads[0])
     errors[f"{label} down grad"] = _excess(ep_grads[3], expected_expert_grads[1])
     dropless, _ = moe(
-        problem["x"][rank], problem["router"], problem["gate_up"], problem["down"], top_k, normalize, 0.0, "silu", ""
+        problem["x"][rank],
+        problem["router"],
+        problem["gate_up"],
+        problem["down"],
+        top_k,
+        normalize,
+        0.0,
+        "silu",
+        None,
+        None,
+        "",
     )
     return not torch.allclose(dropless, own_out)
 
 
-def _routed_leaves(problem, ranks, gate_up, down):
+def _routed_leaves(problem, ranks, experts):
     """moe_experts' leaves on ``ranks``' tokens: x, weights (sigmoid scores of the top 2, as
-    DeepSeek-V3 routes), gate_up, down; and the expert ids."""
+    DeepSeek-V3 routes), then ``experts``' tensors; and the expert ids."""
     x = problem["x"][ranks].reshape(-1, problem["x"].shape[-1])
     scores = torch.sigmoid(x @ problem["router"].t())
     ids = scores.topk(2, dim=-1).indices
-    leaves = [t.clone().requires_grad_() for t in (x, scores.gather(1, ids), gate_up, down)]
+    leaves = [t.clone().requires_grad_() for t in (x, scores.gather(1, ids), *experts)]
     return leaves, ids
 
 
 def _check_routed(errors: dict, label: str, group: str, rank: int, P: int) -> None:
-    """moe_experts (the model's own routing, Inkling-2's softcapped activation) under EP on this rank
-    vs the op over every rank's tokens."""
-    experts = 8
-    problem = _full_problem(P, 7, 6, 5, experts)
-    local = slice(rank * experts // P, (rank + 1) * experts // P)
-    runs = []
-    for ranks, gate_up, down, group_of in (
-        ([rank], problem["gate_up"][local], problem["down"][local], group),
-        (list(range(P)), problem["gate_up"], problem["down"], ""),
-    ):
-        leaves, ids = _routed_leaves(problem, ranks, gate_up, down)
-        out = torch.ops.autopar.moe_experts(leaves[0], leaves[1], ids, leaves[2], leaves[3], 0.0, SOFTCAPPED, group_of)
-        (out * problem["upstream"][ranks].reshape(out.shape)).sum().backward()
-        runs.append((out.detach(), [leaf.grad for leaf in leaves]))
-    (ep_out, ep_grads), (full_out, full_grads) = runs
-    mine = slice(rank * ep_out.shape[0], (rank + 1) * ep_out.shape[0])
-    errors[f"{label} routed out"] = _excess(ep_out, full_out[mine])
-    errors[f"{label} routed x grad"] = _excess(ep_grads[0], full_grads[0][mine])
-    errors[f"{label} routed weights grad"] = _excess(ep_grads[1], full_grads[1][mine])
-    errors[f"{label} routed gate_up grad"] = _excess(ep_grads[2], full_grads[2][local])
-    errors[f"{label} routed down grad"] = _excess(ep_grads[3], full_grads[3][local])
+    """moe_experts (the model's own routing) under EP on this rank vs the op over every rank's
+    tokens: with Inkling-2's softcapped activation, and with GPT-OSS's biases and interleaved gate."""
+    count, generator = 8, torch.Generator().manual_seed(5)
+    problem = _full_problem(P, 7, 6, 5, count)
+    biases = [torch.randn(count, 10, generator=generator), torch.randn(count, 6, generator=generator)]
+    local = slice(rank * count // P, (rank + 1) * count // P)
+    for case, activation, tensors in [
+        ("", SOFTCAPPED, [problem["gate_up"], problem["down"]]),
+        (" biased", "clamped_swiglu:1.702:1:interleaved", [problem["gate_up"], problem["down"], *biases]),
+    ]:
+        runs = []
+        for ranks, experts, group_of in (([rank], [t[local] for t in tensors], group), (list(range(P)), tensors, "")):
+            leaves, ids = _routed_leaves(problem, ranks, experts)
+            x, weights, gate_up, down, *bias = leaves
+            out = torch.ops.autopar.moe_experts(
+                x, weights, ids, gate_up, down, 0.0, activation, *(bias or (None, None)), group_of
+            )
+            (out * problem["upstream"][ranks].reshape(out.shape)).sum().backward()
+            runs.append((out.detach(), [leaf.grad for leaf in leaves]))
+        (ep_out, ep_grads), (full_out, full_grads) = runs
+        mine = slice(rank * ep_out.shape[0], (rank + 1) * ep_out.shape[0])
+        errors[f"{label} routed{case} out"] = _excess(ep_out, full_out[mine])
+        for name, ep_grad, full_grad in zip(["x", "weights"], ep_grads, full_grads):
+            errors[f"{label} routed{case} {name} grad"] = _excess(ep_grad, full_grad[mine])
+        for name, ep_grad, full_grad in zip(
+            ["gate_up", "down", "gate_up_bias", "down_bias"], ep_grads[2:], full_grads[2:]
+        ):
+            errors[f"{label} routed{case} {name} grad"] = _excess(ep_grad, full_grad[local])
 
 
 def _ep_checks(rank, world_size, groups: dict[str, str]) -> dict:
@@ -330,10 +361,22 @@ def _two_ranks(rank, world_size):
     result = _ep_checks(rank, world_size, {"ep": ep})
     with FakeTensorMode():
         x, router = torch.empty(7, 6), torch.empty(8, 6)
-        out, logits = moe(x, router, torch.empty(4, 10, 6), torch.empty(4, 6, 5), 2, True, 0.0, "silu", ep)
+        out, logits = moe(x, router, torch.empty(4, 10, 6), torch.empty(4, 6, 5), 2, True, 0.0, "silu", None, None, ep)
         result["fake shapes"] = (tuple(out.shape), tuple(logits.shape))
     try:
-        moe(torch.randn(7, 6), torch.randn(8, 6), torch.randn(8, 10, 6), torch.randn(8, 6, 5), 2, True, 0.0, "silu", ep)
+        moe(
+            torch.randn(7, 6),
+            torch.randn(8, 6),
+            torch.randn(8, 10, 6),
+            torch.randn(8, 6, 5),
+            2,
+            True,
+            0.0,
+            "silu",
+            None,
+            None,
+            ep,
+        )
         result["all experts on each rank"] = "no error"
     except ValueError as error:
         result["all experts on each rank"] = str(error)
