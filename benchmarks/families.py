@@ -27,7 +27,7 @@ import torch
 from hf_configs import small_model
 
 import autopar
-from autopar.passes.capture.moe import moe_modules, routed_experts
+from autopar.passes.capture.moe import expert_modules
 
 PLANS = {
     "DP": {"degrees": {"dp": 4}},
@@ -50,6 +50,7 @@ FAMILIES = [
     "jetmoe",  # tokens split by counts it computes: sizes only the data decides
     "inkling2_text",  # a stage boundary value that is not contiguous
     "gpt_oss",  # experts with biases, their gate and up columns interleaved; attention sinks
+    "llama4_text",  # every expert run on every token scaled by its router score (the experts op's weighted inputs)
 ]  # fmt: skip
 
 
@@ -107,7 +108,7 @@ def expert_pins(family: str, pins: dict) -> dict | None:
     """``pins`` with every layer's experts op pinned to the expert-parallel kernel (the search
     alone runs every expert on each rank's tokens at these sizes), or None for a dense family."""
     model = small_model(family)
-    layers = {**moe_modules(model), **routed_experts(model)}  # the modules the experts ops belong to
+    layers = expert_modules(model)  # the modules the experts ops belong to
     return {**pins, "constraints": dict.fromkeys(layers, "experts")} if layers else None
 
 

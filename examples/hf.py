@@ -58,7 +58,8 @@ class CausalLM(nn.Module):
 
     def __init__(self, hf_model: PreTrainedModel, *, seq: int) -> None:
         super().__init__()
-        self.base_name = hf_model.base_model_prefix
+        # the base model's attribute: its prefix, or "model" where the prefix names another (Llama 4's)
+        self.base_name = next(n for n in (hf_model.base_model_prefix, "model") if hasattr(hf_model, n))
         self.add_module(self.base_name, getattr(hf_model, self.base_name))
         self.lm_head = hf_model.get_output_embeddings()
         self.config = hf_model.config

@@ -2,7 +2,8 @@
 
 Pre: a model whose MoE blocks :func:`moe_modules` recognizes.
 Post: inside :func:`composite_moe`, each recognized block's forward is one call of
-``autopar::moe(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, activation, "")``
+``autopar::moe(x, router_weight, gate_up, down, top_k, normalize, capacity_factor, activation,
+gate_up_bias, down_bias, "")``
 (``runtime/expert_parallel.py`` holds its math), so ``passes.capture.capture`` records one
 ``autopar.moe`` node per layer and none of the routing's data-dependent ops; on exit the
 original forwards are back.
@@ -18,7 +19,9 @@ an activation not named below or another kind of shared expert do not):
   back in the graph), gated by an activation the ops know (``runtime/kernels/expert_activations.py``):
   the experts' own ``_apply_gate(gate_up)`` where they have one (Hunyuan-V4's and MiniMax-M3's
   clamped SwiGLUs), else ``act_fn(gate, up)`` (Inkling-2's softcapped SwiGLU) or ``act_fn(gate) · up``
-  (SiLU, GELU, tanh-GELU, ReLU), told apart by their values on probe inputs (:func:`_activation_name`);
+  (SiLU, GELU, tanh-GELU, ReLU), told apart by their values on probe inputs (:func:`_activation_name`),
+  gate and up the halves of the projection or its alternate columns (GPT-OSS's); with their
+  biases ``gate_up_proj_bias`` [E, 2F] and ``down_proj_bias`` [E, H] where they have them;
 - ``top_k`` on the block or the router; ``norm_topk_prob`` on either says whether the top-k
   weights are renormalized (without it they are, as in Mixtral);
 - nothing else in the block (no other parameters or buffers), but for Qwen2-MoE's shared expert:
@@ -28,10 +31,13 @@ an activation not named below or another kind of shared expert do not):
 
 Experts a block calls with routing of its own (``experts(hidden_states, top_k_index,
 top_k_weights)``, transformers' experts classes: DeepSeek-V3's behind its grouped sigmoid router,
-DBRX's, Inkling-2's, ...) in a block not recognized as above become one ``autopar::moe_experts(x,
-weights, ids, gate_up, down, capacity_factor, activation, "")`` call each, when the experts module
-holds what ``block.experts`` must hold above or DBRX's layout of the same gated experts
-(:func:`_expert_weights`): the router and whatever else the block does stay ordinary ops.
+DBRX's, Inkling-2's, GPT-OSS's, ...) in a block not recognized as above become one
+``autopar::moe_experts(x, weights, ids, gate_up, down, capacity_factor, activation, gate_up_bias,
+down_bias, False, "")`` call each, when the experts module holds what ``block.experts`` must hold
+above or DBRX's layout of the same gated experts (:func:`_expert_weights`): the router and
+whatever else the block does stay ordinary ops. A block as Llama 4's (every expert run on every
+token scaled by its score: :func:`weighted_input_parts`) becomes its router's logits and top-k
+as ordinary ops, one ``moe_experts`` call with weighted inputs (``True``) and its shared expert.
 
 The block's forward takes hidden states [..., H]. It returns the output alone (Hugging Face), or
 ``(output, router_logits [T, E])`` if the block sets ``returns_router_logits = True``
@@ -48,6 +54,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from autopar.ir import OP_NAMESPACE, ConfigError
@@ -123,6 +130,20 @@ def _routes_by_softmax_top_k(router: nn.Module, top_k: int, normalize: bool) -> 
     same weight and name but samples its experts (sparsemixer), which the op does not."""
     if type(router).forward is nn.Linear.forward:
         return True
+    logits, out = _probe_router(router, 3)
+    if out is None:
+        return False
+    top, experts = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True) if normalize else top
+    _, scores, indices = out
+    return indices.shape == experts.shape and bool(
+        (indices == experts).all() and torch.allclose(scores.float(), top, atol=1e-5)
+    )
+
+
+def _probe_router(router: nn.Module, outputs: int) -> tuple[torch.Tensor, tuple | None]:
+    """(the logits of random tokens through a random weight of ``router``'s shape, what ``router``
+    returns for them on the CPU, or None unless a tuple of ``outputs`` tensors)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(router.weight.shape, generator=generator)
     tokens = torch.randn(16, weight.shape[1], generator=generator)
@@ -130,15 +151,48 @@ def _routes_by_softmax_top_k(router: nn.Module, top_k: int, normalize: bool) -> 
         with torch.no_grad():
             out = torch.func.functional_call(router, {"weight": weight}, (tokens,))
     except Exception:  # noqa: BLE001  (a router this call does not suit is not one the op replaces)
-        return False
-    if not (isinstance(out, tuple) and len(out) == 3 and all(torch.is_tensor(t) for t in out)):
-        return False
-    top, experts = torch.softmax(tokens @ weight.T, dim=-1).topk(top_k, dim=-1)
-    top = top / top.sum(dim=-1, keepdim=True) if normalize else top
-    _, scores, indices = out
-    return indices.shape == experts.shape and bool(
-        (indices == experts).all() and torch.allclose(scores.float(), top, atol=1e-5)
-    )
+        out = None
+    ok = isinstance(out, tuple) and len(out) == outputs and all(torch.is_tensor(t) for t in out)
+    return tokens @ weight.T, out if ok else None
+
+
+@dataclass(frozen=True)
+class WeightedInputParts:
+    """A block as Llama 4's (:func:`weighted_input_parts`)."""
+
+    router: nn.Linear
+    weights: Callable[[], tuple]  # as :attr:`MoEParts.weights`, without biases
+    activation: str
+    shared: nn.Module
+
+
+def weighted_input_parts(block: nn.Module) -> WeightedInputParts | None:
+    """The parts of a block as Llama 4's, or None: ``router`` a bias-free ``nn.Linear`` [E, H] with
+    ``top_k`` whose forward gives (scores, logits), the scores σ(logit) at each token's top-k
+    logits and 0 elsewhere; ``experts`` stacked as ``block.experts`` must be above, without biases,
+    taking every expert's copy of the tokens at once (``forward(hidden_states)``); ``shared_expert``;
+    nothing else. Such a block returns (shared(x) + Σ_e expert_e(score_e · x), logits): a token
+    reaches an expert scaled by its score, and its zero copies add nothing, so the op computes it
+    with weighted inputs over the top-k experts alone."""
+    if {name for name, _ in block.named_children()} != {"router", "experts", "shared_expert"} or _own_tensors(block):
+        return None
+    router, experts = block.router, block.experts
+    top_k = getattr(router, "top_k", None)
+    if not isinstance(router, nn.Linear) or router.bias is not None or not isinstance(top_k, int):
+        return None
+    weights, activation = _stacked(experts)
+    if activation is None or _parameter_names(type(experts).forward) != ["hidden_states"]:
+        return None
+    if weights()[2] is not None or _expert_shape(*weights()[:2]) != router.weight.shape:
+        return None
+    logits, out = _probe_router(router, 2)
+    if out is None:
+        return None
+    top, chosen = logits.topk(top_k, dim=-1)
+    scores = torch.zeros_like(logits).scatter_(1, chosen, torch.sigmoid(top))
+    if out[0].shape != scores.shape or not torch.allclose(out[0].float(), scores, atol=1e-6):
+        return None
+    return WeightedInputParts(router, weights, activation, block.shared_expert)
 
 
 def _gated_shared_expert(block: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
@@ -235,6 +289,14 @@ def moe_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {name: module for name, module in model.named_modules() if moe_parts(module) is not None}
 
 
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name → every module an experts op is made for: the blocks of :func:`moe_modules`
+    and :func:`weighted_input_parts`, the experts of :func:`routed_experts` (the modules to pin to
+    the expert-parallel kernel: ``constraints=dict.fromkeys(expert_modules(model), "experts")``)."""
+    weighted = {name: m for name, m in model.named_modules() if weighted_input_parts(m) is not None}
+    return {**moe_modules(model), **weighted, **routed_experts(model)}
+
+
 @contextmanager
 def composite_moe(model: nn.Module, *, capacity_factor: float = 0.0):
     """While active, every MoE block of ``model`` runs as one ``autopar::moe`` call (group ""),
@@ -255,6 +317,10 @@ def composite_moe(model: nn.Module, *, capacity_factor: float = 0.0):
                 _override_forward(parts.router, _logits_pass_through, overridden)
         for experts in routed_experts(model).values():
             _override_forward(experts, _routed_forward(experts, capacity_factor), overridden)
+        for block in model.modules():
+            if (parts := weighted_input_parts(block)) is not None:
+                _override_forward(block, _weighted_input_forward(parts, capacity_factor), overridden)
+                _override_forward(parts.router, lambda logits: (None, logits), overridden)  # for its hooks
         yield model
     finally:
         for module, previous in reversed(overridden):
@@ -293,9 +359,25 @@ def _routed_forward(experts: nn.Module, capacity_factor: float):
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         gate_up, down, *biases = weights()
-        options = (float(capacity_factor), activation, *biases, "")
+        options = (float(capacity_factor), activation, *biases, False, "")
         out = torch.ops.autopar.moe_experts(x, top_k_weights, top_k_index, gate_up, down, *options)
         return out.view(hidden_states.shape)
+
+    return forward
+
+
+def _weighted_input_forward(parts: WeightedInputParts, capacity_factor: float):
+    def forward(hidden_states: torch.Tensor):
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits = F.linear(x, parts.router.weight)
+        top, chosen = logits.topk(parts.router.top_k, dim=-1)
+        gate_up, down, *biases = parts.weights()
+        options = (float(capacity_factor), parts.activation, *biases, True, "")
+        routed = torch.ops.autopar.moe_experts(
+            x, torch.sigmoid(top.float()).to(x.dtype), chosen, gate_up, down, *options
+        )
+        parts.router(logits)  # for its forward hooks
+        return parts.shared(x) + routed, logits
 
     return forward
 

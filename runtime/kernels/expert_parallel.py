@@ -89,23 +89,10 @@ def _check_shapes(x, router_weight, gate_up, down, top_k: int, group, gate_up_bi
             f"moe needs x [tokens, hidden] and router_weight [experts, hidden], got {tuple(x.shape)} "
             f"and {tuple(router_weight.shape)}: flatten batch and sequence into tokens first"
         )
-    _check_experts(router_weight.shape[0], x.shape[1], gate_up, down, top_k, group)
-    _check_biases(gate_up, down, gate_up_bias, down_bias)
+    _check_experts(router_weight.shape[0], x.shape[1], gate_up, down, top_k, group, gate_up_bias, down_bias)
 
 
-def _check_biases(gate_up, down, gate_up_bias, down_bias) -> None:
-    for name, bias, shape in (
-        ("gate_up_bias", gate_up_bias, gate_up.shape[:2]),
-        ("down_bias", down_bias, down.shape[:2]),
-    ):
-        if bias is not None and bias.shape != shape:
-            raise ValueError(
-                f"the experts' {name} must be [{', '.join(map(str, shape))}] (this rank's experts, then their "
-                f"outputs), got {tuple(bias.shape)}"
-            )
-
-
-def _check_experts(experts: int, hidden: int, gate_up, down, top_k: int, group) -> None:
+def _check_experts(experts: int, hidden: int, gate_up, down, top_k: int, group, *biases) -> None:
     group_size = _size(group)
     if experts % group_size:
         raise ValueError(
@@ -122,6 +109,12 @@ def _check_experts(experts: int, hidden: int, gate_up, down, top_k: int, group) 
         )
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts, {experts}")
+    for name, bias, shape in zip(("gate_up_bias", "down_bias"), biases, (gate_up.shape[:2], down.shape[:2])):
+        if bias is not None and bias.shape != shape:
+            raise ValueError(
+                f"the experts' {name} must be [{', '.join(map(str, shape))}] (this rank's experts, then their "
+                f"outputs), got {tuple(bias.shape)}"
+            )
 
 
 def _route(logits: Tensor, top_k: int, normalize: bool, capacity_factor: float) -> _Routing:
@@ -190,13 +183,15 @@ def _from_experts(rows: Tensor, plan: _Dispatch, group) -> Tensor:
 @dataclass(frozen=True)
 class _Experts:
     """This rank's experts: ``gate_up`` [E_local, 2F, H], ``down`` [E_local, H, F], their biases
-    [E_local, 2F] and [E_local, H] or None, and the gated activation between them."""
+    [E_local, 2F] and [E_local, H] or None, the gated activation between them, and whether a slot's
+    weight scales the token going in (Llama 4's) rather than the expert's output."""
 
     gate_up: Tensor
     down: Tensor
     gate_up_bias: Tensor | None
     down_bias: Tensor | None
     glu: Callable[[Tensor], Tensor]
+    weighted_inputs: bool = False
 
     def project(self, expert: int, rows: Tensor) -> Tensor:
         return F.linear(rows, self.gate_up[expert], None if self.gate_up_bias is None else self.gate_up_bias[expert])
@@ -205,8 +200,8 @@ class _Experts:
         return F.linear(hidden, self.down[expert], None if self.down_bias is None else self.down_bias[expert])
 
 
-def _experts(gate_up, down, activation: str, gate_up_bias, down_bias) -> _Experts:
-    return _Experts(gate_up, down, gate_up_bias, down_bias, gated_activation(activation))
+def _experts(gate_up, down, activation: str, gate_up_bias, down_bias, weighted_inputs: bool = False) -> _Experts:
+    return _Experts(gate_up, down, gate_up_bias, down_bias, gated_activation(activation), weighted_inputs)
 
 
 def _experts_forward(rows: Tensor, experts: _Experts, expert_rows: list[int]) -> Tensor:
@@ -277,11 +272,15 @@ def moe(
 
 
 def _combine(x: Tensor, chosen: Tensor, keep: Tensor, weights: Tensor, experts: _Experts, group) -> Tensor:
-    """Σ_j weights[t, j] · expert_j(x[t]) for the kept slots, each slot's row sent to its expert's owner."""
+    """Σ_j weights[t, j] · expert_j(x[t]) for the kept slots (Σ_j expert_j(weights[t, j] · x[t])
+    with weighted inputs), each slot's row sent to its expert's owner."""
     (tokens, hidden), top_k = x.shape, chosen.shape[1]
     plan = _plan_dispatch(chosen, keep, experts.gate_up.shape[0] * _size(group), group)
-    received = _to_experts(x[plan.slots // top_k], plan, group)
-    returned = _from_experts(_experts_forward(received, experts, plan.expert_rows), plan, group)
+    rows = x[plan.slots // top_k]
+    if experts.weighted_inputs:
+        rows = rows * weights.reshape(-1)[plan.slots].to(x.dtype)[:, None]
+        weights = torch.ones_like(weights)
+    returned = _from_experts(_experts_forward(_to_experts(rows, plan, group), experts, plan.expert_rows), plan, group)
     slot_outputs = x.new_zeros((tokens * top_k, hidden))
     slot_outputs[plan.slots] = returned
     return (weights.to(x.dtype).unsqueeze(-1) * slot_outputs.view(tokens, top_k, hidden)).sum(1)
@@ -295,16 +294,21 @@ def _combine_backward(grad_out, x, chosen, keep, weights, experts: _Experts, gro
     (tokens, hidden), top_k = x.shape, chosen.shape[1]
     plan = _plan_dispatch(chosen, keep, experts.gate_up.shape[0] * _size(group), group)
     token_of_slot = plan.slots // top_k
-    slot_weights = weights.reshape(-1)[plan.slots].to(x.dtype)
-    sent = torch.cat([x[token_of_slot], grad_out[token_of_slot], slot_weights[:, None]], dim=1)
-    received = _to_experts(sent, plan, group)
+    rows, slot_weights = x[token_of_slot], weights.reshape(-1)[plan.slots].to(x.dtype)
+    sent = [rows, slot_weights]
+    if experts.weighted_inputs:  # the expert takes w·x and its output counts once
+        sent = [rows * slot_weights[:, None], torch.ones_like(slot_weights)]
+    received = _to_experts(torch.cat([sent[0], grad_out[token_of_slot], sent[1][:, None]], dim=1), plan, group)
     d_rows, d_weight_rows, *d_experts = _experts_backward(
         received[:, :hidden], received[:, hidden:-1], received[:, -1], experts, plan.expert_rows
     )
     returned = _from_experts(torch.cat([d_rows, d_weight_rows[:, None]], dim=1), plan, group)
-    d_x = torch.zeros_like(x).index_add_(0, token_of_slot, returned[:, :hidden])
+    d_rows, d_slot_weights = returned[:, :hidden], returned[:, -1]
+    if experts.weighted_inputs:  # d(w·x): dx = w · d row, dw = ⟨d row, x⟩
+        d_rows, d_slot_weights = d_rows * slot_weights[:, None], (d_rows * rows).sum(-1)
+    d_x = torch.zeros_like(x).index_add_(0, token_of_slot, d_rows)
     d_weights = weights.new_zeros(tokens * top_k, dtype=torch.float32)
-    d_weights[plan.slots] = returned[:, -1].float()
+    d_weights[plan.slots] = d_slot_weights.float()
     return d_x, d_weights.view(tokens, top_k), *d_experts
 
 
@@ -408,19 +412,21 @@ def moe_experts(
     activation: str,
     gate_up_bias: Tensor | None,
     down_bias: Tensor | None,
+    weighted_inputs: bool,
     group_name: str,
 ) -> Tensor:
     """The experts of a mixture-of-experts layer routed by the model's own router: ``out`` [T, H]
     = Σ_j weights[t, j] · expert ``chosen[t, j]`` (x[t]), for ``weights`` and ``chosen`` [T, k]
     (the combine weights, the expert ids) computed as ordinary ops before it (DeepSeek-V3's
-    grouped sigmoid routing, for one). Experts, dispatch, capacity and expert gradients as
+    grouped sigmoid routing, for one); with ``weighted_inputs`` Σ_j expert ``chosen[t, j]``
+    (weights[t, j] · x[t]) (Llama 4's). Experts, dispatch, capacity and expert gradients as
     :func:`moe`; ``weights`` gets its gradient, ``chosen`` none. Example::
 
-        out = torch.ops.autopar.moe_experts(x, top_weights, top_ids, gate_up, down, 0.0, "silu", None, None, "")
+        out = torch.ops.autopar.moe_experts(x, top_weights, top_ids, gate_up, down, 0.0, "silu", None, None, False, "")
     """
     group = _group(group_name)
     _check_routed(x, weights, chosen, gate_up, down, group, gate_up_bias, down_bias)
-    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias)
+    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias, weighted_inputs)
     return _combine(x, chosen, _kept(chosen, gate_up, capacity_factor, group), weights, experts, group)
 
 
@@ -434,12 +440,14 @@ def _check_routed(x, weights, chosen, gate_up, down, group, gate_up_bias, down_b
             f"moe_experts needs x [tokens, hidden] and weights, experts [tokens, top_k], got {tuple(x.shape)}, "
             f"{tuple(weights.shape)} and {tuple(chosen.shape)}: flatten batch and sequence into tokens first"
         )
-    _check_experts(gate_up.shape[0] * _size(group), x.shape[1], gate_up, down, weights.shape[1], group)
-    _check_biases(gate_up, down, gate_up_bias, down_bias)
+    experts = gate_up.shape[0] * _size(group)
+    _check_experts(experts, x.shape[1], gate_up, down, weights.shape[1], group, gate_up_bias, down_bias)
 
 
 @moe_experts.register_fake
-def _(x, weights, chosen, gate_up, down, capacity_factor, activation, gate_up_bias, down_bias, group_name):
+def _(
+    x, weights, chosen, gate_up, down, capacity_factor, activation, gate_up_bias, down_bias, weighted_inputs, group_name
+):
     _check_routed(x, weights, chosen, gate_up, down, _group(group_name), gate_up_bias, down_bias)
     gated_activation(activation)
     return x.new_empty(x.shape)
@@ -457,35 +465,35 @@ def moe_experts_backward(
     activation: str,
     gate_up_bias: Tensor | None,
     down_bias: Tensor | None,
+    weighted_inputs: bool,
     group_name: str,
 ) -> BackwardGrads:
     """Gradients of :func:`moe_experts` for x, weights, gate_up, down and the biases (empty where none)."""
     group = _group(group_name)
     keep = _kept(chosen, gate_up, capacity_factor, group)
-    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias)
+    experts = _experts(gate_up, down, activation, gate_up_bias, down_bias, weighted_inputs)
     d_x, d_weights, *d_experts = _combine_backward(grad_out, x, chosen, keep, weights, experts, group)
     return d_x, d_weights.to(weights.dtype), *d_experts
 
 
 @moe_experts_backward.register_fake
-def _(grad_out, x, weights, chosen, gate_up, down, *options):
-    gate_up_bias, down_bias = options[-3:-1]
+def _(grad_out, x, weights, chosen, gate_up, down, capacity_factor, activation, gate_up_bias, down_bias, *_):
     return (*(t.new_empty(t.shape) for t in (x, weights, gate_up, down)), *_bias_grads(x, gate_up_bias, down_bias))
 
 
 def _save_routed(ctx, inputs, output):
-    x, weights, chosen, gate_up, down, *options, gate_up_bias, down_bias, group_name = inputs
+    x, weights, chosen, gate_up, down, capacity_factor, activation, gate_up_bias, down_bias, *last = inputs
     ctx.save_for_backward(x, weights, chosen, gate_up, down, gate_up_bias, down_bias)
-    ctx.options, ctx.group_name = options, group_name
+    ctx.options, ctx.last = (capacity_factor, activation), last  # last: weighted_inputs, group_name
 
 
 def _moe_experts_autograd(ctx, grad_out):
     x, weights, chosen, gate_up, down, gate_up_bias, down_bias = ctx.saved_tensors
     d_x, d_weights, d_gate_up, d_down, d_gate_up_bias, d_down_bias = moe_experts_backward(
-        grad_out, x, weights, chosen, gate_up, down, *ctx.options, gate_up_bias, down_bias, ctx.group_name
+        grad_out, x, weights, chosen, gate_up, down, *ctx.options, gate_up_bias, down_bias, *ctx.last
     )
     biases = _present(d_gate_up_bias, gate_up_bias), _present(d_down_bias, down_bias)
-    return d_x, d_weights, None, d_gate_up, d_down, None, None, *biases, None
+    return d_x, d_weights, None, d_gate_up, d_down, None, None, *biases, None, None
 
 
 moe_experts.register_autograd(_moe_experts_autograd, setup_context=_save_routed)

@@ -314,7 +314,8 @@ def routed_experts(draw, p):
     x, weights = values(draw, (tokens, hidden)), values(draw, (tokens, top_k))
     gate_up, down = values(draw, (count, 2 * ffn, hidden)), values(draw, (count, hidden, ffn))
     biases = (values(draw, (count, 2 * ffn)), values(draw, (count, hidden))) if draw(st.booleans()) else (None, None)
-    options = (0.0, "clamped_swiglu:1.702:7:interleaved" if biases[0] is not None else "silu", *biases, "")
+    activation = "clamped_swiglu:1.702:7:interleaved" if biases[0] is not None else "silu"
+    options = (0.0, activation, *biases, draw(st.booleans()), "")  # the weights scaling outputs or inputs
     return Sample(torch.ops.autopar.moe_experts.default, (x, weights, ids, gate_up, down, *options))
 
 

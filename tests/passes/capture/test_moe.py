@@ -23,7 +23,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from autopar.ir import ConfigError
 from autopar.passes.capture.graph import capture, module_path
-from autopar.passes.capture.moe import _expert_weights, composite_moe, moe_modules, routed_experts
+from autopar.passes.capture.moe import _expert_weights, composite_moe, expert_modules, moe_modules, routed_experts
 
 moe_gpt, hf, hf_configs = load_example("moe_gpt.py"), load_example("hf.py"), load_example("hf_configs.py", "benchmarks")
 TOLERANCE = dict(rtol=1e-5, atol=1e-5)
@@ -224,6 +224,23 @@ def test_experts_of_another_activation_run_it_in_the_op_and_equal_eager():
         model = _LossOf(_unit_scale_experts(hf_configs.small_model(family)))
         assert [_expert_weights(m)[1] for m in routed_experts(model).values()] == [activation] * 2, family
         _assert_composite_equals_eager(model, (ids,))
+
+
+def test_llama4_blocks_weight_their_experts_inputs_in_the_op_and_equal_eager():
+    """Llama 4's block runs every expert on every token scaled by its router score (0 off the top
+    k): one moe_experts node per block with weighted inputs over the top-k experts; a router
+    scoring otherwise (softmax) leaves the block as it is."""
+    torch.manual_seed(0)
+    model = _LossOf(_unit_scale_experts(hf_configs.small_model("llama4_text")))
+    blocks = [f"model.model.layers.{i}.feed_forward" for i in range(2)]
+    assert list(expert_modules(model)) == blocks
+    ids = torch.randint(0, 64, (2, 8))
+    _assert_composite_equals_eager(model, (ids,))
+    nodes = [node for node in capture(model, (ids,)).graph.nodes if str(node.target) == "autopar.moe_experts.default"]
+    assert [(module_path(node), node.args[6], node.args[9]) for node in nodes] == [(b, "silu", True) for b in blocks]
+    router = model.model.model.layers[0].feed_forward.router
+    router.forward = lambda x: (torch.softmax(nn.Linear.forward(router, x), dim=-1), nn.Linear.forward(router, x))
+    assert list(expert_modules(model)) == blocks[1:]
 
 
 def _unit_scale_experts(model: nn.Module) -> nn.Module:

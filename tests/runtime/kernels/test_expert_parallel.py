@@ -135,7 +135,7 @@ def test_op_passes_opcheck_traces_with_its_backward_and_names_bad_shapes():
     torch.library.opcheck(moe.default, (x, router, gate_up, down, 2, True, 0.0, "silu", None, None, ""))
     weights, ids = torch.rand(6, 2, requires_grad=True), torch.tensor([[0, 1], [2, 0], [1, 2]] * 2)
     biases = torch.randn(3, 10, requires_grad=True), torch.randn(3, 4, requires_grad=True)
-    routed = (x, weights, ids, gate_up, down, 0.0, "silu:interleaved", *biases, "")
+    routed = (x, weights, ids, gate_up, down, 0.0, "silu:interleaved", *biases, True, "")
     torch.library.opcheck(torch.ops.autopar.moe_experts.default, routed)
     assert _traced_autopar_ops(x, router, gate_up, down) == ["autopar::moe", "autopar::moe_backward"]
     try:
@@ -165,9 +165,26 @@ HAND_ACTIVATIONS = {  # glu(gate, up) written out, apart from the ops' table (ru
 }
 
 
+def _hand_experts(x, weights, ids, experts, glu, weighted: bool):
+    """Σ_j w · expert_j(x), or Σ_j expert_j(w · x) when ``weighted`` (inputs), token by token."""
+    gate_up, down, gate_up_bias, down_bias = experts
+    rows = []
+    for t, row in enumerate(ids.tolist()):
+        outs = []
+        for j, e in enumerate(row):
+            w = weights[t, j]
+            y = F.linear(
+                glu(F.linear(w * x[t] if weighted else x[t], gate_up[e], gate_up_bias[e])), down[e], down_bias[e]
+            )
+            outs.append(y if weighted else w * y)
+        rows.append(sum(outs))
+    return torch.stack(rows)
+
+
 def test_experts_compute_each_activation_and_its_gradient_and_name_an_unknown_one():
     """moe_experts against each expert written out per slot, out and every gradient (unit-scale
-    values, past the caps and clamps); an unknown activation is refused with the known ones."""
+    values, past the caps and clamps), with biases, and with the weights on the inputs; an unknown
+    activation is refused with the known ones."""
     generator = torch.Generator().manual_seed(2)
     tokens, ids = 6, torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [2, 1], [1, 0]])
     leaves = [
@@ -179,20 +196,17 @@ def test_experts_compute_each_activation_and_its_gradient_and_name_an_unknown_on
     upstream = torch.randn(tokens, 4, generator=generator)
     biases = [torch.randn(3, 10, generator=generator), torch.randn(3, 4, generator=generator)]
     interleaved = HAND_ACTIVATIONS["clamped_swiglu:1.702:2"]  # GPT-OSS's: gate and up columns alternate, biased
-    cases = [(name, glu, False) for name, glu in HAND_ACTIVATIONS.items()]
-    cases.append(("clamped_swiglu:1.702:2:interleaved", lambda h: interleaved(h[..., ::2], h[..., 1::2]), True))
-    for name, glu, biased in cases:
-        split = (lambda h: glu(h)) if biased else (lambda h: glu(*h.chunk(2)))
+    cases = [(name, lambda h, glu=glu: glu(*h.chunk(2)), False, False) for name, glu in HAND_ACTIVATIONS.items()]
+    cases.append(("clamped_swiglu:1.702:2:interleaved", lambda h: interleaved(h[..., ::2], h[..., 1::2]), True, False))
+    cases.append(("gelu", lambda h: HAND_ACTIVATIONS["gelu"](*h.chunk(2)), False, True))  # Llama 4's weighted inputs
+    for name, glu, biased, weighted in cases:
         x, weights, gate_up, down, *bias = (
             leaf.clone().requires_grad_() for leaf in leaves + (biases if biased else [])
         )
         gate_up_bias, down_bias = bias or (torch.zeros(3, 10), torch.zeros(3, 4))
-        out = torch.ops.autopar.moe_experts(x, weights, ids, gate_up, down, 0.0, name, *(bias or (None, None)), "")
-        expected = torch.stack([
-            sum(weights[t, j] * F.linear(split(F.linear(x[t], gate_up[e], gate_up_bias[e])), down[e], down_bias[e])
-                for j, e in enumerate(row))
-            for t, row in enumerate(ids.tolist())
-        ])  # fmt: skip
+        options = (0.0, name, *(bias or (None, None)), weighted, "")
+        out = torch.ops.autopar.moe_experts(x, weights, ids, gate_up, down, *options)
+        expected = _hand_experts(x, weights, ids, (gate_up, down, gate_up_bias, down_bias), glu, weighted)
         torch.testing.assert_close(out, expected, **TOLERANCE, msg=name)
         differentiated = [x, weights, gate_up, down, *bias]
         actual = torch.autograd.grad((out * upstream).sum(), differentiated)
@@ -200,7 +214,7 @@ def test_experts_compute_each_activation_and_its_gradient_and_name_an_unknown_on
         for leaf, got, want in zip(["x", "weights", "gate_up", "down", "gate_up_bias", "down_bias"], actual, wanted):
             torch.testing.assert_close(got, want, **TOLERANCE, msg=f"{name}: {leaf}")
     try:
-        torch.ops.autopar.moe_experts(*leaves[:2], ids, *leaves[2:], 0.0, "swish", None, None, "")
+        torch.ops.autopar.moe_experts(*leaves[:2], ids, *leaves[2:], 0.0, "swish", None, None, False, "")
     except ValueError as error:
         assert "'swish'" in str(error) and "gelu_tanh" in str(error) and "softcapped_silu" in str(error)
     else:
@@ -314,7 +328,8 @@ def _routed_leaves(problem, ranks, experts):
 
 def _check_routed(errors: dict, label: str, group: str, rank: int, P: int) -> None:
     """moe_experts (the model's own routing) under EP on this rank vs the op over every rank's
-    tokens: with Inkling-2's softcapped activation, and with GPT-OSS's biases and interleaved gate."""
+    tokens: with Inkling-2's softcapped activation, with GPT-OSS's biases and interleaved gate, and
+    with Llama 4's weights on the experts' inputs."""
     count, generator = 8, torch.Generator().manual_seed(5)
     problem = _full_problem(P, 7, 6, 5, count)
     biases = [torch.randn(count, 10, generator=generator), torch.randn(count, 6, generator=generator)]
@@ -322,14 +337,14 @@ def _check_routed(errors: dict, label: str, group: str, rank: int, P: int) -> No
     for case, activation, tensors in [
         ("", SOFTCAPPED, [problem["gate_up"], problem["down"]]),
         (" biased", "clamped_swiglu:1.702:1:interleaved", [problem["gate_up"], problem["down"], *biases]),
+        (" weighted inputs", "silu", [problem["gate_up"], problem["down"]]),  # Llama 4's
     ]:
         runs = []
         for ranks, experts, group_of in (([rank], [t[local] for t in tensors], group), (list(range(P)), tensors, "")):
             leaves, ids = _routed_leaves(problem, ranks, experts)
             x, weights, gate_up, down, *bias = leaves
-            out = torch.ops.autopar.moe_experts(
-                x, weights, ids, gate_up, down, 0.0, activation, *(bias or (None, None)), group_of
-            )
+            options = (0.0, activation, *(bias or (None, None)), case == " weighted inputs", group_of)
+            out = torch.ops.autopar.moe_experts(x, weights, ids, gate_up, down, *options)
             (out * problem["upstream"][ranks].reshape(out.shape)).sum().backward()
             runs.append((out.detach(), [leaf.grad for leaf in leaves]))
         (ep_out, ep_grads), (full_out, full_grads) = runs
