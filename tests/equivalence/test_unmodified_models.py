@@ -12,7 +12,8 @@ across pipeline stages on PP4, PP2xDP2 with ZeRO-1 (its labels right-padded, ano
 row, so microbatches count unequal targets) and ZeRO-3, and the zero-bubble V schedule (both uses
 on one device); JetMoE (experts over attention heads and the MLP, its tokens split by counts it
 computes: sizes only the data decides, other ones in each microbatch) and Inkling-2 (its first
-stage sends a non-contiguous value) on PP2xDP2. The same families on DP4, TP4, PP2xDP2 and
+stage sends a non-contiguous value) on PP2xDP2; Llama 4 (every expert run on every token scaled by
+its router score: the experts op with weighted inputs) on EP4. The same families on DP4, TP4, PP2xDP2 and
 CP2xDP2 are ``benchmarks/coverage.py families``'s columns (the same check, on every rank), with
 every other family. Also on one of the models: calls of other sizes and with a padding mask (no
 new plan), a loss computed outside
@@ -43,6 +44,7 @@ CASES = [
     ("qwen2", TIED, dict(PP2xDP2, pipeline="zbv")),
     ("jetmoe", SIZES, PP2xDP2),  # tokens split by counts it computes: sizes only the data decides, per microbatch
     ("inkling2_text", SHRUNK, PP2xDP2),  # its stage 0 sends a non-contiguous value (p2p takes contiguous ones)
+    ("llama4_text", SHRUNK, dict(degrees={"ep": 4}, constraints={"model.layers.*.feed_forward": "experts"})),
     ("zamba2", SHRUNK, PP2xDP2),  # its stage 1 sends back a non-contiguous gradient
 ]
 
