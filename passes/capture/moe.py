@@ -9,7 +9,7 @@ gate_up_bias, down_bias, "")``
 original forwards are back.
 
 What is recognized (duck-typing, so Hugging Face blocks of Mixtral's shape match too:
-Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE's with its gated shared expert; blocks with biases,
+Mixtral, Qwen3-MoE, OLMoE, and Qwen2-MoE's with its gated shared expert; routers with biases,
 an activation not named below or another kind of shared expert do not):
 
 - a router at ``block.gate`` or ``block.router`` holding only a ``weight`` [E, H] (an
@@ -85,7 +85,7 @@ class MoEParts:
     """What the op needs from a recognized block."""
 
     router: nn.Module  # holds ``weight`` [E, H]
-    weights: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the experts' (gate_up [E, 2F, H], down [E, H, F])
+    weights: Callable[[], tuple]  # the experts' gate_up [E, 2F, H], down [E, H, F] and biases (or Nones)
     top_k: int
     normalize: bool
     returns_router_logits: bool
@@ -184,7 +184,7 @@ def weighted_input_parts(block: nn.Module) -> WeightedInputParts | None:
     if activation is None or _parameter_names(type(experts).forward) != ["hidden_states"]:
         return None
     if weights()[2] is not None or _expert_shape(*weights()[:2]) != router.weight.shape:
-        return None
+        return None  # (biased experts would add their biases for the zero copies too)
     logits, out = _probe_router(router, 2)
     if out is None:
         return None
@@ -249,7 +249,7 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
 
 def _expert_weights(experts: nn.Module):
     """(a function giving ``experts``' weights as ``moe_experts`` takes them, (gate_up [E, 2F, H],
-    down [E, H, F]), and their activation's name) when it holds gated experts in a layout known
+    down [E, H, F], and the biases or Nones), and their activation's name) when it holds gated experts in a layout known
     here, else (None, None): stacked (:func:`_stacked`), or DBRX's (``mlp.w1``,
     ``mlp.v1``, ``mlp.w2``, each [E·F, H]: gate, up and the transposed down of expert e in rows e·F
     to (e+1)·F; viewed and joined in the graph, so their gradients reach them)."""
