@@ -17,6 +17,7 @@ from autopar.passes.capture.graph import module_path
 from autopar.passes.capture.moe import EXPERTS_OP
 from autopar.passes.cost.facts import NodeFacts
 from autopar.passes.sharding.rules import KERNEL_RULES, rule_for
+from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
 R = Replicate()
 # the tensor dim each data-like axis splits in user inputs (and keeps parameters whole over)
@@ -114,13 +115,14 @@ def _pinned(fact: NodeFacts, pattern: str, placement: Placement) -> Placement:
 
 
 def expert_params(facts) -> frozenset[str]:
-    """Parameters an experts op's expert weights (its last two slots) are made of: the weights
-    themselves, or the parameters they are viewed and joined from (DBRX's)."""
+    """Parameters an experts op's expert tensors (:func:`first_expert_slot` on: weights and biases)
+    are made of: the tensors themselves, or the parameters they are viewed and joined from (DBRX's,
+    Aria's and GPT-OSS's transposed weights)."""
     todo = [
         s.name
         for f in facts.values()
         if f.kind == "op" and str(f.node.target).startswith(EXPERTS_OP)
-        for s in f.slots[-2:]
+        for s in f.slots[first_expert_slot(f.node.target) :]
     ]
     seen: set[str] = set()
     while todo:

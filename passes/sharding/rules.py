@@ -23,6 +23,7 @@ from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
 from autopar.passes.sharding.factories import SIZE_ARGUMENT, like_input, replicated_only, sized_factory
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
 from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
+from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
 aten = torch.ops.aten
 R = Replicate()
@@ -368,9 +369,9 @@ def experts(view: OpView) -> list[Strategy]:
     any) -> (out, logits), or moe_experts(x, weights [T, k], ids [T, k], gate_up, down, biases) -> out:
     split the tokens (every rank runs every expert on its tokens), or the experts too, tokens sent
     to them (the expert-parallel kernel)."""
-    routed = str(view.node.target).startswith(ROUTED_EXPERTS_OP)
-    routing = (Shard(0), Shard(0)) if routed else (R,)  # its choices, or the router
-    per_expert = len(view.in_shapes) - 1 - len(routing)  # gate_up, down and their biases
+    first = first_expert_slot(view.node.target)
+    routing = (Shard(0), Shard(0)) if first == 3 else (R,)  # its choices, or the router
+    per_expert = len(view.in_shapes) - first  # gate_up, down and their biases
     tokens = Strategy((Shard(0), *routing, *[R] * per_expert), Shard(0))
     return [tokens, Strategy((Shard(0), *routing, *[Shard(0)] * per_expert), Shard(0), Kernel.EXPERTS)]
 

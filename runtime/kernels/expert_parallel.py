@@ -36,10 +36,9 @@ Gradients. ``backward`` of the local loss gives, on each rank:
   EP group: each expert lives on one rank of it); the router weight's gradient is all-reduced
   over the group like any replicated parameter's.
 
-Backward recomputes the experts' forward (no routed activations are kept between forward and
-backward: their count depends on the data, which a fixed-shape op cannot return), so it sends
-each slot's input and output gradient to its owner and gets back the input gradient and the
-gate-weight gradient: see ``autopar.passes.cost.kernels.dispatch_bytes``.
+Backward recomputes the experts' forward (routed activations, as many as the data decides, are
+not kept: a fixed-shape op cannot return them): it sends each slot's input and output gradient
+to its owner and gets back the input and gate-weight gradients (``cost.kernels.dispatch_bytes``).
 """
 
 from __future__ import annotations
@@ -76,6 +75,12 @@ class _Dispatch:
     recv_splits: list[int]  # rows from each group rank
     by_expert: Tensor  # permutation of the received rows that groups them by local expert
     expert_rows: list[int]  # rows per local expert, in that grouped order
+
+
+def first_expert_slot(target) -> int:
+    """Where an op's expert tensors (gate_up, down, their biases) start among its tensor inputs:
+    after x and the router weight (``moe``), x, the weights and the ids (``moe_experts``)."""
+    return 3 if "moe_experts" in str(target) else 2
 
 
 def _group(group_name: str):
