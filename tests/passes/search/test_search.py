@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from equivalence import load_example
 from planning import meta_model, plan_example
 
 import autopar
@@ -243,3 +244,23 @@ def test_moe_example_splits_its_experts_over_devices():
     replicated = autopar.plan(model, 4, inputs, degrees={"dp": 4})  # every device holds every expert
     assert plan.cost.step_s < replicated.cost.step_s
     assert plan.cost.memory["params"] < replicated.cost.memory["params"]
+
+
+def test_experts_split_over_ep_hold_their_share_of_weights_and_biases_viewed_or_not():
+    """GPT-OSS's experts take their weights transposed and add biases: under the expert-parallel
+    kernel each rank holds 1/ep of every expert tensor, as Mixtral's (weights given as they are)."""
+    configs = load_example("hf_configs.py", "benchmarks")
+    for family in ("gpt_oss", "mixtral"):
+        model = configs.small_model(family)
+        ids = torch.randint(0, 128, (8, 16))
+        experts = {"gpt_oss": "model.layers.*.mlp.experts", "mixtral": "model.layers.*.mlp"}[family]
+        plan = autopar.plan(
+            model,
+            4,
+            example_kwargs={"input_ids": ids, "labels": ids},
+            degrees={"ep": 4},
+            constraints={experts: "experts"},
+        )
+        ep, names = list(plan.degrees).index("ep"), [name for name in plan.params if ".experts." in name]
+        assert len(names) == (8 if family == "gpt_oss" else 4), names  # weights (and biases) of 2 layers
+        assert all(plan.params[name][ep] == Shard(0) for name in names), (family, {n: plan.params[n] for n in names})
