@@ -183,7 +183,8 @@ def weighted_input_parts(block: nn.Module) -> WeightedInputParts | None:
     weights, activation = _stacked(experts)
     if activation is None or _parameter_names(type(experts).forward) != ["hidden_states"]:
         return None
-    if weights()[2] is not None or _expert_shape(*weights()[:2]) != router.weight.shape:
+    gate_up, down, gate_up_bias, _ = weights()
+    if gate_up_bias is not None or _expert_shape(gate_up, down) != router.weight.shape:
         return None  # (biased experts would add their biases for the zero copies too)
     logits, out = _probe_router(router, 2)
     if out is None:
@@ -212,24 +213,20 @@ def _stacked(experts) -> tuple[Callable | None, str | None]:
         _EXPERT_PARAMS | _EXPERT_BIASES,
     ):
         return None, None
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    transposed = _expert_shape(gate_up, down) is None  # Aria's and GPT-OSS's [E, H, 2F], [E, F, H]
-    if _expert_shape(*((gate_up.mT, down.mT) if transposed else (gate_up, down))) is None:
-        return None, None
+    # Aria's and GPT-OSS's weights are [E, H, 2F] and [E, F, H]: transposed in the graph
+    transposed = _expert_shape(experts.gate_up_proj, experts.down_proj) is None
     biased = hasattr(experts, "down_proj_bias")
-    if biased and (experts.gate_up_proj_bias.shape, experts.down_proj_bias.shape) != (
-        gate_up.shape[::2],
-        down.shape[::2],
-    ):
-        return None, None  # not [E, 2F] and [E, H] (transposed or not, the bias is the weight's first and last dims)
 
     def weights():
-        gate_up, down = (
-            (experts.gate_up_proj.mT, experts.down_proj.mT) if transposed else (experts.gate_up_proj, experts.down_proj)
-        )
-        biases = (experts.gate_up_proj_bias, experts.down_proj_bias) if biased else (None, None)
-        return gate_up, down, *biases
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        gate_up, down = (gate_up.mT, down.mT) if transposed else (gate_up, down)
+        return gate_up, down, *((experts.gate_up_proj_bias, experts.down_proj_bias) if biased else (None, None))
 
+    gate_up, down, *biases = weights()
+    if _expert_shape(gate_up, down) is None:
+        return None, None
+    if biased and [b.shape for b in biases] != [gate_up.shape[:2], down.shape[:2]]:
+        return None, None  # not [E, 2F] and [E, H]
     activation = _activation_name(experts, "act_fn")
     return (weights, activation) if activation else (None, None)
 
@@ -248,9 +245,9 @@ def routed_experts(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _expert_weights(experts: nn.Module):
-    """(a function giving ``experts``' weights as ``moe_experts`` takes them, (gate_up [E, 2F, H],
-    down [E, H, F], and the biases or Nones), and their activation's name) when it holds gated experts in a layout known
-    here, else (None, None): stacked (:func:`_stacked`), or DBRX's (``mlp.w1``,
+    """(a function giving ``experts``' tensors as ``moe_experts`` takes them, (gate_up [E, 2F, H],
+    down [E, H, F], the biases or Nones), and their activation's name) when it holds gated experts
+    in a layout known here, else (None, None): stacked (:func:`_stacked`), or DBRX's (``mlp.w1``,
     ``mlp.v1``, ``mlp.w2``, each [E·F, H]: gate, up and the transposed down of expert e in rows e·F
     to (e+1)·F; viewed and joined in the graph, so their gradients reach them)."""
     weights, activation = _stacked(experts)
@@ -293,8 +290,12 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Qualified name → every module an experts op is made for: the blocks of :func:`moe_modules`
     and :func:`weighted_input_parts`, the experts of :func:`routed_experts` (the modules to pin to
     the expert-parallel kernel: ``constraints=dict.fromkeys(expert_modules(model), "experts")``)."""
-    weighted = {name: m for name, m in model.named_modules() if weighted_input_parts(m) is not None}
-    return {**moe_modules(model), **weighted, **routed_experts(model)}
+    return {**moe_modules(model), **weighted_input_blocks(model), **routed_experts(model)}
+
+
+def weighted_input_blocks(model: nn.Module) -> dict[str, nn.Module]:
+    """Qualified name → block as Llama 4's, for every block :func:`weighted_input_parts` recognizes."""
+    return {name: module for name, module in model.named_modules() if weighted_input_parts(module) is not None}
 
 
 @contextmanager
@@ -317,10 +318,10 @@ def composite_moe(model: nn.Module, *, capacity_factor: float = 0.0):
                 _override_forward(parts.router, _logits_pass_through, overridden)
         for experts in routed_experts(model).values():
             _override_forward(experts, _routed_forward(experts, capacity_factor), overridden)
-        for block in model.modules():
-            if (parts := weighted_input_parts(block)) is not None:
-                _override_forward(block, _weighted_input_forward(parts, capacity_factor), overridden)
-                _override_forward(parts.router, lambda logits: (None, logits), overridden)  # for its hooks
+        for block in weighted_input_blocks(model).values():
+            parts = weighted_input_parts(block)
+            _override_forward(block, _weighted_input_forward(parts, capacity_factor), overridden)
+            _override_forward(parts.router, lambda logits: (None, logits), overridden)  # for its hooks
         yield model
     finally:
         for module, previous in reversed(overridden):

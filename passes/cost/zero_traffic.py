@@ -113,7 +113,7 @@ def recompute_gathers_s(facts, params: list[str], ctx: AxisContext, param_shapes
     for name in params:
         fact = facts[name]
         if fact.kind == "param" and fact.needs_grad and fact.gather_group:  # outside layers: not recomputed
-            by_layer.setdefault(facts[name].gather_group, []).append(name)
+            by_layer.setdefault(fact.gather_group, []).append(name)
     seconds = 0.0
     for names in by_layer.values():
         after = 0.0  # elements of the layer's parameters used after this one

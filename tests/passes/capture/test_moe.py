@@ -226,6 +226,27 @@ def test_experts_of_another_activation_run_it_in_the_op_and_equal_eager():
         _assert_composite_equals_eager(model, (ids,))
 
 
+class _BiasedExperts(nn.Module):
+    """Stacked experts in the ops' own layout with biases: gate_up [E, 2F, H], down [E, H, F]."""
+
+    def __init__(self, gate_up_bias: tuple[int, ...] = (4, 8)) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = nn.Parameter(torch.zeros(4, 8, 6)), nn.Parameter(torch.zeros(4, 6, 4))
+        self.gate_up_proj_bias, self.down_proj_bias = (
+            nn.Parameter(torch.zeros(gate_up_bias)),
+            nn.Parameter(torch.zeros(4, 6)),
+        )
+        self.act_fn = nn.SiLU()
+
+
+def test_biased_experts_are_recognized_in_either_layout_with_biases_of_their_shape():
+    """Biases [E, 2F] and [E, H] go with either weight layout (GPT-OSS's transposed one is above);
+    a bias of another shape is not the ops'."""
+    weights, activation = _expert_weights(_BiasedExperts())
+    assert activation == "silu" and [tuple(t.shape) for t in weights()] == [(4, 8, 6), (4, 6, 4), (4, 8), (4, 6)]
+    assert _expert_weights(_BiasedExperts(gate_up_bias=(4, 6))) == (None, None)
+
+
 def test_llama4_blocks_weight_their_experts_inputs_in_the_op_and_equal_eager():
     """Llama 4's block runs every expert on every token scaled by its router score (0 off the top
     k): one moe_experts node per block with weighted inputs over the top-k experts; a router
