@@ -109,18 +109,21 @@ class _EagerStep:
         return loss.detach()
 
 
-def activation_memory(module, optimizer, batch) -> dict:
+def activation_memory(module, optimizer, batch, inputs=None) -> dict:
     """What one step of ``module`` (a parallelized module, or a plain model returning its loss)
-    keeps for backward: ``saved``, the bytes autograd saves (:func:`saved_activation_bytes`,
-    parameters left out); and, in another step, over the forward alone, ``held_after_forward``
-    (bytes allocated and still live when it returns) and ``forward_peak``
-    (:func:`forward_allocations`). Gradients are freed before each and after."""
+    keeps for backward: ``saved``, the bytes autograd saves in ``train_step(*batch)``
+    (:func:`saved_activation_bytes`, parameters left out); and, in another step, over the forward
+    alone, ``held_after_forward`` (bytes allocated and still live when it returns) and
+    ``forward_peak`` (:func:`forward_allocations`). A parallelized module's forward takes the
+    global ``inputs`` (it shards them itself; given ``batch``, this rank's share, it would shard
+    that again and measure a smaller problem); a plain model's, ``batch``. Gradients are freed
+    before each and after."""
     step = module if hasattr(module, "train_step") else _EagerStep(module)
     exclude = set(_storages(module.parameters()))
     _clear_grads(module, optimizer)
     saved = saved_activation_bytes(step, batch, exclude)
     _clear_grads(module, optimizer)
-    loss, held, peak = forward_allocations(lambda: module(*batch))
+    loss, held, peak = forward_allocations(lambda: module(*(batch if inputs is None else inputs)))
     loss.backward()
     _clear_grads(module, optimizer)
     return {"saved": saved, "held_after_forward": held, "forward_peak": peak}

@@ -183,19 +183,22 @@ def _gathered(value) -> list:
 
 def context_rank(rank: int, world: int, settings: Settings, plans: dict) -> dict:
     """Ring and Ulysses at every sequence length: equivalence, activations at the longest, timing."""
-    competitors, batches = {}, {}
+    competitors, batches, global_inputs = {}, {}, {}
     for seq in settings.seqs:
         model, inputs = _long_context(settings, seq)
         for method in METHODS:
             name = f"{method} {seq}"
             competitors[name], batches[name] = _competitor(name, model, inputs, plans[name], method)
+            global_inputs[name] = inputs
     pairs = _cp_pairs(settings)
     losses = check_equivalence(competitors, pairs=pairs)
     memory = {}
     for method in METHODS:
         name = f"{method} {settings.seqs[-1]}"
         competitor = competitors[name]
-        memory[name] = _gathered(activation_memory(competitor.module, competitor.optimizer, batches[name]))
+        memory[name] = _gathered(
+            activation_memory(competitor.module, competitor.optimizer, batches[name], global_inputs[name])
+        )
     return {"losses": losses, "memory": memory, "rounds": time_rounds(competitors, settings, pairs)}
 
 
