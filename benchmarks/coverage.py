@@ -2,7 +2,7 @@
 Hugging Face families trained unmodified.
 
     python benchmarks/coverage.py
-    python benchmarks/coverage.py families [--only llama,qwen2] [--quick]
+    python benchmarks/coverage.py families [--only llama,qwen2] [--quick] [--compiled]
 
 For each model built from config (on the meta device), the aten ops that have no sharding
 rule and so run replicated, how many graph nodes that is, and the planning time. Then a
@@ -11,7 +11,8 @@ process's peak resident memory. Writes the "coverage" section of BENCHMARKS.md.
 
 ``families``: every family of :mod:`families` on 4 gloo ranks, DP, TP, PP, CP and the automatic plan,
 one training step against one process; writes the "hf-families" section (``--only`` and
-``--quick`` print without writing).
+``--quick`` print without writing). ``--compiled``: the same step with ``compile=True`` on 2 ranks
+(DP, TP, PP and, for the families with experts, EP); writes the "hf-families-compiled" section.
 """
 
 import argparse
@@ -33,7 +34,7 @@ from autopar.passes.sharding.rules import rule_for
 from autopar.passes.sharding.strategies import output_tensors
 
 sys.path.insert(0, str(Path(__file__).parent))
-from families import FAMILIES, MOE_ONLY, PLANS, run_families  # noqa: E402
+from families import COMPILED_PLANS, FAMILIES, MOE_ONLY, PLANS, run_families  # noqa: E402
 from publish import publish, write_section  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -95,12 +96,12 @@ Peak resident memory of the whole process (models above included): {peak_rss:.2f
     print(body)
 
 
-def _worst_over_ranks(by_rank: list[list[dict]]) -> list[dict]:
+def _worst_over_ranks(by_rank: list[list[dict]], plans: dict) -> list[dict]:
     """Rank 0's rows, each case's error the largest over the ranks; a case passes only when every
     rank passed it and every parameter was checked on some rank (pipeline ranks hold their stages')."""
     rows = by_rank[0]
     for index, row in enumerate(rows):
-        for label in PLANS:
+        for label in plans:
             if row[label] is None:  # not applicable (EP on a dense family)
                 continue
             cases = [rank_rows[index][label] for rank_rows in by_rank]
@@ -110,19 +111,44 @@ def _worst_over_ranks(by_rank: list[list[dict]]) -> list[dict]:
                 continue
             unchecked = set.intersection(*(set(case["missing"]) for case in cases))
             worst = max(case["worst"] for case in cases)
-            row[label] = {**cases[0], "worst": worst, "ok": worst <= 1 and not unchecked}
+            row[label] = {
+                **cases[0],
+                "worst": worst,
+                "ok": worst <= 1 and not unchecked,
+                "step_s": max(case["step_s"] for case in cases),
+            }
     return rows
 
 
-def families(selected: list[str], quick: bool) -> None:
+def families(selected: list[str], quick: bool, compiled: bool) -> None:
     from autopar.runtime.spawn import run_local
 
+    plans, world = (COMPILED_PLANS, 2) if compiled else (PLANS, 4)
     started = time.perf_counter()
-    rows = _worst_over_ranks(run_local(run_families, 4, selected, timeout_s=7200))
+    rows = _worst_over_ranks(run_local(run_families, world, selected, plans, timeout_s=7200), plans)
     elapsed = time.perf_counter() - started
-    table = [[row["family"], *(_cell(row[label]) for label in PLANS), _why(row)] for row in rows]
-    passing = sum(all(row[label] is None or row[label]["ok"] for label in PLANS) for row in rows)
-    moe = sum(any(row[label] is not None for label in MOE_ONLY) for row in rows)
+    table = [[row["family"], *(_cell(row[label], compiled) for label in plans), _why(row, plans)] for row in rows]
+    passing = sum(all(row[label] is None or row[label]["ok"] for label in plans) for row in rows)
+    moe = sum(any(row[label] is not None for label in MOE_ONLY & set(plans)) for row in rows)
+    dense = len(plans) - len(MOE_ONLY & set(plans))
+    if compiled:
+        body = f"""## Hugging Face families, unmodified, compiled, on 2 ranks
+
+`python benchmarks/coverage.py families --compiled` ({date.today()}, this machine: 2 shared cores, 2 gloo
+ranks, {elapsed / 60:.0f} min). The families and the step of the section above, with
+`autopar.parallelize(model, 2, compile=True)`: every program (each pipeline stage's too) runs through
+`torch.compile` (inductor, one graph each: a graph break is an error naming the node), its collectives
+scheduled for overlap; pinned to dp=2 (DP2), tp=2 (TP2), pp=2 (PP2), and the {moe} families with experts to
+ep=2 (EP2, each layer's experts op pinned to the expert-parallel kernel). ✓: loss, every full gradient and
+every parameter after the step allclose to one process's (rtol 1e-4, atol 1e-6); the seconds are planning's
+and the first step's (which compiles; inductor's cache may hold graphs of earlier runs), the slowest rank's.
+**{passing} of {len(rows)} families pass every plan that applies** (the {dense} dense plans, and EP2 for the
+{moe} with experts).
+
+{tabulate(table, headers=["family", *plans, "why not"], tablefmt="github")}
+"""
+        publish("hf-families-compiled", body, quick)
+        return
     body = f"""## Hugging Face families, unmodified, on 4 ranks
 
 `python benchmarks/coverage.py families` ({date.today()}, this machine: 2 shared cores, 4 gloo ranks,
@@ -136,26 +162,27 @@ step as a script takes it (`pmodel(input_ids=..., labels=...).loss.backward()`, 
 process; the labels right-padded with -100, another length per row (so ranks and microbatches
 count different numbers of targets). ✓: loss, every full gradient and every parameter after the
 step allclose (rtol 1e-4, atol 1e-6). **{passing} of {len(rows)} families pass every plan that applies**
-(the {len(PLANS) - len(MOE_ONLY)} above, and EP4 for the {moe} with experts; anchor: Meta's autoparallel passes
+(the {dense} above, and EP4 for the {moe} with experts; anchor: Meta's autoparallel passes
 14 of 20).
 
-{tabulate(table, headers=["family", *PLANS, "why not"], tablefmt="github")}
+{tabulate(table, headers=["family", *plans, "why not"], tablefmt="github")}
 """
     publish("hf-families", body, quick)
 
 
-def _cell(result: dict | None) -> str:
+def _cell(result: dict | None, compiled: bool) -> str:
     if result is None:
         return "—"
     if "error" in result:
         return "✗ error"
     mark = "✓" if result["ok"] else f"✗ ({result['worst']:.0f}x tolerance)"
     chosen = " x ".join(f"{axis}{size}" for axis, size in result["degrees"].items())
-    return f"{mark} {chosen} ({result['plan_s']:.0f} s)"
+    seconds = f"{result['plan_s']:.0f} + {result['step_s']:.0f} s" if compiled else f"{result['plan_s']:.0f} s"
+    return f"{mark} {chosen} ({seconds})"
 
 
-def _why(row: dict) -> str:
-    errors = dict.fromkeys(row[label]["error"] for label in PLANS if row[label] and "error" in row[label])
+def _why(row: dict, plans: dict) -> str:
+    errors = dict.fromkeys(row[label]["error"] for label in plans if row[label] and "error" in row[label])
     text = re.sub(r"\S*site-packages/", "", "; ".join(errors))  # a library's file, not where it is installed
     return text.replace("|", "/")[:300]
 
@@ -165,8 +192,9 @@ if __name__ == "__main__":
     parser.add_argument("what", nargs="?", choices=["rules", "families"], default="rules")
     parser.add_argument("--only", default="", help="families, comma-separated (default: all of families.py)")
     parser.add_argument("--quick", action="store_true", help="print, do not write BENCHMARKS.md")
+    parser.add_argument("--compiled", action="store_true", help="families: compile=True on 2 ranks")
     args = parser.parse_args()
     if args.what == "families":
-        families(args.only.split(",") if args.only else FAMILIES, args.quick or bool(args.only))
+        families(args.only.split(",") if args.only else FAMILIES, args.quick or bool(args.only), args.compiled)
     else:
         main()

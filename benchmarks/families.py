@@ -37,7 +37,14 @@ PLANS = {
     "auto": {},
     "EP4": {"degrees": {"ep": 4}},  # mixture-of-experts families only, their experts split (expert_pins)
 }
-MOE_ONLY = {"EP4"}
+# compile=True on 2 ranks: every program through torch.compile (inductor), its collectives scheduled
+COMPILED_PLANS = {
+    "DP2": {"mesh": 2, "degrees": {"dp": 2}, "compile": True},
+    "TP2": {"mesh": 2, "degrees": {"tp": 2}, "compile": True},
+    "PP2": {"mesh": 2, "degrees": {"pp": 2}, "compile": True},
+    "EP2": {"mesh": 2, "degrees": {"ep": 2}, "compile": True},
+}
+MOE_ONLY = {"EP4", "EP2"}
 BATCH, SEQ, LR, EPS = 8, 32, 1e-4, 1e-6
 # Clean under torch.export in the HF survey (research/hf_families.md): dense, MoE, SSM, MLA,
 # sliding windows, ALiBi, tied embeddings, fused QKV.
@@ -79,8 +86,10 @@ def one_step(family: str, pins: dict, device: str = "cpu") -> dict:
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
     tokens = torch.randint(0, model.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     tokens, labels = tokens.to(device), padded(tokens).to(device)
+    started = time.perf_counter()
     out = pmodel(input_ids=tokens, labels=labels)
     out.loss.backward()
+    first_step = time.perf_counter() - started  # compiled: the compile's
     grads = {name: p.grad.full_tensor() for name, p in pmodel.named_parameters() if p.grad is not None}
     optimizer.step()
     model.to(device)
@@ -101,7 +110,14 @@ def one_step(family: str, pins: dict, device: str = "cpu") -> dict:
     if pmodel.plan.schedule.stages > 1:
         degrees["pp"] = pmodel.plan.schedule.stages
     missing = sorted(name for name, _ in model.named_parameters() if name not in held)
-    return {"ok": worst <= 1, "worst": worst, "degrees": degrees, "plan_s": planned, "missing": missing}
+    return {
+        "ok": worst <= 1,
+        "worst": worst,
+        "degrees": degrees,
+        "plan_s": planned,
+        "step_s": first_step,
+        "missing": missing,
+    }
 
 
 def expert_pins(family: str, pins: dict) -> dict | None:
@@ -112,7 +128,7 @@ def expert_pins(family: str, pins: dict) -> dict | None:
     return {**pins, "constraints": dict.fromkeys(layers, "experts")} if layers else None
 
 
-def run_families(rank: int, world: int, families: list[str]) -> list[dict]:
+def run_families(rank: int, world: int, families: list[str], plans: dict = PLANS) -> list[dict]:
     """On each of ``world`` ranks: every family under every plan; a case that raises gives its error."""
     warnings.simplefilter("ignore")
     logging.getLogger("autopar").setLevel(logging.ERROR)
@@ -121,7 +137,7 @@ def run_families(rank: int, world: int, families: list[str]) -> list[dict]:
     rows = []
     for family in families:
         row = {"family": family}
-        for label, pins in PLANS.items():
+        for label, pins in plans.items():
             if label in MOE_ONLY and (pins := expert_pins(family, pins)) is None:
                 row[label] = None  # nothing to split
                 continue

@@ -177,7 +177,8 @@ def microbatch(bound: dict, count: int) -> dict:
 
 def pinned_options(plan: Plan) -> PlanOptions:
     """Options that let a search decide only what does not move parameters: the plan's
-    degrees, ZeRO stage, schedule and every parameter's tensor-parallel placement."""
+    degrees, ZeRO stage, schedule (compiled or not included) and every parameter's
+    tensor-parallel placement."""
     schedule = plan.schedule
     tp = list(plan.degrees).index(Axis.TP) if plan.degrees.get(Axis.TP, 1) > 1 else None
     return PlanOptions(
@@ -191,6 +192,8 @@ def pinned_options(plan: Plan) -> PlanOptions:
         pipeline=schedule.kind if schedule.stages > 1 else None,
         stage_cuts=schedule.cuts,
         precision=plan.precision,
+        compile=schedule.compiled,
+        async_tp=schedule.async_tp,
     )
 
 

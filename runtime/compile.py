@@ -144,9 +144,13 @@ def _locked_inductor(graph_module: fx.GraphModule, example_inputs, *, config_pat
     # gradients came out wrong on one rank (GPT hidden 256, 2 ranks, torch 2.13), while fresh
     # compiles, and inductor's own FX graph cache alone, were exact. Inductor's cache still
     # spares every rank but the first the code generation.
-    # Split, the backward's input pass must leave what autograd saved for the weight pass:
-    # no donated buffers (inductor reusing a saved tensor's memory once backward read it)
-    with torch._functorch.config.patch(enable_autograd_cache=False, donated_buffer=split is None):
+    # No donated buffers (inductor reusing a saved tensor's memory once backward read it): the
+    # forward-identity ops (grad_all_reduce, zero_scatter_layer) become their input itself in the
+    # scheduling pass, after AOTAutograd took their outputs for fresh tensors it may donate, so a
+    # saved "output" can be a parameter: Mamba's A_log, saved as grad_all_reduce(A_log), was
+    # overwritten by the exp backward recomputed from it. And split, the backward's input pass must
+    # leave what autograd saved for the weight pass.
+    with torch._functorch.config.patch(enable_autograd_cache=False, donated_buffer=False):
         return compile_fx(
             graph_module,
             example_inputs,

@@ -219,10 +219,11 @@ def _experts_backward(rows, grads, weights, experts: _Experts, expert_rows):
     op). One expert's rows at a time: on the CPU they stay in cache (whole-batch elementwise ops
     and the joins they need took 1.6x as long).
     """
-    d_gate_up, d_down = torch.zeros_like(experts.gate_up), torch.zeros_like(experts.down)
+    # contiguous, as the fake kernels say (zeros_like would keep a transposed weight's strides)
+    d_gate_up, d_down = (w.new_zeros(w.shape) for w in (experts.gate_up, experts.down))
     activation_vjp = gated_activation_vjp(experts.activation)
     d_biases = [
-        rows.new_empty(0) if b is None else torch.zeros_like(b) for b in (experts.gate_up_bias, experts.down_bias)
+        rows.new_empty(0) if b is None else b.new_zeros(b.shape) for b in (experts.gate_up_bias, experts.down_bias)
     ]
     d_rows, d_weights = [], []
     for e, (x, grad, weight) in enumerate(
@@ -307,7 +308,7 @@ def _combine_backward(grad_out, x, chosen, keep, weights, experts: _Experts, gro
     d_rows, d_slot_weights = returned[:, :hidden], returned[:, -1]
     if experts.weighted_inputs:  # d(w·x): dx = w · d row, dw = ⟨d row, x⟩
         d_rows, d_slot_weights = d_rows * slot_weights[:, None], (d_rows * rows).sum(-1)
-    d_x = torch.zeros_like(x).index_add_(0, token_of_slot, d_rows)
+    d_x = x.new_zeros(x.shape).index_add_(0, token_of_slot, d_rows)
     d_weights = weights.new_zeros(tokens * top_k, dtype=torch.float32)
     d_weights[plan.slots] = d_slot_weights.float()
     return d_x, d_weights.view(tokens, top_k), *d_experts

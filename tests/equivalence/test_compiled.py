@@ -43,8 +43,36 @@ MOE = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 BATCH = 4
 STALL_TIMEOUT_S = 3
 IGNORING = dict(ignore_targets=True)  # another count of targets per row: the microbatches weigh by theirs
+
+
+class _Decaying(torch.nn.Module):
+    """A selective scan as Mamba's: its decay rates ``A = -exp(A_log)`` from a parameter. In a
+    compiled data-parallel program what autograd saves for backward's recomputation of A is the
+    parameter itself (its forward-identity ``grad_all_reduce`` lowered away): backward must not
+    take that memory for A (Mamba's A_log came out of the step as exp(A_log))."""
+
+    def __init__(self, width: int = 16, states: int = 8, steps: int = 8):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+        self.log_rate = torch.nn.Parameter(torch.arange(1.0, states + 1).log().repeat(width, 1))
+        self.steps = steps
+
+    def forward(self, x, target):
+        rate = -torch.exp(self.log_rate)
+        decay = torch.exp(rate * torch.nn.functional.softplus(self.proj(x))[..., None])  # [batch, steps, width, states]
+        state, outputs = torch.zeros_like(decay[:, 0]), []
+        for step in range(self.steps):
+            state = decay[:, step] * state + x[:, step, :, None]
+            outputs.append(state.sum(-1))
+        return ((torch.stack(outputs, 1) - target) ** 2).mean()
+
+    def example_inputs(self, batch: int):
+        return tuple(torch.randn(batch, self.steps, self.proj.in_features) for _ in range(2))
+
+
 CASES = [
     ("DP", "gpt", GPT, dict(degrees={"dp": 2})),
+    ("DP, a parameter through exp", _Decaying, {}, dict(degrees={"dp": 2})),
     ("TP+SP", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, async_tp=True)),
     ("TP+SP regather", "gpt", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, regather=True)),
     ("DP 2 microbatches", "gpt", GPT, dict(degrees={"dp": 2}, microbatches=2, **IGNORING)),
@@ -58,6 +86,7 @@ CASES = [
 ]
 
 
+SYNCED_IN_PROGRAM = {"DP", "DP, a parameter through exp", "DP 2 microbatches", "ZeRO-1", "ZeRO-2", "ZeRO-3"}
 MIXED_CASES = [  # (name, reduce dtype, ZeRO stage): bf16-mixed, compiled, data parallel
     ("DP bf16, reduced in fp32", "float32", 0),
     ("ZeRO-3 bf16, reduced in fp32", "float32", 3),
@@ -66,7 +95,7 @@ UNIT_ROUNDING_BF16 = 2.0**-8
 
 
 def _compiled_case(rank: int, world: int, name: str, file: str, kwargs: dict, options: dict) -> dict:
-    builder = load_example(f"{file}.py").build
+    builder = file if callable(file) else load_example(f"{file}.py").build
     if options.get("zero"):  # data parallel's own plan, ZeRO on top (the search may otherwise replicate the batch)
         planning = {key: value for key, value in options.items() if key != "optimizer"}
         options = dict(
@@ -170,7 +199,7 @@ def _check(case, result):
         assert result["pieced"] > 0, result
     if name == "TP+SP regather":  # each layer's two norm outputs gathered for linears kept as shards
         assert result["kernels"].count("regather") == 4, result
-    if name in ("DP", "DP 2 microbatches", "ZeRO-1", "ZeRO-2", "ZeRO-3"):  # the programs sum: the runtime, nothing
+    if name in SYNCED_IN_PROGRAM:  # the programs sum: the runtime, nothing
         assert result["synced_in_program"] > 0 and result["synced_by_runtime"] == 0, result
     if name == "DP 2 microbatches":  # the first microbatch's program sums nothing; the last sums both
         assert len(result["compiled"]) == 2 and result["extra_inputs"] == {EARLIER_GRAD}, result

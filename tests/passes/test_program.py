@@ -37,6 +37,10 @@ def test_planning_again_pins_what_places_the_parameters():
     assert options.degrees == plan.degrees and options.zero == 1
     tp = list(plan.degrees).index(Axis.TP)
     assert options.constraints == {name: str(p[tp]) for name, p in plan.params.items()}
+    # a compiled plan's schedule says so: planned again, the schedule must come out the same
+    compiled = plan_example("gpt.py", "2", 8, model_kwargs=GPT, degrees={"dp": 2}, compile=True, async_tp=True)
+    options = pinned_options(compiled)
+    assert options.compile and options.async_tp and compiled.schedule.compiled and compiled.schedule.async_tp
 
 
 def test_a_call_whose_graph_needs_the_parameters_elsewhere_needs_a_new_plan():

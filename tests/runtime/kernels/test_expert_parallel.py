@@ -137,6 +137,10 @@ def test_op_passes_opcheck_traces_with_its_backward_and_names_bad_shapes():
     biases = torch.randn(3, 10, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     routed = (x, weights, ids, gate_up, down, 0.0, "silu:interleaved", *biases, True, "")
     torch.library.opcheck(torch.ops.autopar.moe_experts.default, routed)
+    # stored transposed (Aria's, GPT-OSS's, DBRX's weights are views): the gradients' strides as the fake's
+    transposed = gate_up.detach().transpose(1, 2).contiguous().transpose(1, 2), down.detach().mT.contiguous().mT
+    backward = (torch.randn(6, 4), x.detach(), weights.detach(), ids, *transposed, 0.0, "silu", None, None, False, "")
+    torch.library.opcheck(torch.ops.autopar.moe_experts_backward.default, backward)
     assert _traced_autopar_ops(x, router, gate_up, down) == ["autopar::moe", "autopar::moe_backward"]
     try:
         moe(x, router, gate_up[:2], down, 2, True, 0.0, "silu", None, None, "")
