@@ -10,7 +10,8 @@ its own graph; :func:`build_programs` decides whether the plan still holds for i
   again with everything that decides where the parameters live pinned (degrees, ZeRO, the
   schedule, each parameter's tensor-parallel placement); if the search still places every
   parameter as before, that plan runs (a gradient it completes otherwise than the runtime
-  sums is completed in the graph, :func:`complete_gradients_as_synced`); if not, the call
+  sums is completed in the graph, :func:`complete_gradients_as_synced`; a compiled program that
+  sums its own gradients sums them as its plan says); if not, the call
   needs a new plan and :class:`ConfigError` says so (parameters and optimizer state cannot
   move under a model already training).
 
@@ -35,6 +36,7 @@ import torch
 import torch.fx as fx
 
 from autopar.ir import Axis, ConfigError, Plan, PlanOptions, Shard
+from autopar.ir.zero import syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph, capture, module_path
 from autopar.passes.rewrite.loss import loss_only
 from autopar.passes.rewrite.recompute import apply_recompute
@@ -73,6 +75,9 @@ def build_programs(
     log = log or PassLog()
     check_inputs(bound, plan)
     synced = plan.grad_sync  # what the runtime sums, whatever plan this call runs
+    # but a compiled program that sums its gradients itself sums what the plan it runs needs
+    # (passes/rewrite/compiled.py): nothing to complete for the runtime, which sums none of them
+    program_sums = plan.schedule.compiled and syncs_whole_in_program(plan.zero, plan.schedule)
     count = plan.schedule.microbatches
     micro = captured if captured is not None and count == 1 else _capture(model, microbatch(bound, count), log, plan)
     check_constants(micro, planned)
@@ -87,7 +92,8 @@ def build_programs(
     plan = dataclasses.replace(plan, fingerprint=micro.fingerprint)
     check_splits(micro, plan)
     program = log.run("rewrite", rewrite, micro, plan, groups=groups, device=device, verify=verify_graph)
-    complete_gradients_as_synced(program, micro, plan, synced, groups)
+    if not program_sums:
+        complete_gradients_as_synced(program, micro, plan, synced, groups)
     if plan.schedule.regather:
         program = log.run("regather", lambda p: regather_gathered_inputs(p)[0], program, verify=verify_graph)
     program = log.run("recompute", apply_recompute, program, plan.schedule.recompute, verify=verify_graph)
