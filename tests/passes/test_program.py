@@ -1,12 +1,18 @@
 """A call's programs: the plan's splits must divide the call's inputs; microbatches; the
 options that pin where the parameters live when a call's graph is planned again."""
 
+import dataclasses
+
 import pytest
 import torch
-from planning import plan_example
+from equivalence import GPT_SP
+from planning import meta_model, plan_example
 
+import autopar
 from autopar.ir import Axis, ConfigError
-from autopar.passes.program import _same_placements, check_inputs, microbatch, pinned_options
+from autopar.passes.capture.calls import bind_call
+from autopar.passes.capture.graph import capture
+from autopar.passes.program import _same_placements, build_programs, check_inputs, microbatch, pinned_options
 
 GPT = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 
@@ -52,3 +58,29 @@ def test_a_call_whose_graph_needs_the_parameters_elsewhere_needs_a_new_plan():
     assert _same_placements(dp, dp) is dp
     with pytest.raises(ConfigError, match="places the parameters otherwise .*it needs a new plan"):
         _same_placements(dp, tp)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_call_planned_again_completes_its_gradients_for_whoever_sums_them(compiled):
+    # the planning call's graph (a one-layer model's) differs from this call's: its plan is searched again;
+    # say the first plan left every gradient whole on the tensor-parallel ranks (no sum) where this one does not
+    model, planned_on = (meta_model("gpt.py", **dict(GPT, layers=layers)) for layers in (2, 1))
+    inputs = model.example_inputs(8, device="meta")
+    bound = bind_call(model, inputs, {})
+    plan = autopar.plan(model, 2, inputs, degrees={"tp": 2}, constraints=GPT_SP, compile=compiled)
+    assert plan.grad_sync, "sequence parallelism sums the norms' partial gradients"
+    built = build_programs(
+        model,
+        bound,
+        capture(planned_on, planned_on.example_inputs(8, device="meta")),
+        dataclasses.replace(plan, grad_sync={}),
+        groups={axis: axis for axis in plan.degrees},
+        device="meta",
+        replan=lambda graph, pinned: plan,
+    )
+    summed = built.program.graph.find_nodes(op="call_function", target=torch.ops.autopar.grad_all_reduce.default)
+    # eager: the runtime sums what the first plan said (nothing), so the program sums the rest itself; a
+    # compiled program sums its gradients as its own plan says later (sync_in_program): none completed here
+    assert {node.args[0].name for node in summed if node.args[0].op == "placeholder"} == (
+        set() if compiled else {p for p, name in built.captured.params.items() if name in plan.grad_sync}
+    )
