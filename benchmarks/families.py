@@ -1,7 +1,8 @@
 """Unmodified Hugging Face families on 4 gloo ranks: DP, TP, pipeline, context parallelism and
-the automatic plan, one training step against one process.
+the automatic plan, one training step against one process; and compiled (``compile=True``) on 2
+ranks: DP, TP, pipeline and, with experts, expert parallelism (``COMPILED_PLANS``).
 
-    python benchmarks/coverage.py families [--only llama,qwen2] [--quick]
+    python benchmarks/coverage.py families [--only llama,qwen2] [--quick] [--compiled]
 
 Each family is ``AutoModelForCausalLM.from_config`` on a small config (:mod:`hf_configs`), as it
 comes. ``autopar.parallelize(model, 4)`` plans it with no example inputs, pinned to ``dp=4``,

@@ -285,8 +285,8 @@ def _stand_in_forms() -> dict:
         ops.zero_gather.default: gathered,
         ops.reduce_scatter.default: scattered,
         ops.all_to_all.default: exchanged,
-        ops.zero_gather_layer.default: lambda shards, group_name, dims, reduce: [
-            gathered(shard, group_name, dim) for shard, dim in zip(shards, dims)
+        ops.zero_gather_layer.default: lambda shards, group_name, dims, reduce, dtype: [
+            gathered(shard if dtype is None else shard.to(dtype), group_name, dim) for shard, dim in zip(shards, dims)
         ],
         ops.zero_reduce_scatter_layer.default: lambda grads, group_name, dims, reduce: [
             scattered(grad, group_name, dim) for grad, dim in zip(grads, dims)
