@@ -219,8 +219,7 @@ def _experts_backward(rows, grads, weights, experts: _Experts, expert_rows):
     op). One expert's rows at a time: on the CPU they stay in cache (whole-batch elementwise ops
     and the joins they need took 1.6x as long).
     """
-    # contiguous, as the fake kernels say (zeros_like would keep a transposed weight's strides)
-    d_gate_up, d_down = (w.new_zeros(w.shape) for w in (experts.gate_up, experts.down))
+    d_gate_up, d_down = (w.new_zeros(w.shape) for w in (experts.gate_up, experts.down))  # contiguous as the fakes
     activation_vjp = gated_activation_vjp(experts.activation)
     d_biases = [
         rows.new_empty(0) if b is None else b.new_zeros(b.shape) for b in (experts.gate_up_bias, experts.down_bias)
