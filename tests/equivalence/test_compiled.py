@@ -1,5 +1,6 @@
 """``compile=True`` against the unparallelized model: same loss, full gradients and parameters
-after AdamW (fp32), for DP (also over 2 microbatches), TP+SP (also with its gathered inputs
+after AdamW (fp32), for DP (also over 2 microbatches, and on a selective scan whose decay rates
+come from a parameter through exp, as Mamba's), TP+SP (also with its gathered inputs
 regathered in backward), ZeRO-1, 2 and 3, PP2 (1F1B, and the zero-bubble V schedule, whose
 compiled stages split their backward into input and weight passes: autopar.runtime.weight_pass),
 CP2 (ring attention) and EP2 on 2 gloo ranks, in one spawn. Each case also shows that its
