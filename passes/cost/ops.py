@@ -309,8 +309,8 @@ def _formula_flops(target, inputs, args) -> float:
         q, k = inputs[0], inputs[1]
         return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]  # QKᵀ and PV
     if str(packet) in (f"{OP_NAMESPACE}.moe", f"{OP_NAMESPACE}.moe_experts"):
+        routed = str(packet).endswith("moe_experts")  # moe_experts(x, weights, ids, gate_up, down, ...): no router
         first = first_expert_slot(packet)
-        routed = first == 3  # moe_experts(x, weights, ids, gate_up, down, ...): no router
         x, (gate_up, down) = inputs[0], inputs[first : first + 2]
         tokens, hidden = x.shape
         top_k = inputs[1].shape[1] if routed else args[4]  # each token through top_k experts: SwiGLU, then down

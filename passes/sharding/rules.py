@@ -369,9 +369,9 @@ def experts(view: OpView) -> list[Strategy]:
     any) -> (out, logits), or moe_experts(x, weights [T, k], ids [T, k], gate_up, down, biases) -> out:
     split the tokens (every rank runs every expert on its tokens), or the experts too, tokens sent
     to them (the expert-parallel kernel)."""
-    first = first_expert_slot(view.node.target)
-    routing = (Shard(0), Shard(0)) if first == 3 else (R,)  # its choices, or the router
-    per_expert = len(view.in_shapes) - first  # gate_up, down and their biases
+    routed = str(view.node.target).startswith(ROUTED_EXPERTS_OP)
+    routing = (Shard(0), Shard(0)) if routed else (R,)  # its choices, or the router
+    per_expert = len(view.in_shapes) - first_expert_slot(view.node.target)  # gate_up, down and their biases
     tokens = Strategy((Shard(0), *routing, *[R] * per_expert), Shard(0))
     return [tokens, Strategy((Shard(0), *routing, *[Shard(0)] * per_expert), Shard(0), Kernel.EXPERTS)]
 
