@@ -14,13 +14,16 @@ wider layer, or a pin on one layer only, makes a layer differ. The search then
   their own: they meet other neighbours (the embedding, the head), where another layout can be
   cheaper. This is exactly the unfolded ILP with every inner layer of a class alike;
 - runs on a reduced graph (:attr:`LayerFolding.facts`): of a run of n ≥ 5 consecutive identical
-  layers it keeps the first, the second, the third standing for the n − 3 inner ones after the
-  second (:attr:`NodeFacts.weight`), and the last, which takes its inputs from the third. Layer
-  i + 1 reads layer i's outputs as the third reads the second's, and inner strategies are alike,
-  so every cost, memory and stage-cut sum over the reduced graph equals the sum over the whole
-  one, and every per-node loop of the search stays the same size at any depth. A run whose inner
-  layers read anything but the previous layer and nodes outside layers, or feed anything but the
-  next layer, is kept whole (its inner layers still share variables).
+  groups of layers (a group: one layer, or a period of layers that differ, such as alternating
+  sliding-window and global attention, or dense and expert MLPs) it keeps the first, the second,
+  the third standing for the n − 3 inner ones after the second (:attr:`NodeFacts.weight`), and
+  the last, which takes its inputs from the third. Group i + 1 reads group i's outputs as the
+  third reads the second's, and inner strategies are alike, so every cost, memory and stage-cut
+  sum over the reduced graph equals the sum over the whole one (stage cuts see the layers in
+  execution order, :func:`layer_order`), and every per-node loop of the search stays the same
+  size at any depth. A run whose inner groups read anything but the previous group and nodes
+  outside layers, or feed anything but the next group, is kept whole (its inner layers still
+  share variables).
 
 Pre: :func:`autopar.passes.cost.facts.analyze` of the whole graph; the pins (node → what is
 pinned). Post: a :class:`LayerFolding`; :meth:`LayerFolding.expand` turns strategies of the
@@ -73,7 +76,7 @@ def fold_layers(facts: dict[str, NodeFacts], pins: dict[str, object]) -> LayerFo
     classes: dict[tuple, list[str]] = {}
     for layer, nodes in members.items():
         classes.setdefault(_signature(nodes, facts, position, users, pins), []).append(layer)
-    class_of = {layer: key for key, layers in classes.items() for layer in layers}
+    class_of = {layer: index for index, layers in enumerate(classes.values()) for layer in layers}
     variable = {name: name for name in facts}
     twin = {}  # identical nodes have the same candidates and costs where their local shapes agree
     for layers in classes.values():
@@ -83,16 +86,13 @@ def fold_layers(facts: dict[str, NodeFacts], pins: dict[str, object]) -> LayerFo
             for name, second in zip(members[layer], members[layers[1]]):
                 variable[name] = second
     reduced, stands_for = dict(facts), {name: name for name in facts}
-    order = list(members)
-    start = 0
-    while start < len(order):
-        end = start
-        while end + 1 < len(order) and class_of[order[end + 1]] == class_of[order[start]]:
-            end += 1
-        run = order[start : end + 1]
-        if len(run) >= REDUCED_RUN and _reducible(run, members, facts, users):
-            _reduce(run, members, facts, reduced, stands_for)
-        start = end + 1
+    in_layers = {name for nodes in members.values() for name in nodes}
+
+    def reducible(run: list[tuple[str, ...]]) -> bool:
+        return _reducible([_group(members, group) for group in run], in_layers, facts, users)
+
+    for run in _runs(list(members), class_of, reducible):
+        _reduce([_group(members, group) for group in run], facts, reduced, stands_for)
     kept = set(stands_for.values())
     return LayerFolding(
         {name: fact for name, fact in reduced.items() if name in kept},
@@ -167,13 +167,42 @@ def _signature(nodes: list[str], facts, position, users, pins) -> tuple:
     return tuple(rows)
 
 
-def _reducible(run: list[str], members, facts, users) -> bool:
-    """Whether the middle layers of a run read only the previous layer and nodes outside
-    layers, the same way in every layer, and feed only themselves and the next layer."""
-    in_layer = {name: layer for layer, nodes in members.items() for name in nodes}
-    reads = set()
-    for index in range(1, len(run)):
-        own, previous = members[run[index]], members[run[index - 1]]
+def _runs(order: list[str], class_of: dict[str, int], reducible) -> list[list[tuple[str, ...]]]:
+    """Runs of at least :data:`REDUCED_RUN` identical groups of p consecutive layers (p = 1: a run
+    of identical layers; p = 6: five sliding-window layers and a global one, repeated), found
+    from the first layer on: at each layer, of the periods whose run ``reducible`` accepts, the
+    one covering the most layers (the shortest of equals); none: the next layer."""
+    kinds = [class_of[layer] for layer in order]
+    runs, start = [], 0
+    while start < len(order):
+        found = []
+        for period in range(1, (len(order) - start) // REDUCED_RUN + 1):
+            pattern, count = kinds[start : start + period], 1
+            while kinds[start + count * period : start + (count + 1) * period] == pattern:
+                count += 1
+            if count >= REDUCED_RUN:
+                found.append((-count * period, period, count))
+        for _, period, count in sorted(found):
+            run = [tuple(order[start + i * period : start + (i + 1) * period]) for i in range(count)]
+            if reducible(run):
+                runs.append(run)
+                start += count * period
+                break
+        else:
+            start += 1
+    return runs
+
+
+def _group(members: dict[str, list[str]], layers: tuple[str, ...]) -> list[str]:
+    return [name for layer in layers for name in members[layer]]
+
+
+def _reducible(groups: list[list[str]], in_layers: set[str], facts, users) -> bool:
+    """Whether the middle groups of a run read only the previous group and nodes outside
+    layers, the same way in every group, and feed only themselves and the next group."""
+    first = None
+    for index in range(1, len(groups)):
+        own, previous = groups[index], groups[index - 1]
         where = {name: ("self", k) for k, name in enumerate(own)} | {
             name: ("previous", k) for k, name in enumerate(previous)
         }
@@ -182,34 +211,60 @@ def _reducible(run: list[str], members, facts, users) -> bool:
             for slot in facts[name].slots:
                 if slot.name in where:
                     refs.append(where[slot.name])
-                elif slot.name in in_layer:
+                elif slot.name in in_layers:
                     return False  # reads a layer further back
                 else:
                     refs.append(("outside", slot.name))
-        reads.add(tuple(refs))
-        if index < len(run) - 1:
-            allowed = set(own) | set(members[run[index + 1]])
+        if first is None:
+            first = refs
+        elif refs != first:
+            return False
+        if index < len(groups) - 1:
+            allowed = set(own) | set(groups[index + 1])
             if any(user not in allowed for name in own for user in users[name]):
                 return False
-    return len(reads) == 1
+    return True
 
 
-def _reduce(run: list[str], members, facts, reduced: dict, stands_for: dict) -> None:
-    """Keep the first, second, third and last layer of the run; the third stands for the inner
-    layers after the second."""
-    third, before_last, last = run[2], run[-2], run[-1]
-    inner = run[2:-1]
-    for name in members[third]:
+def _reduce(groups: list[list[str]], facts, reduced: dict, stands_for: dict) -> None:
+    """Keep the first, second, third and last group of the run; the third stands for the inner
+    groups after the second, each of its layers for the same layer of every inner group."""
+    third, before_last, last = groups[2], groups[-2], groups[-1]
+    inner = groups[2:-1]
+    for k, name in enumerate(third):
         fact = facts[name]
-        reduced[name] = dataclasses.replace(
-            fact, weight=len(inner), folded_layers=tuple(inner) if fact.kind == "op" else ()
-        )
-    for layer in run[3:-1]:
-        for name, kept in zip(members[layer], members[third]):
-            stands_for[name] = kept
-    counterpart = dict(zip(members[before_last], members[third]))
-    for name in members[last]:
+        layers = tuple(facts[group[k]].layer for group in inner) if fact.kind == "op" else ()
+        reduced[name] = dataclasses.replace(fact, weight=len(inner), folded_layers=layers)
+    for group in groups[3:-1]:
+        stands_for.update(zip(group, third))
+    counterpart = dict(zip(before_last, third))
+    for name in last:
         fact = facts[name]
         if any(slot.name in counterpart for slot in fact.slots):
             slots = [facts[counterpart[slot.name]].node if slot.name in counterpart else slot for slot in fact.slots]
             reduced[name] = dataclasses.replace(fact, slots=slots)
+
+
+def layer_order(facts: dict[str, NodeFacts]) -> list[tuple[str, str]]:
+    """Every layer of the whole graph in execution order, each with the layer of ``facts`` (a
+    reduced graph's) that stands for it: a folded group's layers stand for the inner groups,
+    which run one after another, so their rows interleave (stage cuts need execution order)."""
+    layers: dict[str, tuple[str, ...]] = {}
+    for fact in facts.values():
+        if fact.kind == "op" and fact.layer is not None and fact.layer not in layers:
+            layers[fact.layer] = fact.folded_layers
+    out, group = [], []
+    for layer in [*layers, None]:
+        if layer is not None and layers[layer]:
+            group.append(layer)
+            continue
+        if group:  # the inner groups, one after another
+            out += [
+                pair
+                for copies in zip(*([(whole, kept) for whole in layers[kept]] for kept in group))
+                for pair in copies
+            ]
+            group = []
+        if layer is not None:
+            out.append((layer, layer))
+    return out

@@ -22,6 +22,7 @@ import numpy as np
 from autopar.ir import ConfigError, Schedule
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.ops import collective_time, maximum
+from autopar.passes.search.fold import layer_order
 from autopar.passes.sharding.strategies import numel
 
 
@@ -44,20 +45,16 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches:
     """Per layer in execution order: compute seconds (the batch run in ``microbatches`` pieces),
     parameter elements, bytes of its inputs. A folded layer (:attr:`NodeFacts.folded_layers`)
     gives one row per layer it stands for."""
-    order: list[str] = []
     time: dict[str, float] = {}
     params: dict[str, float] = {}
     inputs: dict[str, set[str]] = {}
-    stands_for: dict[str, tuple[str, ...]] = {}
-    position = "prefix"
+    inside = False  # ops outside layers go with the first layer before it, with the last after
     for name, fact in facts.items():
         if fact.kind != "op":
             continue
         layer = fact.layer
-        if layer is not None and layer not in time:
-            order.append(layer)
-            stands_for[layer] = fact.folded_layers or (layer,)
-        key = layer or (position if not order else "suffix")
+        inside = inside or layer is not None
+        key = layer or ("suffix" if inside else "prefix")
         time[key] = time.get(key, 0.0) + fact.seconds(local.work[name], local.slot_shapes[name], microbatches)
         for slot in fact.slots:
             producer = facts[slot.name]
@@ -71,8 +68,7 @@ def layer_costs(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches:
     }
     rows = [
         [name, time.get(layer, 0.0), params.get(layer, 0.0), boundary.get(layer, 0.0)]
-        for layer in order
-        for name in stands_for[layer]
+        for name, layer in layer_order(facts)
     ]
     if rows:
         for key, row in (("prefix", rows[0]), ("suffix", rows[-1])):

@@ -63,6 +63,7 @@ from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.cost.kernels import ring_hideable_block
 from autopar.passes.cost.ops import param_state_bytes, state_update_s
 from autopar.passes.cost.schedule import bubble_share, dropped, forward_share
+from autopar.passes.search.fold import layer_order
 from autopar.passes.search.pins import chunks_per_rank, expert_params
 from autopar.passes.sharding.rules import node_strategies
 from autopar.passes.sharding.strategies import OpView, Strategy, numel, work_fraction
@@ -305,8 +306,9 @@ class LowerBounds:
                     row_index.append(rows.setdefault(layer, len(rows)))
                 ops.append(name)
             full = np.array([self.facts[n].full_time_s for n in ops])
-            self._rows = (ops, full, np.array(op_index, dtype=int), np.array(row_index, dtype=int), rows)
-        ops, full, op_index, row_index, rows = self._rows
+            in_order = [rows[name] for name, _ in layer_order(self.facts)]  # the whole graph's layers, run in turn
+            self._rows = (ops, full, np.array(op_index, dtype=int), np.array(row_index, dtype=int), rows, in_order)
+        ops, full, op_index, row_index, rows, in_order = self._rows
         share = np.ones(len(ops))
         for size in degrees.values():
             if size > 1:
@@ -315,7 +317,7 @@ class LowerBounds:
                 share *= np.where(self._split_masks[size], 1 / size, 1.0)
         sums = np.bincount(row_index, weights=(full * share)[op_index], minlength=len(rows))
         first, last = (float(sums[rows[k]]) if k in rows else 0.0 for k in ("prefix", "suffix"))
-        layers = [float(sums[i]) for name, i in rows.items() if name not in ("prefix", "suffix")]
+        layers = [float(sums[i]) for i in in_order]
         return busiest_stage_s(layers, first, last, stages)
 
     def recompute_s(self, stages: int, degrees: dict[str, int], level: str) -> float:

@@ -30,12 +30,12 @@ CASES = {
 }
 
 
-def _captured(layers: int = 4, wider: int | None = None, batch: int = 8):
+def _captured(layers: int = 4, wider: int | range | None = None, batch: int = 8):
     model = meta_model("gpt.py", hidden=64, heads=4, vocab=256, seq=32, layers=layers)
-    if wider is not None:  # one layer with a wider MLP
+    for index in [wider] if isinstance(wider, int) else wider or ():  # layers with a wider MLP
         with torch.device("meta"):
-            model.layers[wider].mlp.fc1 = torch.nn.Linear(64, 512, bias=False)
-            model.layers[wider].mlp.fc2 = torch.nn.Linear(512, 64, bias=False)
+            model.layers[index].mlp.fc1 = torch.nn.Linear(64, 512, bias=False)
+            model.layers[index].mlp.fc2 = torch.nn.Linear(512, 64, bias=False)
     return autopar.capture(model, model.example_inputs(batch, device="meta"))
 
 
@@ -91,6 +91,24 @@ def test_the_folded_graph_and_its_ilp_do_not_grow_with_depth():
         in_layers = [f for f in whole.values() if f.kind == "op" and f.layer]
         assert sum(f.weight for f in folding.facts.values() if f.kind == "op" and f.layer) == len(in_layers)
     assert sizes[0] == sizes[1]  # nodes of the reduced graph, ILP variables
+
+
+def test_alternating_layers_fold_as_repeated_pairs():
+    """Layers that alternate (sliding-window and global attention, dense and expert MLPs; here
+    every other MLP wider) repeat as groups of two: the reduced graph keeps four groups at any
+    depth, and the plan and its cost are the unfolded search's, pipeline cuts included."""
+    hardware = get_profile(HARDWARE)
+    sizes = []
+    for layers in (10, 20):
+        folding = fold_layers(analyze(_captured(layers=layers, wider=range(1, layers, 2)), hardware), pins={})
+        assert [len(layers) for layers in folding.classes] == [layers // 2, layers // 2]
+        sizes.append(len(folding.facts))
+    assert sizes[0] == sizes[1]
+    captured = _captured(layers=12, wider=range(1, 12, 2))
+    for mesh, pins in (((2, 2), {}), ((2, 2), dict(degrees={"pp": 2, "tp": 2})), ((4,), dict(degrees={"pp": 4}))):
+        options = PlanOptions(hardware=HARDWARE, **pins)
+        folded = search(captured, Mesh(mesh), options)
+        _same_plan(folded, search(captured, Mesh(mesh), options, fold=False))
 
 
 def test_the_folded_graph_prices_a_layout_as_the_whole_graph_does():
