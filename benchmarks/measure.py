@@ -12,11 +12,13 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.passes.rewrite.overlap import schedule_communication
-from autopar.runtime.collectives import _chunks_from_front, _chunks_to_front, _normalize_dim
+from autopar.runtime.functional import FUNCTIONAL_FORMS
+
+functional = torch.ops._c10d_functional
 
 # --------------------------------------------------------------------------- memory
 
@@ -259,39 +261,44 @@ def model_state_bytes(competitor) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in local}.values())
 
 
-def _stand_in_forms() -> dict:
-    """The ``autopar::`` collectives as local stand-ins for a compiled twin: the shapes and the
-    memory traffic of their functional forms, no communication (see :mod:`autopar.runtime.functional`)."""
+def _scattered(x, reduce_op, group_size, group_name):
+    return x[: x.shape[0] // group_size].clone()
 
-    def size(group_name):
-        return _resolve_process_group(group_name).size()
 
-    def gathered(x, group_name, dim, *_):
-        return torch.cat([x] * size(group_name), dim=_normalize_dim(x, dim))
+def _exchanged(x, output_split_sizes, input_split_sizes, group_name):
+    rows = sum(output_split_sizes) if output_split_sizes else x.shape[0]
+    return x.clone() if rows == x.shape[0] else x.new_empty((rows, *x.shape[1:]))
 
-    def scattered(x, group_name, dim, *_):
-        dim = _normalize_dim(x, dim)
-        return x.narrow(dim, 0, x.shape[dim] // size(group_name)).clone()
 
-    def exchanged(x, group_name, split_dim, concat_dim):
-        rows = _chunks_to_front(x, _normalize_dim(x, split_dim), size(group_name))
-        return _chunks_from_front(rows, _normalize_dim(x, concat_dim))
+class _LocalCollectives(TorchDispatchMode):
+    """Inside: the functional collectives are local ops of their shapes and memory traffic, nothing
+    sent. Traced inside it, autopar's functional forms keep every layout copy around their
+    collectives (:data:`autopar.runtime.functional.FUNCTIONAL_FORMS`, whatever they become)."""
 
-    ops = torch.ops.autopar
-    return {
-        ops.all_reduce.default: lambda x, group_name, reduce_op: x.clone(),
-        ops.grad_all_reduce.default: lambda x, group_name: x,
-        ops.all_gather.default: gathered,
-        ops.zero_gather.default: gathered,
-        ops.reduce_scatter.default: scattered,
-        ops.all_to_all.default: exchanged,
-        ops.zero_gather_layer.default: lambda shards, group_name, dims, reduce, dtype: [
-            gathered(shard if dtype is None else shard.to(dtype), group_name, dim) for shard, dim in zip(shards, dims)
-        ],
-        ops.zero_reduce_scatter_layer.default: lambda grads, group_name, dims, reduce: [
-            scattered(grad, group_name, dim) for grad, dim in zip(grads, dims)
-        ],
+    STAND_INS = {
+        functional.all_reduce.default: lambda x, reduce_op, group_name: x.clone(),
+        functional.all_gather_into_tensor.default: lambda x, group_size, group_name: torch.cat([x] * group_size),
+        functional.reduce_scatter_tensor.default: _scattered,
+        functional.all_to_all_single.default: _exchanged,
+        functional.wait_tensor.default: lambda x: x,
     }
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.STAND_INS.get(func, func)(*args, **(kwargs or {}))
+
+
+def _stand_in_forms() -> dict:
+    """The ``autopar::`` collectives' functional forms with their collectives local (a compiled
+    twin's: the same shapes and copies, no communication)."""
+
+    def local(form):
+        def without_communication(*args):
+            with _LocalCollectives():
+                return form(*args)
+
+        return without_communication
+
+    return {op: local(form) for op, form in FUNCTIONAL_FORMS.items()}
 
 
 def schedule_without_communication(graph, forms) -> None:
