@@ -214,8 +214,10 @@ def _schedule_text(schedule: dict) -> str:
 
 
 def fold_rows(rows: list[dict]) -> list[dict]:
-    """The rows of :func:`module_rows` with each run of consecutive identical layers shown once:
-    ``layers.0-95 x96`` and its modules as ``layers.0-95.attn.wq``, with one layer's numbers."""
+    """The rows of :func:`module_rows` with identical layers shown once, where the first of them
+    is: ``layers.0-95 x96`` and its modules as ``layers.0-95.attn.wq``, with one layer's numbers;
+    layers that repeat with others between them (sliding-window and global attention, dense and
+    expert MLPs) as ``layers.{0-2,4-6,...,44-46} x36``."""
     blocks: list[tuple[str | None, list[dict]]] = []  # (layer, its rows), in order
     for row in rows:
         layer = layer_of(row["module"])
@@ -229,31 +231,49 @@ def fold_rows(rows: list[dict]) -> list[dict]:
             (row["module"][len(layer) :], *(repr(v) for k, v in row.items() if k != "module")) for row in block
         )
 
+    numbers: dict[tuple, list[int]] = {}  # (prefix, shape) → the numbers of the layers alike, in order
+    shown: list[tuple[tuple | None, str | None, list[dict]]] = []  # (key, first layer, its rows)
+    for layer, block in blocks:
+        prefix, _, number = (layer or "").rpartition(".")
+        if layer is None or not number.isdigit():
+            shown.append((None, layer, block))
+            continue
+        key = (prefix, shape(layer, block))
+        if key not in numbers:
+            numbers[key] = []
+            shown.append((key, layer, block))
+        numbers[key].append(int(number))
     out: list[dict] = []
-    index = 0
-    while index < len(blocks):
-        layer, block = blocks[index]
-        run = 1
-        if layer is not None:
-            prefix, _, first = layer.rpartition(".")
-            while index + run < len(blocks):
-                other, other_block = blocks[index + run]
-                if other != f"{prefix}.{int(first) + run}" or shape(other, other_block) != shape(layer, block):
-                    break
-                run += 1
-        if run == 1:
+    for key, layer, block in shown:
+        if key is None or len(numbers[key]) == 1:
             out += block
-        else:
-            span = f"{prefix}.{first}-{int(first) + run - 1}"
-            for row in block:
-                rest = row["module"][len(layer) :]
-                out.append({**row, "module": span + rest if rest else f"{span} x{run}"})
-        index += run
+            continue
+        span = f"{key[0]}.{_numbers_text(numbers[key])}"
+        for row in block:
+            rest = row["module"][len(layer) :]
+            out.append({**row, "module": span + rest if rest else f"{span} x{len(numbers[key])}"})
     return out
 
 
+def _numbers_text(numbers: list[int]) -> str:
+    """``0-95``; ``{0-2,4}``; ``{0-2,4-6,...,44-46}`` where the ranges are evenly spaced and alike."""
+    ranges: list[list[int]] = []
+    for number in numbers:
+        if ranges and number == ranges[-1][1] + 1:
+            ranges[-1][1] = number
+        else:
+            ranges.append([number, number])
+    texts = [f"{first}-{last}" if last > first else f"{first}" for first, last in ranges]
+    if len(ranges) == 1:
+        return texts[0]
+    steps = {b[0] - a[0] for a, b in zip(ranges, ranges[1:])}
+    if len(ranges) > 3 and len(steps) == 1 and len({last - first for first, last in ranges}) == 1:
+        texts = [texts[0], texts[1], "...", texts[-1]]
+    return "{" + ",".join(texts) + "}"
+
+
 def modules_text(rows: list[dict]) -> str:
-    """The module table; runs of identical layers are shown once (:func:`fold_rows`)."""
+    """The module table; identical layers are shown once (:func:`fold_rows`)."""
     rows = fold_rows(rows)
     table = [
         [

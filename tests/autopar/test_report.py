@@ -26,20 +26,24 @@ def _layer(index: int, output: str = "(S(0), R)") -> list[dict]:
     return [_row(f"layers.{index}", param_bytes=0), _row(f"layers.{index}.fc", output)]
 
 
-def test_identical_consecutive_layers_fold_and_a_differing_one_breaks_the_run():
+def test_identical_layers_fold_and_a_differing_one_is_shown_apart():
     rows = [_row("embed"), *_layer(0), *_layer(1), *_layer(2), *_layer(3, output="(R, R)"), *_layer(4), _row("head")]
     modules = [row["module"] for row in fold_rows(rows)]
-    assert modules == [
-        "embed",
-        "layers.0-2 x3",
-        "layers.0-2.fc",
-        "layers.3",
-        "layers.3.fc",
-        "layers.4",
-        "layers.4.fc",
-        "head",
-    ]
+    assert modules == ["embed", "layers.{0-2,4} x4", "layers.{0-2,4}.fc", "layers.3", "layers.3.fc", "head"]
     assert fold_rows(rows)[2]["param_bytes"] == 64  # one layer's numbers
+    assert [row["module"] for row in fold_rows([*_layer(0), *_layer(1)])] == ["layers.0-1 x2", "layers.0-1.fc"]
+
+
+def test_layers_that_alternate_fold_into_one_entry_each():
+    """Three layers of one kind, then one of another, twelve times (Llama 4's dense and expert MLPs)."""
+    rows = [row for index in range(48) for row in _layer(index, "(R, R)" if index % 4 == 3 else "(S(0), R)")]
+    modules = [row["module"] for row in fold_rows(rows)]
+    assert modules == [
+        "layers.{0-2,4-6,...,44-46} x36",
+        "layers.{0-2,4-6,...,44-46}.fc",
+        "layers.{3,7,...,47} x12",
+        "layers.{3,7,...,47}.fc",
+    ]
 
 
 def test_the_search_reports_progress_and_the_line_shows_the_best_so_far():
