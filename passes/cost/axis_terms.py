@@ -19,7 +19,7 @@ from autopar.ir import (
     Schedule,
     Shard,
 )
-from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, move_scope
+from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes
 from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.cost.ops import (
     accumulation_s,
@@ -381,9 +381,9 @@ def traffic(
             if consumer in chosen
             else None
         )
-        move = (producer, dst, move_scope(facts[consumer].node))
         if producer not in chosen or dst is None:
             continue
+        move = (producer, dst, facts[consumer].scope)
         if move in moves:
             moves[move][2].append((consumer, slot_index))  # one more reader of the same move
             continue

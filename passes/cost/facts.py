@@ -8,6 +8,7 @@ graph; :class:`ShardedShapes` follows every node's local shapes through the solv
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,11 @@ class NodeFacts:
         """Bytes per element of the weight the optimizer steps: an fp32 master under mixed
         precision (what ZeRO-1/2 gather after the step), else the parameter itself."""
         return 4 if self.precision != "fp32" else self.elem_bytes
+
+    @functools.cached_property
+    def scope(self) -> str:
+        """Its :func:`move_scope` as a consumer (asked for every edge of every layout priced)."""
+        return move_scope(self.node)
 
     @property
     def out_shape(self) -> tuple[int, ...]:
@@ -354,7 +360,7 @@ def saved_bytes(
             if (name, slot) not in local.moved or (name, slot) in regathered:
                 kept.add(producer)
                 continue
-            move = (producer, tuple(local.slot_shapes[name][slot]), move_scope(fact.node))
+            move = (producer, tuple(local.slot_shapes[name][slot]), fact.scope)
             if move not in counted:
                 counted.add(move)
                 copies[name] += numel(local.slot_shapes[name][slot]) * facts[producer].elem_bytes

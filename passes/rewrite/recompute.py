@@ -24,6 +24,7 @@ input, which ZeRO-3's pack hook turns into a regather in backward.
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -110,6 +111,7 @@ def _zero_gather():
     return namespace.zero_gather.default if hasattr(namespace, "zero_gather") else None
 
 
+@functools.cache  # asked for every node of every layout the search prices
 def kept_by_selective(op) -> bool:
     """Whether selective recomputation keeps this op's output: matmuls, attention, and autopar's
     collectives and kernels (recomputing those would communicate again). The one rule the cost

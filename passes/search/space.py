@@ -83,6 +83,7 @@ def configurations(
     else:
         counts = [p for p in range(1, min(mesh.shape[0], max(1, layers)) + 1) if mesh.shape[0] % p == 0]
     optional = optional_dims(facts)
+    most_cp = useful_cp(facts, hardware) if not pinned else None
     found, refusal = [], None
     for stages in counts:
         devices = stage_mesh(mesh, stages).size
@@ -98,7 +99,7 @@ def configurations(
         runnable = [c for c in configs if batch % batch_split(c) == 0 and _sequence_splits(facts, c.get(Axis.CP, 1))]
         configs = runnable or configs
         if not pinned:
-            configs = [c for c in configs if c.get(Axis.CP, 1) <= useful_cp(facts, hardware)]
+            configs = [c for c in configs if c.get(Axis.CP, 1) <= most_cp]
         found += [(stages, c) for c in configs]
     if not found:
         raise refusal
