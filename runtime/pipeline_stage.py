@@ -1,6 +1,15 @@
 """One stage of a torch pipelining schedule as autopar runs it (:mod:`autopar.runtime.pipeline`):
 each send and receive it posts logged in words, so a transfer that fails can be named, and its
-backward passes synced over data parallelism where the pipeline says."""
+backward passes synced over data parallelism where the pipeline says.
+
+Zero-bubble schedules split each backward in two: the input pass, which records the nodes where
+the weights' paths join the inputs' ("intermediates") and their gradients, and the weight pass,
+which starts from those. torch's weight pass misses a stage output that the weights alone make
+(T5's position bias, made in one stage from its bias table and sent to the next): no intermediate
+lies on its path, so the gradient the next stage returns for it never reaches the table. The
+stage takes those outputs' gradients to the weights itself (:func:`_weights_only_outputs`), and
+torch's groups of weights are differentiated as one (:func:`_one_group`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc
 
 from autopar.runtime.faults import listing
 
@@ -51,10 +62,21 @@ class Stage(PipelineStage):
         self._sync_now, self._last_only, self._weight_pass = sync_now, last_only, weight_pass
         self._program, self._transfers = program, transfers
         self._weight_passes = 0  # built this step: torch builds one per microbatch's backward, in order
+        self._chunk = None  # the microbatch whose backward runs
+        self._weights_only: dict[int, list] = {}  # microbatch → (edge, gradient) of outputs the weights alone make
 
     def clear_runtime_states(self) -> None:  # at the start of every step
         super().clear_runtime_states()
         self._weight_passes = 0
+        self._weights_only.clear()
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._chunk = bwd_chunk_id
+        return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, *args, **kwargs):
+        self._chunk = bwd_chunk_id
+        return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     def _syncs(self, last_backward: bool) -> bool:
         return self._sync_now is not None and (last_backward or not self._last_only)
@@ -102,8 +124,69 @@ class Stage(PipelineStage):
         return tensor
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type == "input" and self.dw_builder is None:  # before torch's input pass detaches the outputs
+            self._weights_only[self._chunk] = _weights_only_outputs(bwd_kwargs)
+        if backward_type == "weight" and self.dw_builder is None:
+            _accumulate(self._weights_only.pop(self._chunk, []), list(self.submod.parameters()))
+            bwd_kwargs = {**bwd_kwargs, "param_groups": _one_group(bwd_kwargs["param_groups"])}
         # (with a weight pass of ours, a "full" backward makes input gradients only: the pass syncs)
         if backward_type == "input" or self.dw_builder is not None or not self._syncs(last_backward):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         with self._sync_now():
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+
+
+def _one_group(groups: list[dict]) -> list[dict]:
+    """torch's weight pass (zero-bubble schedules, eager) differentiates each group of weights on
+    its own and frees the graph as it goes; weights whose paths share a node (T5's one position
+    bias, read by every layer of the stage) then fail "backward through the graph a second time".
+    As one group, the weight gradients are one pass over the stage's graph (each weight once)."""
+    if len(groups) <= 1:
+        return groups
+    merged = {"params": [], "intermediates": [], "grads": []}
+    for group in groups:
+        merged["params"] += [param for param in group["params"] if param not in merged["params"]]
+        merged["intermediates"] += group["intermediates"]
+        merged["grads"] += group["grads"]
+    return [merged]
+
+
+def _weights_only_outputs(bwd_kwargs: dict) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """The stage's outputs that no input of the stage reaches (made from its weights alone), as
+    (autograd edge, the gradient the next stage returned for it)."""
+    grads = bwd_kwargs.get("output_grads")
+    if grads is None:  # the last stage: its loss
+        return []
+    inputs = [value for value in bwd_kwargs["input_values"] if isinstance(value, torch.Tensor) and value.requires_grad]
+    stops = {_get_grad_fn_or_grad_acc(value) for value in inputs}
+    found = []
+    for output, grad in zip(bwd_kwargs["stage_output"], grads):
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and grad is not None:
+            if not _reaches(output.grad_fn, stops):
+                found.append((GradientEdge(output.grad_fn, output.output_nr), grad))
+    return found
+
+
+def _reaches(node, stops: set) -> bool:
+    seen, stack = {node}, [node]
+    while stack:
+        current = stack.pop()
+        if current in stops:
+            return True
+        for following, _ in current.next_functions:
+            if following is not None and following not in seen:
+                seen.add(following)
+                stack.append(following)
+    return False
+
+
+def _accumulate(outputs: list[tuple[GradientEdge, torch.Tensor]], weights: list[torch.Tensor]) -> None:
+    """Those outputs' gradients taken to the weights and added to theirs (before torch's weight
+    pass, which frees the graph)."""
+    weights = [weight for weight in weights if weight.requires_grad]
+    if not outputs or not weights:
+        return
+    edges, grads = zip(*outputs)
+    for weight, grad in zip(weights, torch.autograd.grad(edges, weights, grads, retain_graph=True, allow_unused=True)):
+        if grad is not None:
+            weight.grad = grad if weight.grad is None else weight.grad + grad

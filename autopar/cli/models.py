@@ -68,12 +68,12 @@ def load_model(spec: str) -> torch.nn.Module:
         raise UsageError(f"MODEL {spec!r}: {factory.name}(...) raised {type(error).__name__}: {error}") from error
     try:
         if not callable(getattr(model, "example_inputs", None)):
-            example_call(model, 2, 2)  # autopar makes the inputs of a Hugging Face causal LM (on meta: free)
+            example_call(model, 2, 2)  # autopar makes a Hugging Face model's inputs (on meta: free)
     except ConfigError:
         raise UsageError(
             f"MODEL {spec!r}: {factory.name}() returned a {type(model).__name__} without "
-            "example_inputs(batch_size, device=None), which autopar needs to trace it (or a Hugging Face causal LM, "
-            "whose input_ids and labels autopar makes)"
+            "example_inputs(batch_size, device=None), which autopar needs to trace it (or a Hugging Face model "
+            "taking token ids or images, whose inputs and labels autopar makes)"
         ) from None
     return model
 

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from autopar.ir import ConfigError
+from autopar.passes.capture.dropout import attention_dropout_as_math
 
 # Arguments that ask for generation state: never part of a training graph (see the module docstring).
 CACHE_ARGUMENTS = ("use_cache",)
@@ -76,23 +77,74 @@ def bind_call(model: nn.Module, args: tuple, kwargs: dict) -> dict:
 
 def example_call(model: nn.Module, batch: int, seq: int) -> dict:
     """A call to plan with: ``model.example_inputs(batch)`` (autopar's examples), or, for a
-    Hugging Face causal LM, ``input_ids`` and ``labels`` of ``[batch, seq]`` random tokens
-    (``seq`` capped by the model's positions). ``ConfigError`` when the model offers neither."""
+    Hugging Face model, its main input made from its config (:func:`_main_input`: token ids,
+    images or audio) and, when its forward takes them, ``labels`` of the shape its head's name says
+    (:func:`_labels`). ``ConfigError`` when the model offers neither."""
     if callable(getattr(model, "example_inputs", None)):
         return bind_call(model, tuple(model.example_inputs(batch)), {})
     config = getattr(model, "config", None)
-    vocab = getattr(config, "vocab_size", None)
     parameters = inspect.signature(model.forward).parameters
-    if isinstance(vocab, int) and "input_ids" in parameters and "labels" in parameters:
-        seq = min(seq, (config_positions(config) or (None, seq))[1])
+    generator = torch.Generator().manual_seed(0)
+    main = _main_input(model, config, batch, seq, generator) if config is not None else None
+    if main is not None and main[0] in parameters:
+        call = {main[0]: main[1]}
+        labels = _labels(type(model).__name__, config, main[1], seq, generator) if "labels" in parameters else None
+        if labels is not None:
+            call["labels"] = labels
         device = next(model.parameters()).device
-        generator = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, vocab, (batch, seq), generator=generator).to(device)
-        return {"input_ids": tokens, "labels": tokens}
+        return {name: value.to(device) for name, value in call.items()}
     raise ConfigError(
         f"autopar cannot tell how to call {type(model).__name__} to plan it: pass example_inputs=(...) and/or "
         "example_kwargs={...} (the GLOBAL batch), or give the model an example_inputs(batch_size) method"
     )
+
+
+IMAGE_SIZE = 224  # ImageNet's, for a vision config that does not say (ResNet's, ConvNeXt's)
+AUDIO_SAMPLES = 16000  # a second of raw audio at 16 kHz (wav2vec 2.0's, HuBERT's rate)
+
+
+def _main_input(model: nn.Module, config, batch: int, seq: int, generator) -> tuple[str, torch.Tensor] | None:
+    """A Hugging Face model's main input (``main_input_name``) made from its config: ``input_ids``
+    of ``[batch, seq]`` random tokens (``seq`` capped by the model's positions), ``pixel_values`` of
+    its image size, Whisper's ``input_features`` (its mel bins over twice its encoder positions) or
+    raw ``input_values``; None for another, or where the config lacks the sizes."""
+    name = getattr(model, "main_input_name", "input_ids")
+    vocab = getattr(config, "vocab_size", None)
+    if name == "input_ids" and isinstance(vocab, int):
+        seq = min(seq, (config_positions(config) or (None, seq))[1])
+        return name, torch.randint(0, vocab, (batch, seq), generator=generator)
+    if name == "pixel_values":
+        size = getattr(config, "image_size", IMAGE_SIZE)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        return name, torch.randn(batch, getattr(config, "num_channels", 3), height, width, generator=generator)
+    bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if name == "input_features" and isinstance(bins, int) and isinstance(positions, int):
+        return name, torch.randn(batch, bins, 2 * positions, generator=generator)
+    if name == "input_values":
+        return name, torch.randn(batch, AUDIO_SAMPLES, generator=generator)
+    return None
+
+
+def _labels(head: str, config, main: torch.Tensor, seq: int, generator) -> torch.Tensor | None:
+    """Labels as Hugging Face's heads take them, told by the head's class name: one class per
+    example for ``...ForSequenceClassification`` / ``ForImageClassification`` / ``ForAudioClassification``
+    (a float score where ``num_labels`` is 1: regression), one per token for
+    ``...ForTokenClassification``; for a language-model head the tokens themselves, or, on images
+    or audio, ``[batch, seq]`` tokens (capped by the decoder's positions); None without a vocabulary."""
+    classes = getattr(config, "num_labels", 2)
+    if head.endswith("TokenClassification"):
+        return torch.randint(0, classes, main.shape[:2], generator=generator)
+    if head.endswith("Classification"):
+        if classes == 1:
+            return torch.randn(main.shape[0], generator=generator)
+        return torch.randint(0, classes, main.shape[:1], generator=generator)
+    if not main.is_floating_point():
+        return main
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return None
+    seq = min(seq, getattr(config, "max_target_positions", seq))
+    return torch.randint(0, vocab, (main.shape[0], seq), generator=generator)
 
 
 POSITION_FIELDS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length")
@@ -113,15 +165,25 @@ def _caches(model: nn.Module) -> bool:
     return hasattr(getattr(model, "config", None), "use_cache")
 
 
+def _configs(model: nn.Module) -> list:
+    """Every distinct config object of the model's modules: an encoder-decoder's decoder reads a
+    copy of its own (T5's), which the top-level ``use_cache`` does not reach."""
+    configs = (getattr(module, "config", None) for module in model.modules())
+    return list({id(config): config for config in configs if config is not None}.values())
+
+
 @contextmanager
 def capture_settings(model: nn.Module):
-    """While active: no KV cache (``config.use_cache = False``), mixture-of-experts blocks on
-    transformers' exportable ``batched_mm`` implementation, and torch.distributions' argument
-    checks off (data-dependent asserts, e.g. in Hugging Face's BLT); all restored on exit."""
+    """While active: no KV cache (``use_cache = False`` on every config of the model), attention's
+    dropout as its math form (:func:`autopar.passes.capture.dropout.attention_dropout_as_math`),
+    mixture-of-experts blocks on transformers' exportable ``batched_mm`` implementation, and
+    torch.distributions' argument checks off (data-dependent asserts, e.g. in Hugging Face's BLT);
+    all restored on exit."""
     with ExitStack() as stack:
-        config = getattr(model, "config", None)
-        if _caches(model) and config.use_cache:
+        caching = [config for config in _configs(model) if getattr(config, "use_cache", False)]
+        if caching:
             say_once(f"{type(model).__name__}: captured with use_cache=False (a KV cache is generation state)")
+        for config in caching:
             stack.enter_context(_attribute(config, "use_cache", False))
         if _uses_unexportable_experts(model):
             previous = model.get_experts_implementation()
@@ -131,6 +193,7 @@ def capture_settings(model: nn.Module):
         torch.distributions.Distribution.set_default_validate_args(False)
         stack.callback(torch.distributions.Distribution.set_default_validate_args, validate)
         stack.enter_context(_custom_backwards_said())
+        stack.enter_context(attention_dropout_as_math())
         yield model
 
 

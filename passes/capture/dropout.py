@@ -11,12 +11,21 @@ replicated-only factory), and the product splits like any elementwise op, each r
 its part of ``x`` by its part of the one-process mask. (Compiled programs draw with inductor's
 own random numbers, as before.)
 
+Attention's own dropout (``scaled_dot_product_attention(..., dropout_p > 0)``, BERT's and its kin's
+in training) is drawn inside the fused op, per shard where the op is split. While capturing,
+:func:`attention_dropout_as_math` has such a call traced as the op's math form (scores, softmax,
+``dropout``, values), whose mask is then drawn whole as above; on the CPU that form draws the
+mask the fused op draws (the same ``bernoulli`` over the same shape), so one process's result
+stands. It holds the whole attention matrix, as the fused op's math path does.
+
 Pre: an exported aten graph whose nodes carry ``meta["val"]``.
 Post: each ``native_dropout`` reads a ``ones`` of its shape; its scaled output is ``mul(x, mask)``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import operator
 
 import torch
@@ -47,3 +56,32 @@ def draw_dropout_masks_whole(graph_module: fx.GraphModule) -> None:
                     product = new_node(graph, aten.mul.Tensor, (x, user), meta)
                 user.replace_all_uses_with(product, delete_user_cb=lambda node: node is not product)
     graph_module.recompile()
+
+
+@contextlib.contextmanager
+def attention_dropout_as_math():
+    """While active, ``torch.nn.functional.scaled_dot_product_attention`` with a dropout runs its
+    math form, its dropout an ``F.dropout`` of the probabilities (module docstring); without one,
+    the fused op as before."""
+    fused = torch.nn.functional.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if not dropout_p:
+            return fused(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        if enable_gqa:  # each key and value head serves a group of query heads
+            key = key.repeat_interleave(query.shape[-3] // key.shape[-3], dim=-3)
+            value = value.repeat_interleave(query.shape[-3] // value.shape[-3], dim=-3)
+        scores = query @ key.transpose(-2, -1) * (scale if scale is not None else 1 / math.sqrt(query.shape[-1]))
+        if is_causal:
+            attn_mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        if attn_mask is not None and attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, float("-inf"))
+        elif attn_mask is not None:
+            scores = scores + attn_mask
+        return torch.nn.functional.dropout(scores.softmax(-1), dropout_p) @ value
+
+    torch.nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = fused

@@ -7,12 +7,18 @@ With ``param_dtype`` (mixed precision) it is captured as it computes with 16-bit
 floating parameters and floating inputs (FSDP2's ``param_dtype`` and ``cast_forward_inputs``),
 buffers as they are: the graph keeps the model's own upcasts (norms, softmax), which no cast
 inserted later could recover.
-Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops) and differentiable op by
-op (no ``aten.copy``, which has no derivative), whose placeholders are
+Post: a :class:`CapturedGraph` whose graph is functional (no in-place ops but the buffer updates)
+and differentiable op by op (no ``aten.copy``, which has no derivative), whose placeholders are
 the parameters, buffers and the tensor inputs in that order (constant inputs are baked in),
 whose every node carries ``meta["val"]`` (a fake tensor or a tuple of them) and whose nodes
 name their module path through :func:`module_path`; ``in_spec``/``out_spec`` say how a call's
 arguments flatten into the tensor inputs and how the outputs rebuild the model's result.
+
+Buffers the forward updates (BatchNorm's running statistics and its count of batches) are not
+outputs: export returns their new values, and each becomes an in-place ``copy_`` into its buffer's
+placeholder just before the output (:func:`_update_buffers_in_place`), so every program derived
+from the graph (the loss alone, compiled, each rank's) updates the buffers it holds as the model
+does, and the outputs are the model's own.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 import autopar.ir
 from autopar.ir import ConfigError, TraceError, layer_of
 from autopar.passes.capture.attention_pattern import buffer_values, fuse_eager_attention
+from autopar.passes.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
 from autopar.passes.capture.calls import capture_settings, config_positions
 from autopar.passes.capture.causal_mask import constant_value, node_value
 from autopar.passes.capture.data_sizes import record_data_sizes
@@ -46,7 +53,7 @@ class CapturedGraph:
     params: dict[str, str]  # placeholder name → parameter name in the model
     buffers: dict[str, str]  # placeholder name → buffer name in the model
     user_inputs: tuple[str, ...]  # placeholder names of the forward's tensor arguments, in call order
-    outputs: tuple[str, ...]  # "user" or "buffer:NAME" per graph output
+    buffer_updates: tuple[str, ...]  # the buffers the forward updates in place (copy_ before the output)
     fingerprint: str
     tied: dict[str, str] = field(default_factory=dict)  # parameter name → the name it shares storage with
     in_spec: TreeSpec | None = None  # of (args, kwargs): its tensor leaves are ``user_inputs``
@@ -160,7 +167,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             with capture_settings(model), composite_moe(model):
                 exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
                 detach_no_grad_regions(exported.graph_module)
-                exported = exported.run_decompositions(DIFFERENTIABLE_COPY)
+                exported = exported.run_decompositions({**DIFFERENTIABLE_COPY, **BATCH_NORM_DECOMPOSITIONS})
     except Exception as error:  # export raises many types; all mean the same to the user
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}{_user_line(error)}: {type(error).__name__}: "
@@ -196,28 +203,57 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
                 f"input {name!r} of kind {spec.kind.name} (e.g. a tensor constant captured from a closure) "
                 "is not supported: register it as a buffer on the module instead"
             )
-    outputs = tuple(
-        "user" if spec.kind == OutputKind.USER_OUTPUT else f"buffer:{spec.target}" for spec in signature.output_specs
-    )
+    updates = _update_buffers_in_place(exported.graph_module.graph, signature)
     graph_module = fx.GraphModule(exported.graph_module, exported.graph_module.graph)
     tied = _merge_tied_parameters(graph_module.graph, params, model)
     graph_module.recompile()
     leaves, in_spec = tree_flatten((example_inputs, example_kwargs))
     state = {**{p: model.get_parameter(n) for p, n in params.items()}, **_buffer_values(model, buffers, constants)}
     key = fingerprint(graph_module.graph)  # before the data's sizes are recorded: the same for every call
+    state.update({placeholder: state[placeholder].clone() for placeholder in updates})  # the model's stay as they are
     _run_once(graph_module, state, [x for x in leaves if isinstance(x, torch.Tensor)])
     return CapturedGraph(
         graph_module=graph_module,
         params=params,
         buffers=buffers,
         user_inputs=tuple(user_inputs),
-        outputs=outputs,
+        buffer_updates=tuple(buffers[placeholder] for placeholder in updates),
         fingerprint=key,
         tied=tied,
         in_spec=in_spec,
         out_spec=exported.call_spec.out_spec,
         constants=constants,
     )
+
+
+def _update_buffers_in_place(graph: fx.Graph, signature) -> list[str]:
+    """Each buffer-mutation output of an exported graph becomes ``copy_(buffer, detach(new value))``
+    before the output node, and leaves the outputs; the placeholders of the buffers updated. The
+    graph reads such a buffer through a clone taken first: an op's backward may save what it read
+    (BatchNorm's running statistics), which the copy would change under it."""
+    output = graph.output_node()
+    first_op = next(node for node in graph.nodes if node.op != "placeholder")
+    values = list(output.args[0])
+    placeholders = {spec.target: spec.arg.name for spec in signature.input_specs if spec.kind == InputKind.BUFFER}
+    nodes = {node.name: node for node in graph.find_nodes(op="placeholder")}
+    updated, kept = [], []
+    for spec, value in zip(signature.output_specs, values):
+        if spec.kind != OutputKind.BUFFER_MUTATION:
+            kept.append(value)
+            continue
+        buffer = nodes[placeholders[spec.target]]
+        with graph.inserting_before(first_op):
+            read = graph.call_function(torch.ops.aten.clone.default, (buffer,))
+            read.meta = dict(buffer.meta)
+        buffer.replace_all_uses_with(read, delete_user_cb=lambda user: user is not read)
+        with graph.inserting_before(output):
+            new = graph.call_function(torch.ops.aten.detach.default, (value,))
+            new.meta = {**value.meta, "val": value.meta["val"].detach()}
+            copy = graph.call_function(torch.ops.aten.copy_.default, (buffer, new))
+            copy.meta = {**value.meta, "val": buffer.meta["val"]}
+        updated.append(buffer.name)
+    output.args = (tuple(kept),)
+    return updated
 
 
 def _check_lookups(graph_module: fx.GraphModule, buffers: dict[str, torch.Tensor]) -> None:
@@ -265,7 +301,8 @@ def _positions_hint(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
     holds: buffers sized for them (GPT-Neo's causal mask) then fail to broadcast inside export."""
     config = getattr(model, "config", None)
     field, limit = (config_positions(config) if config is not None else None) or ("", None)
-    tokens = [t.shape[1] for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    leaves = tree_flatten((args, kwargs))[0]  # token ids: integer [batch, tokens] (not images, not audio)
+    tokens = [t.shape[1] for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()]
     if limit is None or not tokens or max(tokens) <= limit:
         return ""
     return (

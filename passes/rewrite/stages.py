@@ -22,7 +22,8 @@ import torch
 import torch.fx as fx
 
 from autopar.ir import ConfigError, Schedule
-from autopar.passes.capture.graph import node_layer
+from autopar.passes.capture.batch_norm import BATCH_NORM_DECOMPOSITIONS
+from autopar.passes.capture.graph import module_path, node_layer
 from autopar.passes.rewrite.loss import first_output_shape, loss_only
 
 
@@ -108,6 +109,31 @@ def out_of_order_error(node: fx.Node) -> ConfigError:
         f"node {node.name} ({node.target}) of {node_layer(node)} reads a value a later layer computes: the layers "
         "do not run in order (a model that runs its layers again, in cycles, cannot be cut into stages by layer); "
         "plan it without pipeline stages (degrees={'pp': 1})"
+    )
+
+
+def whole_batch_node(graph: fx.Graph) -> fx.Node | None:
+    """The first node whose result the batch decides as a whole, or None: statistics over the batch
+    (BatchNorm in training) and buffer updates (its running statistics), which a batch run in
+    microbatches (a pipeline's, gradient accumulation's) would compute per microbatch instead."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.aten.copy_.default:
+            return node
+        # BatchNorm in training, decomposed into its means (autopar.passes.capture.batch_norm) or whole
+        if node.meta.get("original_aten") in BATCH_NORM_DECOMPOSITIONS or node.target in BATCH_NORM_DECOMPOSITIONS:
+            return node
+    return None
+
+
+def whole_batch_error(node: fx.Node) -> ConfigError:
+    what = "updates a buffer" if node.target is torch.ops.aten.copy_.default else "takes statistics over the batch"
+    return ConfigError(
+        f"node {node.name} ({node.target}) of {module_path(node) or 'the model'} {what} (BatchNorm in training): "
+        "run in microbatches, the model would compute it per microbatch and no longer equal one process; plan it "
+        "without pipeline stages or microbatches (degrees={'pp': 1}, microbatches=1), or switch the BatchNorm to "
+        "eval() or to a per-example norm (GroupNorm, LayerNorm)"
     )
 
 

@@ -48,7 +48,7 @@ from autopar.passes.cost.evaluate import LayoutTerms, PricedConfiguration, evalu
 from autopar.passes.cost.facts import NodeFacts, analyze
 from autopar.passes.cost.ops import reshard_collectives
 from autopar.passes.rewrite.gradients import plan_gradients
-from autopar.passes.rewrite.stages import layers_out_of_order, out_of_order_error
+from autopar.passes.rewrite.stages import layers_out_of_order, out_of_order_error, whole_batch_error, whole_batch_node
 from autopar.passes.search.axes import ahead_floors, solve_axes, split_dims
 from autopar.passes.search.fold import LayerFolding, fold_layers
 from autopar.passes.search.pins import user_pins
@@ -138,6 +138,11 @@ def _search(captured: CapturedGraph, mesh: Mesh, options: PlanOptions, fold: boo
         if (options.stages or 1) > 1:
             raise out_of_order_error(cycling)
         options = dataclasses.replace(options, degrees={**(options.degrees or {}), Axis.PP: 1})
+    whole_batch = whole_batch_node(captured.graph)
+    if whole_batch is not None:  # the batch runs whole: no pipeline, no accumulation
+        if (options.stages or 1) > 1 or (options.microbatches or 1) > 1:
+            raise whole_batch_error(whole_batch)
+        options = dataclasses.replace(options, degrees={**(options.degrees or {}), Axis.PP: 1}, microbatches=1)
     hardware = options.profile
     whole = analyze(captured, hardware, hardware.contention(mesh.shape), options.precision_policy)
     folding = fold_layers(whole, user_pins(whole, options.constraints or {})) if fold else LayerFolding.unfolded(whole)

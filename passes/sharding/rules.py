@@ -21,21 +21,13 @@ import torch.fx as fx
 from autopar.ir import DATA_SIZED, Kernel, Partial, Placement, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
 from autopar.passes.sharding.factories import SIZE_ARGUMENT, like_input, replicated_only, sized_factory
+from autopar.passes.sharding.spatial import convolution, pooling
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
 from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
 aten = torch.ops.aten
 R = Replicate()
-
-
-def _shard_all_but(view: OpView, excluded: set[int], partial_ok: bool = False) -> list[Strategy]:
-    """Ops that act independently along every dim but ``excluded`` (same rank in and out)."""
-    n_in = len(view.in_shapes)
-    out = [Strategy((Shard(d),) + (R,) * (n_in - 1), Shard(d)) for d in range(len(view.out_shape)) if d not in excluded]
-    if partial_ok:
-        out += [Strategy((Partial(op),) + (R,) * (n_in - 1), Partial(op)) for op in ("sum", "avg")]
-    return out
 
 
 # -- pointwise ------------------------------------------------------------------------
@@ -348,8 +340,11 @@ def index(view: OpView) -> list[Strategy]:
 def attention(view: OpView) -> list[Strategy]:
     """scaled_dot_product_attention on [batch, heads, seq, head_dim]: shard batch or heads;
     or, without a mask or dropout, the sequence of q, k and v alike, run by a context-parallel
-    kernel (ring or Ulysses, see autopar.runtime.kernels.context_parallel)."""
+    kernel (ring or Ulysses, see autopar.runtime.kernels.context_parallel). With a dropout, none: it
+    draws its mask per shard (capture traces such a call as its math form, whose mask is drawn whole)."""
     q_shape = view.in_shapes[0]
+    if view.arg(4, "dropout_p", 0.0):
+        return []
     strategies = []
     for d in (0, 1) if len(q_shape) == 4 else (0,):  # [batch * heads, seq, head_dim]: dim 1 is the sequence
         placements = []
@@ -358,7 +353,7 @@ def attention(view: OpView) -> list[Strategy]:
             broadcast = in_dim < 0 or shape[in_dim] == 1
             placements.append(R if broadcast else Shard(in_dim))
         strategies.append(Strategy(tuple(placements), Shard(d)))
-    if len(q_shape) == 4 and len(view.in_shapes) == 3 and not view.arg(4, "dropout_p", 0.0):
+    if len(q_shape) == 4 and len(view.in_shapes) == 3:
         seq = Shard(len(q_shape) - 2)
         strategies += [Strategy((seq, seq, seq), seq, kernel) for kernel in (Kernel.RING, Kernel.ULYSSES)]
     return strategies
@@ -420,6 +415,12 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.sum: reduction,
     aten.mean: reduction,
     aten.layer_norm: layer_norm,
+    **dict.fromkeys([aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution], convolution),
+    **{getattr(aten, f"max_pool{k}d"): pooling(k) for k in (1, 2, 3)},
+    aten.max_pool2d_with_indices: pooling(2),
+    **{getattr(aten, f"adaptive_max_pool{k}d"): pooling(k) for k in (1, 2, 3)},
+    **{getattr(aten, f"avg_pool{k}d"): pooling(k, linear=True) for k in (1, 2, 3)},
+    **{getattr(aten, f"adaptive_avg_pool{k}d"): pooling(k, linear=True) for k in (1, 2, 3)},
     aten.embedding: embedding,
     aten.index: index,
     aten.scaled_dot_product_attention: attention,
@@ -434,6 +435,7 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.repeat_interleave: repeat_interleave,
     **dict.fromkeys(SIZE_ARGUMENT, sized_factory),
     **dict.fromkeys([aten.arange, aten.scalar_tensor], replicated_only),
+    aten.copy_: replicated_only,  # a buffer's update (capture.graph): every rank holds the whole buffer
 }
 
 

@@ -15,6 +15,7 @@ import torch
 from hypothesis import strategies as st
 from rule_check import Group, Sample
 from rule_draws import F64, dim_of, indices, shape, size, tensor, values
+from rule_samples_spatial import SPATIAL_SAMPLES
 
 aten = torch.ops.aten
 
@@ -417,6 +418,7 @@ SAMPLES = {
     "aten.sum": reduce(aten.sum.dim_IntList, aten.sum.default),
     "aten.mean": reduce(aten.mean.dim, aten.mean.default),
     "aten.layer_norm": layer_norm,
+    **SPATIAL_SAMPLES,
     "aten.embedding": embedding,
     "aten.index": index,
     "aten.scaled_dot_product_attention": attention,
@@ -439,6 +441,9 @@ SAMPLES = {
     "aten.ones": factory(aten.ones.default),
     "aten.full": factory(aten.full.default, 3.0),
     "aten.empty": factory(aten.empty.memory_format, values_defined=False),
+    "aten.copy_": lambda draw, p: Sample(
+        aten.copy_.default, (values(draw, (size(draw, p),)), values(draw, (1,))), constant_inputs=(0, 1)
+    ),
     "aten.scalar_tensor": lambda draw, p: Sample(aten.scalar_tensor.default, (draw(st.floats(-4, 4)),)),
     "autopar.moe": experts,
     "autopar.moe_experts": routed_experts,

@@ -10,7 +10,7 @@ def test_capture_lifts_parameters_and_inputs_with_shapes_and_module_paths():
     model = meta_model("gpt.py", hidden=32, layers=1, heads=2, vocab=64, seq=8)
     captured = capture(model, model.example_inputs(4, device="meta"))
     assert list(captured.params.values()) == [name for name, _ in model.named_parameters()]
-    assert len(captured.user_inputs) == 2 and captured.outputs == ("user",)
+    assert len(captured.user_inputs) == 2 and captured.buffer_updates == ()
     paths = {module_path(n) for n in captured.graph.nodes if n.op == "call_function"}
     assert "layers.0.attn.wq" in paths
     assert all("val" in n.meta for n in captured.graph.nodes if n.op != "output")
