@@ -53,7 +53,7 @@ FAMILIES = [
     "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2",
     "gemma3_text", "gpt2", "gpt_neo", "gpt_neox", "gptj", "gpt_bigcode", "phi", "phi3", "olmo",
     "olmo2", "olmoe", "starcoder2", "stablelm", "falcon", "opt", "bloom", "granite", "granitemoe",
-    "cohere", "glm", "smollm3", "internlm3", "deepseek_v3", "mamba",
+    "cohere", "glm", "smollm3", "internlm3", "deepseek_v3", "deepseek_v2", "minicpm3", "glm4_moe_lite", "mamba",
     "dbrx",  # loops over the experts a batch hits: data-dependent Python control flow
     "jetmoe",  # tokens split by counts it computes: sizes only the data decides
     "inkling2_text",  # a stage boundary value that is not contiguous

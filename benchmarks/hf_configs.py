@@ -36,8 +36,11 @@ PER_LAYER = (
 SPECIAL = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "mamba": {"expand": 2, "state_size": 16, "time_step_rank": 8},
-    "deepseek_v3": {"num_key_value_heads": HEADS, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16,
-                    "qk_nope_head_dim": 16, "v_head_dim": 16},  # MLA: as many KV heads as heads
+    **dict.fromkeys(
+        ("deepseek_v3", "deepseek_v2", "minicpm3", "glm4_moe_lite"),
+        {"num_key_value_heads": HEADS, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16,
+         "qk_nope_head_dim": 16, "v_head_dim": 16},  # MLA: as many KV heads as heads, its head sizes its own
+    ),
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},  # one Mamba layer, one attention layer
     "bamba": {"attn_layer_indices": [1]},
     "dbrx": {"attn_config": {"rope_theta": 10000.0, "kv_n_heads": KV_HEADS, "clip_qkv": 8.0},

@@ -4,16 +4,17 @@ vision and audio models and their heads, and a convolutional network with BatchN
     python benchmarks/other_models.py [--only bert,t5] [--quick]
 
 Each is a Hugging Face model built from a small config (``MODELS``; its dropout and stochastic
-depth as the config has them, but for T5's dropout, drawn per microbatch where the free plan
-pipelines it, and wav2vec 2.0's LayerDrop and time masking, branches on Python-drawn random
-numbers that no captured graph holds), or autopar's examples/cnn.py. ``autopar.parallelize(model, 2)``
-plans it with no example inputs (autopar makes the call from the config: token ids, images or
-audio, and labels of the shape the head takes), pinned to dp=2 (DP2) or tp=2 (TP2), or free
-(auto); then one step as a script takes it (``pmodel(**batch).loss.backward()``, AdamW) against
-the same step in one process, the random stream where it was before ``parallelize`` (dropout
-masks are the ones one process draws). ✓: the loss, every full gradient, every parameter after
-the step and every floating buffer (BatchNorm's running statistics) allclose (rtol 1e-4, atol
-1e-6). Writes the "other-models" section of BENCHMARKS.md (``--quick`` prints only).
+depth as the config has them, but T5's and wav2vec 2.0's dropout, off: their free plans pipeline,
+and a pipeline draws each microbatch's masks on its own; and wav2vec 2.0's LayerDrop and time
+masking, branches on Python-drawn random numbers that no captured graph holds), or autopar's
+examples/cnn.py. ``autopar.parallelize(model, 2)`` plans it with no example inputs (autopar makes
+the call from the config: token ids, images or audio, and labels of the shape the head takes),
+pinned to dp=2 (DP2) or tp=2 (TP2), or free (auto); then one step as a script takes it
+(``pmodel(**batch).loss.backward()``, AdamW) against the same step in one process, the random
+stream where it was before ``parallelize`` (dropout masks are the ones one process draws). ✓: the
+loss, every full gradient, every parameter after the step and every floating buffer (BatchNorm's
+running statistics) allclose (rtol 1e-4, atol 1e-6). Writes the "other-models" section of
+BENCHMARKS.md (``--quick`` prints only).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ MODELS = {
                      "Wav2Vec2Config", dict(ENCODER, vocab_size=32, conv_dim=(16, 16), conv_stride=(5, 2),
                                             conv_kernel=(10, 3), num_conv_pos_embeddings=16,
                                             num_conv_pos_embedding_groups=4, num_labels=4,
-                                            layerdrop=0.0, mask_time_prob=0.0),  # Python-random branches
+                                            layerdrop=0.0, mask_time_prob=0.0,  # Python-random branches
+                                            hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                            final_dropout=0.0),
                      lambda g: {"input_values": torch.randn(BATCH, 400, generator=g), "labels": _classes(g, 4)}),
     "examples/cnn.py": ("autopar's ResNet, BatchNorm", None, None, dict(width=16, blocks=1, stages=2),
                         lambda g: {"images": _images(g)[:, :, :16, :16], "labels": _classes(g, 10)}),
@@ -218,15 +221,18 @@ def main() -> None:
     body = f"""## Other models: encoders, encoder-decoders, vision and audio, unmodified, on 2 ranks
 
 `python benchmarks/other_models.py` ({date.today()}, this machine: 2 shared cores, 2 gloo ranks,
-{elapsed / 60:.0f} min). Each is a Hugging Face model built from a small config (`MODELS` in the script;
-dropout and stochastic depth as the config has them), or autopar's `examples/cnn.py`. `autopar.parallelize(model, 2)`
-plans it with no example inputs (the call made from the config: token ids, images or audio, labels of the shape the
-head takes), pinned to dp=2 (DP2) or tp=2 (TP2), or free (auto: the degrees it chose); one step as a script takes it
-(`pmodel(**batch).loss.backward()`, AdamW) against one process. ✓: the loss, every full gradient, every parameter
-after the step and every floating buffer (BatchNorm's running statistics) allclose (rtol 1e-4, atol 1e-6); the
-seconds are planning's. BatchNorm in training is decomposed into its means, so its statistics are the whole batch's
-on every plan (synchronized batch norm), and its models plan no pipeline or microbatches.
-**{passing} of {len(rows)} models pass every plan.**
+{elapsed / 60:.0f} min). Each is a Hugging Face model built from a small config (`MODELS` in the
+script; dropout and stochastic depth as the config has them, but T5's and wav2vec 2.0's dropout, off: their
+free plans pipeline, and a pipeline draws each microbatch's masks on its own (README); and wav2vec 2.0's
+LayerDrop and time masking, branches on Python-drawn random numbers that no captured graph holds), or
+autopar's `examples/cnn.py`. `autopar.parallelize(model, 2)` plans it with no example inputs (the call made
+from the config: token ids, images or audio, labels of the shape the head takes), pinned to dp=2 (DP2) or
+tp=2 (TP2), or free (auto: the degrees it chose); one step as a script takes it
+(`pmodel(**batch).loss.backward()`, AdamW) against one process. ✓: the loss, every full gradient, every
+parameter after the step and every floating buffer (BatchNorm's running statistics) allclose (rtol 1e-4,
+atol 1e-6); the seconds are planning's. BatchNorm in training is decomposed into its means, so its
+statistics are the whole batch's on every plan (synchronized batch norm), and its models plan no pipeline
+or microbatches. **{passing} of {len(rows)} models pass every plan.**
 
 {tabulate(table, headers=["model", "kind", *PLANS], tablefmt="github")}
 """
