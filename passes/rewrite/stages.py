@@ -112,6 +112,9 @@ def out_of_order_error(node: fx.Node) -> ConfigError:
     )
 
 
+BATCH_NORM_OPS = {str(op) for op in BATCH_NORM_DECOMPOSITIONS}
+
+
 def whole_batch_node(graph: fx.Graph) -> fx.Node | None:
     """The first node whose result the batch decides as a whole, or None: statistics over the batch
     (BatchNorm in training) and buffer updates (its running statistics), which a batch run in
@@ -121,19 +124,21 @@ def whole_batch_node(graph: fx.Graph) -> fx.Node | None:
             continue
         if node.target is torch.ops.aten.copy_.default:
             return node
-        # BatchNorm in training, decomposed into its means (autopar.passes.capture.batch_norm) or whole
-        if node.meta.get("original_aten") in BATCH_NORM_DECOMPOSITIONS or node.target in BATCH_NORM_DECOMPOSITIONS:
+        # BatchNorm in training, decomposed into its means (autopar.passes.capture.batch_norm) or whole;
+        # by name: export records another object of the same op
+        if {str(node.meta.get("original_aten")), str(node.target)} & BATCH_NORM_OPS:
             return node
     return None
 
 
 def whole_batch_error(node: fx.Node) -> ConfigError:
-    what = "updates a buffer" if node.target is torch.ops.aten.copy_.default else "takes statistics over the batch"
+    buffer = node.target is torch.ops.aten.copy_.default
+    what = "updates a buffer (as BatchNorm's running statistics)" if buffer else "takes statistics over the batch"
     return ConfigError(
-        f"node {node.name} ({node.target}) of {module_path(node) or 'the model'} {what} (BatchNorm in training): "
-        "run in microbatches, the model would compute it per microbatch and no longer equal one process; plan it "
-        "without pipeline stages or microbatches (degrees={'pp': 1}, microbatches=1), or switch the BatchNorm to "
-        "eval() or to a per-example norm (GroupNorm, LayerNorm)"
+        f"node {node.name} ({node.target}) of {module_path(node) or 'the model'} {what}: run in microbatches, "
+        "the model would compute it per microbatch and no longer equal one process; plan it without pipeline "
+        "stages or microbatches (degrees={'pp': 1}, microbatches=1), or switch a BatchNorm to eval() or to a "
+        "per-example norm (GroupNorm, LayerNorm)"
     )
 
 

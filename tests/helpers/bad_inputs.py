@@ -34,6 +34,11 @@ class Mistake:
     in_ranks: bool = False
 
 
+def _cnn():
+    with torch.device("meta"):
+        return load_example("cnn.py").build(width=8, blocks=1, stages=1)
+
+
 def caught(action: Callable[[], object]) -> str:
     """``"ErrorClass: message"`` of the AutoparError ``action`` raises, or ``"no error"``."""
     try:
@@ -287,6 +292,13 @@ MISTAKES = [
         "ConfigError",
         r"unknown parallel dimension\(s\) \['mp'\]; choose from",
         lambda folder: caught(lambda: _plan_mlp(degrees={"mp": 2})),
+    ),
+    Mistake(
+        "degrees={'pp': 2} on a network with BatchNorm in training (examples/cnn.py)",
+        "ConfigError",
+        r"of stem\.1 takes statistics over the batch: run in microbatches, .* plan it without pipeline stages or "
+        r"microbatches \(degrees=\{'pp': 1\}, microbatches=1\)",
+        lambda folder: caught(lambda: autopar.plan(_cnn(), 2, _cnn().example_inputs(8), degrees={"pp": 2})),
     ),
     Mistake(
         'a plan file edited to "degrees": {"dp": "two", ...}',

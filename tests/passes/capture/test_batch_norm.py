@@ -69,7 +69,7 @@ def test_data_parallel_batch_norm_splits_its_statistics_instead_of_gathering_the
 @pytest.mark.parametrize("pins", [{"degrees": {"pp": 2}}, {"microbatches": 2}])
 def test_a_plan_splitting_the_batch_of_a_batch_norm_is_refused_naming_it(pins):
     model = meta_model("cnn.py", width=16, blocks=1, stages=2)
-    with pytest.raises(ConfigError, match=r"stem\.1 .*BatchNorm in training.*microbatches=1"):
+    with pytest.raises(ConfigError, match=r"stem\.1 .*takes statistics over the batch.*microbatches=1"):
         autopar.plan(model, 2, model.example_inputs(8, device="meta"), **pins)
 
 
