@@ -64,6 +64,7 @@ class Stage(PipelineStage):
         self._weight_passes = 0  # built this step: torch builds one per microbatch's backward, in order
         self._chunk = None  # the microbatch whose backward runs
         self._weights_only: dict[int, list] = {}  # microbatch → (edge, gradient) of outputs the weights alone make
+        self._weights_only_at: tuple[int, ...] | None = None  # which outputs those are (the program decides)
 
     def clear_runtime_states(self) -> None:  # at the start of every step
         super().clear_runtime_states()
@@ -125,7 +126,9 @@ class Stage(PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
         if backward_type == "input" and self.dw_builder is None:  # before torch's input pass detaches the outputs
-            self._weights_only[self._chunk] = _weights_only_outputs(bwd_kwargs)
+            if self._weights_only_at is None:  # found once: every microbatch runs the same program
+                self._weights_only_at = _weights_only_outputs(bwd_kwargs)
+            self._weights_only[self._chunk] = _edges(bwd_kwargs, self._weights_only_at)
         if backward_type == "weight" and self.dw_builder is None:
             _accumulate(self._weights_only.pop(self._chunk, []), list(self.submod.parameters()))
             bwd_kwargs = {**bwd_kwargs, "param_groups": _one_group(bwd_kwargs["param_groups"])}
@@ -143,28 +146,29 @@ def _one_group(groups: list[dict]) -> list[dict]:
     As one group, the weight gradients are one pass over the stage's graph (each weight once)."""
     if len(groups) <= 1:
         return groups
-    merged = {"params": [], "intermediates": [], "grads": []}
-    for group in groups:
-        merged["params"] += [param for param in group["params"] if param not in merged["params"]]
-        merged["intermediates"] += group["intermediates"]
-        merged["grads"] += group["grads"]
-    return [merged]
+    params = {id(param): param for group in groups for param in group["params"]}  # each weight once
+    intermediates = [node for group in groups for node in group["intermediates"]]
+    return [{"params": list(params.values()), "intermediates": intermediates,
+             "grads": [grads for group in groups for grads in group["grads"]]}]  # fmt: skip
 
 
-def _weights_only_outputs(bwd_kwargs: dict) -> list[tuple[GradientEdge, torch.Tensor]]:
-    """The stage's outputs that no input of the stage reaches (made from its weights alone), as
-    (autograd edge, the gradient the next stage returned for it)."""
-    grads = bwd_kwargs.get("output_grads")
-    if grads is None:  # the last stage: its loss
-        return []
+def _weights_only_outputs(bwd_kwargs: dict) -> tuple[int, ...]:
+    """Which of the stage's outputs no input of the stage reaches (made from its weights alone)."""
+    if bwd_kwargs.get("output_grads") is None:  # the last stage: its loss
+        return ()
     inputs = [value for value in bwd_kwargs["input_values"] if isinstance(value, torch.Tensor) and value.requires_grad]
     stops = {_get_grad_fn_or_grad_acc(value) for value in inputs}
-    found = []
-    for output, grad in zip(bwd_kwargs["stage_output"], grads):
-        if isinstance(output, torch.Tensor) and output.grad_fn is not None and grad is not None:
-            if not _reaches(output.grad_fn, stops):
-                found.append((GradientEdge(output.grad_fn, output.output_nr), grad))
-    return found
+    outputs = bwd_kwargs["stage_output"]
+    return tuple(
+        i for i, output in enumerate(outputs)
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None and not _reaches(output.grad_fn, stops)
+    )  # fmt: skip
+
+
+def _edges(bwd_kwargs: dict, indices: tuple[int, ...]) -> list[tuple[GradientEdge, torch.Tensor]]:
+    """(autograd edge, the gradient the next stage returned) of those outputs."""
+    outputs, grads = bwd_kwargs["stage_output"], bwd_kwargs.get("output_grads")
+    return [(GradientEdge(outputs[i].grad_fn, outputs[i].output_nr), grads[i]) for i in indices if grads[i] is not None]
 
 
 def _reaches(node, stops: set) -> bool:
