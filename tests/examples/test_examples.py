@@ -23,7 +23,7 @@ def load_example(name: str):
     return module
 
 
-mlp, gpt, hf = load_example("mlp"), load_example("gpt"), load_example("hf")
+mlp, gpt, hf, cnn = load_example("mlp"), load_example("gpt"), load_example("hf"), load_example("cnn")
 
 # name -> (builder, expected example_inputs as (shape, dtype) pairs at batch size BATCH)
 CASES = {
@@ -32,6 +32,7 @@ CASES = {
     "gpt2": (hf.build_gpt2, [((BATCH, 32), torch.int64)] * 2),
     "llama": (hf.build_llama, [((BATCH, 32), torch.int64)] * 2),
     "mixtral": (hf.build_mixtral, [((BATCH, 32), torch.int64)] * 2),
+    "cnn": (cnn.build, [((BATCH, 3, 16, 16), torch.float32), ((BATCH,), torch.int64)]),
 }
 
 
