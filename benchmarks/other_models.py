@@ -3,12 +3,13 @@ vision and audio models and their heads, and a convolutional network with BatchN
 
     python benchmarks/other_models.py [--only bert,t5] [--quick]
 
-Each is a Hugging Face model built from a small config (``MODELS``; its dropout and stochastic
-depth as the config has them, but T5's and wav2vec 2.0's dropout, off: their free plans pipeline,
-and a pipeline draws each microbatch's masks on its own; and wav2vec 2.0's LayerDrop and time
-masking, branches on Python-drawn random numbers that no captured graph holds), or autopar's
-examples/cnn.py. ``autopar.parallelize(model, 2)`` plans it with no example inputs (autopar makes
-the call from the config: token ids, images or audio, and labels of the shape the head takes),
+Each is a Hugging Face model built from a small config, autopar's examples/cnn.py or a model
+written with torch alone (``MODELS``; dropout and stochastic depth as configured, but T5's and
+wav2vec 2.0's dropout, off: their free plans pipeline, and a pipeline draws each microbatch's masks
+on its own; and wav2vec 2.0's LayerDrop and time masking, branches on Python-drawn random numbers
+that no captured graph holds). ``autopar.parallelize(model, 2)`` plans it with no example inputs
+(autopar makes the call from the config: token ids, images or audio, and labels of the shape the
+head takes; the torch-only model, which has no config, is given its batch as ``example_kwargs``),
 pinned to dp=2 (DP2) or tp=2 (TP2), or free (auto); then one step as a script takes it
 (``pmodel(**batch).loss.backward()``, AdamW) against the same step in one process, the random
 stream where it was before ``parallelize`` (dropout masks are the ones one process draws). ✓: the
@@ -101,20 +102,41 @@ MODELS = {
                                             hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                                             final_dropout=0.0),
                      lambda g: {"input_values": torch.randn(BATCH, 400, generator=g), "labels": _classes(g, 4)}),
-    "examples/cnn.py": ("autopar's ResNet, BatchNorm", None, None, dict(width=16, blocks=1, stages=2),
+    "examples/cnn.py": ("autopar's ResNet, BatchNorm", "cnn", None, dict(width=16, blocks=1, stages=2),
                         lambda g: {"images": _images(g)[:, :, :16, :16], "labels": _classes(g, 10)}),
+    "torch.nn.Transformer": ("torch's own encoder (batch first, dropout), a plain nn.Module", "encoder", None,
+                             dict(hidden=64, heads=4, layers=2),
+                             lambda g: {"tokens": _tokens(g), "labels": _tokens(g)}),
 }  # fmt: skip
+
+
+class _TorchEncoder(torch.nn.Module):
+    """``torch.nn.TransformerEncoder`` between an embedding and a head: a model written with torch
+    alone (its multi-head attention's batch-first output is transposed, and dropped out)."""
+
+    def __init__(self, hidden: int, heads: int, layers: int, vocab: int = 128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        layer = torch.nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=0.1, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = torch.nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.encoder(self.embed(tokens)))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def build(name: str) -> tuple[torch.nn.Module, dict]:
     """The model (seed 0) and the batch (seed 1) of ``name``."""
     _, model_class, config_class, sizes, batch = MODELS[name]
     torch.manual_seed(0)
-    if model_class is None:
+    if model_class == "cnn":
         spec = importlib.util.spec_from_file_location("cnn", EXAMPLES / "cnn.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         model = module.build(**sizes)
+    elif model_class == "encoder":
+        model = _TorchEncoder(**sizes)
     else:
         import transformers
 
@@ -134,6 +156,8 @@ def _loss(out) -> torch.Tensor:
 def one_step(name: str, pins: dict) -> dict:
     """One training step of ``name`` under ``pins`` against one process (see the module docstring)."""
     model, batch = build(name)
+    if not hasattr(model, "config") and not hasattr(model, "example_inputs"):
+        pins = {**pins, "example_kwargs": batch}  # a call autopar cannot make for a plain module
     stream = torch.get_rng_state()  # the reference draws its dropout where the script's stream was
     started = time.perf_counter()
     pmodel = autopar.parallelize(model, 2, **pins)
@@ -218,19 +242,20 @@ def main() -> None:
                                             for label in PLANS}} for ranks in zip(*by_rank)]  # fmt: skip
     table = [[row["model"], MODELS[row["model"]][0], *(_cell(row[label]) for label in PLANS)] for row in rows]
     passing = sum(all(row[label]["ok"] for label in PLANS) for row in rows)
-    body = f"""## Other models: encoders, encoder-decoders, vision and audio, unmodified, on 2 ranks
+    body = f"""## Other models: encoders, encoder-decoders, vision, audio and torch-only, unmodified, on 2 ranks
 
 `python benchmarks/other_models.py` ({date.today()}, this machine: 2 shared cores, 2 gloo ranks,
 {elapsed / 60:.0f} min). Each is a Hugging Face model built from a small config (`MODELS` in the
-script; dropout and stochastic depth as the config has them, but T5's and wav2vec 2.0's dropout, off: their
-free plans pipeline, and a pipeline draws each microbatch's masks on its own (README); and wav2vec 2.0's
-LayerDrop and time masking, branches on Python-drawn random numbers that no captured graph holds), or
-autopar's `examples/cnn.py`. `autopar.parallelize(model, 2)` plans it with no example inputs (the call made
-from the config: token ids, images or audio, labels of the shape the head takes), pinned to dp=2 (DP2) or
-tp=2 (TP2), or free (auto: the degrees it chose); one step as a script takes it
-(`pmodel(**batch).loss.backward()`, AdamW) against one process. ✓: the loss, every full gradient, every
-parameter after the step and every floating buffer (BatchNorm's running statistics) allclose (rtol 1e-4,
-atol 1e-6); the seconds are planning's. BatchNorm in training is decomposed into its means, so its
+script), autopar's `examples/cnn.py`, or torch's own `nn.TransformerEncoder` between an embedding and a
+head; dropout and stochastic depth as configured, but T5's and wav2vec 2.0's dropout, off: their free plans
+pipeline, and a pipeline draws each microbatch's masks on its own (README); and wav2vec 2.0's LayerDrop and
+time masking, branches on Python-drawn random numbers that no captured graph holds.
+`autopar.parallelize(model, 2)` plans it with no example inputs (the call made from the config: token ids,
+images or audio, labels of the shape the head takes; the torch-only model, with no config, is given its
+batch), pinned to dp=2 (DP2) or tp=2 (TP2), or free (auto: the degrees it chose); one step as a script
+takes it (`pmodel(**batch).loss.backward()`, AdamW) against one process. ✓: the loss, every full gradient,
+every parameter after the step and every floating buffer (BatchNorm's running statistics) allclose (rtol
+1e-4, atol 1e-6); the seconds are planning's. BatchNorm in training is decomposed into its means, so its
 statistics are the whole batch's on every plan (synchronized batch norm), and its models plan no pipeline
 or microbatches. **{passing} of {len(rows)} models pass every plan.**
 

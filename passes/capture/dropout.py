@@ -4,9 +4,9 @@
 shard it would draw another mask than one process draws, so its one exact placement was the
 whole tensor on every rank: data parallelism gathered every dropout's input over the batch
 (GPT-2's 25 dropouts on 64 simulated GPUs: 0.1 s of communication a step, more than its compute).
-Capture splits it in two: the mask, ``native_dropout`` of ones at ``x``'s shape (the stream sees
-only the shape, dtype and device, so it draws what it draws on ``x``), and ``x`` times it. The
-mask reads no input: every rank draws it whole, alike, without communication (as a
+Capture splits it in two: the mask, ``native_dropout`` of ones at ``x``'s shape and memory layout
+(the stream sees only the shape, layout, dtype and device, so it draws what it draws on ``x``), and
+``x`` times it. The mask reads no input: every rank draws it whole, alike, without communication (as a
 replicated-only factory), and the product splits like any elementwise op, each rank multiplying
 its part of ``x`` by its part of the one-process mask. (Compiled programs draw with inductor's
 own random numbers, as before.)
@@ -44,11 +44,9 @@ def draw_dropout_masks_whole(graph_module: fx.GraphModule) -> None:
     graph = graph_module.graph
     for dropout in list(graph.find_nodes(op="call_function", target=aten.native_dropout.default)):
         x = dropout.args[0]
-        value = x.meta["val"]
         meta = {key: dropout.meta[key] for key in ("nn_module_stack", "stack_trace") if key in dropout.meta}
         with graph.inserting_before(dropout):
-            shape = (list(value.shape),)
-            ones = new_node(graph, aten.ones.default, shape, meta, like=x, dtype=value.dtype, device=value.device)
+            ones = _ones_laid_out_like(graph, x, meta)
         dropout.replace_input_with(x, ones)
         for user in list(dropout.users):
             if user.target is operator.getitem and user.args[1] == 0 and user.users:
@@ -56,6 +54,20 @@ def draw_dropout_masks_whole(graph_module: fx.GraphModule) -> None:
                     product = new_node(graph, aten.mul.Tensor, (x, user), meta)
                 user.replace_all_uses_with(product, delete_user_cb=lambda node: node is not product)
     graph_module.recompile()
+
+
+def _ones_laid_out_like(graph: fx.Graph, x: fx.Node, meta: dict) -> fx.Node:
+    """Ones of ``x``'s shape laid out in memory as ``x`` is: the mask is drawn in memory order, so
+    a transposed ``x`` (nn.MultiheadAttention's output, batch first) draws another mask than a
+    contiguous one. A permutation of a contiguous layout is made as ones in memory order, permuted."""
+    value = x.meta["val"]
+    order = sorted(range(value.dim()), key=lambda d: -value.stride(d))
+    permuted = order != list(range(value.dim())) and value.permute(order).is_contiguous()
+    shape = [value.shape[d] for d in order] if permuted else list(value.shape)
+    ones = new_node(graph, aten.ones.default, (shape,), meta, like=x, dtype=value.dtype, device=value.device)
+    if not permuted:
+        return ones
+    return new_node(graph, aten.permute.default, (ones, [order.index(d) for d in range(value.dim())]), meta)
 
 
 @contextlib.contextmanager

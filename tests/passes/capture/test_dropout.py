@@ -44,6 +44,27 @@ def test_the_captured_graph_draws_the_masks_the_module_draws():
     assert torch.equal(loss, expected) and torch.allclose(grad, expected_grad, rtol=1e-6, atol=1e-7)
 
 
+class _DroppedTransposed(_Dropped):
+    """Dropout of a transposed value (as nn.MultiheadAttention's batch-first output): its mask is
+    drawn in the value's memory order, another mask than a contiguous value of its shape draws."""
+
+    def forward(self, x, target):
+        return ((self.dropout((x @ self.weight).transpose(0, 1)).relu() - target) ** 2).mean()
+
+
+def test_a_transposed_value_draws_the_mask_the_module_draws():
+    model, inputs = _DroppedTransposed(), (torch.randn(16, 8, 64), torch.randn(8, 16, 64))
+    captured = capture(model, inputs)
+    (dropout,) = captured.graph.find_nodes(op="call_function", target=aten.native_dropout.default)
+    assert dropout.args[0].target is aten.permute.default  # ones laid out as the value is
+    torch.manual_seed(3)
+    loss, grad = _run(captured, model, inputs)
+    torch.manual_seed(3)
+    expected = model(*inputs)
+    (expected_grad,) = torch.autograd.grad(expected, model.weight)
+    assert torch.equal(loss, expected) and torch.allclose(grad, expected_grad, rtol=1e-6, atol=1e-7)
+
+
 def test_data_parallelism_splits_the_dropped_values_and_draws_the_mask_whole():
     """Dropout had no strategy but the whole tensor: data parallelism gathered its input over the batch."""
     model, inputs = _Dropped(), (torch.randn(64, 32, 64), torch.randn(64, 32, 64))
