@@ -62,7 +62,8 @@ FAMILIES = [
 ]  # fmt: skip
 
 
-def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+def relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """Worst |value - reference| / (1e-6 + 1e-4·|reference|): at most 1 is allclose (rtol 1e-4, atol 1e-6)."""
     value, reference = value.detach().float().to(reference.device), reference.detach().float()
     return ((value - reference).abs() / (1e-6 + 1e-4 * reference.abs())).max().item()
 
@@ -103,9 +104,9 @@ def one_step(family: str, pins: dict, device: str = "cpu") -> dict:
     # (coverage.py takes the worst over the ranks), and every parameter is held by some rank
     held = dict(pmodel.named_parameters())
     worst = max(
-        [_relative(out.loss, reference.loss)]
-        + [_relative(grads[name], reference_grads[name]) for name in reference_grads if name in held]
-        + [_relative(p.full_tensor(), model.get_parameter(name)) for name, p in held.items()]
+        [relative(out.loss, reference.loss)]
+        + [relative(grads[name], reference_grads[name]) for name in reference_grads if name in held]
+        + [relative(p.full_tensor(), model.get_parameter(name)) for name, p in held.items()]
     )
     degrees = {axis: size for axis, size in pmodel.plan.degrees.items() if size > 1}
     if pmodel.plan.schedule.stages > 1:

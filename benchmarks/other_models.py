@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import sys
 import time
 import warnings
 from datetime import date
@@ -32,6 +33,10 @@ import torch
 from tabulate import tabulate
 
 import autopar
+
+sys.path.insert(0, str(Path(__file__).parent))
+from families import relative  # noqa: E402
+from publish import publish  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PLANS = {"DP2": {"degrees": {"dp": 2}}, "TP2": {"degrees": {"tp": 2}}, "auto": {}}
@@ -144,11 +149,6 @@ def build(name: str) -> tuple[torch.nn.Module, dict]:
     return model, batch(torch.Generator().manual_seed(1))
 
 
-def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
-    value, reference = value.detach().float(), reference.detach().float()
-    return ((value - reference).abs() / (1e-6 + 1e-4 * reference.abs())).max().item()
-
-
 def _loss(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
@@ -176,10 +176,10 @@ def one_step(name: str, pins: dict) -> dict:
     # a pipeline's rank holds its stages' parameters only: each rank checks those it holds, and
     # together they hold every one (``held``)
     worst = max(
-        [_relative(loss, reference)]
-        + [_relative(grads[n], model.get_parameter(n).grad) for n in grads]
-        + [_relative(p.full_tensor(), model.get_parameter(n)) for n, p in pmodel.named_parameters()]
-        + [_relative(b, buffers[n]) for n, b in pmodel.named_buffers() if b.is_floating_point() and n in buffers]
+        [relative(loss, reference)]
+        + [relative(grads[n], model.get_parameter(n).grad) for n in grads]
+        + [relative(p.full_tensor(), model.get_parameter(n)) for n, p in pmodel.named_parameters()]
+        + [relative(b, buffers[n]) for n, b in pmodel.named_buffers() if b.is_floating_point() and n in buffers]
     )
     degrees = {axis: size for axis, size in pmodel.plan.degrees.items() if size > 1}
     if pmodel.plan.schedule.stages > 1:
@@ -206,7 +206,7 @@ def run_models(rank: int, world: int, names: list[str], plans: dict = PLANS) -> 
     return rows
 
 
-def _worst(results, name: str) -> dict:
+def worst_over_ranks(results, name: str) -> dict:
     """The rank's result that fails, or the one furthest from one process; failing too where no
     rank holds some parameter."""
     results = list(results)
@@ -226,8 +226,6 @@ def _cell(result: dict) -> str:
 
 
 def main() -> None:
-    from publish import publish
-
     from autopar.runtime.spawn import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -238,7 +236,7 @@ def main() -> None:
     started = time.perf_counter()
     by_rank = run_local(run_models, 2, names, timeout_s=3600)
     elapsed = time.perf_counter() - started
-    rows = [{"model": ranks[0]["model"], **{label: _worst((r[label] for r in ranks), ranks[0]["model"])
+    rows = [{"model": ranks[0]["model"], **{label: worst_over_ranks((r[label] for r in ranks), ranks[0]["model"])
                                             for label in PLANS}} for ranks in zip(*by_rank)]  # fmt: skip
     table = [[row["model"], MODELS[row["model"]][0], *(_cell(row[label]) for label in PLANS)] for row in rows]
     passing = sum(all(row[label]["ok"] for label in PLANS) for row in rows)

@@ -19,7 +19,8 @@ mask the fused op draws (the same ``bernoulli`` over the same shape), so one pro
 stands. It holds the whole attention matrix, as the fused op's math path does.
 
 Pre: an exported aten graph whose nodes carry ``meta["val"]``.
-Post: each ``native_dropout`` reads a ``ones`` of its shape; its scaled output is ``mul(x, mask)``.
+Post: each ``native_dropout`` reads a ``ones`` of its shape (permuted to ``x``'s layout where ``x``
+is a permuted one); its scaled output is ``mul(x, mask)``.
 """
 
 from __future__ import annotations

@@ -24,10 +24,9 @@ def _model(track_running_stats: bool = True):
 
 def _run(captured, model, x):
     """The captured program on the model's own parameters and buffers (updated in place)."""
-    state = {**captured.params, **captured.buffers}
-    args = [model.get_parameter(state[n.name]) if state.get(n.name) in dict(model.named_parameters())
-            else model.get_buffer(state[n.name]) if n.name in state else x
-            for n in captured.graph.nodes if n.op == "placeholder"]  # fmt: skip
+    state = {**{p: model.get_parameter(n) for p, n in captured.params.items()},
+             **{b: model.get_buffer(n) for b, n in captured.buffers.items()}}  # fmt: skip
+    args = [state.get(n.name, x) for n in captured.graph.nodes if n.op == "placeholder"]
     (out,) = captured.graph_module(*args)
     return out
 
