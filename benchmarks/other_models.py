@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-import sys
 import time
 import warnings
 from datetime import date
@@ -33,10 +32,6 @@ import torch
 from tabulate import tabulate
 
 import autopar
-
-sys.path.insert(0, str(Path(__file__).parent))
-from families import relative  # noqa: E402
-from publish import publish  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PLANS = {"DP2": {"degrees": {"dp": 2}}, "TP2": {"degrees": {"tp": 2}}, "auto": {}}
@@ -149,6 +144,12 @@ def build(name: str) -> tuple[torch.nn.Module, dict]:
     return model, batch(torch.Generator().manual_seed(1))
 
 
+def relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """As :func:`families.relative` (not imported: the tests load this file without benchmarks/ on the path)."""
+    value, reference = value.detach().float(), reference.detach().float()
+    return ((value - reference).abs() / (1e-6 + 1e-4 * reference.abs())).max().item()
+
+
 def _loss(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
@@ -226,6 +227,8 @@ def _cell(result: dict) -> str:
 
 
 def main() -> None:
+    from publish import publish  # (run as a script: its folder is on the path; the tests import this file)
+
     from autopar.runtime.spawn import run_local
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
