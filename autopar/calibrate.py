@@ -65,7 +65,7 @@ def calibration_text(profile: HardwareProfile) -> str:
 
 
 def _device_lines(profile: HardwareProfile) -> list[str]:
-    """A GPU's measured rates: matmul per dtype, memory, the GEMM grid's fit and attention."""
+    """A GPU's measured rates: matmul per dtype, memory, casts, the GEMM grid's fit and attention."""
     measured = profile.extra.get("matmul", {})
     lines = [""] + [
         f"matmul {dtype:<9} {rate / 1e12:8.1f} TFLOP/s measured (datasheet {profile.peak_flops[dtype] / 1e12:.0f})"
@@ -73,6 +73,8 @@ def _device_lines(profile: HardwareProfile) -> list[str]:
         if dtype in profile.peak_flops
     ]
     lines.append(f"memory copy      {profile.memory_bandwidth / 1e9:8.0f} GB/s (read + write)")
+    if profile.kernels and profile.kernels.widening_efficiency is not None:
+        lines.append(f"widening cast    {profile.widening_bandwidth / 1e9:8.0f} GB/s (eager bfloat16 to float32)")
     lines.append(
         f"compute efficiency {profile.compute_efficiency:.2f} of the datasheet (ops other than GEMMs and attention)"
     )

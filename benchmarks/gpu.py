@@ -68,7 +68,7 @@ from autopar.passes.cost.calibration import gpu_preset  # noqa: E402
 from autopar.passes.cost.efficiency import attention_seconds, gemm_list, gemm_seconds  # noqa: E402
 from autopar.passes.cost.ops import accumulation_s, optimizer_time  # noqa: E402
 from autopar.runtime.measure import timed  # noqa: E402
-from autopar.runtime.measure_gpu import measure_attention, measure_gemms  # noqa: E402
+from autopar.runtime.measure_gpu import CAST_ELEMENTS, measure_attention, measure_casts, measure_gemms  # noqa: E402
 
 SECTION = "gpu"
 ROWS = Path(__file__).parent / "data" / "published_runs.json"
@@ -406,15 +406,20 @@ def price(record: dict, calibrated: Path | None) -> dict:
             r[f"{label}_s"] = attention_seconds(r["heads"], r["seq"], r["seq"], r["head_dim"], r["causal"], p, True)
     for r in record["optimizer"] if isinstance(record.get("optimizer"), list) else ():
         r["preset_s"] = optimizer_time(r["elements"], profiles["preset"])
+    if isinstance(record.get("casts"), dict) and "error" not in record["casts"]:
+        rates = lambda p: dict(narrowing=p.streaming_bandwidth, widening=p.widening_bandwidth)  # noqa: E731
+        record["casts_priced"] = {label: rates(p) for label, p in profiles.items()}
     for entry in record["steps"] if isinstance(record.get("steps"), list) else ():
         spec = {"kind": "gpt", **entry}  # a record of before the kinds: examples/gpt.py, one sequence
         sequences = spec.get("sequences", 1)
         model = _build(spec, "meta")
         captured = autopar.capture(model, model.example_inputs(sequences), precision=STEP_PINS["precision"])
-        plan = autopar.plan(captured, "1", hardware=profiles["preset"], microbatches=sequences, **STEP_PINS)
+        pins = dict(hardware=profiles["preset"], microbatches=sequences, **STEP_PINS)
+        plan, compiled = (autopar.plan(captured, "1", compile=compile, **pins) for compile in (False, True))
         one = autopar.capture(model, model.example_inputs(1), precision=STEP_PINS["precision"])
         entry.update(
             predicted_step_s=plan.cost.step_s,
+            predicted_compiled_s=compiled.cost.step_s,
             model_flops=plan.cost.model_flops,
             predicted_by_kind=predicted_by_kind(one, profiles["preset"], plan, sequences),
         )
@@ -445,6 +450,8 @@ def measure(out: Path, quick: bool, only: list[str] | None = None, shapes: list[
         ("equivalence", lambda: check_equivalence(device)),
         ("optimizer", lambda: measure_optimizer(device, quick)),
         ("hf_families", lambda: check_hf_families(device, quick)),
+        ("other_models", lambda: __import__("other_models").check_on(device)),  # imports transformers
+        ("casts", lambda: measure_casts(device, CAST_ELEMENTS // 64 if quick else CAST_ELEMENTS)),
         ("steps", lambda: measure_steps(preset, device, quick, record.setdefault("steps", []), save, shapes)),
     )
     for part, run in parts:

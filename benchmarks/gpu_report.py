@@ -46,13 +46,14 @@ def _step_rows(steps: list) -> list[list]:
                 rows.append([name, "", label, f"failed: {run['error'][:200]}", "", "", "", ""])
                 continue
             ours = label.startswith("autopar")
+            predicted = entry["predicted_compiled_s" if "compiled" in label else "predicted_step_s"]
             rows.append(
                 [
                     name,
-                    f"{entry['predicted_step_s'] * 1e3:.1f}" if ours else "",
+                    f"{predicted * 1e3:.1f}" if ours else "",
                     label,
                     f"{run['median_s'] * 1e3:.1f}",
-                    _ratio(entry["predicted_step_s"], run["median_s"]) if ours else "",
+                    _ratio(predicted, run["median_s"]) if ours else "",
                     f"{entry['model_flops'] / run['median_s'] / 1e12:.0f}",
                     f"{run['first_s']:.1f}",
                     f"{run['first_loss']:.4f}",
@@ -93,11 +94,11 @@ def _render_record(record: dict) -> list[str]:
     ]
     labels = ["preset", "calibrated"] if _has_calibrated(record) else ["preset"]
     priced = [f"{label} / measured" for label in labels]
-    names = ("kernels", "attention_occupancy", "optimizer", "equivalence", "hf_families", "steps")
+    names = "kernels attention_occupancy optimizer casts equivalence hf_families other_models steps".split()
     parts = {part: record.get(part) for part in names}
-    for part, value in parts.items():
-        if not value or (isinstance(value, dict) and "error" in value):
-            lines += [f"{part}: not measured ({(value or {}).get('error', 'no record')})", ""]
+    for part, value in parts.items():  # a record holds the parts its run measured
+        if part in record and (not value or (isinstance(value, dict) and "error" in value)):
+            lines += [f"{part}: not measured ({(value or {}).get('error', 'no result')})", ""]
     if isinstance(parts["kernels"], list):
         rows, note = _kernel_rows(parts["kernels"], labels)
         title = "Kernels of each Megatron-Core r0.8 H100 row's layer (one sequence, its tp; GEMMs fwd + 2 bwd, bf16)"
@@ -123,6 +124,19 @@ def _render_record(record: dict) -> list[str]:
         note = "The model prices foreach AdamW, what autopar's runtime and torch run by default."
         columns = ["optimizer", "parameters", "measured ms", "preset / measured"]
         lines += _table("One AdamW step over fp32 parameters", columns, rows, note)
+    if isinstance(parts["casts"], dict) and "error" not in parts["casts"]:
+        rows = [
+            [kind, f"{rate / 1e9:.0f}"] + [_ratio(rate, record["casts_priced"][label][kind]) for label in labels]
+            for kind, rate in parts["casts"].items()
+        ]
+        note = (
+            "Bytes read and written over the time: a narrowing cast (float32 to bfloat16: mixed precision's copy of "
+            "its masters) and a widening one (a gradient's back to its fp32 master, fp32 logits), 2^28 elements, "
+            "eager. The model prices a widening cast at its own rate in eager programs; compiled, as other streaming "
+            "kernels (inductor writes the cast into its own kernels)."
+        )
+        columns = ["cast", "measured GB/s", *priced]
+        lines += _table("Eager casts between float32 and bfloat16", columns, rows, note)
     if isinstance(parts["equivalence"], dict) and "error" not in parts["equivalence"]:
         rows = [
             [label, f"{r['loss']:.6f}", f"{r['reference_loss']:.6f}", f"{r['max_grad_diff']:.2e}", r["grads_compared"]]
@@ -138,6 +152,19 @@ def _render_record(record: dict) -> list[str]:
         )
         columns = ["family", "program", "plan s", "step s", "worst difference / tolerance", "result"]
         lines += _table(title, columns, [_family_row(r) for r in parts["hf_families"]], FAMILIES_NOTE)
+    if isinstance(parts["other_models"], list):
+        title = (
+            f"Other models on {record['backend']} (one rank, `autopar.parallelize(model, 1)`), fp32, "
+            "one step against the plain model"
+        )
+        rows = [[r["model"], f"{r['plan_s']:.1f}" if "plan_s" in r else "", _verdict(r)] for r in parts["other_models"]]
+        note = (
+            "benchmarks/other_models.py's models and batches, dropout off (a fused attention kernel on the GPU "
+            "draws masks no other program can), convolutions without TF32; the loss, every full gradient, every "
+            "parameter after AdamW and every floating buffer (BatchNorm's running statistics) within rtol 1e-4, "
+            "atol 1e-6."
+        )
+        lines += _table(title, ["model", "plan s", "result"], rows, note)
     if isinstance(parts["steps"], list):
         title = "One-GPU training step, bf16 mixed precision, AdamW (first step, which compiles, apart)"
         columns = ["shape", "predicted ms", "run", "measured ms", "predicted / measured", "TFLOP/s (model)"]
@@ -171,6 +198,14 @@ def _family_row(r: dict) -> list:
     return [r["family"], r["program"], f"{r['plan_s']:.1f}", f"{r['step_s']:.1f}", f"{r['worst']:.2f}", passed]
 
 
+def _verdict(r: dict) -> str:
+    if "error" in r:
+        return f"failed: {r['error'][:200]}"
+    return f"{'matches' if r['ok'] else 'differs'} (worst {r['worst']:.2f} of the tolerance)"
+
+
 def _has_calibrated(record: dict) -> bool:
     kernels = record.get("kernels")
-    return isinstance(kernels, list) and bool(kernels) and "calibrated_s" in kernels[0]["attention"]
+    if isinstance(kernels, list) and kernels:
+        return "calibrated_s" in kernels[0]["attention"]
+    return "calibrated" in record.get("casts_priced", {})

@@ -114,10 +114,10 @@ class _TorchEncoder(torch.nn.Module):
     """``torch.nn.TransformerEncoder`` between an embedding and a head: a model written with torch
     alone (its multi-head attention's batch-first output is transposed, and dropped out)."""
 
-    def __init__(self, hidden: int, heads: int, layers: int, vocab: int = 128):
+    def __init__(self, hidden: int, heads: int, layers: int, vocab: int = 128, dropout: float = 0.1):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, hidden)
-        layer = torch.nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=0.1, batch_first=True)
+        layer = torch.nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=dropout, batch_first=True)
         self.encoder = torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.head = torch.nn.Linear(hidden, vocab)
 
@@ -126,8 +126,9 @@ class _TorchEncoder(torch.nn.Module):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def build(name: str) -> tuple[torch.nn.Module, dict]:
-    """The model (seed 0) and the batch (seed 1) of ``name``."""
+def build(name: str, dropout: bool = True) -> tuple[torch.nn.Module, dict]:
+    """The model (seed 0) and the batch (seed 1) of ``name``; without ``dropout``, every dropout,
+    stochastic depth and LayerDrop probability its config holds is 0."""
     _, model_class, config_class, sizes, batch = MODELS[name]
     torch.manual_seed(0)
     if model_class == "cnn":
@@ -136,11 +137,15 @@ def build(name: str) -> tuple[torch.nn.Module, dict]:
         spec.loader.exec_module(module)
         model = module.build(**sizes)
     elif model_class == "encoder":
-        model = _TorchEncoder(**sizes)
+        model = _TorchEncoder(**sizes, dropout=0.1 if dropout else 0.0)
     else:
         import transformers
 
-        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**sizes))
+        config = getattr(transformers, config_class)(**sizes)
+        for key, value in vars(config).items() if not dropout else ():
+            if isinstance(value, float) and any(mark in key for mark in ("dropout", "drop_path", "layerdrop")):
+                setattr(config, key, 0.0)
+        model = getattr(transformers, model_class)(config)
     return model, batch(torch.Generator().manual_seed(1))
 
 
@@ -154,20 +159,25 @@ def _loss(out) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def one_step(name: str, pins: dict) -> dict:
-    """One training step of ``name`` under ``pins`` against one process (see the module docstring)."""
-    model, batch = build(name)
+def one_step(name: str, pins: dict, device: str = "cpu") -> dict:
+    """One training step of ``name`` under ``pins`` (``mesh``: 2 ranks unless given) against one
+    process (see the module docstring), on ``device`` (the runtime's, by its process group's
+    backend); on a GPU without dropout: its fused attention draws masks no other program can draw."""
+    model, batch = build(name, dropout=device == "cpu")
+    pins = dict(pins)
     if not hasattr(model, "config") and not hasattr(model, "example_inputs"):
-        pins = {**pins, "example_kwargs": batch}  # a call autopar cannot make for a plain module
+        pins["example_kwargs"] = batch  # a call autopar cannot make for a plain module
+    batch = {key: value.to(device) for key, value in batch.items()}
     stream = torch.get_rng_state()  # the reference draws its dropout where the script's stream was
     started = time.perf_counter()
-    pmodel = autopar.parallelize(model, 2, **pins)
+    pmodel = autopar.parallelize(model, pins.pop("mesh", 2), **pins)
     planned = time.perf_counter() - started
     optimizer = torch.optim.AdamW(pmodel.parameters(), lr=LR, eps=EPS)
     loss = _loss(pmodel(**batch))
     loss.backward()
     grads = {n: p.grad.full_tensor() for n, p in pmodel.named_parameters() if p.grad is not None}
     optimizer.step()
+    model.to(device)
     reference_optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
     torch.set_rng_state(stream)
     reference = _loss(model(**batch))
@@ -204,6 +214,19 @@ def run_models(rank: int, world: int, names: list[str], plans: dict = PLANS) -> 
                 text = str(error).strip().splitlines()
                 row[label] = {"ok": False, "error": f"{type(error).__name__}: {text[0] if text else ''}"}
         rows.append(row)
+    return rows
+
+
+def check_on(device: str) -> list[dict]:
+    """Every model through ``autopar.parallelize(model, 1)`` on one rank of ``device`` (its process
+    group's backend), fp32 (no TF32 convolutions), without dropout: one step against the model."""
+    torch.backends.cudnn.allow_tf32 = False
+    rows = []
+    for name in MODELS:
+        try:
+            rows.append({"model": name, **one_step(name, {"mesh": 1, "precision": "fp32"}, device)})
+        except Exception as error:  # noqa: BLE001  (the row says why)
+            rows.append({"model": name, "ok": False, "error": f"{type(error).__name__}: {error}"[:500]})
     return rows
 
 

@@ -1,7 +1,8 @@
 """The GPU sweep of ``autopar calibrate --backend nccl``: what one device's kernels achieve and,
 with two GPUs or more, the collectives over NCCL.
 
-On GPU 0: square-matmul FLOP/s per dtype and the memory bandwidth (as the CPU sweep), then what
+On GPU 0: square-matmul FLOP/s per dtype and the memory bandwidth (as the CPU sweep), eager
+casts between float32 and bfloat16, then what
 the shape-derived cost model reads (``passes/cost/efficiency.py``): a grid of bfloat16 GEMM
 shapes timed as a training step runs them (back to back), and fused attention's forward +
 backward by sequence and head size. Collectives run with one GPU per rank; a machine with one
@@ -43,6 +44,7 @@ ATTENTION_HEAD_DIMS = (64, 128)
 ATTENTION_TOKENS, ATTENTION_HIDDEN = 16384, 2048  # FlashAttention-2's benchmark: batch x sequence 16k, hidden 2048
 BACKWARD_OVER_FORWARD = 2.5  # FlashAttention's FLOP convention (as passes/cost/efficiency.py)
 LOOP_S = 0.02  # a timed loop this long amortizes the launch gaps and the synchronization at its ends
+CAST_ELEMENTS = 2**28  # 1 GiB of float32: many times any L2
 
 
 def per_call_seconds(fn, device, repeats: int = 3) -> float:
@@ -70,6 +72,19 @@ def measure_gemms(shapes, dtype: str = "bfloat16", device="cuda") -> list[dict]:
             seconds = per_call_seconds(lambda a=a, b=b: torch.matmul(a, b), device)
             records.append({"batch": batch, "m": m, "n": n, "k": k, "dtype": dtype, "seconds": seconds})
     return records
+
+
+def measure_casts(device="cuda", elements: int = CAST_ELEMENTS) -> dict[str, float]:
+    """Bytes/s (read + written) of eager torch's casts between float32 and bfloat16, back to back:
+    ``narrowing`` (float32 to bfloat16, as mixed precision copies its masters) and ``widening``
+    (bfloat16 to float32, as a gradient goes back to its master)."""
+    wide = torch.randn(elements, device=device)
+    narrow = wide.to(torch.bfloat16)
+    moved = elements * (wide.element_size() + narrow.element_size())
+    return {
+        "narrowing": moved / per_call_seconds(lambda: wide.to(torch.bfloat16), device),
+        "widening": moved / per_call_seconds(lambda: narrow.to(torch.float32), device),
+    }
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int, causal: bool) -> float:
@@ -146,6 +161,8 @@ def calibrate_gpus(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
     progress("  " + ", ".join(f"{dtype} {rate / 1e12:.1f} TFLOP/s" for dtype, rate in matmul.items()))
     memory_bandwidth = measure_memory_bandwidth(2**30, repeats=10, device=device)
     progress(f"memory bandwidth, one 1 GiB copy: {memory_bandwidth / 1e9:.0f} GB/s")
+    casts = measure_casts(device, CAST_ELEMENTS // 16 if quick else CAST_ELEMENTS)
+    progress("eager casts: " + ", ".join(f"{kind} {rate / 1e9:.0f} GB/s" for kind, rate in casts.items()))
     grid = GEMM_GRID[::2] if quick else GEMM_GRID
     progress(f"bfloat16 GEMMs: {len(grid)} shapes, back to back")
     gemms = measure_gemms(grid, "bfloat16", device)
@@ -165,6 +182,7 @@ def calibrate_gpus(ranks=(2, 4), quick: bool = False, progress=print) -> dict:
         "backend": "nccl",
         "matmul": matmul,
         "memory_bandwidth": memory_bandwidth,
+        "casts": casts,
         "gemms": gemms,
         "attention": attention,
         "contention": [],

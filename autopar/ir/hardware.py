@@ -60,6 +60,10 @@ class KernelFigures:
     memory_efficiency: float  # fraction of ``memory_bandwidth`` streaming (elementwise) kernels reach
     attention: dict[str, dict[int, dict[int, float]]]  # "causal"/"full" → head dim → sequence → FLOP/s fwd+bwd
     sources: str = ""
+    # fraction of ``memory_bandwidth`` an eager widening cast (16-bit floats to float32: a gradient's
+    # way back to its fp32 master, a model's fp32 logits) reaches: torch runs it as an unrolled loop
+    # with a cast per element, not the vectorized kernel of the narrowing cast; None: as streaming kernels
+    widening_efficiency: float | None = None
 
     def to_json(self) -> dict:
         data = asdict(self)
@@ -143,6 +147,19 @@ class HardwareProfile:
         """Bytes/s an elementwise (memory-bound) kernel moves: the share of ``memory_bandwidth``
         the kernel figures give, all of it without them (a measured CPU copy rate)."""
         return self.memory_bandwidth * (self.kernels.memory_efficiency if self.kernels else 1.0)
+
+    @property
+    def widening_bandwidth(self) -> float:
+        """Bytes/s an eager widening cast moves (:attr:`KernelFigures.widening_efficiency`)."""
+        widening = self.kernels.widening_efficiency if self.kernels else None
+        return self.streaming_bandwidth if widening is None else self.memory_bandwidth * widening
+
+    def running(self, compiled: bool) -> HardwareProfile:
+        """The profile as a program runs on it: a compiled program's casts are inductor's kernels,
+        vectorized (and mostly fused into their neighbours), so its widening casts stream as the rest."""
+        if not compiled or self.kernels is None or self.kernels.widening_efficiency is None:
+            return self
+        return dataclasses.replace(self, kernels=dataclasses.replace(self.kernels, widening_efficiency=None))
 
     def ranks_per_host(self, mesh_shape: tuple[int, ...]) -> int:
         """Ranks that share one host: the whole mesh on a one-tier machine, else a node."""
@@ -282,6 +299,11 @@ A100_KERNELS = KernelFigures(
     attention=FA2_A100,
     sources=_GEMM_SOURCES,
 )
+# Eager widening casts (bfloat16 to float32) on Hopper: 2.11 TB/s measured on an H200 (2^28 elements,
+# `autopar calibrate --backend nccl`, 2026-11-30; the narrowing cast 4.37), 0.44 of its 4.8 TB/s. The
+# unrolled loop is bound by its per-element work more than by memory: on an H100 the same step's widening
+# kernels took 2.44 ms against the H200's 2.25 (benchmarks/data/gpu h100-2026-11-27, h200-2026-11-26),
+# where the vectorized cast took 1.53 against 1.09, as their memory bandwidths: 1.94 TB/s, 0.58 of 3.35.
 H100_KERNELS = KernelFigures(
     sms=132,
     tiles=((128, 256), (256, 128)),
@@ -289,8 +311,10 @@ H100_KERNELS = KernelFigures(
     k_fill=128,
     memory_efficiency=0.8,
     attention=CUDNN_HOPPER,
-    sources=_GEMM_SOURCES,
+    sources=_GEMM_SOURCES + " Eager widening casts: measured (the H200's) and derived (the H100's).",
+    widening_efficiency=0.58,
 )
+H200_KERNELS = dataclasses.replace(H100_KERNELS, widening_efficiency=0.44)
 
 # gloo over loopback on this machine, (alpha s, bus bandwidth B/s) by collective, 2 ranks: `autopar calibrate`,
 # 2026-11-25 (one thread per rank, 2 cores). More ranks than cores slow every collective alike: the profile's
@@ -387,7 +411,8 @@ PROFILES: dict[str, HardwareProfile] = {
             precision="bf16-mixed",
             description=(
                 "8x H200 SXM: NVLink4 inside a node (NVLS all-reduce bus bandwidth 475 GB/s), one 400 Gb/s NDR "
-                "InfiniBand adapter per GPU between nodes (50 GB/s); the H100's compute and kernel figures"
+                "InfiniBand adapter per GPU between nodes (50 GB/s); the H100's compute and kernel figures "
+                "but its own eager widening casts"
             ),
             peak_flops={"float32": 67e12, "tf32": 495e12, "bfloat16": 989e12, "float16": 989e12},
             compute_efficiency=0.80,
@@ -397,7 +422,7 @@ PROFILES: dict[str, HardwareProfile] = {
             overlap=1.0,
             overlap_slowdown=GPU_OVERLAP_SLOWDOWN,
             op_overhead_s=4e-6,
-            kernels=H100_KERNELS,
+            kernels=H200_KERNELS,
         ),
     ]
 }

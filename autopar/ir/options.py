@@ -115,8 +115,8 @@ class PlanOptions:
 
     @property
     def profile(self) -> HardwareProfile:
-        """The hardware profile the options name."""
-        return get_profile(self.hardware)
+        """The hardware profile the options name, as the program runs on it (compiled or eager)."""
+        return get_profile(self.hardware).running(self.compile)
 
     @property
     def precision_policy(self) -> PrecisionPolicy:

@@ -298,6 +298,9 @@ def fit_gpu_profile(measurements: dict, name: str = "gpu-calibrated") -> Hardwar
     if measurements.get("attention"):
         attention = attention_table(measurements["attention"])
         profile = replace(profile, kernels=replace(profile.kernels, attention=attention))
+    if measurements.get("casts"):  # streaming kernels reach the measured copy's rate (memory efficiency 1)
+        widening = measurements["casts"]["widening"] / profile.memory_bandwidth
+        profile = replace(profile, kernels=replace(profile.kernels, widening_efficiency=widening))
     ranks = sorted({r["ranks"] for r in collectives})
     links = f"collectives on NCCL over {', '.join(map(str, ranks))} GPUs, alpha-beta fitted per kind and group size"
     gemms = len(measurements.get("gemms", ()))
@@ -309,6 +312,7 @@ def fit_gpu_profile(measurements: dict, name: str = "gpu-calibrated") -> Hardwar
             f"{measurements.get('host', 'this machine')}: GEMM efficiency through the achieved {size}^3 matmul "
             + (f"rates with the fill along k fitted to {gemms} bfloat16 GEMM shapes" if gemms else "rates")
             + (", attention measured" if measurements.get("attention") else "")
+            + (", eager widening casts measured" if measurements.get("casts") else "")
             + f", memory bandwidth one device copy, {links if collectives else 'one GPU: every link'} "
             f"from {base.name}; between nodes, overlap, op overhead and tiles from {base.name}"
         ),

@@ -328,7 +328,8 @@ def stage_mesh(mesh: Mesh, stages: int) -> Mesh:
 
 def evaluate_plan(captured: CapturedGraph, plan: Plan, hardware: HardwareProfile) -> Cost:
     """The cost model's prediction for ``plan`` (searched, loaded or hand-made) on ``hardware``,
-    trained in the plan's precision."""
+    trained in the plan's precision and run as its schedule says (compiled or eager)."""
+    hardware = hardware.running(plan.schedule.compiled)
     facts = analyze(captured, hardware, hardware.contention(plan.mesh.shape), PrecisionPolicy.of(plan.precision))
     strategies = strategies_from_plan(plan, facts)
     return evaluate(

@@ -156,6 +156,8 @@ class OpProfile:
     saves_output: bool = False
     saved_extra_bytes: float = 0.0  # tensors the op creates and autograd keeps (softmax stats, ...)
     backward_io_bytes: float = 0.0  # read and written by the backward's kernels (0: none ran, as add's)
+    widened_bytes: float = 0.0  # of ``io_bytes``, those of widening casts (HardwareProfile.widening_bandwidth)
+    backward_widened_bytes: float = 0.0  # of ``backward_io_bytes``, likewise
 
 
 _PROFILES: dict[tuple, OpProfile] = {}  # signature → profile; repeated layers hit it
@@ -238,16 +240,17 @@ def _run_profile(target, values, spec, grads: tuple[bool, ...], cast: torch.dtyp
     outputs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
     # the kernels the op runs (a composite one several: cross-entropy writes and reads its log-softmax)
     io_bytes = traffic.bytes or sum(_nbytes(t) for t in inputs + outputs)
+    widened = traffic.widened
     forward_flops = forward.get_total_flops() or _formula_flops(target, inputs, args)
     differentiable = [o for o in outputs if o.requires_grad]
-    backward_flops = backward_io = 0.0
+    backward_flops = backward_io = backward_widened = 0.0
     if differentiable:
         backward, traffic = FlopCounterMode(display=False), _Traffic()
         wrt, seeds = [i for i in inputs if i.requires_grad], [torch.ones_like(o) for o in differentiable]
         with backward, traffic:
             torch.autograd.grad(differentiable, wrt, seeds, allow_unused=True)
         backward_flops = backward.get_total_flops() or 2 * forward_flops
-        backward_io = traffic.bytes
+        backward_io, backward_widened = traffic.bytes, traffic.widened
     slots, saves_output, extra = set(), False, 0.0
     for tensor in saved:
         base = tensor._base if tensor._base is not None else tensor
@@ -265,16 +268,18 @@ def _run_profile(target, values, spec, grads: tuple[bool, ...], cast: torch.dtyp
         saves_output,
         extra,
         float(backward_io),
+        float(widened),
+        float(backward_widened),
     )
 
 
 class _Traffic(TorchDispatchMode):
     """Bytes the kernels an op dispatches read and write: each one's tensor arguments and results
-    (views and queries launch none)."""
+    (views and queries launch none); ``widened``: those of widening casts."""
 
     def __init__(self):
         super().__init__()
-        self.bytes = 0.0
+        self.bytes = self.widened = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -283,8 +288,23 @@ class _Traffic(TorchDispatchMode):
             # a ``*_like`` factory takes only its argument's shape; empty_like writes nothing either
             read = [] if func.overloadpacket in _SHAPE_ONLY else tree_leaves((args, kwargs))
             written = [] if func.overloadpacket is torch.ops.aten.empty_like else results
-            self.bytes += sum(_nbytes(t) for t in read + written if isinstance(t, torch.Tensor))
+            moved = sum(_nbytes(t) for t in read + written if isinstance(t, torch.Tensor))
+            self.bytes += moved
+            if func.overloadpacket in _CASTS and _widens(read, written):
+                self.widened += moved
         return out
+
+
+_CASTS = {torch.ops.aten._to_copy, torch.ops.aten.copy_, torch.ops.aten.copy}
+
+
+def _widens(read, written) -> bool:
+    """A cast of floats to a wider float (bfloat16 or float16 to float32)."""
+    sizes = [
+        [t.element_size() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        for tensors in (read, written)
+    ]
+    return bool(sizes[0]) and bool(sizes[1]) and max(sizes[1]) > min(sizes[0])
 
 
 _SHAPE_ONLY = {
@@ -328,11 +348,19 @@ def compute_time(profile: OpProfile, hardware: HardwareProfile, needs_grad: bool
     """
     passes = 2 if needs_grad else 1
     flops = profile.forward_flops + (profile.backward_flops if needs_grad else 0.0)
-    moved = profile.io_bytes + ((profile.backward_io_bytes or profile.io_bytes) if needs_grad else 0.0)
-    return (
-        maximum(flops / hardware.flops_per_s(dtype), moved / hardware.streaming_bandwidth)
-        + passes * hardware.op_overhead_s
-    )
+    moved, widened = profile.io_bytes, profile.widened_bytes
+    if needs_grad:
+        moved += profile.backward_io_bytes or profile.io_bytes
+        widened += profile.backward_widened_bytes if profile.backward_io_bytes else profile.widened_bytes
+    memory_s = streaming_s(moved, hardware, widened)
+    return maximum(flops / hardware.flops_per_s(dtype), memory_s) + passes * hardware.op_overhead_s
+
+
+def streaming_s(nbytes: float, hardware: HardwareProfile, widened: float = 0.0) -> float:
+    """Seconds memory-bound kernels take to move ``nbytes``, ``widened`` of them by widening casts,
+    which eager torch runs at :attr:`HardwareProfile.widening_bandwidth` (on an H200 about half the
+    rate of the narrowing cast: benchmarks/gpu.py)."""
+    return (nbytes - widened) / hardware.streaming_bandwidth + widened / hardware.widening_bandwidth
 
 
 def moves_no_data(target) -> bool:
@@ -416,6 +444,7 @@ OPTIMIZER_BYTES_PER_PARAM = 80
 # Mixed precision's casts, once per step (runtime/mixed_precision.py): each fp32 master a rank
 # holds is copied to 16 bits (4 bytes read, 2 written), each 16-bit gradient back to fp32 (2 + 4).
 RECAST_BYTES_PER_PARAM = 12
+CAST_BYTES_PER_GRAD = RECAST_BYTES_PER_PARAM / 2  # the widening half
 
 
 def optimizer_time(
@@ -423,16 +452,16 @@ def optimizer_time(
 ) -> float:
     """Seconds of one AdamW step over ``elements`` local parameters, of mixed precision's casts
     of the ``recast`` parameter elements this rank holds, and of ``copied`` more bytes moved:
-    memory-bound, streaming as elementwise kernels do (on an H200, foreach AdamW over 740 M
-    parameters took 16.8 ms, this gives 15.4; the casts 3.3 ms, this 2.3: benchmarks/gpu.py)."""
+    memory-bound, streaming as elementwise kernels do, the gradients' casts back to fp32 as
+    widening casts (on an H200, foreach AdamW over 740 M parameters took 16.8 ms, this gives 15.4:
+    benchmarks/gpu.py)."""
     nbytes = elements * OPTIMIZER_BYTES_PER_PARAM + recast * RECAST_BYTES_PER_PARAM + copied
-    return nbytes / hardware.streaming_bandwidth * contention
+    return streaming_s(nbytes, hardware, widened=recast * CAST_BYTES_PER_GRAD) * contention
 
 
 # Gradient accumulation: each microbatch after a step's first adds its fp32 gradients into the
 # step's (both read, one written), after mixed precision cast them from 16 bits (2 read, 4 written).
 ACCUMULATE_BYTES_PER_GRAD = 12
-CAST_BYTES_PER_GRAD = RECAST_BYTES_PER_PARAM / 2
 
 
 def accumulation_s(
@@ -447,12 +476,10 @@ def accumulation_s(
     if not fact.needs_grad:
         return 0.0
     if hardware.grad_accumulation_bytes is not None:
-        nbytes = elements * hardware.grad_accumulation_bytes
-    else:
-        added = elements / (data_parallel if zero >= 2 else 1)
-        cast = elements * CAST_BYTES_PER_GRAD if recasts(fact.precision) else 0.0
-        nbytes = added * ACCUMULATE_BYTES_PER_GRAD + cast
-    return nbytes / hardware.streaming_bandwidth * contention
+        return elements * hardware.grad_accumulation_bytes / hardware.streaming_bandwidth * contention
+    added = elements / (data_parallel if zero >= 2 else 1)
+    cast = elements * CAST_BYTES_PER_GRAD if recasts(fact.precision) else 0.0
+    return streaming_s(added * ACCUMULATE_BYTES_PER_GRAD + cast, hardware, widened=cast) * contention
 
 
 def param_state_bytes(elements: float, fact, data_parallel: int, zero: int) -> dict[str, float]:

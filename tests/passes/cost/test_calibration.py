@@ -86,6 +86,7 @@ def test_one_gpu_fits_its_gemm_grid_and_attention_and_keeps_the_preset_links():
         "memory_bandwidth": preset.memory_bandwidth * preset.kernels.memory_efficiency,
         "gemms": gemms,
         "attention": attention,
+        "casts": {"narrowing": 3.0e12, "widening": 1.5e12},
     }
     profile = fit_profile(measurements)
     assert profile.links == preset.links and "one GPU" in profile.description
@@ -96,6 +97,7 @@ def test_one_gpu_fits_its_gemm_grid_and_attention_and_keeps_the_preset_links():
     text = autopar.calibrate.calibration_text(profile)
     assert "no collectives measured (one GPU)" in text and "fill along k fitted as 200" in text, text
     assert "attention causal head 128" in text
+    assert profile.widening_bandwidth == pytest.approx(1.5e12) and "widening cast        1500 GB/s" in text, text
 
 
 def test_coefficients_are_read_off_collective_time():

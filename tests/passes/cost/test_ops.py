@@ -261,7 +261,9 @@ def test_each_microbatch_after_the_first_adds_its_gradients(precision, per_eleme
         return autopar.plan(captured, 1, hardware=hardware, **options).cost.optimizer_s
 
     added = optimizer_s(h100, 4) - optimizer_s(h100, 1)
-    assert added == pytest.approx(3 * elements * per_element / h100.streaming_bandwidth, rel=1e-6)
+    widened = per_element - 12  # mixed precision's cast of each gradient to fp32 first
+    expected = 3 * elements * (12 / h100.streaming_bandwidth + widened / h100.widening_bandwidth)
+    assert added == pytest.approx(expected, rel=1e-6)
     fused = dataclasses.replace(h100, grad_accumulation_bytes=0)
     assert optimizer_s(fused, 4) == pytest.approx(optimizer_s(fused, 1), rel=1e-9)
 
@@ -280,7 +282,8 @@ def test_a_frozen_parameter_holds_its_weights_alone():
     assert cost.memory["grads"] == pytest.approx(trainable * 4)
     assert cost.memory["optimizer"] == pytest.approx(trainable * 8)
     h100 = get_profile("h100-80gb")
-    update = optimizer_time(trainable, h100, recast=trainable) + 3 * trainable * 18 / h100.streaming_bandwidth
+    accumulated = 3 * trainable * (12 / h100.streaming_bandwidth + 6 / h100.widening_bandwidth)  # cast, add
+    update = optimizer_time(trainable, h100, recast=trainable) + accumulated
     assert cost.optimizer_s == pytest.approx(update, rel=1e-6)
 
 
@@ -329,6 +332,59 @@ def test_backward_is_profiled_for_the_inputs_that_need_a_gradient():
     assert masked.profile.backward_io_bytes < every.backward_io_bytes
     assert masked.profile.saved_inputs == (1,)  # the mask, for the input's gradient
     assert set(every.saved_inputs) == {0, 1}
+
+
+class Cast(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x):
+        return x.to(self.dtype)
+
+
+def _cast(dtype: torch.dtype, x: torch.Tensor) -> OpProfile:
+    node = next(n for n in capture(Cast(dtype), (x,)).graph.nodes if n.target is torch.ops.aten._to_copy.default)
+    return op_profile(node, needs_grad=True)
+
+
+def test_a_widening_cast_streams_at_its_own_rate_in_eager_programs_and_as_the_rest_compiled():
+    """Eager torch widens bfloat16 to float32 in an unrolled loop (on an H200 at 2.1 TB/s, half the
+    narrowing cast's 4.4: `autopar calibrate --backend nccl`): a widening cast's bytes are priced at
+    that rate, forward or backward, the narrowing ones stream; in a compiled program inductor writes
+    the casts, and they stream too. Without kernel figures (the CPU) every cast streams."""
+    whole = 64 * 1024 * (2 + 4)
+    x = torch.randn(64, 1024, dtype=torch.bfloat16, requires_grad=True)
+    widen = _cast(torch.float32, x)
+    assert widen.widened_bytes == widen.io_bytes == whole and widen.backward_widened_bytes == 0
+    narrow = _cast(torch.bfloat16, x.detach().float().requires_grad_())
+    assert narrow.widened_bytes == 0 and narrow.backward_widened_bytes == narrow.backward_io_bytes == whole
+    h200 = get_profile("h200-141gb")
+    assert h200.widening_bandwidth == pytest.approx(0.44 * h200.memory_bandwidth)
+    assert h200.widening_bandwidth < h200.streaming_bandwidth
+    each_way = whole / h200.widening_bandwidth + whole / h200.streaming_bandwidth + 2 * h200.op_overhead_s
+    assert compute_time(widen, h200, True) == pytest.approx(each_way) == compute_time(narrow, h200, True)
+    compiled = h200.running(compiled=True)
+    streamed = 2 * whole / h200.streaming_bandwidth + 2 * h200.op_overhead_s
+    assert compute_time(widen, compiled, True) == pytest.approx(streamed)
+    cpu = get_profile("cpu-local")
+    assert cpu.widening_bandwidth == cpu.streaming_bandwidth and cpu.running(compiled=True) is cpu
+
+
+def test_mixed_precision_recasts_price_their_widening_half_as_the_program_runs():
+    """Each step casts every fp32 master to 16 bits (narrowing) and every 16-bit gradient back to
+    fp32 (widening): an eager step pays the widening half at the widening rate, a compiled one not."""
+    model = _two_linears()
+    captured = autopar.capture(model, (torch.empty(64, 256, device="meta"),), precision="bf16-mixed")
+    elements = sum(p.numel() for p in model.parameters())
+    h100 = get_profile("h100-80gb")
+
+    def optimizer_s(compile):
+        options = dict(degrees={"dp": 1}, zero=0, recompute="none", precision="bf16-mixed", compile=compile)
+        return autopar.plan(captured, 1, hardware=h100, **options).cost.optimizer_s
+
+    slower = elements * 6 * (1 / h100.widening_bandwidth - 1 / h100.streaming_bandwidth)
+    assert optimizer_s(False) - optimizer_s(True) == pytest.approx(slower, rel=1e-6)
 
 
 def test_a_like_factory_writes_its_output_and_reads_nothing():
