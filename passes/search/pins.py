@@ -5,12 +5,16 @@ parallel kernels by parameter or module name pattern (``{"layers.*.attn.wq": "S(
 
 Pre: the graph's node facts. Post: node → placement (or kernel) pins, which
 :mod:`autopar.passes.search.axes` turns into each axis's candidates; a pattern matching nothing,
-or a dim a tensor does not have, raises ShardingRuleError naming it.
+or a dim a tensor does not have, raises ShardingRuleError naming it. A module pattern pins the
+module's ops that can take the split (not its scalars, nor its buffers' updates); on a tensor-parallel
+axis of one device every pin holds as it is.
 """
 
 from __future__ import annotations
 
 import fnmatch
+
+import torch
 
 from autopar.ir import KERNEL_DIMS, Axis, Placement, Replicate, Shard, ShardingRuleError, module_label, parse_placement
 from autopar.passes.capture.graph import module_path
@@ -45,7 +49,9 @@ def axis_pins(facts, axis: str, size: int, constraints, experts: frozenset[str] 
             splits = split_dim is not None and len(shape) > split_dim and shape[split_dim] % multiple == 0
             pins[name] = Shard(split_dim) if splits and size > 1 else R
     if axis == Axis.TP:
-        pins.update(_constraint_pins(facts, constraints))
+        placements = _constraint_pins(facts, constraints, size)  # checked on any mesh: a typo is a typo
+        if size > 1:  # on one device every placement is the whole tensor: a pin holds as it is
+            pins.update(placements)
     return pins
 
 
@@ -82,23 +88,39 @@ def _has_kernel(fact: NodeFacts, kernel: str) -> bool:
     return rule_for(fact.node.target) in KERNEL_RULES[kernel]
 
 
-def _constraint_pins(facts, constraints) -> dict[str, Placement]:
+def _constraint_pins(facts, constraints, size: int = 1) -> dict[str, Placement]:
     pins = {}
     for pattern, value in constraints.items():
         if value in KERNEL_DIMS:
             continue
         placement = parse_placement(value) if isinstance(value, str) else value
-        matched = [
-            name
-            for name, f in facts.items()
-            if (f.kind == "param" and fnmatch.fnmatchcase(f.name, pattern))
-            or (f.kind == "op" and f.out_shapes and fnmatch.fnmatchcase(module_name(f.node), pattern))
-        ]
+        matched = [name for name, fact in facts.items() if _named_by(fact, pattern)]
         if not matched:
             raise ShardingRuleError(f"constraint {pattern!r} matches no parameter and no module: check the name")
-        for name in matched:
+        # a module's ops the split cannot reach (a scalar such as a BatchNorm's count of batches, its
+        # statistics of size 1 along the batch) are left to the search; where no op can, the errors name them
+        holding = [name for name in matched if facts[name].kind != "op" or _holds(facts[name], placement, size)]
+        for name in holding or matched:
             pins[name] = _pinned(facts[name], pattern, placement)
     return pins
+
+
+def _named_by(fact: NodeFacts, pattern: str) -> bool:
+    """A parameter by its name, an op by its module's; not a buffer's update (capture.graph's in-place
+    copy before the output: the module's state, not its work)."""
+    if fact.kind == "param":
+        return fnmatch.fnmatchcase(fact.name, pattern)
+    if fact.kind != "op" or not fact.out_shapes or fact.node.target is torch.ops.aten.copy_.default:
+        return False
+    return fnmatch.fnmatchcase(module_name(fact.node), pattern)
+
+
+def _holds(fact: NodeFacts, placement: Placement, size: int) -> bool:
+    """Whether an op's output can take ``placement`` over ``size`` devices: a dim it has, split evenly."""
+    if not isinstance(placement, Shard):
+        return True
+    shape = fact.out_shape
+    return -len(shape) <= placement.dim < len(shape) and shape[placement.dim] % size == 0
 
 
 def _pinned(fact: NodeFacts, pattern: str, placement: Placement) -> Placement:

@@ -185,6 +185,26 @@ def test_constraints_that_cannot_hold_are_clear_errors():
         plan_example("gpt.py", 2, batch=8, degrees={"tp": 2}, constraints={"layers.0.mlp.fc1": "S(0)"})
 
 
+def test_a_pin_holds_as_it_is_where_tensor_parallelism_has_one_device():
+    """On a data-parallel mesh the tensor-parallel axis has one device, on which every placement
+    is the whole tensor: a pin holds (it was refused, only R being a candidate there); a name the
+    model does not have is still an error."""
+    plan = plan_example("gpt.py", 2, batch=8, degrees={"dp": 2}, constraints={"layers.*.mlp.fc1": "S(-1)"})
+    assert plan.degrees["dp"] == 2
+    with pytest.raises(ShardingRuleError, match="matches no parameter and no module"):
+        plan_example("gpt.py", 2, batch=8, degrees={"dp": 2}, constraints={"no.such.module": "R"})
+
+
+def test_a_module_pin_pins_the_ops_that_can_take_it():
+    """A BatchNorm module's ops include its count of batches (a 0-d tensor no S(d) splits), its
+    statistics (of size 1 along the batch) and the updates of its running statistics (which every
+    rank holds whole): pinning the module to its batch split pins the ops that can take it (it was
+    refused, naming the counter), and the norm's output is split by the batch."""
+    plan = plan_example("cnn.py", 2, batch=8, degrees={"tp": 2}, constraints={"stem.1": "S(0)"})
+    (relu,) = [d for d in plan.nodes.values() if d.module == "stem.2"]
+    assert relu.inputs == ((Replicate(), Shard(0)),), relu
+
+
 @pytest.mark.parametrize("builder", ["build_gpt2", "build_llama", "build_mixtral"])
 def test_hugging_face_models_plan_and_report_their_coverage(builder):
     plan = plan_example("hf.py", "2x2", batch=8, builder=builder)
