@@ -102,6 +102,12 @@ MODELS = {
                                             hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                                             final_dropout=0.0),
                      lambda g: {"input_values": torch.randn(BATCH, 400, generator=g), "labels": _classes(g, 4)}),
+    "clip": ("dual encoder, contrastive loss over the batch", "CLIPModel", "CLIPConfig",
+             dict(text_config=dict(TEXT, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                  vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=IMAGE, patch_size=8), projection_dim=32),
+             lambda g: {"input_ids": _tokens(g), "pixel_values": _images(g), "return_loss": True}),
     "examples/cnn.py": ("autopar's ResNet, BatchNorm", "cnn", None, dict(width=16, blocks=1, stages=2),
                         lambda g: {"images": _images(g)[:, :, :16, :16], "labels": _classes(g, 10)}),
     "torch.nn.Transformer": ("torch's own encoder (batch first, dropout), a plain nn.Module", "encoder", None,
@@ -167,7 +173,7 @@ def one_step(name: str, pins: dict, device: str = "cpu") -> dict:
     pins = dict(pins)
     if not hasattr(model, "config") and not hasattr(model, "example_inputs"):
         pins["example_kwargs"] = batch  # a call autopar cannot make for a plain module
-    batch = {key: value.to(device) for key, value in batch.items()}
+    batch = {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
     stream = torch.get_rng_state()  # the reference draws its dropout where the script's stream was
     started = time.perf_counter()
     pmodel = autopar.parallelize(model, pins.pop("mesh", 2), **pins)

@@ -79,19 +79,25 @@ def example_call(model: nn.Module, batch: int, seq: int) -> dict:
     """A call to plan with: ``model.example_inputs(batch)`` (autopar's examples), or, for a
     Hugging Face model, its main input made from its config (:func:`_main_input`: token ids,
     images or audio) and, when its forward takes them, ``labels`` of the shape its head's name says
-    (:func:`_labels`). ``ConfigError`` when the model offers neither."""
+    (:func:`_labels`); a contrastive dual encoder (CLIP, SigLIP: a text and a vision config, a
+    forward taking ``return_loss``) both its inputs and its loss. ``ConfigError`` when the model
+    offers neither."""
     if callable(getattr(model, "example_inputs", None)):
         return bind_call(model, tuple(model.example_inputs(batch)), {})
     config = getattr(model, "config", None)
     parameters = inspect.signature(model.forward).parameters
     generator = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    text, vision = (getattr(config, f"{part}_config", None) for part in ("text", "vision"))
+    if text is not None and vision is not None and {"input_ids", "pixel_values", "return_loss"} <= set(parameters):
+        tokens, images = _tokens(text, batch, seq, generator), _images(vision, batch, generator)
+        return {"input_ids": tokens.to(device), "pixel_values": images.to(device), "return_loss": True}
     main = _main_input(model, config, batch, seq, generator) if config is not None else None
     if main is not None and main[0] in parameters:
         call = {main[0]: main[1]}
         labels = _labels(type(model).__name__, config, main[1], seq, generator) if "labels" in parameters else None
         if labels is not None:
             call["labels"] = labels
-        device = next(model.parameters()).device
         return {name: value.to(device) for name, value in call.items()}
     raise ConfigError(
         f"autopar cannot tell how to call {type(model).__name__} to plan it: pass example_inputs=(...) and/or "
@@ -109,20 +115,29 @@ def _main_input(model: nn.Module, config, batch: int, seq: int, generator) -> tu
     its image size, Whisper's ``input_features`` (its mel bins over twice its encoder positions) or
     raw ``input_values``; None for another, or where the config lacks the sizes."""
     name = getattr(model, "main_input_name", "input_ids")
-    vocab = getattr(config, "vocab_size", None)
-    if name == "input_ids" and isinstance(vocab, int):
-        seq = min(seq, (config_positions(config) or (None, seq))[1])
-        return name, torch.randint(0, vocab, (batch, seq), generator=generator)
+    if name == "input_ids" and isinstance(getattr(config, "vocab_size", None), int):
+        return name, _tokens(config, batch, seq, generator)
     if name == "pixel_values":
-        size = getattr(config, "image_size", IMAGE_SIZE)
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
-        return name, torch.randn(batch, getattr(config, "num_channels", 3), height, width, generator=generator)
+        return name, _images(config, batch, generator)
     bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     if name == "input_features" and isinstance(bins, int) and isinstance(positions, int):
         return name, torch.randn(batch, bins, 2 * positions, generator=generator)
     if name == "input_values":
         return name, torch.randn(batch, AUDIO_SAMPLES, generator=generator)
     return None
+
+
+def _tokens(config, batch: int, seq: int, generator) -> torch.Tensor:
+    """``[batch, seq]`` random tokens of the config's vocabulary, ``seq`` capped by its positions."""
+    seq = min(seq, (config_positions(config) or (None, seq))[1])
+    return torch.randint(0, config.vocab_size, (batch, seq), generator=generator)
+
+
+def _images(config, batch: int, generator) -> torch.Tensor:
+    """Random images of the config's size (ImageNet's where it says none) and channels."""
+    size = getattr(config, "image_size", IMAGE_SIZE)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    return torch.randn(batch, getattr(config, "num_channels", 3), height, width, generator=generator)
 
 
 def _labels(head: str, config, main: torch.Tensor, seq: int, generator) -> torch.Tensor | None:

@@ -45,6 +45,26 @@ def test_the_planning_call_follows_the_input_and_the_head(model, expected):
     assert {name: (tuple(value.shape), value.dtype) for name, value in call.items()} == expected
 
 
+def test_a_contrastive_dual_encoder_is_called_with_both_inputs_and_its_loss():
+    text = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32)
+    call = example_call(_meta("CLIPModel", "CLIPConfig", text_config=text, vision_config=vision), 8, 256)
+    assert call.pop("return_loss") is True
+    assert {name: (tuple(value.shape), value.dtype) for name, value in call.items()} == {
+        "input_ids": ((8, 16), torch.int64), "pixel_values": ((8, 3, 32, 32), torch.float32)
+    }  # fmt: skip
+
+
 def test_a_model_autopar_cannot_call_says_what_to_pass():
     with pytest.raises(ConfigError, match=r"cannot tell how to call Linear .*example_inputs"):
         example_call(torch.nn.Linear(2, 2), 8, 16)
