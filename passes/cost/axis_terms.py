@@ -19,17 +19,10 @@ from autopar.ir import (
     Schedule,
     Shard,
 )
+from autopar.passes.cost.collectives import collective_time, reshard_time
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes
 from autopar.passes.cost.kernels import kernel_time
-from autopar.passes.cost.ops import (
-    accumulation_s,
-    collective_time,
-    maximum,
-    minimum,
-    param_state_bytes,
-    reshard_time,
-    state_update_s,
-)
+from autopar.passes.cost.ops import accumulation_s, maximum, minimum, param_state_bytes, state_update_s
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import kept_share
 from autopar.passes.cost.zero_traffic import param_sync, recompute_gathers_s, zero3_layer_s

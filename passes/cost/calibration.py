@@ -28,8 +28,8 @@ import numpy as np
 
 from autopar.ir import PROFILES, HardwareProfile, LinkTier
 from autopar.ir.hardware import COLLECTIVES
+from autopar.passes.cost.collectives import collective_time
 from autopar.passes.cost.efficiency import gemm_seconds, shape_factor
-from autopar.passes.cost.ops import collective_time
 
 _ITEMSIZE = {"float32": 4, "tf32": 4, "bfloat16": 2, "float16": 2}
 MAX_BANDWIDTH = 1e15  # bytes/s: keeps 1/B strictly positive when the times do not grow with size

@@ -28,7 +28,8 @@ import math
 import torch
 
 from autopar.ir import Kernel
-from autopar.passes.cost.ops import collective_time, minimum
+from autopar.passes.cost.collectives import collective_time
+from autopar.passes.cost.ops import minimum
 from autopar.passes.sharding.strategies import OpView, numel
 
 

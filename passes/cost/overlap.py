@@ -24,7 +24,8 @@
 from __future__ import annotations
 
 from autopar.ir import LinkTier
-from autopar.passes.cost.ops import collective_time, minimum
+from autopar.passes.cost.collectives import collective_time
+from autopar.passes.cost.ops import minimum
 
 
 def exposed_tp_comm(comm_s, gemm_s, tp_overlap: float):

@@ -13,7 +13,7 @@ import math
 from typing import TYPE_CHECKING
 
 from autopar.ir import Axis
-from autopar.passes.cost.ops import GRAD_BUCKET_BYTES, collective_time, grad_sync_time
+from autopar.passes.cost.collectives import GRAD_BUCKET_BYTES, collective_time, grad_sync_time
 from autopar.passes.sharding.strategies import numel
 
 if TYPE_CHECKING:

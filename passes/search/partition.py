@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.ir import ConfigError, Schedule
+from autopar.passes.cost.collectives import collective_time
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
-from autopar.passes.cost.ops import collective_time, maximum
+from autopar.passes.cost.ops import maximum
 from autopar.passes.search.fold import layer_order
 from autopar.passes.sharding.strategies import numel
 

@@ -44,9 +44,9 @@ from autopar.ir import (
     batch_split,
 )
 from autopar.passes.capture.graph import CapturedGraph, module_path
+from autopar.passes.cost.collectives import reshard_collectives
 from autopar.passes.cost.evaluate import LayoutTerms, PricedConfiguration, evaluate, stage_mesh
 from autopar.passes.cost.facts import NodeFacts, analyze
-from autopar.passes.cost.ops import reshard_collectives
 from autopar.passes.rewrite.gradients import plan_gradients
 from autopar.passes.rewrite.stages import layers_out_of_order, out_of_order_error, whole_batch_error, whole_batch_node
 from autopar.passes.search.axes import ahead_floors, solve_axes, split_dims

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.ir import LinkTier
-from autopar.passes.cost.ops import collective_time
+from autopar.passes.cost.collectives import collective_time
 from autopar.runtime.measure import KINDS, SIZES_BYTES
 from autopar.runtime.measure_gpu import GPU_SIZES_BYTES
 

@@ -11,17 +11,15 @@ from autopar.ir.buckets import BUCKET_BYTES
 from autopar.ir.precision import ZERO_PAPER_LAYOUT
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.axis_terms import AxisContext
+from autopar.passes.cost.collectives import collective_time, grad_sync_time, reshard_time
 from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import (
     MEASURE_LIMIT_BYTES,
     OpProfile,
-    collective_time,
     compute_time,
-    grad_sync_time,
     measured_time,
     op_profile,
     optimizer_time,
-    reshard_time,
 )
 from autopar.passes.cost.zero_traffic import param_sync
 

@@ -10,16 +10,10 @@ from planning import meta_model, plan_example
 from autopar.ir import ConfigError, Cost, LinkTier, MemoryLimitError, PlanOptions, Precision, Schedule, get_profile
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.passes.capture.graph import capture
+from autopar.passes.cost.collectives import collective_time, grad_sync_time
 from autopar.passes.cost.evaluate import evaluate_plan
 from autopar.passes.cost.facts import analyze
-from autopar.passes.cost.ops import (
-    OPTIMIZER_BYTES_PER_PARAM,
-    RECAST_BYTES_PER_PARAM,
-    collective_time,
-    grad_sync_time,
-    optimizer_time,
-    zero_copy_bytes,
-)
+from autopar.passes.cost.ops import OPTIMIZER_BYTES_PER_PARAM, RECAST_BYTES_PER_PARAM, optimizer_time, zero_copy_bytes
 from autopar.passes.cost.schedule import kept_share
 from autopar.passes.search.schedule import levels
 

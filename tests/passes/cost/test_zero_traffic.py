@@ -10,8 +10,8 @@ from planning import meta_model, plan_example
 from autopar.ir import LinkTier, get_profile
 from autopar.passes.capture.graph import capture
 from autopar.passes.cost.axis_terms import AxisContext
+from autopar.passes.cost.collectives import collective_time
 from autopar.passes.cost.evaluate import evaluate_plan
-from autopar.passes.cost.ops import collective_time
 from autopar.passes.cost.zero_traffic import param_sync, zero3_layer_s
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)

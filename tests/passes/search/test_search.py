@@ -9,8 +9,8 @@ import autopar
 import autopar.runtime.collectives  # noqa: F401  (registers torch.ops.autopar.*)
 from autopar.ir import MemoryLimitError, Replicate, Shard, ShardingRuleError, degree_choices, get_profile
 from autopar.passes.capture.graph import capture
+from autopar.passes.cost.collectives import collective_time
 from autopar.passes.cost.kernels import ring_hideable_block
-from autopar.passes.cost.ops import collective_time
 from autopar.passes.rewrite.rewrite import rewrite
 
 WIDE = dict(hidden=1024, ffn=4096, layers=2)

@@ -14,8 +14,8 @@ from planning import meta_model
 import autopar
 from autopar.ir import Kernel, Partial, Replicate, Shard, ShardingRuleError, get_profile
 from autopar.passes.capture.graph import capture
+from autopar.passes.cost.collectives import collective_time
 from autopar.passes.cost.kernels import vocab_loss_bytes
-from autopar.passes.cost.ops import collective_time
 from autopar.passes.sharding.rules import node_strategies
 from autopar.passes.sharding.strategies import OpView, Strategy, output_tensors, tensor_inputs
 
