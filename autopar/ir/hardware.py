@@ -14,34 +14,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from autopar.ir.errors import ConfigError
+from autopar.ir.links import (
+    AMPERE_NET,
+    AMPERE_NVLINK,
+    GB,
+    HOPPER_NET,
+    HOPPER_NVLINK,
+    VOLTA_NET,
+    VOLTA_NVLINK,
+    LinkTier,
+    Protocol,
+)
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-
-
-@dataclass(frozen=True)
-class LinkTier:
-    """One tier of interconnect: per-step latency ``alpha_s`` and bus bandwidth in bytes/s.
-
-    ``fitted`` overrides both per collective kind and group size where they were measured
-    (``{"all_gather": {4: (alpha_s, bandwidth)}}``); the nearest measured size is used.
-    """
-
-    name: str
-    alpha_s: float
-    bandwidth: float
-    fitted: dict[str, dict[int, tuple[float, float]]] = field(default_factory=dict)
-    sync_s: float = 0.0  # fixed cost of each blocking collective in a step: waiting for the slowest rank
-    sync_by_ranks: dict[int, float] = field(default_factory=dict)  # sync_s measured per number of ranks on the host
-    inner: LinkTier | None = None  # the tier inside a node, when a group spans nodes with several members in each
-    local_ranks: int = 1  # members of the group inside one node
-
-    def alpha_beta(self, kind: str, ranks: int) -> tuple[float, float]:
-        """(alpha seconds per step, bus bandwidth bytes/s) of one collective kind over ``ranks``."""
-        by_size = self.fitted.get(kind)
-        if not by_size:
-            return self.alpha_s, self.bandwidth
-        nearest = min(by_size, key=lambda size: (abs(size - ranks), size))
-        return by_size[nearest]
 
 
 @dataclass(frozen=True)
@@ -230,6 +215,7 @@ class HardwareProfile:
                 },
                 sync_s=link.get("sync_s", 0.0),
                 sync_by_ranks={int(n): seconds for n, seconds in link.get("sync_by_ranks", {}).items()},
+                protocols=tuple(Protocol(**protocol) for protocol in link.get("protocols", ())),
             )
             for link in data["links"]
         )
@@ -253,7 +239,6 @@ class HardwareProfile:
             raise ConfigError(f"cannot read hardware profile {path}: {error}; re-run `autopar calibrate`") from error
 
 
-GB = 1e9
 GIB = 1024**3
 T = 1e12
 
@@ -365,7 +350,10 @@ PROFILES: dict[str, HardwareProfile] = {
             compute_efficiency=0.5,
             memory_bytes=16 * GIB,
             memory_bandwidth=0.9e12,
-            links=(LinkTier("nvlink2", 10e-6, 130 * GB), LinkTier("ethernet-25g", 50e-6, 3.1 * GB)),
+            links=(
+                LinkTier("nvlink2", 10e-6, 130 * GB, protocols=VOLTA_NVLINK),
+                LinkTier("ethernet-25g", 50e-6, 3.1 * GB, protocols=VOLTA_NET),
+            ),
             overlap=0.5,
             overlap_slowdown=GPU_OVERLAP_SLOWDOWN,
             op_overhead_s=6e-6,
@@ -382,7 +370,10 @@ PROFILES: dict[str, HardwareProfile] = {
             compute_efficiency=0.87,
             memory_bytes=80 * GIB,
             memory_bandwidth=2.0e12,
-            links=(LinkTier("nvswitch", 10e-6, 230 * GB), LinkTier("hdr-ib", 20e-6, 25 * GB)),
+            links=(
+                LinkTier("nvswitch", 10e-6, 230 * GB, protocols=AMPERE_NVLINK),
+                LinkTier("hdr-ib", 20e-6, 25 * GB, protocols=AMPERE_NET),
+            ),
             overlap=1.0,
             overlap_slowdown=GPU_OVERLAP_SLOWDOWN,
             op_overhead_s=5e-6,
@@ -400,7 +391,10 @@ PROFILES: dict[str, HardwareProfile] = {
             compute_efficiency=0.80,
             memory_bytes=80 * GIB,
             memory_bandwidth=3.35e12,
-            links=(LinkTier("nvlink4", 8e-6, 370 * GB), LinkTier("ndr-ib", 15e-6, 50 * GB)),
+            links=(
+                LinkTier("nvlink4", 8e-6, 370 * GB, protocols=HOPPER_NVLINK),
+                LinkTier("ndr-ib", 15e-6, 50 * GB, protocols=HOPPER_NET),
+            ),
             overlap=1.0,
             overlap_slowdown=GPU_OVERLAP_SLOWDOWN,
             op_overhead_s=4e-6,
@@ -418,7 +412,10 @@ PROFILES: dict[str, HardwareProfile] = {
             compute_efficiency=0.80,
             memory_bytes=141e9,
             memory_bandwidth=4.8e12,
-            links=(LinkTier("nvlink4", 8e-6, 475 * GB), LinkTier("ndr-ib", 15e-6, 50 * GB)),
+            links=(
+                LinkTier("nvlink4", 8e-6, 475 * GB, protocols=HOPPER_NVLINK),
+                LinkTier("ndr-ib", 15e-6, 50 * GB, protocols=HOPPER_NET),
+            ),
             overlap=1.0,
             overlap_slowdown=GPU_OVERLAP_SLOWDOWN,
             op_overhead_s=4e-6,
@@ -435,7 +432,7 @@ PROFILES["a100-80gb-opa"] = dataclasses.replace(
         "8x A100 80GB SXM per node (Jean Zay): NVLink inside a node as the DGX A100's, four 100 Gb/s Omni-Path "
         "links per node between nodes (6.25 GB/s per GPU); the A100's compute and kernel figures"
     ),
-    links=(PROFILES["a100-80gb"].links[0], LinkTier("omni-path", 20e-6, 6.25 * GB)),
+    links=(PROFILES["a100-80gb"].links[0], LinkTier("omni-path", 20e-6, 6.25 * GB, protocols=AMPERE_NET)),
 )
 
 DEFAULT_PROFILE = "cpu-local"

@@ -8,10 +8,13 @@ import dataclasses
 
 from autopar.ir import LinkTier, Partial, Placement, Replicate, Shard
 from autopar.ir.buckets import BUCKET_BYTES
+from autopar.passes.cost.ops import minimum
 
 
 def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
-    """Ring/pairwise alpha-beta time of one collective over ``ranks`` (``nbytes`` = full tensor).
+    """Ring/pairwise alpha-beta time of one collective over ``ranks`` (``nbytes`` = full tensor):
+    ``alpha_s`` per step, or on a tier with NCCL's protocols (and no measurement of ``kind``) the
+    fastest protocol's latency for its ring steps (:class:`autopar.ir.hardware.Protocol`).
 
     ``send_recv`` is one point-to-point message of ``nbytes`` (a pipeline boundary).
     """
@@ -23,16 +26,24 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
     steps = ranks - 1
     share = steps / ranks * nbytes / bandwidth
     if kind == "all_reduce":
-        transfer = 2 * steps * alpha + 2 * share
+        hops, moving = 2 * steps, 2 * share
     elif kind in ("all_gather", "reduce_scatter"):
-        transfer = steps * alpha + share
+        hops, moving = steps, share
     elif kind == "all_to_all":  # each rank holds nbytes/ranks and keeps 1/ranks of it
-        transfer = steps * alpha + share / ranks
+        hops, moving = steps, share / ranks
     elif kind == "send_recv":  # one message of nbytes between two ranks
-        transfer = alpha + nbytes / bandwidth
+        hops, moving = 1, nbytes / bandwidth
     else:
         raise ValueError(f"unknown collective {kind}")
+    if link.protocols and kind in RING_COLLECTIVES and kind not in link.fitted:
+        moved = moving * bandwidth  # bytes over the bus
+        transfer = minimum(*(p.base_s + hops * p.hop_s + moved / p.bandwidth(bandwidth) for p in link.protocols))
+    else:
+        transfer = hops * alpha + moving
     return transfer + link.sync_s
+
+
+RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what NCCL runs as rings (its all-to-all: sends)
 
 
 def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from autopar.ir import Partial, Placement, Replicate, Shard
+from autopar.ir import Placement, Replicate, Shard
 
 aten = torch.ops.aten
 R = Replicate()
@@ -81,9 +81,12 @@ def normalize_dim(d: int, ndim: int) -> int:
 
 
 def work_fraction(strategy: Strategy, axis_size: int) -> float:
-    """Share of the op's work one rank does: split when anything is sharded or partial."""
+    """Share of the op's work one rank does: split when any of its tensors is sharded. A partial
+    sum taken in and given out (a linear op on partial values: ``add(P, P) -> P``) is a whole-size
+    tensor on every rank, computed whole: such an op's work is not split (it was priced 1/axis
+    size, which made keeping values partial look cheaper than reducing them)."""
     placements = [strategy.output, *strategy.inputs]
-    split = any(isinstance(p, (Shard, Partial)) for p in placements)
+    split = any(isinstance(p, Shard) for p in placements)
     return 1 / axis_size if split else 1.0
 
 

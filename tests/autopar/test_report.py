@@ -75,14 +75,16 @@ MEGATRON = {
 def test_each_node_shows_the_bytes_its_inputs_move():
     """Megatron's layers on dp2 x tp2, priced on the A100 preset (computed prices: this CPU's
     profile times ops as it plans, and where its loss reads the head's output varies from run to
-    run): the row-parallel output's partial sum is all-reduced over tp where the next norm reads it
-    (its [4, 64, 128] fp32 share of the batch), the head's vocabulary-split logits gathered where
+    run): the embedding's lookup split by hidden columns gathered where the first norm reads it and
+    the row-parallel output's partial sum all-reduced over tp where the next norm reads it (each
+    its [4, 64, 128] fp32 share of the batch), the head's vocabulary-split logits gathered where
     the loss reshapes them ([4, 64, 512]), the loss's mean over dp where the step returns it;
     nothing else moves."""
     pins = dict(degrees={"dp": 2, "tp": 2}, constraints=MEGATRON, zero=0, hardware="a100-80gb", precision="fp32")
     plan = plan_example("gpt.py", "2x2", 8, **pins)
     moved = {name: d.comm_bytes for name, d in plan.nodes.items() if d.comm_bytes}
     assert moved == {
+        "layer_norm": 4 * 64 * 128 * 4,
         "layer_norm_1": 4 * 64 * 128 * 4,
         "layer_norm_2": 4 * 64 * 128 * 4,
         "layer_norm_3": 4 * 64 * 128 * 4,

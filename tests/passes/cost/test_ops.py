@@ -22,6 +22,7 @@ from autopar.passes.cost.ops import (
     optimizer_time,
 )
 from autopar.passes.cost.zero_traffic import param_sync
+from autopar.passes.sharding.strategies import Strategy, work_fraction
 
 LINK = LinkTier("test", alpha_s=1e-5, bandwidth=1e9)
 MB = 1e6
@@ -396,3 +397,27 @@ def test_a_like_factory_writes_its_output_and_reads_nothing():
     x = torch.randn(64, 1024, dtype=torch.bfloat16)
     ones = next(n for n in capture(Keep(), (x,)).graph.nodes if n.target is torch.ops.aten.ones_like.default)
     assert op_profile(ones, needs_grad=False).io_bytes == 64 * 1024
+
+
+def test_nccl_tiers_price_a_ring_collective_by_its_fastest_protocol():
+    """NCCL's tuning model (src/graph/tuning.cc): an 8-GPU all-reduce over NVLink of a few bytes
+    takes LL's latency, 6.6 + 14 steps x 0.6 us (it was 14 steps of 10 us), a large one Simple's
+    8.4 + 14 x 3.4 us and the bus bandwidth; a kind measured on the tier keeps its alpha-beta."""
+    nvswitch = get_profile("a100-80gb").links[0]
+    assert collective_time("all_reduce", 8, 8, nvswitch) == pytest.approx(15.0e-6, rel=1e-3)
+    large = 256 * MB
+    simple = 8.4e-6 + 14 * 3.4e-6 + 2 * 7 / 8 * large / nvswitch.bandwidth
+    assert collective_time("all_reduce", large, 8, nvswitch) == pytest.approx(simple)
+    assert collective_time("all_gather", 8, 8, nvswitch) == pytest.approx((6.6 + 7 * 0.6) * 1e-6, rel=1e-3)
+    measured = dataclasses.replace(nvswitch, fitted={"all_reduce": {8: (1e-6, 1e11)}})
+    assert collective_time("all_reduce", 8, 8, measured) == pytest.approx(14e-6, rel=1e-3)
+    assert collective_time("all_to_all", 8, 8, nvswitch) == pytest.approx(7 * nvswitch.alpha_s, rel=1e-3)
+
+
+def test_an_op_on_partial_sums_does_its_whole_work_on_every_rank():
+    """add(P, P) -> P adds whole-size tensors on every rank; a matmul of split inputs into a
+    partial sum does its share (the first was priced at a share, which kept values partial)."""
+    partial = Partial("sum")
+    assert work_fraction(Strategy((partial, partial), partial), 4) == 1.0
+    assert work_fraction(Strategy((Shard(1), Shard(0)), partial), 4) == 0.25
+    assert work_fraction(Strategy((Replicate(),), Shard(0)), 4) == 0.25

@@ -15,7 +15,11 @@ from autopar.passes.cost.evaluate import evaluate_plan
 from autopar.passes.cost.zero_traffic import param_sync, zero3_layer_s
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
-FLAT_A100 = dataclasses.replace(get_profile("a100-80gb"), kernels=None, overlap=0.0)  # every byte of sync exposed
+_A100 = get_profile("a100-80gb")
+# every byte of sync exposed, each collective alpha-beta (latency the same at any size, not NCCL's protocols)
+FLAT_A100 = dataclasses.replace(
+    _A100, kernels=None, overlap=0.0, links=tuple(dataclasses.replace(tier, protocols=()) for tier in _A100.links)
+)
 PINS = dict(degrees={"dp": 8, "tp": 1}, zero=3, microbatches=1, precision="fp32")
 DEEPSPEED = dict(zero3_per_parameter=True)
 

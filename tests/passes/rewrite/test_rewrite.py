@@ -110,7 +110,9 @@ def test_a_split_piece_taken_in_another_placement_is_moved_once_taken():
     assert piece.args[0].target is torch.ops.aten.split_with_sizes.default
     (chunk,) = piece.users
     assert chunk.target is torch.ops.autopar.chunk.default and chunk.args[1:] == ("TP", 1)
-    assert [a.target for a in program.graph.nodes if a.target is torch.ops.autopar.chunk.default] == [chunk.target]
+    chunks = [n for n in program.graph.nodes if n.target is torch.ops.autopar.chunk.default]
+    assert all(c.args[0].target is operator.getitem and c.args[0].args[0] is piece.args[0] for c in chunks)
+    assert len({c.args[0] for c in chunks}) == len(chunks)  # each piece (the search splits both) chunked once
 
 
 class _Positions(torch.nn.Module):

@@ -104,7 +104,9 @@ def test_the_search_splits_a_large_vocabulary_by_itself_and_no_rank_holds_full_l
     assert Kernel.VOCAB in kernels
     loss = next(d for d in plan.nodes.values() if "cross_entropy" in d.op)
     assert loss.kernel == Kernel.VOCAB and loss.inputs[0][-1] == Shard(1)
-    assert plan.params["tok_embeddings.weight"][-1] == Shard(0) and plan.params["output.weight"][-1] == Shard(0)
+    # the output projection split by the vocabulary; the embedding by its rows (the vocabulary) or by its
+    # columns (the hidden dim), whichever the model prices cheaper (the columns at these shapes, by 0.6%)
+    assert isinstance(plan.params["tok_embeddings.weight"][-1], Shard) and plan.params["output.weight"][-1] == Shard(0)
     full_logits = 8192 * 128256 * 4
     for node in captured.graph.nodes:  # every value a rank computes, and every input an op takes, is split
         decision = plan.nodes.get(node.name)
