@@ -80,18 +80,33 @@ class UnfusedAttention(nn.Module):
         return self.proj(out)
 
 
+class Residual(nn.Module):
+    """``x + branch``, the branch dropped out first where ``dropped``: a module of its own, so that a
+    row can pin where the residual stream lives (whole on every tensor-parallel rank, or split along
+    the sequence under sequence parallelism: ``published_rows.options_for``)."""
+
+    def __init__(self, dropped: bool = False) -> None:
+        super().__init__()
+        self.dropped = dropped
+
+    def forward(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        return x + (dropout(branch) if self.dropped else branch)
+
+
 class MegatronBlock(nn.Module):
     def __init__(self, hidden: int, heads: int, ffn: int, seq: int) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(hidden)
         self.attn = UnfusedAttention(hidden, heads, seq)
+        self.attn_residual = Residual(dropped=True)
         self.mlp_norm = nn.LayerNorm(hidden)
         self.fc1 = nn.Linear(hidden, ffn)
         self.fc2 = nn.Linear(ffn, hidden)
+        self.mlp_residual = Residual(dropped=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + dropout(self.attn(self.attn_norm(x)))
-        return x + dropout(self.fc2(F.gelu(self.fc1(self.mlp_norm(x)))))
+        x = self.attn_residual(x, self.attn(self.attn_norm(x)))
+        return self.mlp_residual(x, self.fc2(F.gelu(self.fc1(self.mlp_norm(x)))))
 
 
 class MegatronGPT(nn.Module):
@@ -160,15 +175,17 @@ class LlamaBlock(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(hidden)
         self.attn = GroupedAttention(hidden, heads, kv_heads)
+        self.attn_residual = Residual()
         self.mlp_norm = RMSNorm(hidden)
         self.gate = nn.Linear(hidden, ffn, bias=False)
         self.up = nn.Linear(hidden, ffn, bias=False)
         self.down = nn.Linear(ffn, hidden, bias=False)
+        self.mlp_residual = Residual()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+        x = self.attn_residual(x, self.attn(self.attn_norm(x)))
         h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return self.mlp_residual(x, self.down(F.silu(self.gate(h)) * self.up(h)))
 
 
 class Llama(nn.Module):

@@ -44,7 +44,9 @@ MEGATRON_TP = {
 # kept as shards for backward, gathered again there (regather: Megatron-LM's
 # megatron/core/tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication saves the
 # sequence-parallel input and all-gathers it again in backward, behind the input-gradient GEMM)
-SEQUENCE_PARALLEL = {"layers.*.attn_norm": "S(1)", "layers.*.mlp_norm": "S(1)"}
+NORMS = ("layers.*.attn_norm", "layers.*.mlp_norm")
+# the residual stream's adds (and dropouts) too, where the model has them as modules (published_models.Residual)
+RESIDUALS = {"megatron-gpt": "layers.*.*_residual", "llama": "layers.*.*_residual"}
 ONE_F_ONE_B_ONLY = {"deepspeed-pipeline"}  # stacks whose pipeline cannot interleave stage modules
 
 
@@ -92,8 +94,11 @@ def options_for(row: dict, stack: dict) -> dict:
     config = row["config"]
     constraints = dict(MEGATRON_TP[row["model_kind"]]) if config["tp"] > 1 else {}
     sequence_parallel = row.get("sequence_parallel") and config["tp"] > 1
-    if sequence_parallel:
-        constraints.update(SEQUENCE_PARALLEL)
+    if config["tp"] > 1:  # without sequence parallelism (Megatron-LM before 2022) every rank runs them whole
+        split = "S(1)" if sequence_parallel else "R"
+        constraints.update(dict.fromkeys(NORMS, split))
+        if row["model_kind"] in RESIDUALS:
+            constraints[RESIDUALS[row["model_kind"]]] = split
     options = {
         "degrees": {"pp": config["pp"], "dp": config["dp"], "tp": config["tp"]},
         "zero": row["zero"],
