@@ -14,7 +14,7 @@ from autopar.passes.cost.ops import minimum
 def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> float:
     """Ring/pairwise alpha-beta time of one collective over ``ranks`` (``nbytes`` = full tensor):
     ``alpha_s`` per step, or on a tier with NCCL's protocols (and no measurement of ``kind``) the
-    fastest protocol's latency for its ring steps (:class:`autopar.ir.hardware.Protocol`).
+    fastest protocol's latency for its ring steps (:class:`autopar.ir.links.Protocol`).
 
     ``send_recv`` is one point-to-point message of ``nbytes`` (a pipeline boundary).
     """
@@ -35,12 +35,16 @@ def collective_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> flo
         hops, moving = 1, nbytes / bandwidth
     else:
         raise ValueError(f"unknown collective {kind}")
+    return _steps_and_bytes(link, kind, hops, moving, alpha, bandwidth) + link.sync_s
+
+
+def _steps_and_bytes(link: LinkTier, kind: str, hops: int, moving: float, alpha: float, bandwidth: float) -> float:
+    """Seconds of ``hops`` ring steps and of the bytes ``moving`` takes at ``bandwidth``: α per step,
+    or NCCL's fastest protocol where the tier has them and did not measure ``kind``."""
     if link.protocols and kind in RING_COLLECTIVES and kind not in link.fitted:
         moved = moving * bandwidth  # bytes over the bus
-        transfer = minimum(*(p.base_s + hops * p.hop_s + moved / p.bandwidth(bandwidth) for p in link.protocols))
-    else:
-        transfer = hops * alpha + moving
-    return transfer + link.sync_s
+        return minimum(*(p.base_s + hops * p.hop_s + moved / p.bandwidth(bandwidth) for p in link.protocols))
+    return hops * alpha + moving
 
 
 RING_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what NCCL runs as rings (its all-to-all: sends)
@@ -68,11 +72,12 @@ def _hierarchical_time(kind: str, nbytes: float, ranks: int, link: LinkTier) -> 
         # bytes cross nodes once, on the node's share, but a chunk takes ranks − 1 steps, nodes − 1
         # of them across nodes and ranks − nodes inside (NCCL's tuning.cc, ring latency), where a
         # ring inside the node and one across would take local − 1 inside: (nodes − 1)(local − 1) more.
-        more_inside = (nodes - 1) * (local - 1)
+        alpha, bandwidth = inner.alpha_beta(kind, local)
+        inside = (local - 1) / local * nbytes / bandwidth
         return (
             collective_time(kind, nbytes / local, nodes, outer)
-            + collective_time(kind, nbytes, local, inner)
-            + more_inside * inner.alpha_beta(kind, local)[0]
+            + _steps_and_bytes(inner, kind, nodes * (local - 1), inside, alpha, bandwidth)
+            + inner.sync_s
         )
     if kind == "all_to_all":
         alpha, bandwidth = outer.alpha_beta(kind, ranks)
