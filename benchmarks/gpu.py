@@ -13,11 +13,12 @@ is made when the record is rendered (:func:`price`), by the cost model of the co
   fewer blocks fill the GPU);
 - ``equivalence``: the GPT example in fp32 on CUDA, autopar eager and compiled against the plain
   model: first loss and every full gradient;
-- ``optimizer``: one AdamW step over 740 M fp32 parameters, foreach and fused;
-- ``hf_families``: unmodified Hugging Face families (small configs, as the coverage benchmark
-  builds them) through the two-argument ``autopar.parallelize(model, 1)`` on CUDA, fp32, eager and
-  (a few) compiled: one step's loss, full gradients and parameters after AdamW against the plain
-  model on the same GPU (benchmarks/families.one_step);
+- ``optimizer``: one AdamW step over 740 M fp32 parameters, foreach and fused; ``casts``: eager
+  float32 <-> bfloat16 casts (priced at the streaming and the widening rate);
+- ``hf_families``: unmodified Hugging Face families (small configs, as the coverage benchmark builds
+  them) through ``autopar.parallelize(model, 1)`` on CUDA, fp32, eager and (a few) compiled: one
+  step's loss, full gradients and parameters after AdamW against the plain model on the same GPU
+  (benchmarks/families.one_step); ``other_models``: benchmarks/other_models.py's, likewise;
 - ``steps``: the GPT example at Megatron-Core's 1.7B and 7.1B layer shapes (fewer layers, one
   sequence), the 1.7B row's whole model (24 layers, its 4 sequences per GPU as microbatches) and
   Llama 3 8B's layers (4 of them, torchtitan's 2 x 8192 tokens per GPU), bf16 mixed precision:
