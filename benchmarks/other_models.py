@@ -226,13 +226,16 @@ def run_models(rank: int, world: int, names: list[str], plans: dict = PLANS) -> 
 def check_on(device: str) -> list[dict]:
     """Every model through ``autopar.parallelize(model, 1)`` on one rank of ``device`` (its process
     group's backend), fp32 (no TF32 convolutions), without dropout: one step against the model."""
+    rows, tf32 = [], torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
-    rows = []
-    for name in MODELS:
-        try:
-            rows.append({"model": name, **one_step(name, {"mesh": 1, "precision": "fp32"}, device)})
-        except Exception as error:  # noqa: BLE001  (the row says why)
-            rows.append({"model": name, "ok": False, "error": f"{type(error).__name__}: {error}"[:500]})
+    try:
+        for name in MODELS:
+            try:
+                rows.append({"model": name, **one_step(name, {"mesh": 1, "precision": "fp32"}, device)})
+            except Exception as error:  # noqa: BLE001  (the row says why)
+                rows.append({"model": name, "ok": False, "error": f"{type(error).__name__}: {error}"[:500]})
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32  # the caller's setting, as it was
     return rows
 
 
