@@ -65,6 +65,8 @@ LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "gpt_neo")  # fewer positions
 # DBRX's default (hidden 2048, 4 experts) builds no model in transformers 5.24 (its attention config
 # lacks rope_theta); DBRX's released configuration (databricks/dbrx-base config.json): 40 layers of
 # 6144, 48 heads, 8 KV heads, 16 experts of 10752, top-4, RoPE base 500000, vocabulary 100352.
+# DeepSeek-V2's default leaves num_experts_per_tok unset (None: its router's topk fails run as it is);
+# DeepSeek-V2 and V2-Lite route each token to 6 experts (arXiv 2405.04434, §3.1 and appendix B).
 FAMILY_OVERRIDES = {
     "bloom": dict(hidden_size=4096, n_layer=30, n_head=32),
     "dbrx": dict(
@@ -72,6 +74,7 @@ FAMILY_OVERRIDES = {
         attn_config=dict(kv_n_heads=8, rope_theta=500000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4),
     ),
+    "deepseek_v2": dict(num_experts_per_tok=6),
 }  # fmt: skip
 
 
@@ -418,7 +421,8 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float, probes: li
         f"- each family: `AutoModelForCausalLM.from_config(AutoConfig.for_model(family))`, Hugging Face's default "
         f"configuration (most are a released checkpoint's shapes; BLOOM's, 2 layers of hidden 64, is replaced by "
         f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}; DBRX's builds no model in transformers 5.24, replaced by DBRX's "
-        f"released configuration: {FAMILY_OVERRIDES['dbrx']}), unmodified, on the meta device in bfloat16; "
+        f"released configuration: {FAMILY_OVERRIDES['dbrx']}; DeepSeek-V2's leaves its experts per token unset, set "
+        f"as DeepSeek-V2 routes: {FAMILY_OVERRIDES['deepseek_v2']}), unmodified, on the meta device in bfloat16; "
         f"{FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
         f"({', '.join(LEARNED_POSITIONS)}: as many as their learned positions) on "
         f'{FAMILY_GPUS} simulated H100s (mesh {FAMILY_GPUS // 8}x8), `precision="bf16-mixed"`, nothing pinned; '

@@ -172,10 +172,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}{_user_line(error)}: {type(error).__name__}: "
             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}\n"
-            f"{_positions_hint(model, example_inputs, example_kwargs)}"
-            "autopar needs a forward without data-dependent Python control flow (a branch or loop on a "
-            "tensor's values); see the torch.export docs (torch.cond, static shapes) or pass a model whose "
-            "forward traces."
+            f"{_positions_hint(model, example_inputs, example_kwargs)}{_advice(error)}"
         ) from error
     known = buffer_values(exported)  # the buffers' values, where they hold data
     _check_lookups(exported.graph_module, known)
@@ -283,17 +280,43 @@ def _copy(destination: torch.Tensor, source: torch.Tensor, non_blocking: bool = 
 DIFFERENTIABLE_COPY = {torch.ops.aten.copy.default: _copy}
 
 
-def _user_line(error: BaseException | None) -> str:
+def _user_line(error: BaseException | None, innermost: bool = False) -> str:
     """ " at FILE:LINE (code)" of the innermost frame of the model's own code (outside torch,
-    autopar and the standard library) that the error, or what caused it, passed through."""
+    autopar and the standard library) that the error, or what caused it, passed through;
+    ``innermost``: the frame that raised it, whoever's."""
     ours = (Path(__file__).parents[1], Path(autopar.ir.__file__).parents[1])  # passes/, autopar/
     skipped = tuple(str(path) for path in (Path(torch.__file__).parent, Path(traceback.__file__).parent, *ours))
     while error is not None:
-        frames = [f for f in traceback.extract_tb(error.__traceback__) if not f.filename.startswith(skipped)]
+        frames = traceback.extract_tb(error.__traceback__)
+        frames = frames[-1:] if innermost else [f for f in frames if not f.filename.startswith(skipped)]
         if frames:
             return f" at {frames[-1].filename}:{frames[-1].lineno} ({frames[-1].line})"
         error = error.__cause__ or error.__context__
     return ""
+
+
+# Errors Python raises for a mistake in the code that runs (an argument of the wrong type, a key
+# missing): where the model's own line raised one, the forward fails as it is, traced or not
+_PLAIN_MISTAKES = (TypeError, ValueError, AttributeError, KeyError, IndexError, AssertionError, ZeroDivisionError)
+
+
+def _advice(error: BaseException) -> str:
+    """What to do about ``error``: a model whose own code raised a plain Python error fails with
+    these inputs or this configuration whether traced or not (Hugging Face's DeepSeek-V2 default
+    configuration leaves ``num_experts_per_tok`` unset, and its router calls topk with k=None);
+    anything else is most often control flow on a tensor's values, which export cannot follow."""
+    raised_in_model = isinstance(error, _PLAIN_MISTAKES) and _user_line(error) == _user_line(error, innermost=True)
+    if raised_in_model:
+        return (
+            "The model's own code raised this, not torch.export: the forward fails with these inputs or this "
+            "configuration even run as it is. Run the model once on the same inputs, fix what it reports (a "
+            "configuration value left unset, an input of the wrong type or shape), then plan it."
+        )
+    return (
+        "autopar needs a forward without data-dependent Python control flow (a branch or loop on a "
+        "tensor's values); see the torch.export docs (torch.cond, static shapes) or pass a model whose "
+        "forward traces."
+    )
 
 
 def _positions_hint(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:

@@ -281,6 +281,12 @@ MISTAKES = [
         lambda folder: caught(lambda: autopar.plan(_gpt_neo(positions=8), 2, example_kwargs=_tokens(2, 16))),
     ),
     Mistake(
+        "a model whose configuration leaves its router's top-k unset (torch.topk(x, k=None), as DeepSeek-V2's default)",
+        "TraceError",
+        r"(?s)TypeError: topk\(\): .*The model's own code raised this, not torch.export: .* Run the model once",
+        lambda folder: caught(lambda: autopar.plan(_UnsetTopK(), 2, (torch.randn(4, 8),))),
+    ),
+    Mistake(
         "a model on the meta device splitting tokens by counts it computes (x.split(counts.tolist()), as JetMoE)",
         "ConfigError",
         r"item .* in the model reads a size from the data \(u\d+: .*\), which a model on the meta device cannot "
@@ -413,6 +419,19 @@ class _SplitByCounts(torch.nn.Module):
         counts = torch.stack([chosen.sum(), (~chosen).sum()]).tolist()
         first, rest = (x * self.weight)[chosen.argsort(descending=True)].split(counts)
         return first.sum() - rest.sum()
+
+
+class _UnsetTopK(torch.nn.Module):
+    """A router whose configuration leaves ``top_k`` unset (Hugging Face's DeepSeek-V2 default)."""
+
+    top_k = None
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.topk(self.gate(x), k=self.top_k, dim=-1).values.sum()
 
 
 class _LearnedPositions(torch.nn.Module):

@@ -62,6 +62,21 @@ def test_an_untraceable_model_is_a_clear_error_naming_the_file_and_line():
         capture(DataDependent(), (torch.randn(2, 2),))
 
 
+class UnsetTopK(torch.nn.Module):
+    top_k = None  # a configuration value left unset (Hugging Face's DeepSeek-V2 default)
+
+    def forward(self, x):
+        return torch.topk(x, k=self.top_k, dim=-1).values.sum()
+
+
+def test_a_model_whose_own_code_fails_is_told_so_not_sent_to_control_flow():
+    line = UnsetTopK.forward.__code__.co_firstlineno + 1
+    expected = rf"(?s)at {__file__}:{line} .*TypeError.*The model's own code raised this"
+    with pytest.raises(TraceError, match=expected) as caught:
+        capture(UnsetTopK(), (torch.randn(2, 4),))
+    assert "control flow" not in str(caught.value)
+
+
 class Keywords(torch.nn.Module):
     def __init__(self):
         super().__init__()
