@@ -119,6 +119,7 @@ def pattern_options(plan: Plan, degrees: dict[str, int], *, params: set[str], mo
         recompute=plan.schedule.recompute,
         microbatches=max(microbatches, stages),
         pipeline=plan.schedule.kind if stages > 1 else None,
+        virtual=plan.schedule.virtual if stages > 1 else None,
         stage_cuts=plan.schedule.cuts if same else (),
         precision="fp32",
     )

@@ -196,6 +196,7 @@ def pinned_options(plan: Plan) -> PlanOptions:
         regather=schedule.regather,
         microbatches=schedule.microbatches,
         pipeline=schedule.kind if schedule.stages > 1 else None,
+        virtual=schedule.virtual if schedule.stages > 1 else None,
         stage_cuts=schedule.cuts,
         precision=plan.precision,
         compile=schedule.compiled,

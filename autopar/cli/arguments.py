@@ -201,6 +201,12 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--pipeline", choices=PIPELINES, help="pin the pipeline schedule (default: searched)")
     parser.add_argument(
+        "--virtual",
+        type=_positive_int,
+        help="pin the stage modules per device of an interleaved schedule (Megatron's virtual pipeline stages; "
+        "default: searched)",
+    )
+    parser.add_argument(
         "--precision",
         choices=tuple(Precision),
         help="what training computes in: fp32, or bf16/fp16 compute copies with fp32 master weights and optimizer "

@@ -70,6 +70,7 @@ def _options(args, hardware) -> PlanOptions:
         recompute=args.recompute,
         microbatches=args.microbatches,
         pipeline=args.pipeline,
+        virtual=args.virtual,
         stage_cuts=tuple(args.stage_cuts or ()),
         precision=args.precision,
         compile=args.compile,

@@ -36,6 +36,8 @@ class PlanOptions:
     - ``recompute``: activation recomputation (default: the least that fits).
     - ``microbatches``: pieces the local batch runs in (pipeline microbatches, gradient accumulation).
     - ``pipeline``: the pipeline schedule (default: the fastest that fits).
+    - ``virtual``: stage modules per device of the interleaved schedules (Megatron's virtual
+      pipeline stages; zbv runs 2; default: the fastest that fits).
     - ``stage_cuts``: the layers that start each stage module after the first
       (``("layers.6",)``; default: Alpa's balanced split).
     - ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (default: the hardware profile's
@@ -62,6 +64,7 @@ class PlanOptions:
     recompute: Recompute | None = None
     microbatches: int | None = None
     pipeline: PipelineKind | None = None
+    virtual: int | None = None
     stage_cuts: tuple[str, ...] = ()
     precision: Precision | None = None
     compile: bool = False
@@ -84,6 +87,10 @@ class PlanOptions:
             raise ConfigError(f"recompute={self.recompute!r}: choose one of {[str(r) for r in Recompute]}")
         if self.pipeline is not None and self.pipeline not in tuple(PipelineKind):
             raise ConfigError(f"pipeline={self.pipeline!r}: choose one of {[str(p) for p in PipelineKind]}")
+        if self.virtual is not None and (not isinstance(self.virtual, int) or self.virtual < 1):
+            raise ConfigError(f"virtual={self.virtual!r}: pass a positive integer (stage modules per device)")
+        if self.virtual is not None and self.pipeline is not None:  # the schedule's rule for its stage modules
+            Schedule(2, 2, kind=self.pipeline, virtual=self.virtual)
         PrecisionPolicy.of(self.precision or Precision.FP32, self.reduce_dtype)  # a ConfigError naming a bad one
         if self.microbatches is not None and (not isinstance(self.microbatches, int) or self.microbatches < 1):
             raise ConfigError(f"microbatches={self.microbatches!r}: pass a positive integer")

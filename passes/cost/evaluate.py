@@ -78,7 +78,7 @@ class LayoutTerms:
     _terms: dict = field(default_factory=dict)
     _times: dict = field(default_factory=dict)
     _rows: dict = field(default_factory=dict)
-    _starts: dict = field(default_factory=dict)
+    _starts: dict = field(default_factory=dict)  # microbatches -> BalancedStarts
     _splits: dict = field(default_factory=dict)
 
     @classmethod
@@ -136,9 +136,12 @@ class LayoutTerms:
         key = (schedule.modules, micro)
         split_key = (key, schedule.stages, tuple(map(tuple, schedule.device_modules())), schedule.cuts)
         if split_key not in self._splits:
-            if not schedule.cuts and key not in self._starts and len(rows) >= schedule.modules:
-                self._starts[key] = balanced_starts(rows, schedule.modules, micro, self.link)
-            self._splits[split_key] = split_rows(rows, schedule, self.link, self._starts.get(key))
+            starts = None
+            if not schedule.cuts and len(rows) >= schedule.modules:
+                if micro not in self._starts:  # one dynamic program per microbatch count, any count of modules
+                    self._starts[micro] = balanced_starts(rows, micro, self.link)
+                starts = self._starts[micro](schedule.modules)
+            self._splits[split_key] = split_rows(rows, schedule, self.link, starts)
         return self._splits[split_key]
 
 

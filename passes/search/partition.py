@@ -97,7 +97,7 @@ def split_rows(rows: list[LayerRow], schedule: Schedule, link, starts: list[int]
     if schedule.cuts:
         starts = [0] + [names.index(cut) for cut in schedule.cuts if cut in names]
     elif starts is None:
-        starts = balanced_starts(rows, modules, max(1, schedule.microbatches), link)
+        starts = balanced_starts(rows, max(1, schedule.microbatches), link)(modules)
     bounds = list(zip(starts, starts[1:] + [len(rows)]))
     module_time = [sum(row.time_s for row in rows[a:b]) for a, b in bounds]
     module_params = [sum(row.params for row in rows[a:b]) for a, b in bounds]
@@ -110,39 +110,52 @@ def split_rows(rows: list[LayerRow], schedule: Schedule, link, starts: list[int]
     )
 
 
-def balanced_starts(rows: list[LayerRow], modules: int, microbatches: int, link) -> list[int]:
-    """The first row of each of ``modules`` stage modules: the dynamic program of the module docstring."""
+def balanced_starts(rows: list[LayerRow], microbatches: int, link) -> BalancedStarts:
+    """The dynamic program of the module docstring over ``rows``: called with a count of stage
+    modules, the first row of each (``balanced_starts(rows, 8, link)(4)``)."""
     # into layer i, the boundary activation forward and its gradient back, per microbatch
     send = [2 * collective_time("send_recv", row.boundary / microbatches, 2, link) * microbatches for row in rows]
-    return _balanced_starts([row.time_s for row in rows], send, [row.boundary for row in rows], modules)
+    return BalancedStarts([row.time_s for row in rows], send, [row.boundary for row in rows])
 
 
-def _balanced_starts(times: list[float], send: list[float], boundary: list[float], modules: int) -> list[int]:
+class BalancedStarts:
     """First layer of each module minimizing (slowest module, then boundary bytes); among equal
-    candidates the earliest cut. One array operation per module over every (start, end) pair."""
-    count = len(times)
-    prefix = np.concatenate([[0.0], np.cumsum(times)])
-    send_in = np.array(list(send) + [0.0])  # into layer i; nothing after the last
-    send_out = np.where(np.arange(count + 1) < count, send_in, 0.0)  # out of a module ending before layer j
-    starts_at, ends_at = np.arange(count + 1)[:, None], np.arange(count + 1)[None, :]
-    # own[i, j]: a module running layers i..j-1, with its sends at both ends
-    own = prefix[None, :] - prefix[:, None] + send_in[:, None] + send_out[None, :]
-    best_time = np.where(np.arange(count + 1) >= 1, prefix + send_out, np.inf)  # the first module receives nothing
-    best_bytes = np.zeros(count + 1)
-    choices = []
-    boundary_in = np.array(list(boundary) + [0.0])
-    for k in range(1, modules):
-        valid = (starts_at >= k) & (starts_at < ends_at) & np.isfinite(best_time)[:, None]
-        time = np.where(valid, np.maximum(best_time[:, None], own), np.inf)
-        nbytes = np.where(valid, best_bytes[:, None] + boundary_in[:, None], np.inf)
+    candidates the earliest cut. One array operation per module over every (start, end) pair.
+
+    Step k of the program gives the best k + 1 modules over every prefix of the layers, whatever
+    count is asked for later: the steps run once, as far as the most modules asked for, and any
+    count's cuts are read back from them (the search weighs many counts of virtual stages)."""
+
+    def __init__(self, times: list[float], send: list[float], boundary: list[float]):
+        count = self.count = len(times)
+        prefix = np.concatenate([[0.0], np.cumsum(times)])
+        send_in = np.array(list(send) + [0.0])  # into layer i; nothing after the last
+        send_out = np.where(np.arange(count + 1) < count, send_in, 0.0)  # out of a module ending before layer j
+        self._starts_at, self._ends_at = np.arange(count + 1)[:, None], np.arange(count + 1)[None, :]
+        # own[i, j]: a module running layers i..j-1, with its sends at both ends
+        self._own = prefix[None, :] - prefix[:, None] + send_in[:, None] + send_out[None, :]
+        self._best_time = np.where(np.arange(count + 1) >= 1, prefix + send_out, np.inf)  # the first receives nothing
+        self._best_bytes = np.zeros(count + 1)
+        self._boundary_in = np.array(list(boundary) + [0.0])
+        self._choices: list[np.ndarray] = []
+
+    def __call__(self, modules: int) -> list[int]:
+        while len(self._choices) < modules - 1:
+            self._step(len(self._choices) + 1)
+        starts, j = [], self.count
+        for choice in reversed(self._choices[: modules - 1]):
+            j = int(choice[j])
+            starts.append(j)
+        return [0] + starts[::-1]
+
+    def _step(self, k: int) -> None:
+        """From the best k modules over every prefix to the best k + 1."""
+        best_time = self._best_time
+        valid = (self._starts_at >= k) & (self._starts_at < self._ends_at) & np.isfinite(best_time)[:, None]
+        time = np.where(valid, np.maximum(best_time[:, None], self._own), np.inf)
+        nbytes = np.where(valid, self._best_bytes[:, None] + self._boundary_in[:, None], np.inf)
         fastest = time.min(axis=0)
         tied = (time == fastest[None, :]) & np.isfinite(time)
         leanest = np.where(tied, nbytes, np.inf).min(axis=0)
-        choice = np.argmax(tied & (nbytes == leanest[None, :]), axis=0)
-        best_time, best_bytes = fastest, np.where(np.isfinite(fastest), leanest, 0.0)
-        choices.append(choice)
-    starts, j = [], count
-    for choice in reversed(choices):
-        j = int(choice[j])
-        starts.append(j)
-    return [0] + starts[::-1]
+        self._choices.append(np.argmax(tied & (nbytes == leanest[None, :]), axis=0))
+        self._best_time, self._best_bytes = fastest, np.where(np.isfinite(fastest), leanest, 0.0)

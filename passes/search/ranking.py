@@ -3,8 +3,9 @@
 Plans within :data:`TIE_TOLERANCE` of the fastest predicted step count as equally fast, and of
 those the simplest wins (:func:`simplicity`): fewest pipeline stages, then the most data
 parallelism, the lowest ZeRO stage, the least recomputation, the simplest pipeline schedule
-(:data:`SIMPLEST_FIRST`), the fewest microbatches. The one place the search breaks ties, between
-configurations and between the schedules of one alike, so no two tolerances compound.
+(:data:`SIMPLEST_FIRST`), the fewest stage modules per device, the fewest microbatches. The one
+place the search breaks ties, between configurations and between the schedules of one alike, so
+no two tolerances compound.
 
 >>> choose([fast, simple], key=lambda c: c.cost.step_s)   # doctest: +SKIP
 """
@@ -48,6 +49,7 @@ class Candidate:
             self.zero,
             RECOMPUTE.index(self.schedule.recompute),
             SIMPLEST_FIRST.index(self.schedule.kind),
+            self.schedule.virtual,
             self.schedule.microbatches,
         )
 

@@ -26,7 +26,7 @@ from autopar.passes.search.ranking import SIMPLEST_FIRST
 # torch's interleaved schedules run their microbatches in rounds of one per stage
 ROUNDS_PIPELINES = (PipelineKind.INTERLEAVED_1F1B, PipelineKind.INTERLEAVED_ZB)
 
-VIRTUAL_STAGES = 2  # stage modules per device for the interleaved schedules (zbv always runs 2)
+VIRTUAL_STAGES = 2  # stage modules per device the leanest interleaved schedule runs (zbv always runs 2)
 
 
 Level = tuple[Recompute, bool]  # (recomputation, regather)
@@ -62,7 +62,7 @@ def leanest(options: PlanOptions, stages: int, local_batch: int, level: Level) -
         )
     micro = options.microbatches or (max(1, local_batch) if stages > 1 else 1)
     kind = options.pipeline or PipelineKind.ONE_F_ONE_B
-    virtual = VIRTUAL_STAGES if kind in VIRTUAL_PIPELINES else 1
+    virtual = (options.virtual or VIRTUAL_STAGES) if kind in VIRTUAL_PIPELINES else 1
     recompute, regather = level
     return Schedule(
         stages, micro, recompute, kind, virtual, options.stage_cuts, options.compile, options.async_tp, regather
@@ -84,22 +84,39 @@ def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int
     )
     out = []
     for kind in kinds:
-        virtual = VIRTUAL_STAGES if kind in VIRTUAL_PIPELINES else 1
-        if base.stages * virtual > layers or (cuts and len(cuts) != base.stages * virtual - 1):
-            continue
-        for micro in counts:
-            # torch's 1F1B and V schedules need m >= p; the interleaved ones also m a multiple of their rounds
-            if kind != PipelineKind.GPIPE and micro < base.stages:
-                continue
-            if kind in ROUNDS_PIPELINES and micro % max(1, micro // base.stages):
-                continue
-            out.append(dataclasses.replace(base, kind=kind, virtual=virtual, microbatches=micro, cuts=cuts))
+        for virtual in virtual_counts(kind, base.stages, layers, options):
+            for micro in counts:
+                # torch's 1F1B and V schedules need m >= p; the interleaved ones also m a multiple of their rounds
+                if kind != PipelineKind.GPIPE and micro < base.stages:
+                    continue
+                if kind in ROUNDS_PIPELINES and micro % max(1, micro // base.stages):
+                    continue
+                out.append(dataclasses.replace(base, kind=kind, virtual=virtual, microbatches=micro, cuts=cuts))
     if not out:
         raise ConfigError(
             f"no pipeline schedule runs {base.stages} stages on {layers} layers with microbatches "
             f"{counts}: pin fewer stages, another schedule or more microbatches"
         )
     return out
+
+
+def virtual_counts(kind: PipelineKind, stages: int, layers: int, options: PlanOptions) -> list[int]:
+    """The stage modules per device ``kind`` may run on ``layers`` layers: one for gpipe and 1F1B,
+    two for zbv (its V), and for the interleaved schedules every count giving each module a layer
+    at least (Megatron's virtual pipeline stages: more modules shrink the bubble, each adds a
+    boundary's sends and warm-up activations; the cost model weighs them); the pinned count or
+    the one pinned cut points make, where they allow ``kind``."""
+    if kind not in VIRTUAL_PIPELINES:
+        counts = [1]
+    elif kind == PipelineKind.ZBV:
+        counts = [VIRTUAL_STAGES]
+    else:
+        counts = list(range(VIRTUAL_STAGES, layers // stages + 1))
+    if options.stage_cuts:
+        counts = [v for v in counts if stages * v == len(options.stage_cuts) + 1]
+    if options.virtual is not None:
+        counts = [v for v in counts if v == options.virtual]
+    return [v for v in counts if stages * v <= layers]
 
 
 def accumulations(base: Schedule, options: PlanOptions, local_batch: int) -> list[Schedule]:

@@ -149,7 +149,9 @@ def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):
         "--microbatches",
         "4",
         "--pipeline",
-        "1f1b",
+        "interleaved-1f1b",
+        "--virtual",
+        "2",
     ]
     assert main(["plan", gpt, "--mesh", "4x2", "--batch", "16", "--hardware", "a100-80gb", *pins, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)["summary"]
@@ -157,9 +159,9 @@ def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):
         "stages": 2,
         "microbatches": 4,
         "recompute": "full",
-        "kind": "1f1b",
-        "virtual": 1,
-        "cuts": ["layers.2"],
+        "kind": "interleaved-1f1b",
+        "virtual": 2,
+        "cuts": ["layers.1", "layers.2", "layers.3"],
         "compiled": False,
         "async_tp": False,
         "regather": False,

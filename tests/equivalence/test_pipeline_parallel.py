@@ -37,6 +37,8 @@ GPT = dict(hidden=32, layers=8, heads=4, vocab=64, seq=8)  # 8 layers: 4 stages 
 IGNORING = dict(check_forward=True, ignore_targets=True)
 
 TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forward=True) for kind in PIPELINES] + [
+    # four stage modules per device (Megatron's virtual stages), a layer each
+    dict(degrees={"pp": 2}, microbatches=4, pipeline="interleaved-1f1b", virtual=4),
     # ignored targets: a microbatch that counts fewer weighs less, as in one step on the whole batch
     dict(degrees={"pp": 2}, microbatches=2, pipeline="1f1b", stage_cuts=["layers.6"], **IGNORING),
     dict(degrees={"dp": 2}, microbatches=2, **IGNORING),  # gradient accumulation, synced once
@@ -77,6 +79,7 @@ def _check(options, results):
         schedule = result["schedule"]
         assert schedule.stages == options["degrees"].get("pp", 1) and schedule.microbatches == options["microbatches"]
         assert schedule.kind == options.get("pipeline", schedule.kind), (options, schedule)
+        assert schedule.virtual == options.get("virtual", schedule.virtual), (options, schedule)
     assert set().union(*(r["held"] for r in results)) == everything, options  # every parameter lives somewhere
     if options["degrees"].get("pp", 1) > 1 and "dp" not in options["degrees"] and "tp" not in options["degrees"]:
         assert all(len(r["held"]) < len(everything) for r in results), options  # a stage holds its own only

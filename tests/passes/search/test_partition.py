@@ -7,17 +7,19 @@ from planning import plan_example, slow_network
 
 import autopar
 from autopar.ir import ConfigError, MemoryLimitError
-from autopar.passes.search.partition import _balanced_starts
+from autopar.passes.search.partition import BalancedStarts
 
 LADDER_GPT = dict(hidden=1024, layers=8, heads=16, vocab=8192, seq=256)
 
 
 def test_the_dynamic_program_balances_the_slowest_stage_and_prefers_small_boundaries():
     # a heavy last layer (the head rides on it): 4 light layers go to the first stage
-    assert _balanced_starts([1, 1, 1, 1, 4], [0] * 5, [1] * 5, 2) == [0, 4]
-    assert _balanced_starts([1] * 8, [0] * 8, [1] * 8, 4) == [0, 2, 4, 6]
+    assert BalancedStarts([1, 1, 1, 1, 4], [0] * 5, [1] * 5)(2) == [0, 4]
+    eight = BalancedStarts([1] * 8, [0] * 8, [1] * 8)
+    assert eight(4) == [0, 2, 4, 6] and eight(2) == [0, 4] and eight(8) == list(range(8))  # any count, one program
+    assert eight(4) == BalancedStarts([1] * 8, [0] * 8, [1] * 8)(4)  # asked for after more modules: the same
     # equal times either way: cut where the boundary activation is smaller
-    assert _balanced_starts([1, 1, 1, 1], [0] * 4, [9, 9, 1, 9], 2) == [0, 2]
+    assert BalancedStarts([1, 1, 1, 1], [0] * 4, [9, 9, 1, 9])(2) == [0, 2]
 
 
 def test_pinned_pipeline_plans_carry_cuts_kind_and_a_bubble():
@@ -79,6 +81,29 @@ def test_a_falling_memory_limit_walks_from_dp_to_zero_to_pipeline_stages():
     piped = next(i for i, p in enumerate(rest) if p.schedule.stages > 1)
     # ZeRO first, then gradient accumulation, then weights split over tp, and stages when nothing else fits
     assert zero < accumulated < split < piped == len(rest) - 1
+
+
+def test_interleaved_schedules_weigh_their_stage_modules_per_device():
+    """Few microbatches on two stages: the bubble shrinks with every module a device interleaves,
+    and the search weighs each count (Megatron's virtual stages) as the cost model prices it."""
+    options = dict(
+        batch=4,
+        model_kwargs=dict(hidden=1024, layers=8, heads=8, vocab=4096, seq=512),
+        hardware="h100-80gb",
+        degrees={"pp": 2},
+        microbatches=2,
+        pipeline="interleaved-1f1b",
+    )
+    pinned = {v: plan_example("gpt.py", 2, virtual=v, **options) for v in (2, 3, 4)}
+    free = plan_example("gpt.py", 2, **options)
+    fastest = min(pinned, key=lambda v: pinned[v].cost.step_s)
+    assert fastest > 2 and free.schedule.virtual == fastest and len(free.schedule.cuts) == 2 * fastest - 1
+    assert free.cost.step_s == pinned[fastest].cost.step_s
+    assert pinned[4].cost.pipeline_s < pinned[2].cost.pipeline_s
+    with pytest.raises(ConfigError, match="cannot run 3 stage modules per device"):
+        plan_example("gpt.py", 2, **{**options, "pipeline": "zbv"}, virtual=3)
+    with pytest.raises(ConfigError, match=r"virtual=0: pass a positive integer"):
+        plan_example("gpt.py", 2, **options, virtual=0)
 
 
 def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
