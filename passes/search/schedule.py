@@ -94,8 +94,11 @@ def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int
                 out.append(dataclasses.replace(base, kind=kind, virtual=virtual, microbatches=micro, cuts=cuts))
     if not out:
         raise ConfigError(
-            f"no pipeline schedule runs {base.stages} stages on {layers} layers with microbatches "
-            f"{counts}: pin fewer stages, another schedule or more microbatches"
+            f"no pipeline schedule runs {base.stages} stages"
+            + (f" of {options.virtual} stage modules each" if options.virtual else "")
+            + f" on {layers} layers with microbatches {counts}: pin fewer stages"
+            + (" or stage modules" if options.virtual else "")
+            + ", another schedule or more microbatches"
         )
     return out
 

@@ -104,6 +104,8 @@ def test_interleaved_schedules_weigh_their_stage_modules_per_device():
         plan_example("gpt.py", 2, **{**options, "pipeline": "zbv"}, virtual=3)
     with pytest.raises(ConfigError, match=r"virtual=0: pass a positive integer"):
         plan_example("gpt.py", 2, **options, virtual=0)
+    with pytest.raises(ConfigError, match="2 stages of 5 stage modules each on 8 layers .* or stage modules"):
+        plan_example("gpt.py", 2, **options, virtual=5)  # more modules than layers
 
 
 def test_a_pipeline_is_chosen_without_memory_pressure_where_it_is_faster():
