@@ -56,8 +56,7 @@ FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 # cluster's size and final batch (DeepSeek-V3 technical report, arXiv 2412.19437: 2048 H800s, §3.1;
 # 15360 sequences of 4096 tokens, §4.2), H800s priced as H100s (the same compute, slower NVLink)
 FAMILY_CLUSTERS = {"deepseek_v3": dict(gpus=2048, batch=15360)}
-# A family whose training state fits no plan on its cluster (no published one to take) is planned
-# again on 4x the GPUs and sequences, until it fits or passes this many GPUs
+# A family whose training state fits no plan on its cluster is planned on 4x the GPUs and sequences, up to:
 FAMILY_GROWTH, FAMILY_MAX_GPUS = 4, 4096
 LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "gpt_neo")  # fewer positions: planned at their length
 # Defaults that are no released model, replaced by one's shapes: BLOOM's default is 2 layers of
@@ -65,8 +64,6 @@ LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "gpt_neo")  # fewer positions
 # DBRX's default (hidden 2048, 4 experts) builds no model in transformers 5.24 (its attention config
 # lacks rope_theta); DBRX's released configuration (databricks/dbrx-base config.json): 40 layers of
 # 6144, 48 heads, 8 KV heads, 16 experts of 10752, top-4, RoPE base 500000, vocabulary 100352.
-# DeepSeek-V2's default leaves num_experts_per_tok unset (None: its router's topk fails run as it is);
-# DeepSeek-V2 and V2-Lite route each token to 6 experts (arXiv 2405.04434, §3.1 and appendix B).
 FAMILY_OVERRIDES = {
     "bloom": dict(hidden_size=4096, n_layer=30, n_head=32),
     "dbrx": dict(
@@ -74,7 +71,7 @@ FAMILY_OVERRIDES = {
         attn_config=dict(kv_n_heads=8, rope_theta=500000.0, clip_qkv=8.0),
         ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4),
     ),
-    "deepseek_v2": dict(num_experts_per_tok=6),
+    "deepseek_v2": dict(num_experts_per_tok=6),  # unset by default; DeepSeek-V2's (arXiv 2405.04434 §3.1)
 }  # fmt: skip
 
 
