@@ -4,8 +4,9 @@ its cut points, for one configuration of degrees.
 A configuration's layout is solved once (per ZeRO class, :mod:`search`); every runnable
 schedule is then priced on it by :class:`~autopar.passes.cost.evaluate.PricedConfiguration`,
 with cut points from Alpa's dynamic program (:mod:`partition`). Per recomputation level, the
-runnable (kind, microbatches) variants: every kind (or the pinned one) and every microbatch
-count dividing the local batch that the kind runs (:func:`variants`); without stages, the
+runnable (kind, stage modules, microbatches) variants: every kind (or the pinned one), its counts
+of stage modules per device (:func:`virtual_counts`) and every microbatch count dividing the local
+batch that the kind runs (:func:`variants`); without stages, the
 pinned microbatch count or one, and where one does not fit, gradient accumulation over every
 count dividing the local batch (:func:`accumulations`). More recomputation on the same layout
 and schedule only adds time, so a level is priced only where the ones below it fit nothing
