@@ -196,13 +196,14 @@ def render(
         f"published runs (each with its citation, what it printed and what was derived); {len(data['dropped'])} "
         "rows dropped, reasons below. A row marked * is partly known: the source leaves out "
         "the microbatch size, recomputation or virtual stages, which the planner then chose (a microbatch size: "
-        "the stack's recipe's where the stack states one, below).",
+        "the stack's recipe's where the stack states one, below; virtual stages: on Megatron's stacks a count "
+        "splitting each stage's layers evenly, one included, as Megatron requires).",
         "- each row: its model on the meta device (`benchmarks/published_models.py`: Megatron-LM's GPT of "
         "2021-22 with unfused attention; a GPT with fused attention for Megatron-Core, both taking their loss over "
         "fp32 logits as Megatron does; Llama 3's shapes), captured and priced in the published precision; "
         "planned on mesh (GPUs/8)x8 with tp, pp, dp, ZeRO stage, recomputation, "
         "microbatches (global batch / dp / microbatch size) and pipeline schedule pinned and Megatron's "
-        "tensor-parallel layout pinned by module; the published virtual stages priced by `evaluate_plan`. "
+        "tensor-parallel layout pinned by module; the published virtual stages pinned. "
         "Hardware: the `a100-80gb` and `h100-80gb` presets, one set of figures for every row (GEMM efficiency "
         "from shapes through the published MAMF, attention tables (FlashAttention-2's on the A100, cuDNN's "
         "measured on an H200 for Hopper), per-GPU InfiniBand; BLOOM's Jean Zay: `a100-80gb-opa`, the A100's "

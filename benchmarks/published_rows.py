@@ -47,6 +47,10 @@ NORMS = ("layers.*.attn_norm", "layers.*.mlp_norm")
 # the residual stream's adds (and dropouts) too, where the model has them as modules (published_models.Residual)
 RESIDUALS = {"megatron-gpt": "layers.*.*_residual", "llama": "layers.*.*_residual"}
 ONE_F_ONE_B_ONLY = {"deepspeed-pipeline"}  # stacks whose pipeline cannot interleave stage modules
+# Megatron's interleaving splits each stage's layers evenly into its modules (arguments.py: the
+# layers per stage a multiple of --num-layers-per-virtual-pipeline-stage): where a row leaves its
+# virtual stages out, the planner chooses among the counts these stacks can run, one (1F1B) included
+EVEN_MODULES = {"megatron-2021", "megatron-2022", "megatron-core-2024"}
 
 
 def load(path: Path = DATA) -> dict:
@@ -191,13 +195,10 @@ def predict(row: dict, stacks: dict, captures: Captures) -> dict:
     captured_s = time.perf_counter() - started
     hardware = hardware_for(row, stacks)
     mesh = (row["config"]["gpus"] // 8, 8)
-    options = options_for(row, stacks[row["stack"]])
-    try:
-        plan = autopar.plan(captured, mesh, hardware=hardware, **options)
-        fits = True
-    except MemoryLimitError:
-        plan = autopar.plan(captured, mesh, hardware=hardware, memory_limit=1e18, **options)
-        fits = False
+    plan, fits = min(
+        (_plan(captured, mesh, hardware, options) for options in _choices(row, options_for(row, stacks[row["stack"]]))),
+        key=lambda planned: (not planned[1], planned[0].cost.step_s),
+    )
     cost = plan.cost
     predicted = metric(row, cost.step_s, params)
     return {
@@ -212,6 +213,25 @@ def predict(row: dict, stacks: dict, captures: Captures) -> dict:
         "capture_s": captured_s,
         "plan_s": time.perf_counter() - started - captured_s,
     }
+
+
+def _plan(captured, mesh: tuple, hardware: HardwareProfile, options: dict) -> tuple:
+    """(plan, whether it fits the GPU's memory): planned without a limit where it does not."""
+    try:
+        return autopar.plan(captured, mesh, hardware=hardware, **options), True
+    except MemoryLimitError:
+        return autopar.plan(captured, mesh, hardware=hardware, memory_limit=1e18, **options), False
+
+
+def _choices(row: dict, options: dict) -> list[dict]:
+    """The row's options, one per count of virtual stages its stack could run where the row leaves
+    the count out and the stack splits each stage's layers evenly (``EVEN_MODULES``); else as they are."""
+    layers, stages = row["model"]["layers"], row["config"]["pp"]
+    if options.get("pipeline") != "interleaved-1f1b" or "virtual" in options or row["stack"] not in EVEN_MODULES:
+        return [options]
+    per_stage = layers // stages if layers % stages == 0 else 1
+    counts = [v for v in range(1, per_stage + 1) if per_stage % v == 0]
+    return [{**options, "pipeline": "1f1b"} if v == 1 else {**options, "virtual": v} for v in counts]
 
 
 def size_band(params: float) -> str:

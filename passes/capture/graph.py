@@ -298,19 +298,31 @@ def _user_line(error: BaseException | None, innermost: bool = False) -> str:
 # Errors Python raises for a mistake in the code that runs (an argument of the wrong type, a key
 # missing): where the model's own line raised one, the forward fails as it is, traced or not
 _PLAIN_MISTAKES = (TypeError, ValueError, AttributeError, KeyError, IndexError, AssertionError, ZeroDivisionError)
+# What torch's ops say when two shapes disagree (export's fake tensors say the first; an eager run the
+# others): capture runs the model's code on the call's own static shapes, so the forward run as it
+# is fails there alike (a configuration whose head and rotary sizes disagree)
+_SHAPE_MISMATCHES = (
+    "attempting to broadcast a dimension", "must match the size of tensor", "shapes cannot be multiplied",
+    "is invalid for input of size",
+)  # fmt: skip
 
 
 def _advice(error: BaseException) -> str:
-    """What to do about ``error``: a model whose own code raised a plain Python error fails with
-    these inputs or this configuration whether traced or not (Hugging Face's DeepSeek-V2 default
-    configuration leaves ``num_experts_per_tok`` unset, and its router calls topk with k=None);
-    anything else is most often control flow on a tensor's values, which export cannot follow."""
+    """What to do about ``error``: a model whose own code raised a plain Python error, or whose
+    tensors' shapes disagree, fails with these inputs or this configuration whether traced or not
+    (Hugging Face's DeepSeek-V2 default configuration leaves ``num_experts_per_tok`` unset, and its
+    router calls topk with k=None); anything else is most often control flow on a tensor's values,
+    which export cannot follow."""
     raised_in_model = isinstance(error, _PLAIN_MISTAKES) and _user_line(error) == _user_line(error, innermost=True)
-    if raised_in_model:
+    shapes_disagree = any(sign in str(error).lower() for sign in _SHAPE_MISMATCHES)
+    if raised_in_model or shapes_disagree:
+        what = "The model's own code raised this"
+        if shapes_disagree:
+            what = "Two tensors' shapes disagree at the model's line above"
         return (
-            "The model's own code raised this, not torch.export: the forward fails with these inputs or this "
+            f"{what}, not torch.export: the forward fails with these inputs or this "
             "configuration even run as it is. Run the model once on the same inputs, fix what it reports (a "
-            "configuration value left unset, an input of the wrong type or shape), then plan it."
+            "configuration value left unset or sizes that disagree, an input of the wrong type or shape), then plan it."
         )
     return (
         "autopar needs a forward without data-dependent Python control flow (a branch or loop on a "

@@ -287,6 +287,13 @@ MISTAKES = [
         lambda folder: caught(lambda: autopar.plan(_UnsetTopK(), 2, (torch.randn(4, 8),))),
     ),
     Mistake(
+        "a model whose configuration gives its heads 8 dimensions and its rotary table 4 (sizes that disagree)",
+        "TraceError",
+        r"(?s)RuntimeError: Attempting to broadcast .*Two tensors' shapes disagree at the model's line above, not "
+        r"torch.export: .* Run the model once",
+        lambda folder: caught(lambda: autopar.plan(_RotaryTooShort(), 2, (torch.randn(4, 16),))),
+    ),
+    Mistake(
         "a model on the meta device splitting tokens by counts it computes (x.split(counts.tolist()), as JetMoE)",
         "ConfigError",
         r"item .* in the model reads a size from the data \(u\d+: .*\), which a model on the meta device cannot "
@@ -432,6 +439,17 @@ class _UnsetTopK(torch.nn.Module):
 
     def forward(self, x):
         return torch.topk(self.gate(x), k=self.top_k, dim=-1).values.sum()
+
+
+class _RotaryTooShort(torch.nn.Module):
+    """Heads of 8 dimensions rotated by a table of 4 (a configuration whose head and rotary sizes disagree)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos", torch.ones(4))
+
+    def forward(self, x):
+        return (x.view(x.shape[0], 2, 8) * self.cos).sum()
 
 
 class _LearnedPositions(torch.nn.Module):

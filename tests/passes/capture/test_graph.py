@@ -77,6 +77,28 @@ def test_a_model_whose_own_code_fails_is_told_so_not_sent_to_control_flow():
     assert "control flow" not in str(caught.value)
 
 
+class RotaryTooShort(torch.nn.Module):
+    """Heads of 8 rotated by a table of 4: a configuration whose sizes disagree."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cos", torch.ones(4))
+
+    def forward(self, x):
+        return (x.view(2, 3, 8) * self.cos).sum()
+
+
+def test_a_model_whose_shapes_disagree_is_told_so_not_sent_to_control_flow():
+    model, x = RotaryTooShort(), torch.randn(2, 24)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        model(x)  # it fails run as it is too
+    line = RotaryTooShort.forward.__code__.co_firstlineno + 1
+    expected = rf"(?s)at {__file__}:{line} .*Two tensors' shapes disagree at the model's line above"
+    with pytest.raises(TraceError, match=expected) as caught:
+        capture(model, (x,))
+    assert "control flow" not in str(caught.value)
+
+
 class Keywords(torch.nn.Module):
     def __init__(self):
         super().__init__()
