@@ -283,7 +283,7 @@ def render(
         "",
         f"Planning time: {len(slow)} of {len(results)} rows took over {SLOW_PLAN_S:.0f} s to plan "
         f"(slowest {max((r['plan_s'] for r in results), default=0):.0f} s; repeated layers share one set of ILP "
-        "variables).",
+        "variables; a row on Megatron's stacks without its virtual stages is planned once per count it could run).",
         "",
         "ZeRO paper worked example (7.5B parameters, mixed-precision Adam: 2 + 2 + 12 bytes per parameter, "
         "64 data-parallel ranks), model state per device from `autopar.ir.model_state_bytes` with the paper's layout "
