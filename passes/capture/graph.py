@@ -303,7 +303,7 @@ _PLAIN_MISTAKES = (TypeError, ValueError, AttributeError, KeyError, IndexError, 
 # is fails there alike (a configuration whose head and rotary sizes disagree)
 _SHAPE_MISMATCHES = (
     "attempting to broadcast a dimension", "must match the size of tensor", "shapes cannot be multiplied",
-    "is invalid for input of size",
+    "is invalid for input of size", "to match target batch_size",
 )  # fmt: skip
 
 
@@ -318,7 +318,7 @@ def _advice(error: BaseException) -> str:
     if raised_in_model or shapes_disagree:
         what = "The model's own code raised this"
         if shapes_disagree:
-            what = "Two tensors' shapes disagree at the model's line above"
+            what = "The shapes at the model's line above disagree"
         return (
             f"{what}, not torch.export: the forward fails with these inputs or this "
             "configuration even run as it is. Run the model once on the same inputs, fix what it reports (a "
