@@ -435,6 +435,19 @@ PROFILES["a100-80gb-opa"] = dataclasses.replace(
     links=(PROFILES["a100-80gb"].links[0], LinkTier("omni-path", 20e-6, 6.25 * GB, protocols=AMPERE_NET)),
 )
 
+# DGX A100 40GB: the 80GB's chip, node and network (NVIDIA A100 datasheet: the same 312 TFLOP/s bf16,
+# NVLink 600 GB/s; DGX A100 user guide: eight 200 Gb/s HDR adapters), HBM2 of 40 GB at 1,555 GB/s
+PROFILES["a100-40gb"] = dataclasses.replace(
+    PROFILES["a100-80gb"],
+    name="a100-40gb",
+    description=(
+        "DGX A100 40GB SXM: the A100 80GB's compute, kernel figures, NVSwitch and 200 Gb/s HDR InfiniBand per GPU, "
+        "with 40 GB of HBM2 at 1,555 GB/s"
+    ),
+    memory_bytes=40 * GIB,
+    memory_bandwidth=1.555e12,
+)
+
 DEFAULT_PROFILE = "cpu-local"
 
 

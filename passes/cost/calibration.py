@@ -257,14 +257,20 @@ def fit_profile(
     )
 
 
-GPU_PRESETS = {"H200": "h200-141gb", "H100": "h100-80gb", "A100": "a100-80gb", "V100": "v100-16gb"}
+# what a device's name holds (NVIDIA A100-SXM4-40GB, ...) -> its preset; the first whose words all appear
+GPU_PRESETS = {
+    ("H200",): "h200-141gb", ("H100",): "h100-80gb", ("A100", "40GB"): "a100-40gb", ("A100",): "a100-80gb",
+    ("V100",): "v100-16gb",
+}  # fmt: skip
 
 
 def gpu_preset(device_name: str) -> HardwareProfile:
     """The preset of the GPU named ``device_name`` (``torch.cuda.get_device_name``): its
     inter-node tier, overlap and op overhead are what a one-node calibration cannot measure.
     An unknown GPU takes the H100's."""
-    return PROFILES[next((preset for key, preset in GPU_PRESETS.items() if key in device_name.upper()), "h100-80gb")]
+    name = device_name.upper()
+    matches = (preset for words, preset in GPU_PRESETS.items() if all(word in name for word in words))
+    return PROFILES[next(matches, "h100-80gb")]
 
 
 MEASURED_MATMUL_SIZE = 8192  # the square matmul `calibrate --backend nccl` times: its sweep's last size, < 50 ms

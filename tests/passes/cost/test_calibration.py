@@ -21,7 +21,7 @@ from calibration_data import (
 from planning import plan_example
 
 import autopar.calibrate
-from autopar.ir import HardwareProfile, LinkTier, get_profile
+from autopar.ir import HardwareProfile, LinkTier, MemoryLimitError, get_profile
 from autopar.passes.cost.calibration import (
     fit_collective,
     fit_contention,
@@ -29,6 +29,7 @@ from autopar.passes.cost.calibration import (
     fit_profile,
     fit_sync_by_ranks,
     gemm_errors,
+    gpu_preset,
     model_coefficients,
 )
 from autopar.passes.cost.efficiency import gemm_seconds
@@ -62,6 +63,30 @@ def test_gpu_measurements_make_a_node_profile_on_the_matching_preset(tmp_path):
         fit_profile({**synthetic_gpu_measurements(), "device_name": "NVIDIA A100-SXM4-80GB"}).links[1]
         == get_profile("a100-80gb").links[1]
     )
+
+
+@pytest.mark.parametrize(
+    "device, preset",
+    [
+        ("NVIDIA A100-SXM4-40GB", "a100-40gb"), ("NVIDIA A100-PCIE-40GB", "a100-40gb"),
+        ("NVIDIA A100-SXM4-80GB", "a100-80gb"), ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("NVIDIA H200", "h200-141gb"),
+        ("Tesla V100-SXM2-16GB", "v100-16gb"), ("NVIDIA B200", "h100-80gb"),
+    ],
+)  # fmt: skip
+def test_a_gpu_takes_the_preset_its_name_says(device, preset):
+    assert gpu_preset(device).name == preset
+
+
+def test_the_a100_40gb_is_the_80gb_with_its_own_memory():
+    small, large = get_profile("a100-40gb"), get_profile("a100-80gb")
+    assert (small.memory_bytes, small.memory_bandwidth) == (40 * 2**30, 1.555e12)
+    assert dataclasses.replace(small, name=large.name, description=large.description, memory_bytes=large.memory_bytes,
+                               memory_bandwidth=large.memory_bandwidth) == large  # fmt: skip
+    # 2.6B parameters' mixed-precision training state (18 bytes each, 47 GB): an A100 80GB holds it, a 40GB not
+    options = dict(model_kwargs={"hidden": 2560, "layers": 32, "heads": 20, "seq": 1024}, degrees={"dp": 8}, zero=0)
+    assert 40 * 2**30 < plan_example("gpt.py", 8, batch=8, hardware=large, **options).cost.peak_memory < 80 * 2**30
+    with pytest.raises(MemoryLimitError, match="a100-40gb|40960"):
+        plan_example("gpt.py", 8, batch=8, hardware=small, **options)
 
 
 def test_one_gpu_fits_its_gemm_grid_and_attention_and_keeps_the_preset_links():
