@@ -40,6 +40,7 @@ from autopar.ir import (
     NodeDecision,
     Plan,
     PlanOptions,
+    Recompute,
     Replicate,
     batch_split,
 )
@@ -386,9 +387,23 @@ class _Weighing:
         raise MemoryLimitError(
             f"no plan fits the memory limit of {self.limit / 2**20:.1f} MiB per device on mesh {self.mesh}. "
             f"The leanest configuration weighed ({_degrees_str(entry)}) needs {peak / 2**20:.1f} MiB: {breakdown}. "
-            "Raise memory_limit, use more devices, accumulate gradients (microbatches=N), "
-            "or shrink the batch or model."
+            f"{_memory_advice(self.options)}"
         )
+
+
+def _memory_advice(options: PlanOptions) -> str:
+    """What to change where no plan fits: first the pins that kept leaner plans out, then the rest."""
+    rest = "raise memory_limit, use more devices, accumulate gradients (microbatches=N), or shrink the batch or model."
+    pins = []
+    if options.zero is not None and options.zero < 3:
+        pins.append(f"zero={options.zero} (zero=3 shards parameters, gradients and optimizer state)")
+    if options.recompute is not None and options.recompute != Recompute.FULL:
+        pins.append(f"recompute={str(options.recompute)!r} ('full' keeps only each layer's input)")
+    if not pins:
+        return rest[0].upper() + rest[1:]
+    if len(pins) == 1:
+        return f"The pin {pins[0]} keeps leaner plans out: lift it, or {rest}"
+    return f"The pins {' and '.join(pins)} keep leaner plans out: lift them, or {rest}"
 
 
 def _batch_size(captured: CapturedGraph, facts: dict[str, NodeFacts]) -> int:

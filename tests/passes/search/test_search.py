@@ -132,6 +132,15 @@ def test_impossible_memory_limit_names_the_breakdown():
         plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE, memory_limit=2**20)
 
 
+def test_a_plan_that_does_not_fit_names_the_pins_that_kept_leaner_plans_out():
+    pinned = r"The pins zero=0 \(zero=3 shards .*\) and recompute='none' \('full' .*\) keep leaner plans out: lift them"
+    with pytest.raises(MemoryLimitError, match=pinned):
+        plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE, memory_limit=2**20, zero=0, recompute="none")
+    with pytest.raises(MemoryLimitError) as unpinned:
+        plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE, memory_limit=2**20, zero=3)
+    assert "The pin" not in str(unpinned.value) and ". Raise memory_limit" in str(unpinned.value)
+
+
 def test_a_memory_limit_moves_the_plan_to_zero_then_accumulation_or_tensor_parallelism():
     mlp = dict(model_kwargs=dict(hidden=512, ffn=2048, layers=2), batch=4096)
     free = plan_example("mlp.py", 4, **mlp)
