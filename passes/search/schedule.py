@@ -94,12 +94,11 @@ def variants(base: Schedule, options: PlanOptions, local_batch: int, layers: int
                     continue
                 out.append(dataclasses.replace(base, kind=kind, virtual=virtual, microbatches=micro, cuts=cuts))
     if not out:
+        modules = f" of {options.virtual} stage modules each" if options.virtual else ""
+        fewer = "stages or stage modules" if options.virtual else "stages"
         raise ConfigError(
-            f"no pipeline schedule runs {base.stages} stages"
-            + (f" of {options.virtual} stage modules each" if options.virtual else "")
-            + f" on {layers} layers with microbatches {counts}: pin fewer stages"
-            + (" or stage modules" if options.virtual else "")
-            + ", another schedule or more microbatches"
+            f"no pipeline schedule runs {base.stages} stages{modules} on {layers} layers with microbatches "
+            f"{counts}: pin fewer {fewer}, another schedule or more microbatches"
         )
     return out
 
