@@ -6,13 +6,13 @@ Rows are plain dicts (the ``--json`` output); the ``*_text`` functions render th
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import Counter
 
 import torch
 from tabulate import tabulate
 
-from autopar.ir import KERNEL_DIMS, Plan, PrecisionPolicy, Shard, layer_of, module_label
+from autopar.ir import KERNEL_DIMS, Plan, PrecisionPolicy, Shard, module_label
+from autopar.ir.names import fold_rows, folded_note
 from autopar.passes.capture.graph import module_path
 from autopar.passes.rewrite.export import collective_calls, placeholders
 
@@ -213,65 +213,6 @@ def _schedule_text(schedule: dict) -> str:
     return f"{schedule['kind']}{virtual}, m={schedule['microbatches']}, {saving}"
 
 
-def fold_rows(rows: list[dict]) -> list[dict]:
-    """The rows of :func:`module_rows` with identical layers shown once, where the first of them
-    is: ``layers.0-95 x96`` and its modules as ``layers.0-95.attn.wq``, with one layer's numbers;
-    layers that repeat with others between them (sliding-window and global attention, dense and
-    expert MLPs) as ``layers.{0-2,4-6,...,44-46} x36``."""
-    blocks: list[tuple[str | None, list[dict]]] = []  # (layer, its rows), in order
-    for row in rows:
-        layer = layer_of(row["module"])
-        if blocks and blocks[-1][0] == layer and layer is not None:
-            blocks[-1][1].append(row)
-        else:
-            blocks.append((layer, [row]))
-
-    def shape(layer: str, block: list[dict]) -> tuple:
-        return tuple(
-            (row["module"][len(layer) :], *(repr(v) for k, v in row.items() if k != "module")) for row in block
-        )
-
-    numbers: dict[tuple, list[int]] = {}  # (prefix, shape) → the numbers of the layers alike, in order
-    shown: list[tuple[tuple | None, str | None, list[dict]]] = []  # (key, first layer, its rows)
-    for layer, block in blocks:
-        prefix, _, number = (layer or "").rpartition(".")
-        if layer is None or not number.isdigit():
-            shown.append((None, layer, block))
-            continue
-        key = (prefix, shape(layer, block))
-        if key not in numbers:
-            numbers[key] = []
-            shown.append((key, layer, block))
-        numbers[key].append(int(number))
-    out: list[dict] = []
-    for key, layer, block in shown:
-        if key is None or len(numbers[key]) == 1:
-            out += block
-            continue
-        span = f"{key[0]}.{_numbers_text(numbers[key])}"
-        for row in block:
-            rest = row["module"][len(layer) :]
-            out.append({**row, "module": span + rest if rest else f"{span} x{len(numbers[key])}"})
-    return out
-
-
-def _numbers_text(numbers: list[int]) -> str:
-    """``0-95``; ``{0-2,4}``; ``{0-2,4-6,...,44-46}`` where the ranges are evenly spaced and alike."""
-    ranges: list[list[int]] = []
-    for number in numbers:
-        if ranges and number == ranges[-1][1] + 1:
-            ranges[-1][1] = number
-        else:
-            ranges.append([number, number])
-    texts = [f"{first}-{last}" if last > first else f"{first}" for first, last in ranges]
-    if len(ranges) == 1:
-        return texts[0]
-    steps = {b[0] - a[0] for a, b in zip(ranges, ranges[1:])}
-    if len(ranges) > 3 and len(steps) == 1 and len({last - first for first, last in ranges}) == 1:
-        texts = [texts[0], texts[1], "...", texts[-1]]
-    return "{" + ",".join(texts) + "}"
-
-
 def modules_text(rows: list[dict]) -> str:
     """The module table; identical layers are shown once (:func:`fold_rows`)."""
     rows = fold_rows(rows)
@@ -293,12 +234,8 @@ def modules_text(rows: list[dict]) -> str:
         "graph (backward runs each collective's dual on a gradient of the same size); grad sum: axes the runtime\n"
         "all-reduces the module's parameter gradients over after backward (not counted in collective bytes)."
     )
-    spans = (re.match(r"(.*?\.(\d+)-(\d+))(\.| x|$)", row["module"]) for row in rows)
-    span = next((m for m in spans if m), None)  # the first run of identical layers, as the table names it
-    if span:
-        count = int(span[3]) - int(span[2]) + 1
-        note += f"\n{span[1]} x{count}: {count} identical layers, shown once with one layer's numbers"
-        note += " (--json lists every one)."
+    folded = folded_note([row["module"] for row in rows], "--json lists")
+    note += f"\n{folded}" if folded else ""
     return tabulate(table, headers=headers) + "\n" + note
 
 
@@ -306,24 +243,35 @@ def modules_text(rows: list[dict]) -> str:
 
 
 def decisions_text(plan: Plan) -> str:
-    groups: dict[str, list] = {}
+    """Each node's op and placements, by module; identical layers once (the plan file lists every node)."""
+    groups: dict[str, list] = {}  # by module, in the order modules first appear
     for name, decision in plan.nodes.items():
         groups.setdefault(decision.module, []).append((name, decision))
-    rows = []
-    for module, members in groups.items():
-        for index, (name, decision) in enumerate(members):
-            inputs = ", ".join(_placement(p) if p is not None else "-" for p in decision.inputs)
-            output = _placement(decision.output) if decision.output is not None else "-"
-            comm = _size(decision.comm_bytes) if decision.comm_bytes else ""
-            op = (
-                f"{decision.op} [{decision.kernel} over {KERNEL_DIMS[decision.kernel]}]"
-                if decision.kernel
-                else decision.op
-            )
-            rows.append([module_label(module) if index == 0 else "", name, op, inputs, output, comm])
+    rows = [
+        {
+            "module": module,
+            "node": name,
+            "op": f"{decision.op} [{decision.kernel} over {KERNEL_DIMS[decision.kernel]}]"
+            if decision.kernel
+            else decision.op,
+            "inputs": ", ".join(_placement(p) if p is not None else "-" for p in decision.inputs),
+            "output": _placement(decision.output) if decision.output is not None else "-",
+            "comm": _size(decision.comm_bytes) if decision.comm_bytes else "",
+        }
+        for module, members in groups.items()
+        for name, decision in members
+    ]
+    rows = fold_rows(rows, ignore=("node",))
+    table = []
+    for k, row in enumerate(rows):
+        first = k == 0 or row["module"] != rows[k - 1]["module"]  # a module's name on its first row alone
+        table.append([module_label(row["module"]) if first else "", *list(row.values())[1:]])
+    folded = folded_note([row["module"] for row in rows], "the plan file lists")
     axes = ", ".join(plan.degrees)
-    return f"node decisions by module (placements over {axes}):\n" + tabulate(
-        rows, headers=["module", "node", "op", "inputs", "output", "comm"]
+    return (
+        f"node decisions by module (placements over {axes}):\n"
+        + tabulate(table, headers=["module", "node", "op", "inputs", "output", "comm"])
+        + (f"\n{folded} Node names are the first layer's." if folded else "")
     )
 
 

@@ -99,6 +99,81 @@ def layer_of(name: str) -> str | None:
     return match.group(1) if match else None
 
 
+def fold_rows(rows: list[dict], field: str = "module", ignore: tuple[str, ...] = ()) -> list[dict]:
+    """Table rows (dicts) with identical layers shown once, where the first of them is: rows whose
+    ``field`` (a module path or parameter name) lies in ``layers.0`` are renamed ``layers.0-95...``
+    when layers 1-95 have rows alike (every other field equal, but those in ``ignore``), and theirs
+    are left out; the layer's own row (``field`` the layer itself) reads ``layers.0-95 x96``.
+    Layers that repeat with others between them (sliding-window and global attention, dense and
+    expert MLPs) read ``layers.{0-2,4-6,...,44-46}``. The shown rows keep the first layer's values."""
+    blocks: list[tuple[str | None, list[dict]]] = []  # (layer, its rows), in order
+    for row in rows:
+        layer = layer_of(row[field])
+        if blocks and blocks[-1][0] == layer and layer is not None:
+            blocks[-1][1].append(row)
+        else:
+            blocks.append((layer, [row]))
+
+    def shape(layer: str, block: list[dict]) -> tuple:
+        return tuple(
+            (row[field][len(layer) :], *(repr(v) for k, v in row.items() if k != field and k not in ignore))
+            for row in block
+        )
+
+    numbers: dict[tuple, list[int]] = {}  # (prefix, shape) → the numbers of the layers alike, in order
+    shown: list[tuple[tuple | None, str | None, list[dict]]] = []  # (key, first layer, its rows)
+    for layer, block in blocks:
+        prefix, _, number = (layer or "").rpartition(".")
+        if layer is None or not number.isdigit():
+            shown.append((None, layer, block))
+            continue
+        key = (prefix, shape(layer, block))
+        if key not in numbers:
+            numbers[key] = []
+            shown.append((key, layer, block))
+        numbers[key].append(int(number))
+    out: list[dict] = []
+    for key, layer, block in shown:
+        if key is None or len(numbers[key]) == 1:
+            out += block
+            continue
+        span = f"{key[0]}.{_numbers_text(numbers[key])}"
+        for row in block:
+            rest = row[field][len(layer) :]
+            out.append({**row, field: span + rest if rest else f"{span} x{len(numbers[key])}"})
+    return out
+
+
+def folded_note(names: list[str], lists: str) -> str:
+    """The line under a table :func:`fold_rows` folded (``names``: its ``field`` column), naming its
+    first run of identical layers and where ``lists`` every one; empty when nothing folded."""
+    spans = (re.match(r"(.*?\.(\d+-\d+|\{[^}]*\}))(\.| x|$)", name) for name in names)
+    span = next((m for m in spans if m), None)
+    if span is None:
+        return ""
+    ranges = [[int(n) for n in part.split("-")] for part in span[2].strip("{}").split(",") if part != "..."]
+    count = sum(r[-1] - r[0] + 1 for r in ranges)
+    head = f"{span[1]}: identical layers" if "..." in span[2] else f"{span[1]} x{count}: {count} identical layers"
+    return f"{head}, shown once with one layer's numbers ({lists} every one)."
+
+
+def _numbers_text(numbers: list[int]) -> str:
+    """``0-95``; ``{0-2,4}``; ``{0-2,4-6,...,44-46}`` where the ranges are evenly spaced and alike."""
+    ranges: list[list[int]] = []
+    for number in numbers:
+        if ranges and number == ranges[-1][1] + 1:
+            ranges[-1][1] = number
+        else:
+            ranges.append([number, number])
+    texts = [f"{first}-{last}" if last > first else f"{first}" for first, last in ranges]
+    if len(ranges) == 1:
+        return texts[0]
+    steps = {b[0] - a[0] for a, b in zip(ranges, ranges[1:])}
+    if len(ranges) > 3 and len(steps) == 1 and len({last - first for first, last in ranges}) == 1:
+        texts = [texts[0], texts[1], "...", texts[-1]]
+    return "{" + ",".join(texts) + "}"
+
+
 # How a compiled graph's waits are named (``wait_name``): inductor writes a node's name in the
 # comment above its call, so a wait that fails (a peer stalled or died) can name its plan nodes.
 _WAIT, _BACKWARD, _SHOWN = "wait_for_", "backward_of_", 3

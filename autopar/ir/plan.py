@@ -16,7 +16,7 @@ from tabulate import tabulate
 
 from autopar.ir.errors import AutoparError, ConfigError, InvalidPlanError, StalePlanError
 from autopar.ir.mesh import Mesh
-from autopar.ir.names import Axis, Kernel, PipelineKind, Recompute
+from autopar.ir.names import Axis, Kernel, PipelineKind, Recompute, fold_rows, folded_note
 from autopar.ir.placement import Placement, format_placements, parse_placement
 from autopar.ir.plan_schema import check_plan_json
 from autopar.ir.precision import PrecisionPolicy
@@ -274,17 +274,30 @@ class Plan:
 
     # -- display -----------------------------------------------------------------------
     def __str__(self) -> str:
-        degrees = " x ".join(f"{dim}={size}" for dim, size in self.degrees.items())
-        rows = [
-            [name, format_placements(placement), "+".join(self.grad_sync.get(name, ())) or "-"]
-            for name, placement in self.params.items()
-        ]
-        table = tabulate(rows, headers=["parameter", "placement " + str(self.axes), "grad sum over"])
+        pipeline = {"pp": self.schedule.stages} if self.schedule.stages > 1 else {}
+        degrees = " x ".join(f"{dim}={size}" for dim, size in (pipeline | self.degrees).items())
+        rows = fold_rows(
+            [
+                {
+                    "parameter": name,
+                    "placement": format_placements(placement),
+                    "grad": "+".join(self.grad_sync.get(name, ())) or "-",
+                }
+                for name, placement in self.params.items()
+            ],
+            field="parameter",
+        )
+        table = tabulate(
+            [list(row.values()) for row in rows], headers=["parameter", "placement " + str(self.axes), "grad sum over"]
+        )
+        folded = folded_note([row["parameter"] for row in rows], "plan.params lists")
+        table += f"\n{folded}" if folded else ""
         memory = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.cost.memory.items())
         return (
             f"Plan for mesh {self.mesh} ({degrees}{f', ZeRO-{self.zero}' if self.zero else ''}"
             f", {self.precision}) on {self.hardware}, "
             f"global batch {self.batch_size}\n"
+            f"schedule: {self.schedule}\n"
             f"predicted step {self.cost.step_s * 1e3:.2f} ms (compute {self.cost.compute_s * 1e3:.2f}, "
             f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "
             f"memory per device: {memory}\n{table}"

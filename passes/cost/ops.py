@@ -67,11 +67,28 @@ def _signature(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None,
         needs_grad and isinstance(v, torch.Tensor) and (wants is None or getattr(arg, "name", None) in wants)
         for arg, v in zip(flat, values)
     )
+    where = _POSITIONS.get(node.target, ())
     key = (str(node.target), needs_grad, cast, grads) + tuple(
-        (tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast)) if isinstance(v, torch.Tensor) else repr(v)
-        for v in values
+        (tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast))
+        if isinstance(v, torch.Tensor)
+        else "at" if k in where else repr(v)
+        for k, v in enumerate(values)
     )
+    if where:  # the length a slice keeps is its output's
+        key += tuple(tuple(t.shape) for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
     return key, values, spec, grads
+
+
+# Arguments (flat positions) that only say where an op reads or writes: a token loop that
+# torch.export unrolls indexes position 0, 1, ... of one tensor at the same cost, and one
+# signature for them all keeps the ops this machine times from growing with the sequence.
+_POSITIONS = {
+    torch.ops.aten.select.int: (2,),
+    torch.ops.aten.select_scatter.default: (3,),
+    torch.ops.aten.slice.Tensor: (2, 3),
+    torch.ops.aten.slice_scatter.default: (3, 4),
+    torch.ops.aten.narrow.default: (2,),
+}
 
 
 def op_profile(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None, wants=None) -> OpProfile:

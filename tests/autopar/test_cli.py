@@ -134,7 +134,7 @@ def test_plan_json_honours_degrees_and_save_explain_round_trips(capsys, tmp_path
     out = capsys.readouterr().out
     assert out.startswith(str(loaded).splitlines()[0])
     assert "search: 1 configuration in" in out
-    assert "node decisions by module" in out and "layers.0.attn.wq" in out
+    assert "node decisions by module" in out and "layers.0-1.attn.wq" in out  # identical layers once
 
 
 def test_every_choice_can_be_pinned_to_evaluate_one_configuration(capsys):

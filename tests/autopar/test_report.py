@@ -7,7 +7,8 @@ from planning import meta_model, plan_example
 
 import autopar
 from autopar.cli.progress import ProgressLine
-from autopar.report import decisions_text, fold_rows
+from autopar.ir.names import fold_rows
+from autopar.report import decisions_text
 
 
 def _row(module: str, output: str = "(S(0), R)", param_bytes: int = 64) -> dict:
@@ -44,6 +45,23 @@ def test_layers_that_alternate_fold_into_one_entry_each():
         "layers.{3,7,...,47} x12",
         "layers.{3,7,...,47}.fc",
     ]
+
+
+def test_a_plan_and_its_node_decisions_show_identical_layers_once():
+    """``print(plan)`` and ``autopar explain``: layers placed alike once, a layer placed otherwise apart."""
+    split = {"layers.1.mlp.fc1": "S(-1)", "layers.1.mlp.fc2": "P", "layers.[02].mlp.fc[12]": "R"}
+    kwargs = dict(hidden=32, layers=3, heads=2, vocab=64, seq=8)
+    plan = plan_example("gpt.py", 2, 4, model_kwargs=kwargs, degrees={"tp": 2}, constraints=split, hardware="a100-80gb")
+    text = str(plan)
+    assert "layers.{0,2}.attn.wq.weight" in text and "layers.1.mlp.fc1.weight  " in text
+    assert "layers.2.attn.wq.weight" not in text and f"schedule: {plan.schedule}" in text
+    assert "layers.{0,2} x2: 2 identical layers" in text
+    assert "layers.1.mlp.fc1 " in decisions_text(plan)  # its nodes (and its neighbours' boundaries) differ
+    plan = plan_example("gpt.py", 2, 4, model_kwargs=kwargs, degrees={"dp": 2}, hardware="a100-80gb")
+    decisions = decisions_text(plan)
+    assert "layers.0-2.attn.wq" in decisions and "layers.2.attn" not in decisions
+    assert "layers.0-2 x3: 3 identical layers" in decisions and "Node names are the first layer's." in decisions
+    assert len(decisions.splitlines()) < len(plan.nodes)  # every node is in the plan file
 
 
 def test_the_search_reports_progress_and_the_line_shows_the_best_so_far():

@@ -10,6 +10,7 @@ from autopar.ir import LinkTier, Partial, Replicate, Shard, get_profile, model_s
 from autopar.ir.buckets import BUCKET_BYTES
 from autopar.ir.precision import ZERO_PAPER_LAYOUT
 from autopar.passes.capture.graph import capture
+from autopar.passes.cost import ops
 from autopar.passes.cost.axis_terms import AxisContext
 from autopar.passes.cost.collectives import collective_time, grad_sync_time, reshard_time
 from autopar.passes.cost.facts import analyze
@@ -147,6 +148,29 @@ def test_timing_ops_leaves_the_random_stream_as_it_was():
     state = torch.get_rng_state()
     assert measured_time(node, True, op_profile(node, needs_grad=True)) is not None  # dropout drew, inputs too
     assert torch.equal(torch.get_rng_state(), state)
+
+
+class TokenLoop(torch.nn.Module):
+    """A recurrence over the tokens, as RWKV's and Mamba's run without their kernels: export unrolls it."""
+
+    def forward(self, x):
+        state, outputs = x[:, 0] * 0, []
+        for t in range(x.shape[1]):
+            state = state * 0.5 + x[:, t]
+            outputs.append(state)
+        stacked = torch.stack(outputs, 1)
+        return stacked[:, 2:5] * stacked[:, 6:9], stacked[:, 1:3]
+
+
+def test_indexing_at_another_position_is_the_same_op_to_time():
+    captured = capture(TokenLoop(), (torch.randn(4, 9, 16),))
+    nodes = [n for n in captured.graph.nodes if n.target is torch.ops.aten.select.int]
+    signatures = {ops._signature(n, True)[0] for n in nodes}
+    assert len(nodes) == 10 and len(signatures) == 1  # one to time, not one per token
+    slices = [n for n in captured.graph.nodes if n.target is torch.ops.aten.slice.Tensor]
+    early, late, shorter = (ops._signature(n, True)[0] for n in slices)
+    assert [n.args[2:] for n in slices] == [(2, 5), (6, 9), (1, 3)]
+    assert early == late and shorter != early  # where a slice starts does not count, what it keeps does
 
 
 class Attention(torch.nn.Module):
