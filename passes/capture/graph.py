@@ -172,7 +172,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         raise TraceError(
             f"torch.export could not trace {type(model).__name__}{_user_line(error)}: {type(error).__name__}: "
             f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}\n"
-            f"{_positions_hint(model, example_inputs, example_kwargs)}{_advice(error)}"
+            f"{_positions_hint(model, example_inputs, example_kwargs, error)}{_advice(error)}"
         ) from error
     known = buffer_values(exported)  # the buffers' values, where they hold data
     _check_lookups(exported.graph_module, known)
@@ -307,6 +307,10 @@ _SHAPE_MISMATCHES = (
 )  # fmt: skip
 
 
+def _shapes_disagree(error: BaseException) -> bool:
+    return any(sign in str(error).lower() for sign in _SHAPE_MISMATCHES)
+
+
 def _advice(error: BaseException) -> str:
     """What to do about ``error``: a model whose own code raised a plain Python error, or whose
     tensors' shapes disagree, fails with these inputs or this configuration whether traced or not
@@ -314,10 +318,9 @@ def _advice(error: BaseException) -> str:
     router calls topk with k=None); anything else is most often control flow on a tensor's values,
     which export cannot follow."""
     raised_in_model = isinstance(error, _PLAIN_MISTAKES) and _user_line(error) == _user_line(error, innermost=True)
-    shapes_disagree = any(sign in str(error).lower() for sign in _SHAPE_MISMATCHES)
-    if raised_in_model or shapes_disagree:
+    if raised_in_model or _shapes_disagree(error):
         what = "The model's own code raised this"
-        if shapes_disagree:
+        if _shapes_disagree(error):
             what = "The shapes at the model's line above disagree"
         return (
             f"{what}, not torch.export: the forward fails with these inputs or this "
@@ -331,15 +334,24 @@ def _advice(error: BaseException) -> str:
     )
 
 
-def _positions_hint(model: torch.nn.Module, args: tuple, kwargs: dict) -> str:
+def _positions_hint(model: torch.nn.Module, args: tuple, kwargs: dict, error: BaseException) -> str:
     """A line naming the likely cause when the call is longer than the positions the model's config
-    holds: buffers sized for them (GPT-Neo's causal mask) then fail to broadcast inside export."""
+    holds: buffers sized for them (GPT-Neo's causal mask) then fail to broadcast inside export. A
+    call of exactly that many tokens whose shapes disagree is named too: a model that starts its
+    positions past a padding index (ProphetNet) holds fewer than its config says."""
     config = getattr(model, "config", None)
     field, limit = (config_positions(config) if config is not None else None) or ("", None)
     leaves = tree_flatten((args, kwargs))[0]  # token ids: integer [batch, tokens] (not images, not audio)
     tokens = [t.shape[1] for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()]
-    if limit is None or not tokens or max(tokens) <= limit:
+    if limit is None or not tokens or max(tokens) < limit:
         return ""
+    if max(tokens) == limit:
+        if not _shapes_disagree(error):
+            return ""
+        return (
+            f"The call has {limit} tokens, every position the model's config holds ({field}); a model that "
+            "offsets its positions (past a padding index) holds fewer: call it on fewer tokens (--seq).\n"
+        )
     return (
         f"The call has {max(tokens)} tokens and the model's config holds {limit} positions "
         f"({field}): call it on at most {limit}, or build it with more positions.\n"

@@ -71,7 +71,9 @@ def _signature(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None,
     key = (str(node.target), needs_grad, cast, grads) + tuple(
         (tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast))
         if isinstance(v, torch.Tensor)
-        else "at" if k in where else repr(v)
+        else "at"
+        if k in where
+        else repr(v)
         for k, v in enumerate(values)
     )
     if where:  # the length a slice keeps is its output's

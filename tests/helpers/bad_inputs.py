@@ -16,6 +16,7 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from equivalence import ROOT, load_example
@@ -281,6 +282,13 @@ MISTAKES = [
         lambda folder: caught(lambda: autopar.plan(_gpt_neo(positions=8), 2, example_kwargs=_tokens(2, 16))),
     ),
     Mistake(
+        "a model whose 8 configured positions start past a padding index (as ProphetNet's), called on 8 tokens",
+        "TraceError",
+        r"The call has 8 tokens, every position the model's config holds \(max_position_embeddings\); a model that "
+        r"offsets its positions \(past a padding index\) holds fewer: call it on fewer tokens",
+        lambda folder: caught(lambda: autopar.plan(_OffsetPositions(), 2, (torch.randint(0, 64, (4, 8)),))),
+    ),
+    Mistake(
         "a model whose configuration leaves its router's top-k unset (torch.topk(x, k=None), as DeepSeek-V2's default)",
         "TraceError",
         r"(?s)TypeError: topk\(\): .*The model's own code raised this, not torch.export: .* Run the model once",
@@ -450,6 +458,20 @@ class _RotaryTooShort(torch.nn.Module):
 
     def forward(self, x):
         return (x.view(x.shape[0], 2, 8) * self.cos).sum()
+
+
+class _OffsetPositions(torch.nn.Module):
+    """A config of 8 positions whose table starts past its padding index (row 0), as ProphetNet's:
+    it holds 7, and a call of 8 tokens adds 7 rows to 8 tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(max_position_embeddings=8)
+        self.embed = torch.nn.Embedding(64, 4)
+        self.positions = torch.nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, input_ids):
+        return (self.embed(input_ids) + self.positions[1 : input_ids.shape[1] + 1]).square().mean()
 
 
 class _LearnedPositions(torch.nn.Module):
