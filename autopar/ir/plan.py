@@ -299,7 +299,8 @@ class Plan:
             f"global batch {self.batch_size}\n"
             f"schedule: {self.schedule}\n"
             f"predicted step {self.cost.step_s * 1e3:.2f} ms (compute {self.cost.compute_s * 1e3:.2f}, "
-            f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}); "
+            f"communication {self.cost.comm_s * 1e3:.2f}, gradient sync {self.cost.grad_sync_s * 1e3:.2f}, "
+            f"optimizer {self.cost.optimizer_s * 1e3:.2f}, pipeline bubble {self.cost.pipeline_s * 1e3:.2f}); "
             f"memory per device: {memory}\n{table}"
         )
 

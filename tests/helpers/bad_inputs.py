@@ -16,10 +16,10 @@ import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from equivalence import ROOT, load_example
+from mistaken_models import LearnedPositions, OffsetPositions, RotaryTooShort, SplitByCounts, UnsetTopK, gpt_neo
 
 import autopar
 from autopar.ir import AutoparError
@@ -273,40 +273,40 @@ MISTAKES = [
         "a model with 8 learned positions planned for sequences of 16 tokens",
         "ConfigError",
         r"wpe looks up row 15 of its 8-row table .*: the model holds 8 positions; call it on sequences of at most 8",
-        lambda folder: caught(lambda: autopar.plan(_LearnedPositions(8), 2, (torch.randn(4, 16, 4),))),
+        lambda folder: caught(lambda: autopar.plan(LearnedPositions(8), 2, (torch.randn(4, 16, 4),))),
     ),
     Mistake(
         "a Hugging Face GPT-Neo with 8 positions planned for sequences of 16 tokens",
         "TraceError",
         r"The call has 16 tokens and the model's config holds 8 positions \(max_position_embeddings\): call it",
-        lambda folder: caught(lambda: autopar.plan(_gpt_neo(positions=8), 2, example_kwargs=_tokens(2, 16))),
+        lambda folder: caught(lambda: autopar.plan(gpt_neo(positions=8), 2, example_kwargs=_tokens(2, 16))),
     ),
     Mistake(
         "a model whose 8 configured positions start past a padding index (as ProphetNet's), called on 8 tokens",
         "TraceError",
         r"The call has 8 tokens, every position the model's config holds \(max_position_embeddings\); a model that "
         r"offsets its positions \(past a padding index\) holds fewer: call it on fewer tokens",
-        lambda folder: caught(lambda: autopar.plan(_OffsetPositions(), 2, (torch.randint(0, 64, (4, 8)),))),
+        lambda folder: caught(lambda: autopar.plan(OffsetPositions(), 2, (torch.randint(0, 64, (4, 8)),))),
     ),
     Mistake(
         "a model whose configuration leaves its router's top-k unset (torch.topk(x, k=None), as DeepSeek-V2's default)",
         "TraceError",
         r"(?s)TypeError: topk\(\): .*The model's own code raised this, not torch.export: .* Run the model once",
-        lambda folder: caught(lambda: autopar.plan(_UnsetTopK(), 2, (torch.randn(4, 8),))),
+        lambda folder: caught(lambda: autopar.plan(UnsetTopK(), 2, (torch.randn(4, 8),))),
     ),
     Mistake(
         "a model whose configuration gives its heads 8 dimensions and its rotary table 4 (sizes that disagree)",
         "TraceError",
         r"(?s)RuntimeError: Attempting to broadcast .*The shapes at the model's line above disagree, not "
         r"torch.export: .* Run the model once",
-        lambda folder: caught(lambda: autopar.plan(_RotaryTooShort(), 2, (torch.randn(4, 16),))),
+        lambda folder: caught(lambda: autopar.plan(RotaryTooShort(), 2, (torch.randn(4, 16),))),
     ),
     Mistake(
         "a model on the meta device splitting tokens by counts it computes (x.split(counts.tolist()), as JetMoE)",
         "ConfigError",
         r"item .* in the model reads a size from the data \(u\d+: .*\), which a model on the meta device cannot "
         r"compute: plan it with real weights",
-        lambda folder: caught(lambda: autopar.plan(_meta(_SplitByCounts), 2, (torch.randn(8, 4, device="meta"),))),
+        lambda folder: caught(lambda: autopar.plan(_meta(SplitByCounts), 2, (torch.randn(8, 4, device="meta"),))),
     ),
     Mistake(
         "degrees={'mp': 2}: a parallel dimension autopar does not have",
@@ -420,80 +420,6 @@ MISTAKES = [
 def _meta(factory):
     with torch.device("meta"):
         return factory()
-
-
-class _SplitByCounts(torch.nn.Module):
-    """Rows split into two groups by a count computed from the data (a router's choice)."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(4))
-
-    def forward(self, x):
-        chosen = x[:, 0] > 0
-        counts = torch.stack([chosen.sum(), (~chosen).sum()]).tolist()
-        first, rest = (x * self.weight)[chosen.argsort(descending=True)].split(counts)
-        return first.sum() - rest.sum()
-
-
-class _UnsetTopK(torch.nn.Module):
-    """A router whose configuration leaves ``top_k`` unset (Hugging Face's DeepSeek-V2 default)."""
-
-    top_k = None
-
-    def __init__(self):
-        super().__init__()
-        self.gate = torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        return torch.topk(self.gate(x), k=self.top_k, dim=-1).values.sum()
-
-
-class _RotaryTooShort(torch.nn.Module):
-    """Heads of 8 dimensions rotated by a table of 4 (a configuration whose head and rotary sizes disagree)."""
-
-    def __init__(self):
-        super().__init__()
-        self.register_buffer("cos", torch.ones(4))
-
-    def forward(self, x):
-        return (x.view(x.shape[0], 2, 8) * self.cos).sum()
-
-
-class _OffsetPositions(torch.nn.Module):
-    """A config of 8 positions whose table starts past its padding index (row 0), as ProphetNet's:
-    it holds 7, and a call of 8 tokens adds 7 rows to 8 tokens."""
-
-    def __init__(self):
-        super().__init__()
-        self.config = SimpleNamespace(max_position_embeddings=8)
-        self.embed = torch.nn.Embedding(64, 4)
-        self.positions = torch.nn.Parameter(torch.randn(8, 4))
-
-    def forward(self, input_ids):
-        return (self.embed(input_ids) + self.positions[1 : input_ids.shape[1] + 1]).square().mean()
-
-
-class _LearnedPositions(torch.nn.Module):
-    """A table of learned positions looked up at ``arange`` over the sequence, as GPT-2's ``wpe``."""
-
-    def __init__(self, positions: int):
-        super().__init__()
-        self.wpe = torch.nn.Embedding(positions, 4)
-
-    def forward(self, x):
-        return (x + self.wpe(torch.arange(x.shape[1]))).square().mean()
-
-
-def _gpt_neo(positions: int):
-    """A small GPT-Neo from its config: a causal-mask buffer of ``positions`` x ``positions``."""
-    from transformers import AutoModelForCausalLM, GPTNeoConfig
-
-    config = GPTNeoConfig(
-        vocab_size=64, max_position_embeddings=positions, hidden_size=32, num_layers=2, num_heads=4,
-        attention_types=[[["global", "local"], 1]], window_size=4, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(config)
 
 
 def _tokens(batch: int, seq: int) -> dict:
