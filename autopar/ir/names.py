@@ -1,6 +1,6 @@
 """Names that planning and running must agree on: mesh axes, parallel kernels, pipeline
-schedules, recomputation levels, the torch op namespace, which layer a name belongs to, and
-how a compiled program's waits are named.
+schedules, recomputation levels, the torch op namespace, which layer a name belongs to (and how
+tables name a run of identical layers once), and how a compiled program's waits are named.
 
 The word sets are ``StrEnum`` s: code names them (``Axis.DP``), while data — degrees, plans,
 JSON, fx code — holds the plain strings they equal (``"dp"``)."""

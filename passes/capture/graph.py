@@ -318,10 +318,11 @@ def _advice(error: BaseException) -> str:
     router calls topk with k=None); anything else is most often control flow on a tensor's values,
     which export cannot follow."""
     raised_in_model = isinstance(error, _PLAIN_MISTAKES) and _user_line(error) == _user_line(error, innermost=True)
-    if raised_in_model or _shapes_disagree(error):
-        what = "The model's own code raised this"
-        if _shapes_disagree(error):
-            what = "The shapes at the model's line above disagree"
+    shapes_disagree = _shapes_disagree(error)
+    if raised_in_model or shapes_disagree:
+        what = (
+            "The shapes at the model's line above disagree" if shapes_disagree else "The model's own code raised this"
+        )
         return (
             f"{what}, not torch.export: the forward fails with these inputs or this "
             "configuration even run as it is. Run the model once on the same inputs, fix what it reports (a "
@@ -346,11 +347,11 @@ def _positions_hint(model: torch.nn.Module, args: tuple, kwargs: dict, error: Ba
     if limit is None or not tokens or max(tokens) < limit:
         return ""
     if max(tokens) == limit:
-        if not _shapes_disagree(error):
-            return ""
         return (
             f"The call has {limit} tokens, every position the model's config holds ({field}); a model that "
             "offsets its positions (past a padding index) holds fewer: call it on fewer tokens (--seq).\n"
+            if _shapes_disagree(error)
+            else ""
         )
     return (
         f"The call has {max(tokens)} tokens and the model's config holds {limit} positions "

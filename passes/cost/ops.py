@@ -68,14 +68,13 @@ def _signature(node: fx.Node, needs_grad: bool, cast: torch.dtype | None = None,
         for arg, v in zip(flat, values)
     )
     where = _POSITIONS.get(node.target, ())
-    key = (str(node.target), needs_grad, cast, grads) + tuple(
-        (tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast))
-        if isinstance(v, torch.Tensor)
-        else "at"
-        if k in where
-        else repr(v)
-        for k, v in enumerate(values)
-    )
+
+    def described(k: int, v) -> object:
+        if isinstance(v, torch.Tensor):
+            return tuple(v.shape), tuple(v.stride()), compute_dtype(v.dtype, cast)
+        return "at" if k in where else repr(v)
+
+    key = (str(node.target), needs_grad, cast, grads) + tuple(described(k, v) for k, v in enumerate(values))
     if where:  # the length a slice keeps is its output's
         key += tuple(tuple(t.shape) for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor))
     return key, values, spec, grads

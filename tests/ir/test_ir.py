@@ -53,7 +53,8 @@ def test_plan_round_trips_through_json_and_prints_a_table(tmp_path):
     assert "layers.0.attn.wq.weight" in text and "predicted step" in text
     line = text.split("predicted step ")[1].split(";")[0]  # "61.82 ms (compute 43.84, ..., pipeline bubble 12.38)"
     step, parts = float(line.split(" ms")[0]), [float(v) for v in re.findall(r" ([\d.]+)[,)]", line)]
-    assert len(parts) == 5 and sum(parts) == pytest.approx(step, abs=0.02)  # what the step is made of, all of it
+    # what the step is made of, all of it (six figures printed to 0.01 ms: at most 6 x 0.005 apart)
+    assert len(parts) == 5 and sum(parts) == pytest.approx(step, abs=0.03)
 
 
 def test_a_plan_records_its_precision_and_the_hardware_picks_the_default(tmp_path):
