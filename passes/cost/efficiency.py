@@ -17,6 +17,9 @@ numbers and their sources):
   by how well the call's blocks fill the GPU against the table's configuration (:func:`attention_fill`):
   one sequence over the few heads a tensor-parallel rank holds keeps a fraction of the table's rate.
 - Streaming ops (:func:`streaming_seconds`): bytes over the achieved share of memory bandwidth.
+- A mixture of experts op (:func:`experts_work`): its router's GEMM and one grouped GEMM per
+  projection, a batch of E GEMMs over the rows routed to each expert, priced as GEMMs; its copies of
+  the routed rows and its gated activation streamed.
 
 Every function takes plain numbers or sympy expressions (costs symbolic in batch and sequence,
 :mod:`symbolic`): ceilings, maxima and the interpolation stay open until a size is given.
@@ -35,8 +38,9 @@ from bisect import bisect_right
 import sympy
 import torch
 
-from autopar.ir import HardwareProfile, KernelFigures
+from autopar.ir import OP_NAMESPACE, HardwareProfile, KernelFigures
 from autopar.passes.cost.ops import maximum, minimum
+from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
 aten = torch.ops.aten
 
@@ -50,6 +54,7 @@ GEMMS = {
     aten.matmul.default: (0, 1, False),
 }
 ATTENTION = aten.scaled_dot_product_attention.default
+EXPERTS = (f"{OP_NAMESPACE}::moe", f"{OP_NAMESPACE}::moe_experts")  # mixture of experts: router and experts, experts
 BACKWARD_OVER_FORWARD = 2.5  # FlashAttention's FLOP convention: backward counts 2.5x the forward
 ATTENTION_TILE = 128  # query (forward) or key (backward) rows one block of the fused kernel takes
 TABLE_TOKENS, TABLE_HIDDEN = 16384, 2048  # the tables' configuration: batch x sequence, heads x head size
@@ -223,13 +228,15 @@ def shaped_seconds(
     causal: bool = False,
     pieces: int = 1,
     grads: tuple[bool, bool] = (True, True),
+    top_k: int = 1,
 ):
-    """Seconds of a GEMM's or attention's forward (+ backward) at these input shapes, its batch
-    run in ``pieces`` microbatches one after another; None for any other op.
+    """Seconds of a GEMM's, attention's or mixture of experts' forward (+ backward) at these input
+    shapes, its batch run in ``pieces`` microbatches one after another; None for any other op.
 
     A microbatch divides the rows of a GEMM's activation (the m of x @ wᵀ, or the batch count of a
-    batched product) and the batch of attention; weights keep their shapes. ``grads``: which of a
-    GEMM's two inputs get a gradient (:func:`gemm_list`).
+    batched product), the batch of attention and an experts op's tokens; weights keep their shapes.
+    ``grads``: which of a GEMM's two inputs get a gradient (:func:`gemm_list`); ``top_k``: experts
+    per token of an experts op.
     """
     dims = gemm_dims(target, slot_shapes)
     if dims is not None:
@@ -241,18 +248,62 @@ def shaped_seconds(
         q, k = slot_shapes[0], slot_shapes[1]
         heads = math.prod(q[:-2]) / pieces
         return pieces * attention_seconds(heads, q[-2], k[-2], q[-1], causal, hardware, needs_grad)
+    experts = experts_work(target, slot_shapes, top_k, needs_grad, pieces)
+    if experts is not None:
+        gemms, streamed = experts
+        seconds = sum(gemm_seconds(mm, nn, kk, dtype, itemsize, hardware, bb) for bb, mm, nn, kk in gemms)
+        return pieces * (seconds + streaming_seconds(streamed * itemsize, hardware))
     return None
 
 
-def work_units(target, slot_shapes):
-    """How much work a GEMM or attention op does at these shapes, in any unit that is proportional
-    to its FLOPs (multiply-adds of the forward); 0 for other ops."""
+def experts_work(target, slot_shapes, top_k: int, needs_grad: bool, pieces: int = 1):
+    """(the (batch, m, n, k) GEMMs, the elements streamed) of one microbatch of a mixture of experts
+    op (``autopar::moe``, ``autopar::moe_experts``) at these input shapes, or None for another op.
+
+    x [T, H] through ``top_k`` of the E local experts each, evenly routed: T·top_k/E rows per
+    expert, so a grouped GEMM of E GEMMs per projection (gate-up: 2F of H, down: H of F), after the
+    router's T x E over H (``moe``). Where experts and tokens split over one axis (expert
+    parallelism) the rows per expert stay the whole batch's: T/p·top_k/(E/p). Streamed: each routed
+    row copied in and out (2H) and the gated activation reading its gate and up halves and writing
+    their product (3F). With a gradient, backward runs the experts' forward again (the op keeps no
+    routed activations) and each GEMM's input and weight gradients (the router's too), streaming
+    twice the forward's elements.
+    """
+    if not experts_op(target):
+        return None
+    first = first_expert_slot(target)
+    x, gate_up, down = slot_shapes[0], slot_shapes[first], slot_shapes[first + 1]
+    tokens, hidden = x[0] / pieces, x[-1]
+    experts = gate_up[0]
+    rows = tokens * top_k / experts
+    up, width = math.prod(gate_up[1:]) // hidden, math.prod(down[1:]) // hidden  # 2F, F
+    experts_forward = [(experts, rows, up, hidden), (experts, rows, hidden, width)]
+    router = [(1, tokens, slot_shapes[1][0], hidden)] if target.name().endswith("::moe") else []
+    streamed = tokens * top_k * (2 * hidden + 3 * width)
+    if not needs_grad:
+        return router + experts_forward, streamed
+    backward = [g for dims in router + experts_forward for g in gemm_list(dims, True)[1:]]
+    return router + 2 * experts_forward + backward, 3 * streamed
+
+
+def experts_op(target) -> bool:
+    """Whether ``target`` is a mixture of experts op (:data:`EXPERTS`)."""
+    return isinstance(target, torch._ops.OpOverload) and target.name() in EXPERTS
+
+
+def work_units(target, slot_shapes, top_k: int = 1):
+    """How much work a GEMM, attention or experts op (``top_k`` experts per token) does at these
+    shapes, in any unit that is proportional to its FLOPs (multiply-adds of the forward); 0 for
+    other ops."""
     dims = gemm_dims(target, slot_shapes)
     if dims is not None:
         return math.prod(dims)
     if target is ATTENTION and len(slot_shapes) >= 3 and len(slot_shapes[0]) >= 2:
         q, k = slot_shapes[0], slot_shapes[1]
         return math.prod(q[:-2]) * q[-2] * k[-2] * q[-1]
+    experts = experts_work(target, slot_shapes, top_k, False)
+    if experts is not None:
+        return sum(math.prod(dims) for dims in experts[0])
     return 0
 
 

@@ -1,4 +1,4 @@
-"""GEMM and attention efficiency from shapes, and the overlap rules: their textbook properties.
+"""GEMM, attention and mixture of experts efficiency from shapes, and the overlap rules: their textbook properties.
 
 The figures are the presets' (autopar/ir/hardware.py): the curve must pass through the published
 measurement it was derived from, grow with size, step at tile and wave boundaries, and order
@@ -23,6 +23,9 @@ from autopar.passes.cost.efficiency import (
     gemm_efficiency,
     gemm_list,
     gemm_seconds,
+    shaped_seconds,
+    streaming_seconds,
+    work_units,
 )
 from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import moves_no_data
@@ -192,3 +195,73 @@ def test_a_gemm_computes_the_gradients_of_its_inputs_that_need_one():
     assert first.full_time_s == pytest.approx(seconds((1, 4096, 4096, 1024), (False, True)))
     assert frozen.full_time_s == pytest.approx(seconds((1, 4096, 2048, 4096), (True, False)))
     assert len(gemm_list((1, 4096, 2048, 4096), True)) == 3  # both gradients by default
+
+
+EXPERTS_OP = torch.ops.autopar.moe_experts.default
+
+
+def experts_shapes(tokens, hidden, ffn, experts, top_k):
+    """moe_experts' input shapes: x, the combine weights and expert ids, gate_up [E, 2F, H], down [E, H, F]."""
+    return [(tokens, hidden), (tokens, top_k), (tokens, top_k), (experts, 2 * ffn, hidden), (experts, hidden, ffn)]
+
+
+def test_an_experts_op_is_priced_as_its_grouped_gemms_and_its_routed_copies():
+    """Its forward: a grouped GEMM per projection over the T·k/E rows each expert gets, and the
+    routed rows' copies and gated activation streamed; never above the best dense GEMM's rate."""
+    tokens, hidden, ffn, experts, top_k = 16384, 2048, 1408, 64, 6
+    shapes = experts_shapes(tokens, hidden, ffn, experts, top_k)
+    forward = shaped_seconds(EXPERTS_OP, shapes, H100, "bfloat16", 2, False, top_k=top_k)
+    rows = tokens * top_k / experts
+    gemms = gemm_seconds(rows, 2 * ffn, hidden, "bfloat16", 2, H100, experts) + gemm_seconds(
+        rows, hidden, ffn, "bfloat16", 2, H100, experts
+    )
+    streamed = streaming_seconds(2 * tokens * top_k * (2 * hidden + 3 * ffn), H100)
+    assert forward == pytest.approx(gemms + streamed)
+    flops = 2 * tokens * top_k * 3 * hidden * ffn
+    assert flops / forward < H100.kernels.gemm_best["bfloat16"] * H100.peak_flops["bfloat16"]
+    # backward runs the forward again (the op keeps no routed rows) and both gradients of each GEMM
+    both = shaped_seconds(EXPERTS_OP, shapes, H100, "bfloat16", 2, True, top_k=top_k)
+    assert 3.5 * forward < both < 4.5 * forward
+
+
+def test_experts_slow_as_they_get_fewer_rows_and_keep_their_rows_when_split():
+    """The same FLOPs over more, smaller experts (fewer rows each) run at a lower rate; expert
+    parallelism over p ranks (tokens and experts split) leaves each expert its T·k/E rows: 1/p
+    of the work, its GEMMs a batch of E/p."""
+
+    def seconds(shapes, top_k, needs_grad=True):
+        return shaped_seconds(EXPERTS_OP, shapes, H100, "bfloat16", 2, needs_grad, top_k=top_k)
+
+    coarse, fine = experts_shapes(8192, 4096, 4096, 8, 2), experts_shapes(8192, 4096, 512, 256, 16)
+    assert work_units(EXPERTS_OP, coarse, 2) == work_units(EXPERTS_OP, fine, 16)  # the same FLOPs
+    assert seconds(fine, 16) > 1.2 * seconds(coarse, 2)
+    tokens, hidden, ffn, experts, top_k, p = 16384, 2048, 1408, 64, 6, 8
+    whole, split = (
+        experts_shapes(tokens, hidden, ffn, experts, top_k),
+        experts_shapes(tokens // p, hidden, ffn, experts // p, top_k),
+    )
+    assert work_units(EXPERTS_OP, split, top_k) / work_units(EXPERTS_OP, whole, top_k) == pytest.approx(1 / p)
+    rows = tokens * top_k / experts
+    gemms = gemm_seconds(rows, 2 * ffn, hidden, "bfloat16", 2, H100, experts // p) + gemm_seconds(
+        rows, hidden, ffn, "bfloat16", 2, H100, experts // p
+    )
+    streamed = streaming_seconds(2 * tokens // p * top_k * (2 * hidden + 3 * ffn), H100)
+    assert seconds(split, top_k, needs_grad=False) == pytest.approx(gemms + streamed)
+
+
+def test_a_captured_mixture_of_experts_is_paced_by_its_experts_and_their_routing():
+    """The moe node of a captured Mixtral-style model: its time on a GPU preset is the experts
+    op's shaped time at its own top_k (the router included), not one flat FLOP rate."""
+    from tests.helpers.equivalence import load_example
+
+    with torch.device("meta"):
+        model = load_example("moe_gpt.py").build(hidden=1024, layers=1, heads=8, seq=1024, experts=16, top_k=4)
+    captured = autopar.capture(model, model.example_inputs(8, device="meta"), precision="bf16-mixed")
+    facts = analyze(captured, H100, policy=PrecisionPolicy.of("bf16-mixed"))
+    (moe,) = [f for f in facts.values() if f.kind == "op" and f.node.target is torch.ops.autopar.moe.default]
+    assert moe.pacing is not None and moe.pacing.top_k == 4
+    shaped = shaped_seconds(moe.node.target, moe.slot_shapes, H100, "bfloat16", 2, True, top_k=4)
+    assert moe.full_time_s == pytest.approx(shaped)
+    tokens = moe.slot_shapes[0][0]
+    experts_alone = [moe.slot_shapes[0], (tokens, 4), (tokens, 4), *moe.slot_shapes[2:4]]
+    assert shaped > shaped_seconds(EXPERTS_OP, experts_alone, H100, "bfloat16", 2, True, top_k=4)  # and its router
