@@ -59,6 +59,14 @@ FAMILIES = [
     "inkling2_text",  # a stage boundary value that is not contiguous
     "gpt_oss",  # experts with biases, their gate and up columns interleaved; attention sinks
     "llama4_text",  # every expert run on every token scaled by its router score (the experts op's weighted inputs)
+    # Hybrids of attention with linear attention or state-space layers, and more MoE routers:
+    "qwen3_next",  # gated delta rule (chunked linear attention) and 512 experts with a shared one
+    "nemotron_h", "falcon_h1", "bamba", "zamba2",  # Mamba-2 layers beside attention (zamba2: a shared block)
+    "jamba",  # Mamba-1 layers and MoE
+    "lfm2",  # short gated convolutions beside attention
+    "minimax",  # lightning (linear) attention and MoE
+    "exaone4", "seed_oss", "cohere2", "helium", "apertus", "flex_olmo",
+    "ernie4_5_moe", "hunyuan_v1_moe", "phimoe", "afmoe", "dots1",
 ]  # fmt: skip
 
 

@@ -42,14 +42,17 @@ ROW_TIMEOUT_S = 1800
 REPEATS, REPEATED_UNDER_S = 3, 10  # search targets this tight are timed as a median of fresh processes
 SCALING_LAYERS = (12, 24, 48, 96)
 SCALING_DEVICES = (8, 64, 512, 4096)
-# The Hugging Face families of benchmarks/families.py, planned at their default configurations;
-# not GPT-Neo (its mask, sized for 2048 positions, does not trace at longer sequences), Mamba (its unrolled
-# scan takes minutes to capture) nor DeepSeek-V3 (a row of the table above)
+# The Hugging Face families of benchmarks/families.py are planned at their default configurations, but:
 FAMILIES_LEFT_OUT = {  # family: why the table cannot plan it at its default configuration (said under it)
     "mamba": "its selective scan without the CUDA kernels is a Python loop over the tokens, which torch.export "
     "unrolls (4096 steps in each of 64 layers)",
     "jetmoe": "its experts split the tokens by counts only the data decides, which a model on the meta device "
     "cannot compute (autopar plans it with real weights)",
+    "jamba": "its Mamba layers' selective scan without the CUDA kernels is a Python loop over the tokens, as "
+    "Mamba's (4096 steps in each of 28 Mamba layers)",
+    "qwen3_next": "its gated delta rule without the CUDA kernels is a Python loop over 64-token chunks, which "
+    "torch.export unrolls (64 chunks in each of 36 layers: 84,520 nodes, captured in 264 s), and the search's "
+    "layouts of so wide a graph take HiGHS 10-25 s each",
 }
 FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 # DeepSeek-V3's default is its 671B model, whose training state does not fit 64 GPUs: planned on its own
@@ -72,6 +75,10 @@ FAMILY_OVERRIDES = {
         ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4),
     ),
     "deepseek_v2": dict(num_experts_per_tok=6),  # unset by default; DeepSeek-V2's (arXiv 2405.04434 §3.1)
+    # dots1's default leaves its experts unset (None: no model builds); dots.llm1's (arXiv 2506.05767 §2):
+    # 128 routed experts, 6 per token, 2 shared
+    "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2),
+    "hunyuan_v1_moe": dict(head_dim=128),  # None by default (no model builds): its hidden size over its heads
 }  # fmt: skip
 
 
@@ -419,7 +426,9 @@ def render_families(results: list[tuple[dict, dict]], elapsed: float, probes: li
         f"configuration (most are a released checkpoint's shapes; BLOOM's, 2 layers of hidden 64, is replaced by "
         f"BLOOM-7b1's: {FAMILY_OVERRIDES['bloom']}; DBRX's builds no model in transformers 5.24, replaced by DBRX's "
         f"released configuration: {FAMILY_OVERRIDES['dbrx']}; DeepSeek-V2's leaves its experts per token unset, set "
-        f"as DeepSeek-V2 routes: {FAMILY_OVERRIDES['deepseek_v2']}), unmodified, on the meta device in bfloat16; "
+        f"as DeepSeek-V2 routes: {FAMILY_OVERRIDES['deepseek_v2']}; dots1's leaves its experts unset, set as "
+        f"dots.llm1's: {FAMILY_OVERRIDES['dots1']}; Hunyuan-V1-MoE's leaves its head size unset, set to its hidden "
+        f"size over its heads: {FAMILY_OVERRIDES['hunyuan_v1_moe']}), unmodified, on the meta device in bfloat16; "
         f"{FAMILY_BATCH} sequences of {FAMILY_SEQ} tokens "
         f"({', '.join(LEARNED_POSITIONS)}: as many as their learned positions) on "
         f'{FAMILY_GPUS} simulated H100s (mesh {FAMILY_GPUS // 8}x8), `precision="bf16-mixed"`, nothing pinned; '
