@@ -44,7 +44,7 @@ from autopar.passes.cost.axis_terms import (
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.search.candidates import all_candidates
-from autopar.passes.search.ilp import ChoiceProblem, solve_choices
+from autopar.passes.search.ilp import ChoiceProblem, least_objective, solve_choices
 from autopar.passes.search.pins import (
     SPLIT_DIM,
     R,
@@ -323,10 +323,10 @@ def _edges(facts, ctx: AxisContext, options, index: dict[str, int], var_of: dict
 def _least_layout(floors, options, reps: list[str], weight, moved, counts, leaders, penalties) -> float:
     """The least any layout costs: each op's option at its floor (:func:`floor_of`'s work and sync),
     the edges' moves (weighed by ``counts``), followers following (a small ILP without the memory
-    budget)."""
+    budget, or a floor of it where only HiGHS could solve it: :func:`least_objective`)."""
     least = [np.zeros(len(options[r])) if r not in floors else weight[r] * sum(floors[r]) for r in reps]
     least, shared = _with_edges(least, moved, counts)
-    return solve_choices(ChoiceProblem(least, shared + penalties, followers=leaders)).objective
+    return least_objective(ChoiceProblem(least, shared + penalties, followers=leaders))
 
 
 def _terms(facts, ctx: AxisContext, options, reps: list[str], twin: dict[str, str]) -> dict[str, list[tuple]]:

@@ -122,6 +122,19 @@ def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceS
     return ChoiceSolution(tuple(tie[solution.choice[r]] for r, tie in root), solution.objective)
 
 
+def least_objective(problem: ChoiceProblem) -> float:
+    """A floor of the least objective without the memory budget, for a bound that prunes before a
+    solve: the optimum where variable elimination finds it, else every factor at its own least
+    (each variable's cheapest option, each pair's cheapest cell), which no choice goes below. Only
+    HiGHS solves a problem too wide to eliminate (an unrolled loop's graph), and its exact bound
+    would cost what the solve it may spare costs."""
+    folded = fold_fixed(merge_followers(problem)[0])
+    found = eliminate(folded.unary, folded.pairs)
+    if found is not None:
+        return found[1]
+    return sum(float(u.min()) for u in folded.unary) + sum(float(pair[2].min()) for pair in folded.pairs)
+
+
 def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None:
     offsets = np.cumsum([0] + [len(u) for u in problem.unary])
     n_x = int(offsets[-1])

@@ -1,9 +1,11 @@
 import itertools
 
 import numpy as np
+import pytest
 
+from autopar.passes.search import ilp
 from autopar.passes.search.elimination import eliminate, elimination_order
-from autopar.passes.search.ilp import ChoiceProblem, solve_choices
+from autopar.passes.search.ilp import ChoiceProblem, least_objective, solve_choices
 
 
 def _brute_force(problem):
@@ -69,3 +71,18 @@ def test_elimination_declines_before_building_a_table_too_large():
     assert elimination_order([4] * 6, clique, max_entries=4**6) is not None  # the first table: 4^6 entries
     assert elimination_order([4] * 6, clique, max_entries=4**6 - 1) is None
     assert eliminate([np.zeros(4)] * 6, clique, max_entries=4**6 - 1) is None
+
+
+def test_the_least_objective_is_the_optimum_where_elimination_solves_it_and_a_floor_where_it_cannot(monkeypatch):
+    """The pruning bound's ILP: exact on a narrow problem; on one too wide to eliminate, each factor at
+    its least, below the optimum HiGHS finds, and without calling HiGHS."""
+    rng = np.random.default_rng(3)
+    narrow = ChoiceProblem([rng.random(3) for _ in range(5)], [(i, i + 1, rng.random((3, 3))) for i in range(4)])
+    assert np.isclose(least_objective(narrow), _brute_force(narrow)[0])
+    clique = [(a, b, rng.random((11, 11))) for a, b in itertools.combinations(range(7), 2)]  # 11^7 > 2^23 entries
+    wide = ChoiceProblem([rng.random(11) for _ in range(7)], clique)
+    optimum = solve_choices(wide).objective
+    monkeypatch.setattr(ilp, "_solve", lambda *args: pytest.fail("the bound solved the wide problem with HiGHS"))
+    floor = least_objective(wide)
+    assert floor == pytest.approx(sum(u.min() for u in wide.unary) + sum(m.min() for _, _, m in clique))
+    assert floor < optimum
