@@ -47,7 +47,7 @@ MODELS = [
 
 
 HEADERS = ["model", "tensor ops", "replicated", "ops without a rule", "plan s", "chosen degrees"]
-FAMILIES_PER_SPAWN = 6  # families per spawn of ranks: a rank's memory grows with each family (5.2-5.7 GB after 12)
+FAMILIES_PER_SPAWN = 6  # families per spawn of ranks: a rank's memory grows with each family (5.2 GB in a spawn of 12)
 
 
 def load(file: str):
