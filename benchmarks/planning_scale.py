@@ -62,11 +62,9 @@ FAMILY_CLUSTERS = {"deepseek_v3": dict(gpus=2048, batch=15360)}
 # A family whose training state fits no plan on its cluster is planned on 4x the GPUs and sequences, up to:
 FAMILY_GROWTH, FAMILY_MAX_GPUS = 4, 4096
 LEARNED_POSITIONS = ("gpt2", "opt", "gpt_bigcode", "gpt_neo")  # fewer positions: planned at their length
-# Defaults that are no released model, replaced by one's shapes: BLOOM's default is 2 layers of
-# hidden 64 (16M parameters); BLOOM-7b1's (BigScience, arXiv 2211.05100, Table 3): 30 layers of 4096, 32 heads.
-# DBRX's default (hidden 2048, 4 experts) builds no model in transformers 5.24 (its attention config
-# lacks rope_theta); DBRX's released configuration (databricks/dbrx-base config.json): 40 layers of
-# 6144, 48 heads, 8 KV heads, 16 experts of 10752, top-4, RoPE base 500000, vocabulary 100352.
+# Defaults that are no released model, replaced by one's shapes: BLOOM's (2 layers of hidden 64) by BLOOM-7b1's
+# (BigScience, arXiv 2211.05100, Table 3); DBRX's (hidden 2048, 4 experts; no model builds in transformers 5.24:
+# its attention config lacks rope_theta) by its released configuration (databricks/dbrx-base config.json).
 FAMILY_OVERRIDES = {
     "bloom": dict(hidden_size=4096, n_layer=30, n_head=32),
     "dbrx": dict(
@@ -75,9 +73,7 @@ FAMILY_OVERRIDES = {
         ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4),
     ),
     "deepseek_v2": dict(num_experts_per_tok=6),  # unset by default; DeepSeek-V2's (arXiv 2405.04434 §3.1)
-    # dots1's default leaves its experts unset (None: no model builds); dots.llm1's (arXiv 2506.05767 §2):
-    # 128 routed experts, 6 per token, 2 shared
-    "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2),
+    "dots1": dict(n_routed_experts=128, num_experts_per_tok=6, n_shared_experts=2),  # None by default; arXiv 2506.05767
     "hunyuan_v1_moe": dict(head_dim=128),  # None by default (no model builds): its hidden size over its heads
 }  # fmt: skip
 
@@ -88,24 +84,19 @@ def _gpt(hidden: int, layers: int, heads: int) -> dict:
 
 def rows() -> list[dict]:
     """The benchmark's rows: model, cluster, batch, the published configuration and its source."""
-    out = []
-    for row in json.loads(REFERENCE.read_text())["rows"]:
-        out.append(
-            {
-                "name": f"GPT {row['params_b']}B",
-                "model": _gpt(row["hidden"], row["layers"], row["heads"]),
-                "gpus": row["gpus"],
-                "batch": row["global_batch"],
-                "hardware": "a100-80gb",
-                "expert": {
-                    "degrees": {"pp": row["pp"], "dp": row["dp"], "tp": row["tp"]},
-                    "recompute": "full",
-                    "zero": 0,
-                },
-                "source": MEGATRON,
-                "targets": {"search_s": 60, "rss_gib": 2, "ratio": 0.98},
-            }
-        )
+    out = [
+        {
+            "name": f"GPT {row['params_b']}B",
+            "model": _gpt(row["hidden"], row["layers"], row["heads"]),
+            "gpus": row["gpus"],
+            "batch": row["global_batch"],
+            "hardware": "a100-80gb",
+            "expert": {"degrees": {"pp": row["pp"], "dp": row["dp"], "tp": row["tp"]}, "recompute": "full", "zero": 0},
+            "source": MEGATRON,
+            "targets": {"search_s": 60, "rss_gib": 2, "ratio": 0.98},
+        }
+        for row in json.loads(REFERENCE.read_text())["rows"]
+    ]
     out += [
         {
             "name": "GPT-3 175B",
