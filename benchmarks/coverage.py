@@ -47,7 +47,7 @@ MODELS = [
 
 
 HEADERS = ["model", "tensor ops", "replicated", "ops without a rule", "plan s", "chosen degrees"]
-FAMILIES_PER_SPAWN = 6  # families per spawn of ranks: a rank's memory grows with each family (5.2 GB in a spawn of 12)
+FAMILIES_PER_SPAWN = 6  # families per spawn of ranks, each spawn from fresh memory (falcon_h1 peaks at 5.8 GB a rank)
 
 
 def load(file: str):
