@@ -127,7 +127,7 @@ def families(selected: list[str], quick: bool, compiled: bool) -> None:
     plans, world = (COMPILED_PLANS, 2) if compiled else (PLANS, 4)
     started = time.perf_counter()
     rows = []
-    for start in range(0, len(selected), FAMILIES_PER_SPAWN):  # fresh ranks: a rank's memory grows with each family
+    for start in range(0, len(selected), FAMILIES_PER_SPAWN):  # fresh ranks for each few families
         chunk = selected[start : start + FAMILIES_PER_SPAWN]
         rows += _worst_over_ranks(run_local(run_families, world, chunk, plans, timeout_s=3600), plans)
     elapsed = time.perf_counter() - started
