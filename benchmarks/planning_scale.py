@@ -50,9 +50,6 @@ FAMILIES_LEFT_OUT = {  # family: why the table cannot plan it at its default con
     "cannot compute (autopar plans it with real weights)",
     "jamba": "its Mamba layers' selective scan without the CUDA kernels is a Python loop over the tokens, as "
     "Mamba's (4096 steps in each of 28 Mamba layers)",
-    "qwen3_next": "its gated delta rule without the CUDA kernels is a Python loop over 64-token chunks, which "
-    "torch.export unrolls (64 chunks in each of 36 layers: 84,520 nodes, captured in 264 s), and the search's "
-    "layouts of so wide a graph take HiGHS 10-25 s each",
 }
 FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 # DeepSeek-V3's default is its 671B model, whose training state does not fit 64 GPUs: planned on its own

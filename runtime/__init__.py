@@ -5,7 +5,8 @@
 - ``collectives``: the ``autopar::`` ops rewritten graphs call, each an autograd function with
   its dual as backward; ``kernels/``: context-parallel attention (ring, Ulysses, the zigzag
   sequence layout), the expert-parallel mixture of experts, the vocabulary-parallel embedding
-  and cross-entropy, the linears of a gathered input that keep its shard (``gathered_linear``);
+  and cross-entropy, the linears of a gathered input that keep its shard (``gathered_linear``),
+  the chunked gated delta rule of linear-attention models as one op (``linear_attention``);
 - ``grad_sync``: bucketed gradient all-reduce overlapped with backward; ``zero/``: ZeRO 1-3
   (sharded layout and optimizer, parameter gathers, gradient reduce-scatters; ``zero/compiled``:
   ZeRO-3's per-layer gather op of compiled programs);
@@ -38,6 +39,7 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.context_parallel import ring_attention, ulysses_attention
 from autopar.runtime.kernels.expert_parallel import moe, moe_experts
 from autopar.runtime.kernels.gathered_linear import gathered_linears
+from autopar.runtime.kernels.linear_attention import gated_delta_rule
 from autopar.runtime.kernels.vocab_parallel import vocab_cross_entropy, vocab_embedding
 from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import finish, free_port, init_from_env, launch_local
@@ -55,6 +57,7 @@ __all__ = [
     "build_device_mesh",
     "chunk",
     "free_port",
+    "gated_delta_rule",
     "gathered_linears",
     "grad_all_reduce",
     "grad_all_reduce_accumulated",

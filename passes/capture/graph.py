@@ -45,6 +45,7 @@ from autopar.passes.capture.causal_mask import constant_value, node_value
 from autopar.passes.capture.data_sizes import record_data_sizes
 from autopar.passes.capture.dropout import draw_dropout_masks_whole
 from autopar.passes.capture.moe import EXPERTS_OP, composite_moe, record_expert_load
+from autopar.passes.capture.recurrences import composite_recurrences
 
 
 @dataclass(frozen=True)
@@ -163,8 +164,9 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
         # in-place ops, whose aliasing would not survive a redistribution placed between them.
         with warnings.catch_warnings():  # torch.export's own deprecation chatter, not the user's
             warnings.simplefilter("ignore", FutureWarning)
-            # each mixture-of-experts block becomes one autopar.moe node (or its experts one moe_experts)
-            with capture_settings(model), composite_moe(model):
+            # each mixture-of-experts block becomes one autopar.moe node (or its experts one moe_experts),
+            # each chunked gated delta rule one autopar.gated_delta_rule node
+            with capture_settings(model), composite_moe(model), composite_recurrences(model):
                 exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
                 detach_no_grad_regions(exported.graph_module)
                 exported = exported.run_decompositions({**DIFFERENTIABLE_COPY, **BATCH_NORM_DECOMPOSITIONS})

@@ -20,6 +20,8 @@ numbers and their sources):
 - A mixture of experts op (:func:`experts_work`): its router's GEMM and one grouped GEMM per
   projection, a batch of E GEMMs over the rows routed to each expert, priced as GEMMs; its copies of
   the routed rows and its gated activation streamed.
+- The chunked gated delta rule (:func:`recurrence_work`): its chunks' products, batched over every
+  chunk of every head, priced as GEMMs; its inputs and output streamed.
 
 Every function takes plain numbers or sympy expressions (costs symbolic in batch and sequence,
 :mod:`symbolic`): ceilings, maxima and the interpolation stay open until a size is given.
@@ -39,6 +41,7 @@ import sympy
 import torch
 
 from autopar.ir import OP_NAMESPACE, HardwareProfile, KernelFigures
+from autopar.passes.capture.recurrences import RECURRENCE_OP
 from autopar.passes.cost.ops import maximum, minimum
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
@@ -229,6 +232,7 @@ def shaped_seconds(
     pieces: int = 1,
     grads: tuple[bool, bool] = (True, True),
     top_k: int = 1,
+    chunk: int = 64,
 ):
     """Seconds of a GEMM's, attention's or mixture of experts' forward (+ backward) at these input
     shapes, its batch run in ``pieces`` microbatches one after another; None for any other op.
@@ -236,7 +240,7 @@ def shaped_seconds(
     A microbatch divides the rows of a GEMM's activation (the m of x @ wᵀ, or the batch count of a
     batched product), the batch of attention and an experts op's tokens; weights keep their shapes.
     ``grads``: which of a GEMM's two inputs get a gradient (:func:`gemm_list`); ``top_k``: experts
-    per token of an experts op.
+    per token of an experts op; ``chunk``: the steps per chunk of a gated delta rule.
     """
     dims = gemm_dims(target, slot_shapes)
     if dims is not None:
@@ -248,12 +252,19 @@ def shaped_seconds(
         q, k = slot_shapes[0], slot_shapes[1]
         heads = math.prod(q[:-2]) / pieces
         return pieces * attention_seconds(heads, q[-2], k[-2], q[-1], causal, hardware, needs_grad)
-    experts = experts_work(target, slot_shapes, top_k, needs_grad, pieces)
-    if experts is not None:
-        gemms, streamed = experts
+    work = _composite_work(target, slot_shapes, top_k, chunk, needs_grad, pieces)
+    if work is not None:
+        gemms, streamed = work
         seconds = sum(gemm_seconds(mm, nn, kk, dtype, itemsize, hardware, bb) for bb, mm, nn, kk in gemms)
         return pieces * (seconds + streaming_seconds(streamed * itemsize, hardware))
     return None
+
+
+def _composite_work(target, slot_shapes, top_k: int, chunk: int, needs_grad: bool, pieces: int = 1):
+    """(the (batch, m, n, k) GEMMs, the elements streamed) of a mixture of experts op or a gated
+    delta rule; None for any other op."""
+    experts = experts_work(target, slot_shapes, top_k, needs_grad, pieces)
+    return experts if experts is not None else recurrence_work(target, slot_shapes, chunk, needs_grad, pieces)
 
 
 def experts_work(target, slot_shapes, top_k: int, needs_grad: bool, pieces: int = 1):
@@ -286,24 +297,52 @@ def experts_work(target, slot_shapes, top_k: int, needs_grad: bool, pieces: int 
     return router + 2 * experts_forward + backward, 3 * streamed
 
 
+def recurrence_work(target, slot_shapes, chunk: int, needs_grad: bool, pieces: int = 1):
+    """(the (batch, m, n, k) GEMMs, the elements streamed) of one microbatch of a chunked gated delta
+    rule (``autopar::gated_delta_rule``) at these input shapes, or None for another op.
+
+    q, k [B, T, Hk, Dk] and v [B, T, H, Dv] (key heads repeated to H) cut into T/C chunks of C steps,
+    each chunk of each head: the decayed key products k·kᵀ and q·kᵀ (C x C over Dk), the triangular
+    system's solve against the values and keys (C x Dv and C x Dk over C), the state [Dk, Dv] read by
+    the chunk's keys and queries (C x Dv over Dk, twice), the chunk's attention over its corrected
+    values (C x Dv over C) and the state's update (Dk x Dv over C). Priced as GEMMs batched over
+    every chunk of every head: a fused kernel (flash-linear-attention's) carries the state from chunk
+    to chunk inside one launch, and that chain's latency is not priced. It streams only the inputs
+    and the output. With a gradient, backward runs the forward again and both gradients of each
+    product.
+    """
+    if str(getattr(target, "overloadpacket", target)) != RECURRENCE_OP:
+        return None
+    (batch, steps, _, dk), (_, _, heads, dv) = slot_shapes[0], slot_shapes[2]
+    blocks = batch / pieces * heads * ceil_div(steps, chunk)  # (head, chunk) pairs
+    products = [(chunk, chunk, dk)] * 2 + [(chunk, dv, chunk), (chunk, dk, chunk)]  # within the chunk
+    products += [(chunk, dv, dk)] * 2 + [(chunk, dv, chunk), (dk, dv, chunk)]  # with the state
+    forward = [(blocks, m, n, k) for m, n, k in products]
+    streamed = batch / pieces * heads * steps * (2 * dk + 2 * dv + 2)  # q, k, v, g, beta in; the output out
+    if not needs_grad:
+        return forward, streamed
+    backward = [g for dims in forward for g in gemm_list(dims, True)[1:]]
+    return 2 * forward + backward, 3 * streamed
+
+
 def experts_op(target) -> bool:
     """Whether ``target`` is a mixture of experts op (:data:`EXPERTS`)."""
     return isinstance(target, torch._ops.OpOverload) and target.name() in EXPERTS
 
 
-def work_units(target, slot_shapes, top_k: int = 1):
-    """How much work a GEMM, attention or experts op (``top_k`` experts per token) does at these
-    shapes, in any unit that is proportional to its FLOPs (multiply-adds of the forward); 0 for
-    other ops."""
+def work_units(target, slot_shapes, top_k: int = 1, chunk: int = 64):
+    """How much work a GEMM, attention, experts op (``top_k`` experts per token) or gated delta rule
+    (``chunk`` steps per chunk) does at these shapes, in any unit that is proportional to its FLOPs
+    (multiply-adds of the forward); 0 for other ops."""
     dims = gemm_dims(target, slot_shapes)
     if dims is not None:
         return math.prod(dims)
     if target is ATTENTION and len(slot_shapes) >= 3 and len(slot_shapes[0]) >= 2:
         q, k = slot_shapes[0], slot_shapes[1]
         return math.prod(q[:-2]) * q[-2] * k[-2] * q[-1]
-    experts = experts_work(target, slot_shapes, top_k, False)
-    if experts is not None:
-        return sum(math.prod(dims) for dims in experts[0])
+    work = _composite_work(target, slot_shapes, top_k, chunk, False)
+    if work is not None:
+        return sum(math.prod(dims) for dims in work[0])
     return 0
 
 

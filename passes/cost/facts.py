@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from autopar.ir import HardwareProfile, PrecisionPolicy, Shard, layer_of
 from autopar.passes.capture.graph import CapturedGraph, node_layer
+from autopar.passes.capture.recurrences import RECURRENCE_OP
 from autopar.passes.cost.efficiency import ATTENTION, GEMMS, experts_op, shaped_seconds, work_units
 from autopar.passes.cost.kernels import experts_top_k
 from autopar.passes.cost.ops import (
@@ -62,7 +63,7 @@ class NodeFacts:
     dtype: str = "float32"  # what its output computes in under the precision policy ("bfloat16", ...)
     precision: str = "fp32"  # the policy training keeps a parameter's state under (autopar.ir.precision)
     grad_bytes: int = 4  # bytes per gradient element as gradients are reduced (the policy's reduce_dtype)
-    pacing: Pacing | None = None  # a GEMM, attention or experts op whose efficiency follows its local shapes
+    pacing: Pacing | None = None  # a GEMM, attention, experts or recurrence op: efficiency by local shapes
     # outside layers, after the last one (final norm, head, loss): a pipeline's last stage module holds
     # what these save for one microbatch at a time (its backward follows its forward at once)
     after_layers: bool = False
@@ -93,9 +94,9 @@ class NodeFacts:
         """Forward + backward seconds of this node on one rank doing ``work`` of it, its inputs of
         local shapes ``slot_shapes``, its batch run in ``microbatches`` pieces.
 
-        The unsharded time times ``work``; a paced node (a GEMM, attention or experts op on a profile with
-        kernel figures) also at the efficiency of the local shapes rather than of the unsharded
-        ones, and doing at least the work its local shapes hold (a GEMM on a partial-sum input
+        The unsharded time times ``work``; a paced node (a GEMM, attention, experts or recurrence op
+        on a profile with kernel figures) also at the efficiency of the local shapes rather than of
+        the unsharded ones, and doing at least the work its local shapes hold (a GEMM on a partial-sum input
         multiplies the whole input on every rank). ``work`` keeps what the shapes do not say (a
         ring kernel's p blocks of local size).
         """
@@ -110,9 +111,9 @@ class NodeFacts:
 
 @dataclass(frozen=True)
 class Pacing:
-    """Seconds per unit of work of one GEMM, attention or experts op at any input shapes, on a GPU profile
-    with kernel figures (:mod:`autopar.passes.cost.efficiency`): what makes a node's time follow
-    its local (sharded, microbatched) shapes."""
+    """Seconds per unit of work of one GEMM, attention, experts or recurrence op at any input
+    shapes, on a GPU profile with kernel figures (:mod:`autopar.passes.cost.efficiency`): what
+    makes a node's time follow its local (sharded, microbatched) shapes."""
 
     target: object
     hardware: HardwareProfile
@@ -122,6 +123,7 @@ class Pacing:
     causal: bool = False
     grads: tuple[bool, bool] = (True, True)  # a GEMM's inputs that get a gradient (left, right)
     top_k: int = 1  # an experts op's experts per token
+    chunk: int = 64  # a gated delta rule's steps per chunk
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def seconds(self, slot_shapes, microbatches: int = 1):
@@ -137,6 +139,7 @@ class Pacing:
             microbatches,
             self.grads,
             self.top_k,
+            self.chunk,
         )
 
     def against(self, local: tuple, whole: tuple, microbatches: int = 1):
@@ -148,7 +151,9 @@ class Pacing:
             if here is None or there is None:
                 self._memo[key] = None
             else:
-                units = work_units(self.target, local, self.top_k) / work_units(self.target, whole, self.top_k)
+                units = work_units(self.target, local, self.top_k, self.chunk) / work_units(
+                    self.target, whole, self.top_k, self.chunk
+                )
                 self._memo[key] = (units, here / there)
         return self._memo[key]
 
@@ -156,7 +161,7 @@ class Pacing:
         """:meth:`seconds` per unit of the op's work at those shapes; None without work."""
         key = (slot_shapes, microbatches)
         if key not in self._memo:
-            units = work_units(self.target, slot_shapes, self.top_k)
+            units = work_units(self.target, slot_shapes, self.top_k, self.chunk)
             self._memo[key] = self.seconds(slot_shapes, microbatches) / units if units else None
         return self._memo[key]
 
@@ -306,9 +311,9 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_grad: bool, wants) -> Pacing | None:
-    """The pacing of a GEMM, attention or experts node on a profile with kernel figures that does not
-    time ops on this machine (a GEMM's backward computes the gradients of the inputs named in
-    ``wants``); None for every other node."""
+    """The pacing of a GEMM, attention, experts or recurrence node on a profile with kernel figures
+    that does not time ops on this machine (a GEMM's backward computes the gradients of the inputs
+    named in ``wants``); None for every other node."""
     if hardware.kernels is None or hardware.measure_ops:
         return None
     slots = tensor_inputs(node)
@@ -317,8 +322,9 @@ def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_
     sides = GEMMS[node.target][:2] if node.target in GEMMS and len(slots) > max(GEMMS[node.target][:2]) else ()
     grads = tuple(slots[i].name in wants for i in sides) or (True, True)
     top_k = experts_top_k(node) if experts_op(node.target) else 1
-    pacing = Pacing(node.target, hardware, dtype_name(dtype), dtype.itemsize, needs_grad, causal, grads, top_k)
-    return pacing if work_units(node.target, shapes, top_k) else None
+    chunk = node.args[5] if str(node.target) == f"{RECURRENCE_OP}.default" else 64
+    pacing = Pacing(node.target, hardware, dtype_name(dtype), dtype.itemsize, needs_grad, causal, grads, top_k, chunk)
+    return pacing if work_units(node.target, shapes, top_k, chunk) else None
 
 
 def _slot_shape(node: fx.Node, slot: fx.Node) -> tuple[int, ...]:

@@ -24,7 +24,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.ir import OP_NAMESPACE, HardwareProfile, model_state_bytes
 from autopar.ir.precision import PrecisionPolicy
+from autopar.passes.capture.recurrences import RECURRENCE_OP
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
+from autopar.runtime.kernels.linear_attention import reference
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def _run_profile(target, values, spec, grads: tuple[bool, ...], cast: torch.dtyp
         wrt, seeds = [i for i in inputs if i.requires_grad], [torch.ones_like(o) for o in differentiable]
         with backward, traffic:
             torch.autograd.grad(differentiable, wrt, seeds, allow_unused=True)
-        backward_flops = backward.get_total_flops() or 2 * forward_flops
+        backward_flops = backward.get_total_flops() or (3 if recomputes(target) else 2) * forward_flops
         backward_io, backward_widened = traffic.bytes, traffic.widened
     slots, saves_output, extra = set(), False, 0.0
     for tensor in saved:
@@ -223,8 +225,13 @@ def _nbytes(tensor: torch.Tensor) -> float:
 
 def _formula_flops(target, inputs, args) -> float:
     """FLOPs of ops the flop counter does not know on this device (CPU attention, autopar's
-    mixture of experts)."""
+    mixture of experts, the gated delta rule: its model's own function, counted)."""
     packet = getattr(target, "overloadpacket", None)
+    if str(packet) == RECURRENCE_OP:  # q, k, v, g, beta, chunk_size, l2norm, source
+        counter, (chunk_size, l2norm, source) = FlopCounterMode(display=False), args[5:8]
+        with counter, torch.no_grad():
+            reference(source)(*inputs, chunk_size=chunk_size, use_qk_l2norm_in_kernel=l2norm)
+        return float(counter.get_total_flops())
     if packet is torch.ops.aten.scaled_dot_product_attention and len(inputs) >= 3:
         q, k = inputs[0], inputs[1]
         return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]  # QKᵀ and PV
@@ -261,6 +268,11 @@ def streaming_s(nbytes: float, hardware: HardwareProfile, widened: float = 0.0) 
     which eager torch runs at :attr:`HardwareProfile.widening_bandwidth` (on an H200 about half the
     rate of the narrowing cast: benchmarks/gpu.py)."""
     return (nbytes - widened) / hardware.streaming_bandwidth + widened / hardware.widening_bandwidth
+
+
+def recomputes(target) -> bool:
+    """Whether ``target``'s backward runs its forward again (it saves only its inputs)."""
+    return str(getattr(target, "overloadpacket", None)) == RECURRENCE_OP
 
 
 def moves_no_data(target) -> bool:

@@ -4,7 +4,8 @@
 op's arguments and shapes; :func:`node_strategies` adds the universal all-replicated
 fallback, drops candidates whose sharded dims do not divide by the axis size, and says
 whether the op had a rule at all (the coverage report). The rules of the ops indexed by a
-vocabulary (embedding, losses) are in :mod:`vocab`, the factories' in :mod:`factories`.
+vocabulary (embedding, losses) are in :mod:`vocab`, the factories' in :mod:`factories`, autopar's
+own composite ops' (``OWN_OPS``, by name) in :mod:`composite`.
 
 Partial values flow only through ops that are linear in them (views, sums, scaling,
 matmuls with a replicated partner); everything else must see them reduced first.
@@ -19,12 +20,11 @@ import torch
 import torch.fx as fx
 
 from autopar.ir import DATA_SIZED, Kernel, Partial, Placement, Replicate, Shard
-from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
+from autopar.passes.sharding.composite import OWN_OPS, experts
 from autopar.passes.sharding.factories import SIZE_ARGUMENT, like_input, replicated_only, sized_factory
 from autopar.passes.sharding.spatial import convolution, pooling
 from autopar.passes.sharding.strategies import OpView, Strategy, normalize_dim, output_tensors
 from autopar.passes.sharding.vocab import cross_entropy, embedding, loss
-from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
 aten = torch.ops.aten
 R = Replicate()
@@ -359,18 +359,6 @@ def attention(view: OpView) -> list[Strategy]:
     return strategies
 
 
-def experts(view: OpView) -> list[Strategy]:
-    """autopar::moe(x [T, H], router [E, H], gate_up [E, 2F, H], down [E, H, F], biases [E, ...] if
-    any) -> (out, logits), or moe_experts(x, weights [T, k], ids [T, k], gate_up, down, biases) -> out:
-    split the tokens (every rank runs every expert on its tokens), or the experts too, tokens sent
-    to them (the expert-parallel kernel)."""
-    routed = str(view.node.target).startswith(ROUTED_EXPERTS_OP)
-    routing = (Shard(0), Shard(0)) if routed else (R,)  # its choices, or the router
-    per_expert = len(view.in_shapes) - first_expert_slot(view.node.target)  # gate_up, down and their biases
-    tokens = Strategy((Shard(0), *routing, *[R] * per_expert), Shard(0))
-    return [tokens, Strategy((Shard(0), *routing, *[Shard(0)] * per_expert), Shard(0), Kernel.EXPERTS)]
-
-
 def mse(view: OpView) -> list[Strategy]:
     reduction = view.arg(2, "reduction", 1)
     out = {1: Partial("avg"), 2: Partial("sum")}.get(reduction)
@@ -438,9 +426,6 @@ RULES: dict[object, Callable[[OpView], list[Strategy]]] = {
     aten.copy_: replicated_only,  # a buffer's update (capture.graph): every rank holds the whole buffer
 }
 
-
-# autopar's composite ops, by name (registered by autopar.runtime)
-OWN_OPS = {EXPERTS_OP: experts, ROUTED_EXPERTS_OP: experts}
 KERNEL_RULES = {
     Kernel.RING: (attention,),
     Kernel.ULYSSES: (attention,),

@@ -1,4 +1,5 @@
 """Parallel kernels: ring and Ulysses context-parallel attention (``context_parallel``), the
 head-and-tail sequence layout they run on (``zigzag``), expert-parallel MoE (``expert_parallel``),
 the embedding and cross-entropy over a split vocabulary (``vocab_parallel``), the linears of an
-all-gathered input that keep only its shard for backward (``gathered_linear``)."""
+all-gathered input that keep only its shard for backward (``gathered_linear``); and a model's
+chunked gated delta rule as one op (``linear_attention``)."""

@@ -4,6 +4,7 @@ import torch
 from hypothesis import strategies as st
 
 F64 = torch.float64
+F32 = torch.float32  # for ops that compute in float32 whatever they are given
 
 
 def size(draw, p: int) -> int:

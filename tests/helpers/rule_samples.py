@@ -14,7 +14,7 @@ import operator
 import torch
 from hypothesis import strategies as st
 from rule_check import Group, Sample
-from rule_draws import F64, dim_of, indices, shape, size, tensor, values
+from rule_draws import F32, F64, dim_of, indices, shape, size, tensor, values
 from rule_samples_spatial import SPATIAL_SAMPLES
 
 aten = torch.ops.aten
@@ -320,6 +320,19 @@ def routed_experts(draw, p):
     return Sample(torch.ops.autopar.moe_experts.default, (x, weights, ids, gate_up, down, *options))
 
 
+def gated_delta_rule(draw, p):
+    """autopar::gated_delta_rule(q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]) with
+    Hv a multiple of Hk (grouped heads), over chunks of 4 steps (the last one padded)."""
+    batch, steps, heads, groups = size(draw, p), draw(st.integers(1, 9)), size(draw, p), draw(st.sampled_from([1, 2]))
+    dk, dv = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    q, k = (values(draw, (batch, steps, heads, dk), F32) for _ in range(2))
+    v = values(draw, (batch, steps, heads * groups, dv), F32)
+    g = -values(draw, (batch, steps, heads * groups), F32).abs()  # a decay: the state times exp(g) <= 1
+    beta = values(draw, (batch, steps, heads * groups), F32).sigmoid()
+    options = (4, draw(st.booleans()), "transformers.models.qwen3_next.modeling_qwen3_next")
+    return Sample(torch.ops.autopar.gated_delta_rule.default, (q, k, v, g, beta, *options))
+
+
 # -- factories and like-input ops -----------------------------------------------------------------
 def like(op, *extra, values_defined=True):
     return lambda draw, p: Sample(op, (tensor(draw, p, 1, 3), *extra), values_defined=values_defined)
@@ -447,6 +460,7 @@ SAMPLES = {
     "aten.scalar_tensor": lambda draw, p: Sample(aten.scalar_tensor.default, (draw(st.floats(-4, 4)),)),
     "autopar.moe": experts,
     "autopar.moe_experts": routed_experts,
+    "autopar.gated_delta_rule": gated_delta_rule,
     # pointwise: the ops the rule names, and tagged ones the example models use
     "aten.add": broadcasting(aten.add.Tensor),
     "aten.sub": broadcasting(aten.sub.Tensor),

@@ -265,3 +265,29 @@ def test_a_captured_mixture_of_experts_is_paced_by_its_experts_and_their_routing
     tokens = moe.slot_shapes[0][0]
     experts_alone = [moe.slot_shapes[0], (tokens, 4), (tokens, 4), *moe.slot_shapes[2:4]]
     assert shaped > shaped_seconds(EXPERTS_OP, experts_alone, H100, "bfloat16", 2, True, top_k=4)  # and its router
+
+
+RULE_OP = torch.ops.autopar.gated_delta_rule.default
+
+
+def rule_shapes(batch, steps, key_heads, heads, head_dim=128):
+    """Input shapes of autopar::gated_delta_rule: q, k, v, g, beta."""
+    qk, v, gates = (batch, steps, key_heads, head_dim), (batch, steps, heads, head_dim), (batch, steps, heads)
+    return [qk, qk, v, gates, gates]
+
+
+def test_gated_delta_rule_is_linear_in_time_split_by_heads_and_below_a_large_gemms_rate():
+    """The chunked rule's products are chunk-sized: twice the steps is twice the work and the time
+    (attention's would be four times); a head split over p ranks leaves 1/p of the work; its rate
+    stays under a large GEMM's, as small products' do."""
+
+    def seconds(shapes, chunk=64):
+        return shaped_seconds(RULE_OP, shapes, H100, "bfloat16", 2, True, chunk=chunk)
+
+    whole = rule_shapes(2, 4096, 16, 32)
+    assert work_units(RULE_OP, rule_shapes(2, 8192, 16, 32)) == 2 * work_units(RULE_OP, whole)
+    assert seconds(rule_shapes(2, 8192, 16, 32)) == pytest.approx(2 * seconds(whole), rel=0.05)
+    assert work_units(RULE_OP, rule_shapes(2, 4096, 4, 8)) == work_units(RULE_OP, whole) / 4
+    assert work_units(RULE_OP, whole, chunk=32) < work_units(RULE_OP, whole)  # smaller chunks: smaller products
+    rate = 2 * 4 * work_units(RULE_OP, whole) / seconds(whole)  # forward, again, and two gradients each
+    assert rate < gemm_efficiency(8192, 8192, 8192, "bfloat16", H100.kernels) * H100.peak_flops["bfloat16"]

@@ -1,0 +1,96 @@
+"""passes/capture/recurrences.py and runtime/kernels/linear_attention.py: the chunked gated delta
+rule as one ``autopar.gated_delta_rule`` node per layer, its values and gradients the model's own
+function's, and every call the op cannot take left to that function."""
+
+import pytest
+import torch
+from equivalence import load_example
+from transformers.models.qwen3_next import modeling_qwen3_next
+
+from autopar.ir import get_profile
+from autopar.passes.capture.graph import capture, module_path
+from autopar.passes.capture.recurrences import composite_recurrences
+from autopar.passes.cost.facts import analyze
+from autopar.passes.cost.ops import op_profile
+from autopar.runtime import gated_delta_rule
+from autopar.runtime.kernels.linear_attention import gated_delta_rule_backward
+
+hf_configs = load_example("hf_configs.py", "benchmarks")
+SOURCE = modeling_qwen3_next.__name__
+RULE = modeling_qwen3_next.torch_chunk_gated_delta_rule
+
+
+def _inputs(batch=2, steps=11, heads=2, groups=2, dk=3, dv=5):
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(batch, steps, heads, dk, generator=generator) for _ in range(2))
+    v = torch.randn(batch, steps, heads * groups, dv, generator=generator)
+    g = -torch.rand(batch, steps, heads * groups, generator=generator)
+    beta = torch.rand(batch, steps, heads * groups, generator=generator)
+    return [t.requires_grad_() for t in (q, k, v, g, beta)]
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_op_gives_the_models_values_and_gradients(l2norm):
+    inputs = _inputs()  # 11 steps in chunks of 4: the last chunk padded; value heads in groups of 2
+    expected, _ = RULE(*inputs, chunk_size=4, use_qk_l2norm_in_kernel=l2norm)
+    seed = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    expected_grads = torch.autograd.grad(expected, inputs, seed)
+    out = gated_delta_rule(*inputs, 4, l2norm, SOURCE)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(out, inputs, seed), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_op_and_its_backward_keep_the_layouts_their_fake_kernels_promise():
+    """What torch.compile relies on: the fake kernels' shapes, dtypes and strides are the real ones'
+    (a transposed input included), and the autograd registration is the op's."""
+    q, k, v, g, beta = (t.detach() for t in _inputs())
+    steps_innermost = q.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # as a compiled program may pass it
+    for args in [(q, k, v, g, beta), (steps_innermost, k, v, g, beta)]:
+        torch.library.opcheck(gated_delta_rule, (*(t.requires_grad_() for t in args), 4, True, SOURCE))
+        grad = torch.randn(v.shape)
+        torch.library.opcheck(gated_delta_rule_backward, (grad, *(t.detach() for t in args), 4, True, SOURCE))
+
+
+def test_calls_the_op_cannot_take_run_the_models_function():
+    model = hf_configs.small_model("qwen3_next")
+    q, k, v, g, beta = _inputs()
+    state = torch.randn(2, 4, 3, 5)
+    with composite_recurrences(model):
+        stand_in = modeling_qwen3_next.torch_chunk_gated_delta_rule
+        assert stand_in is not RULE
+        out, final = stand_in(q, k, v, g, beta, chunk_size=4, initial_state=state, output_final_state=True)
+        _, no_state = stand_in(q, k, v, g, beta, chunk_size=4)  # the op's path: no final state
+    assert modeling_qwen3_next.torch_chunk_gated_delta_rule is RULE  # back on exit
+    want, want_final = RULE(q, k, v, g, beta, chunk_size=4, initial_state=state, output_final_state=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(final, want_final, rtol=0, atol=0)
+    assert no_state is None
+
+
+def test_qwen3_next_captures_one_op_per_linear_attention_layer_with_its_own_loss_and_gradients():
+    torch.manual_seed(0)
+    model = hf_configs.small_model("qwen3_next")
+    ids = torch.randint(0, model.config.vocab_size, (2, 70))  # two chunks of 64, the second padded
+    captured = capture(model, (), {"input_ids": ids, "labels": ids})
+    rules = [node for node in captured.graph.nodes if str(node.target) == "autopar.gated_delta_rule.default"]
+    linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
+    assert [module_path(node) for node in rules] == [f"model.layers.{i}.linear_attn" for i in linear]
+    assert modeling_qwen3_next.torch_chunk_gated_delta_rule is RULE
+
+    eager = model(input_ids=ids, labels=ids).loss
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    with composite_recurrences(model):
+        loss = model(input_ids=ids, labels=ids).loss
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager, rtol=0, atol=0)
+    for (name, _), got, want in zip(model.named_parameters(), grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+    # the cost model counts the model's own function's FLOPs; backward runs it again, then its VJP
+    profile = op_profile(rules[0], needs_grad=True)
+    assert profile.forward_flops > 0 and profile.backward_flops == 3 * profile.forward_flops
+    assert profile.saved_inputs == (0, 1, 2, 3, 4)
+    # on a GPU preset its time follows its shapes, at the op's own chunk size
+    (fact,) = [f for f in analyze(captured, get_profile("h100-80gb")).values() if f.node in rules[:1]]
+    assert fact.pacing is not None and fact.pacing.chunk == 64
