@@ -34,6 +34,11 @@ L2NORM = "use_qk_l2norm_in_kernel"
 PACKED = ("cu_seqlens", "seq_idx")  # where packed sequences start
 
 
+def recurrence_op(target) -> bool:
+    """Whether ``target`` (an op, its overload or a graph node's target) is the gated delta rule."""
+    return str(getattr(target, "overloadpacket", target)) == RECURRENCE_OP
+
+
 @contextmanager
 def composite_recurrences(model: nn.Module):
     """While active, the chunked gated delta rule of ``model``'s modules is one op per call."""

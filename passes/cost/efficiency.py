@@ -41,7 +41,7 @@ import sympy
 import torch
 
 from autopar.ir import OP_NAMESPACE, HardwareProfile, KernelFigures
-from autopar.passes.capture.recurrences import RECURRENCE_OP
+from autopar.passes.capture.recurrences import recurrence_op
 from autopar.passes.cost.ops import maximum, minimum
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
@@ -311,7 +311,7 @@ def recurrence_work(target, slot_shapes, chunk: int, needs_grad: bool, pieces: i
     and the output. With a gradient, backward runs the forward again and both gradients of each
     product.
     """
-    if str(getattr(target, "overloadpacket", target)) != RECURRENCE_OP:
+    if not recurrence_op(target):
         return None
     (batch, steps, _, dk), (_, _, heads, dv) = slot_shapes[0], slot_shapes[2]
     blocks = batch / pieces * heads * ceil_div(steps, chunk)  # (head, chunk) pairs

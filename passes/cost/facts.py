@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from autopar.ir import HardwareProfile, PrecisionPolicy, Shard, layer_of
 from autopar.passes.capture.graph import CapturedGraph, node_layer
-from autopar.passes.capture.recurrences import RECURRENCE_OP
+from autopar.passes.capture.recurrences import recurrence_op
 from autopar.passes.cost.efficiency import ATTENTION, GEMMS, experts_op, shaped_seconds, work_units
 from autopar.passes.cost.kernels import experts_top_k
 from autopar.passes.cost.ops import (
@@ -96,9 +96,9 @@ class NodeFacts:
 
         The unsharded time times ``work``; a paced node (a GEMM, attention, experts or recurrence op
         on a profile with kernel figures) also at the efficiency of the local shapes rather than of
-        the unsharded ones, and doing at least the work its local shapes hold (a GEMM on a partial-sum input
-        multiplies the whole input on every rank). ``work`` keeps what the shapes do not say (a
-        ring kernel's p blocks of local size).
+        the unsharded ones, and doing at least the work its local shapes hold (a GEMM on a
+        partial-sum input multiplies the whole input on every rank). ``work`` keeps what the shapes
+        do not say (a ring kernel's p blocks of local size).
         """
         if self.pacing is None or slot_shapes is None:
             return self.full_time_s * work
@@ -322,7 +322,7 @@ def _pacing(node: fx.Node, hardware: HardwareProfile, dtype: torch.dtype, needs_
     sides = GEMMS[node.target][:2] if node.target in GEMMS and len(slots) > max(GEMMS[node.target][:2]) else ()
     grads = tuple(slots[i].name in wants for i in sides) or (True, True)
     top_k = experts_top_k(node) if experts_op(node.target) else 1
-    chunk = node.args[5] if str(node.target) == f"{RECURRENCE_OP}.default" else 64
+    chunk = node.args[5] if recurrence_op(node.target) else Pacing.chunk
     pacing = Pacing(node.target, hardware, dtype_name(dtype), dtype.itemsize, needs_grad, causal, grads, top_k, chunk)
     return pacing if work_units(node.target, shapes, top_k, chunk) else None
 

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.ir import OP_NAMESPACE, HardwareProfile, model_state_bytes
 from autopar.ir.precision import PrecisionPolicy
-from autopar.passes.capture.recurrences import RECURRENCE_OP
+from autopar.passes.capture.recurrences import recurrence_op
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
 from autopar.runtime.kernels.linear_attention import reference
 
@@ -151,7 +151,8 @@ def _run_profile(target, values, spec, grads: tuple[bool, ...], cast: torch.dtyp
         wrt, seeds = [i for i in inputs if i.requires_grad], [torch.ones_like(o) for o in differentiable]
         with backward, traffic:
             torch.autograd.grad(differentiable, wrt, seeds, allow_unused=True)
-        backward_flops = backward.get_total_flops() or (3 if recomputes(target) else 2) * forward_flops
+        # autopar's gated delta rule keeps only its inputs: its backward runs its forward again
+        backward_flops = backward.get_total_flops() or (3 if recurrence_op(target) else 2) * forward_flops
         backward_io, backward_widened = traffic.bytes, traffic.widened
     slots, saves_output, extra = set(), False, 0.0
     for tensor in saved:
@@ -227,7 +228,7 @@ def _formula_flops(target, inputs, args) -> float:
     """FLOPs of ops the flop counter does not know on this device (CPU attention, autopar's
     mixture of experts, the gated delta rule: its model's own function, counted)."""
     packet = getattr(target, "overloadpacket", None)
-    if str(packet) == RECURRENCE_OP:  # q, k, v, g, beta, chunk_size, l2norm, source
+    if recurrence_op(target):  # q, k, v, g, beta, chunk_size, l2norm, source
         counter, (chunk_size, l2norm, source) = FlopCounterMode(display=False), args[5:8]
         with counter, torch.no_grad():
             reference(source)(*inputs, chunk_size=chunk_size, use_qk_l2norm_in_kernel=l2norm)
@@ -268,11 +269,6 @@ def streaming_s(nbytes: float, hardware: HardwareProfile, widened: float = 0.0) 
     which eager torch runs at :attr:`HardwareProfile.widening_bandwidth` (on an H200 about half the
     rate of the narrowing cast: benchmarks/gpu.py)."""
     return (nbytes - widened) / hardware.streaming_bandwidth + widened / hardware.widening_bandwidth
-
-
-def recomputes(target) -> bool:
-    """Whether ``target``'s backward runs its forward again (it saves only its inputs)."""
-    return str(getattr(target, "overloadpacket", None)) == RECURRENCE_OP
 
 
 def moves_no_data(target) -> bool:

@@ -10,7 +10,7 @@ too wide for the search to solve quickly. Captured as one op
 Its math is exactly the model's own function (``source``: the module that defines it, which picks
 flash-linear-attention's kernel where it is installed), called on this rank's tensors. The rule is
 independent over the batch and over heads, so a rank holding a batch shard or a head shard of
-every input computes that shard of the output (:func:`autopar.passes.sharding.rules.recurrence`).
+every input computes that shard of the output (:func:`autopar.passes.sharding.composite.recurrence`).
 Backward keeps only the inputs, as a fused kernel's does: it runs the function again under
 autograd and takes its vector-Jacobian product.
 """
