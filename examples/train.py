@@ -3,6 +3,7 @@
     autopar run examples/train.py --nproc 2 -- --steps 30
     autopar run examples/train.py --nproc 2 -- --steps 30 --compile   # compiled, communication overlapped
     autopar run examples/train.py --nproc 2 -- --degrees tp=2 --compile --async-tp   # TP matmuls in pieces
+    autopar run examples/train.py --nproc 2 -- --plan ckpt/step-00000010/plan.json   # a saved plan, no search
     torchrun --nproc-per-node 2 examples/train.py --steps 30
     autopar run examples/train.py --nproc 4 --max-restarts 3 -- --checkpoint-dir ckpt --checkpoint-every 10
     torchrun --nproc-per-node 4 --max-restarts 3 examples/train.py --checkpoint-dir ckpt --checkpoint-every 10
@@ -55,6 +56,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-norm", type=float, default=1.0, help="clip gradients to this global norm (0: never)")
     parser.add_argument("--degrees", type=parse_degrees, help="pin parallel sizes, e.g. pp=2 (default: searched)")
+    parser.add_argument("--plan", help="train with this saved plan (a checkpoint's plan.json)")
     parser.add_argument("--compile", action="store_true", help="run the per-rank program through torch.compile")
     parser.add_argument(
         "--async-tp",
@@ -75,7 +77,7 @@ def main() -> None:
     checkpointer = None
     if args.checkpoint_dir:
         checkpointer = Checkpointer(args.checkpoint_dir, every=args.checkpoint_every, keep=args.checkpoint_keep)
-    plan = checkpointer and checkpointer.plan(world)
+    plan = (checkpointer and checkpointer.plan(world)) or args.plan  # a restart keeps its checkpoint's plan
     pins = {"degrees": args.degrees} if args.degrees and plan is None else {}
     pmodel = autopar.parallelize(
         model, world, example, plan=plan, compile=args.compile or args.async_tp, async_tp=args.async_tp, **pins
