@@ -14,8 +14,9 @@ with the program that calls them) into a callable that runs the same computation
   :func:`autopar.passes.rewrite.overlap.schedule_communication`) replaces every collective by
   its functional form (:mod:`autopar.runtime.functional`) and places issues and waits;
   inductor's own reordering for peak memory is switched off so it keeps that order.
-- Inductor's FX graph cache keeps compiled graphs on disk, keyed by the graph and the passes'
-  source (AOTAutograd's cache stays off, see :func:`_locked_inductor`); local ranks whose
+- Inductor's FX graph cache keeps compiled graphs on disk, keyed by the graph, the passes'
+  source and autopar's runtime sources, where its ops' fake kernels are (AOTAutograd's cache
+  stays off, see :func:`_locked_inductor`); local ranks whose
   programs are the same compile one at a time under a file lock, so the first fills the cache
   and the others load from it (on 2 cores, 4 ranks compiling the same graph at once would take 4 times as long).
 
@@ -150,13 +151,26 @@ def _locked_inductor(graph_module: fx.GraphModule, example_inputs, *, config_pat
     # saved "output" can be a parameter: Mamba's A_log, saved as grad_all_reduce(A_log), was
     # overwritten by the exp backward recomputed from it. And split, the backward's input pass must
     # leave what autograd saved for the weight pass.
-    with torch._functorch.config.patch(enable_autograd_cache=False, donated_buffer=False):
+    # Keyed on autopar's runtime sources too: a graph compiled against an op's old fake kernel
+    # (its output strides, say) must not be loaded after the kernel changed.
+    tag = f"{torch.compiler.config.cache_key_tag}autopar-{runtime_sources_hash()}"
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False, donated_buffer=False),
+        torch.compiler.config.patch(cache_key_tag=tag),
+    ):
         return compile_fx(
             graph_module,
             example_inputs,
             inner_compile=inner,
             config_patches=config_patches,
         )
+
+
+@functools.cache
+def runtime_sources_hash() -> str:
+    """A hash of every source file of ``autopar.runtime``: its ops, their fake kernels, their functional forms."""
+    files = tuple(str(path) for path in sorted(Path(__file__).parent.rglob("*.py")))
+    return get_hash_for_files(files).hex()[:16]
 
 
 def _one_rank_at_a_time(inner_compile):

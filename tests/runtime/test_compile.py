@@ -36,3 +36,18 @@ def test_a_program_compiles_on_its_first_call_only():
     assert compile_s is not None and torch.allclose(first, torch.tanh(2 * x))
     run(x)
     assert run.compile_s == compile_s
+
+
+def test_inductors_cache_is_keyed_on_autopars_runtime_sources(monkeypatch):
+    """A graph compiled against an op's old fake kernel is never loaded after the kernel changed:
+    inductor's FX graph cache key carries a hash of autopar.runtime's sources (its tag)."""
+    import torch._inductor.compile_fx
+
+    from autopar.runtime import compile as compile_module
+
+    tags = []
+    monkeypatch.setattr(
+        torch._inductor.compile_fx, "compile_fx", lambda *args, **kwargs: tags.append(torch.compiler.config.cache_key_tag)
+    )
+    compile_module._locked_inductor(_program(breaking=False), [torch.randn(3)], config_patches={})
+    assert tags == [f"autopar-{compile_module.runtime_sources_hash()}"] and torch.compiler.config.cache_key_tag == ""
