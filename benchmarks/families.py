@@ -61,6 +61,7 @@ FAMILIES = [
     "llama4_text",  # every expert run on every token scaled by its router score (the experts op's weighted inputs)
     # Hybrids of attention with linear attention or state-space layers, and more MoE routers:
     "qwen3_next",  # gated delta rule (chunked linear attention) and 512 experts with a shared one
+    "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "lara_mini",  # the gated delta rule too
     "nemotron_h", "falcon_h1", "bamba", "zamba2",  # Mamba-2 layers beside attention (zamba2: a shared block)
     "jamba",  # Mamba-1 layers and MoE
     "lfm2",  # short gated convolutions beside attention

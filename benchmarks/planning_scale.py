@@ -44,12 +44,8 @@ SCALING_LAYERS = (12, 24, 48, 96)
 SCALING_DEVICES = (8, 64, 512, 4096)
 # The Hugging Face families of benchmarks/families.py are planned at their default configurations, but:
 FAMILIES_LEFT_OUT = {  # family: why the table cannot plan it at its default configuration (said under it)
-    "mamba": "its selective scan without the CUDA kernels is a Python loop over the tokens, which torch.export "
-    "unrolls (4096 steps in each of 64 layers)",
     "jetmoe": "its experts split the tokens by counts only the data decides, which a model on the meta device "
     "cannot compute (autopar plans it with real weights)",
-    "jamba": "its Mamba layers' selective scan without the CUDA kernels is a Python loop over the tokens, as "
-    "Mamba's (4096 steps in each of 28 Mamba layers)",
 }
 FAMILY_SEQ, FAMILY_BATCH, FAMILY_GPUS = 4096, 256, 64
 # DeepSeek-V3's default is its 671B model, whose training state does not fit 64 GPUs: planned on its own

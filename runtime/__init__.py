@@ -6,7 +6,8 @@
   its dual as backward; ``kernels/``: context-parallel attention (ring, Ulysses, the zigzag
   sequence layout), the expert-parallel mixture of experts, the vocabulary-parallel embedding
   and cross-entropy, the linears of a gathered input that keep its shard (``gathered_linear``),
-  the chunked gated delta rule of linear-attention models as one op (``linear_attention``);
+  a model's recurrences over time (the gated delta rule, Mamba's selective scan) as one op each
+  (``recurrences``);
 - ``grad_sync``: bucketed gradient all-reduce overlapped with backward; ``zero/``: ZeRO 1-3
   (sharded layout and optimizer, parameter gathers, gradient reduce-scatters; ``zero/compiled``:
   ZeRO-3's per-layer gather op of compiled programs);
@@ -39,7 +40,7 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.context_parallel import ring_attention, ulysses_attention
 from autopar.runtime.kernels.expert_parallel import moe, moe_experts
 from autopar.runtime.kernels.gathered_linear import gathered_linears
-from autopar.runtime.kernels.linear_attention import gated_delta_rule
+from autopar.runtime.kernels.recurrences import gated_delta_rule, selective_scan
 from autopar.runtime.kernels.vocab_parallel import vocab_cross_entropy, vocab_embedding
 from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import finish, free_port, init_from_env, launch_local
@@ -71,6 +72,7 @@ __all__ = [
     "moe",
     "moe_experts",
     "reduce_scatter",
+    "selective_scan",
     "ring_attention",
     "run_local",
     "save_checkpoint",

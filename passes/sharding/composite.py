@@ -1,11 +1,12 @@
-"""Sharding rules of autopar's composite ops, by name (``OWN_OPS``): the mixture of experts ops and
-the chunked gated delta rule that capture makes of a model's blocks (registered by autopar.runtime)."""
+"""Sharding rules of autopar's composite ops, by name (``OWN_OPS``): the mixture of experts ops, the
+chunked gated delta rule and the selective scan that capture makes of a model's blocks (registered
+by autopar.runtime)."""
 
 from __future__ import annotations
 
 from autopar.ir import Kernel, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
-from autopar.passes.capture.recurrences import RECURRENCE_OP
+from autopar.passes.capture.recurrences import RECURRENCE_OP, SCAN_OP
 from autopar.passes.sharding.strategies import OpView, Strategy
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
@@ -31,4 +32,12 @@ def recurrence(view: OpView) -> list[Strategy]:
     return [Strategy((Shard(d),) * len(view.in_shapes), Shard(d)) for d in (0, 2)]
 
 
-OWN_OPS = {EXPERTS_OP: experts, ROUTED_EXPERTS_OP: experts, RECURRENCE_OP: recurrence}
+def scan(view: OpView) -> list[Strategy]:
+    """autopar::selective_scan(u, delta [b, D, T], A [D, N], B, C [b, N, T], D, z [b, D, T], delta_bias [D])
+    -> [b, D, T]: independent over the batch and over channels (each channel's N states are its
+    own; B and C, read by every channel, whole on each rank); sequential in time."""
+    batch = Strategy((Shard(0), Shard(0), R, Shard(0), Shard(0), R, Shard(0), R), Shard(0))
+    return [batch, Strategy((Shard(1), Shard(1), Shard(0), R, R, Shard(0), Shard(1), Shard(0)), Shard(1))]
+
+
+OWN_OPS = {EXPERTS_OP: experts, ROUTED_EXPERTS_OP: experts, RECURRENCE_OP: recurrence, SCAN_OP: scan}

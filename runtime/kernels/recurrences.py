@@ -1,18 +1,19 @@
-"""The chunked gated delta rule (Qwen3-Next's linear attention, and its kin's) as one op:
-``autopar::gated_delta_rule``.
+"""A model's recurrences over time as one op each: the chunked gated delta rule (Qwen3-Next's linear
+attention, and its kin's) as ``autopar::gated_delta_rule``, Mamba's selective scan as
+``autopar::selective_scan``.
 
-Without its fused kernels (flash-linear-attention's), a model computes the rule with a Python
-loop over 64-token chunks, which torch.export unrolls: Qwen3-Next's default configuration captured
-as 84,520 nodes, and every chunk of a layer reads the layer's chunked q, k, v and decay, a graph
-too wide for the search to solve quickly. Captured as one op
-(:func:`autopar.passes.capture.recurrences.composite_recurrences`), the rule is one node per layer.
+Without their fused kernels (flash-linear-attention's, mamba_ssm's), a model computes these with a
+Python loop (over 64-token chunks; over every token), which torch.export unrolls: Qwen3-Next's
+default configuration captured as 84,520 nodes, and Mamba's 4096 steps in each of 64 layers do not
+capture in any time a search can wait. Captured as one op
+(:func:`autopar.passes.capture.recurrences.composite_recurrences`), each is one node per layer.
 
-Its math is exactly the model's own function (``source``: the module that defines it, which picks
-flash-linear-attention's kernel where it is installed), called on this rank's tensors. The rule is
-independent over the batch and over heads, so a rank holding a batch shard or a head shard of
-every input computes that shard of the output (:func:`autopar.passes.sharding.composite.recurrence`).
-Backward keeps only the inputs, as a fused kernel's does: it runs the function again under
-autograd and takes its vector-Jacobian product.
+Each op's math is exactly the model's own function (``source``: the module that defines it, which
+picks the fused kernel where it is installed), called on this rank's tensors. Both are independent
+over the batch and over heads (channels), so a rank holding a batch or head shard of every input
+computes that shard of the output (:mod:`autopar.passes.sharding.composite`). Backward keeps only
+the inputs, as a fused kernel's does: it runs the function again under autograd and takes its
+vector-Jacobian product.
 """
 
 from __future__ import annotations
@@ -22,15 +23,23 @@ import importlib
 import torch
 from torch import Tensor
 
-FUNCTION = "torch_chunk_gated_delta_rule"  # the name transformers' models give their torch path
+DELTA_RULE = "torch_chunk_gated_delta_rule"  # the names transformers' models give their torch paths
+SELECTIVE_SCAN = "mamba_selective_scan"
 ORIGINAL = "__autopar_original__"  # on capture's stand-in: the function it stands in for
 
 
-def reference(source: str):
-    """The model's own chunked rule: ``source``'s :data:`FUNCTION` (while capture has put its
-    stand-in there, the function it stands in for)."""
-    function = getattr(importlib.import_module(source), FUNCTION)
+def reference(source: str, name: str):
+    """The model's own function ``name`` in module ``source`` (while capture has put its stand-in
+    there, the function it stands in for)."""
+    function = getattr(importlib.import_module(source), name)
     return getattr(function, ORIGINAL, function)
+
+
+def _vjp(function, inputs: tuple[Tensor, ...], grad: Tensor) -> tuple[Tensor, ...]:
+    """The gradients of ``inputs``: ``function`` run again under autograd, its VJP with ``grad``,
+    each contiguous (the layout the backward ops' fake kernels promise)."""
+    _, vjp = torch.func.vjp(function, *inputs)
+    return tuple(g.contiguous() for g in vjp(grad))
 
 
 @torch.library.custom_op("autopar::gated_delta_rule", mutates_args=())
@@ -47,7 +56,8 @@ def gated_delta_rule(
 
 
 def _rule(query, key, value, g, beta, chunk_size: int, l2norm: bool, source: str) -> Tensor:
-    out, _ = reference(source)(query, key, value, g=g, beta=beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=l2norm)
+    rule = reference(source, DELTA_RULE)
+    out, _ = rule(query, key, value, g=g, beta=beta, chunk_size=chunk_size, use_qk_l2norm_in_kernel=l2norm)
     return out
 
 
@@ -68,10 +78,8 @@ def gated_delta_rule_backward(
     l2norm: bool,
     source: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The gradients of q, k, v, g and beta: the rule run again under autograd, its VJP with ``grad``."""
-    inputs = (query, key, value, g, beta)
-    _, vjp = torch.func.vjp(lambda *tensors: _rule(*tensors, chunk_size, l2norm, source), *inputs)
-    return tuple(g.contiguous() for g in vjp(grad))  # in the layout the fake kernel promises
+    """The gradients of q, k, v, g and beta."""
+    return _vjp(lambda *tensors: _rule(*tensors, chunk_size, l2norm, source), (query, key, value, g, beta), grad)
 
 
 @gated_delta_rule_backward.register_fake
@@ -79,14 +87,87 @@ def _(grad, query, key, value, g, beta, chunk_size, l2norm, source):
     return tuple(t.new_empty(t.shape) for t in (query, key, value, g, beta))
 
 
-def _save_inputs(ctx, inputs, output):
-    *tensors, chunk_size, l2norm, source = inputs
-    ctx.save_for_backward(*tensors)
-    ctx.options = chunk_size, l2norm, source
+@torch.library.custom_op("autopar::selective_scan", mutates_args=())
+def selective_scan(
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    z: Tensor,
+    delta_bias: Tensor,
+    softplus: bool,
+    mambapy: bool,
+    source: str,
+) -> Tensor:
+    """Mamba's selective scan over u, delta, z [batch, D, T] with A [D, N], B, C [batch, N, T], D and
+    delta_bias [D], from a zero state: the gated output [batch, D, T] (in the dtype the model's
+    function gives, :func:`scan_dtype`). ``mambapy``: the model's choice of mambapy's parallel scan
+    where it is installed. Example::
+
+        source = "transformers.models.mamba.modeling_mamba"
+        out = torch.ops.autopar.selective_scan(u, delta, A, B, C, D, z, bias, True, False, source)
+    """
+    return _scan(u, delta, A, B, C, D, z, delta_bias, softplus, mambapy, source).contiguous()
 
 
-def _backward(ctx, grad):
-    return (*gated_delta_rule_backward(grad, *ctx.saved_tensors, *ctx.options), None, None, None)
+def _scan(u, delta, A, B, C, D, z, delta_bias, softplus: bool, mambapy: bool, source: str) -> Tensor:
+    scan = reference(source, SELECTIVE_SCAN)
+    return scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=softplus, use_mambapy=mambapy)
 
 
-gated_delta_rule.register_autograd(_backward, setup_context=_save_inputs)
+def scan_dtype(u: Tensor, D: Tensor, z: Tensor) -> torch.dtype:
+    """The output dtype of the scan: its states read out in u's dtype, plus u·D, times silu(z)."""
+    return torch.promote_types(torch.promote_types(u.dtype, D.dtype), z.dtype)
+
+
+@selective_scan.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, softplus, mambapy, source):
+    return u.new_empty(u.shape, dtype=scan_dtype(u, D, z))
+
+
+@torch.library.custom_op("autopar::selective_scan_backward", mutates_args=())
+def selective_scan_backward(
+    grad: Tensor,
+    u: Tensor,
+    delta: Tensor,
+    A: Tensor,
+    B: Tensor,
+    C: Tensor,
+    D: Tensor,
+    z: Tensor,
+    delta_bias: Tensor,
+    softplus: bool,
+    mambapy: bool,
+    source: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The gradients of u, delta, A, B, C, D, z and delta_bias."""
+    inputs = (u, delta, A, B, C, D, z, delta_bias)
+    return _vjp(lambda *tensors: _scan(*tensors, softplus, mambapy, source), inputs, grad)
+
+
+@selective_scan_backward.register_fake
+def _(grad, u, delta, A, B, C, D, z, delta_bias, softplus, mambapy, source):
+    return tuple(t.new_empty(t.shape) for t in (u, delta, A, B, C, D, z, delta_bias))
+
+
+def _keep_inputs(options: int):
+    """An op's autograd context: its tensors saved, its last ``options`` arguments kept as they are."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:-options])
+        ctx.options = inputs[-options:]
+
+    return setup_context
+
+
+def _gradients_through(backward_op, options: int):
+    def backward(ctx, grad):
+        return (*backward_op(grad, *ctx.saved_tensors, *ctx.options), *[None] * options)
+
+    return backward
+
+
+gated_delta_rule.register_autograd(_gradients_through(gated_delta_rule_backward, 3), setup_context=_keep_inputs(3))
+selective_scan.register_autograd(_gradients_through(selective_scan_backward, 3), setup_context=_keep_inputs(3))

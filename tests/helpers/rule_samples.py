@@ -333,6 +333,18 @@ def gated_delta_rule(draw, p):
     return Sample(torch.ops.autopar.gated_delta_rule.default, (q, k, v, g, beta, *options))
 
 
+def selective_scan(draw, p):
+    """autopar::selective_scan(u, delta [b, D, T], A [D, N], B, C [b, N, T], D, z [b, D, T], delta_bias [D]),
+    B and C transposed views as Mamba passes them, A negative (a decaying state)."""
+    batch, channels, steps, states = size(draw, p), size(draw, p), draw(st.integers(1, 6)), draw(st.integers(1, 4))
+    u, delta, z = (values(draw, (batch, channels, steps), F32) for _ in range(3))
+    A = -values(draw, (channels, states), F32).abs()
+    B, C = (values(draw, (batch, steps, states), F32).transpose(1, 2) for _ in range(2))
+    D, bias = values(draw, (channels,), F32), values(draw, (channels,), F32)
+    options = (True, False, "transformers.models.mamba.modeling_mamba")
+    return Sample(torch.ops.autopar.selective_scan.default, (u, delta, A, B, C, D, z, bias, *options))
+
+
 # -- factories and like-input ops -----------------------------------------------------------------
 def like(op, *extra, values_defined=True):
     return lambda draw, p: Sample(op, (tensor(draw, p, 1, 3), *extra), values_defined=values_defined)
@@ -461,6 +473,7 @@ SAMPLES = {
     "autopar.moe": experts,
     "autopar.moe_experts": routed_experts,
     "autopar.gated_delta_rule": gated_delta_rule,
+    "autopar.selective_scan": selective_scan,
     # pointwise: the ops the rule names, and tagged ones the example models use
     "aten.add": broadcasting(aten.add.Tensor),
     "aten.sub": broadcasting(aten.sub.Tensor),

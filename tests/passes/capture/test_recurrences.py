@@ -1,11 +1,13 @@
-"""passes/capture/recurrences.py and runtime/kernels/linear_attention.py: the chunked gated delta
-rule as one ``autopar.gated_delta_rule`` node per layer, its values and gradients the model's own
-function's, and every call the op cannot take left to that function."""
+"""passes/capture/recurrences.py and runtime/kernels/recurrences.py: the chunked gated delta rule as
+one ``autopar.gated_delta_rule`` node per layer and Mamba's selective scan as one
+``autopar.selective_scan``, their values and gradients the model's own function's, and every call
+an op cannot take left to that function."""
 
 import pytest
 import torch
 from equivalence import load_example
 from torch._subclasses.fake_tensor import FakeTensorMode
+from transformers.models.mamba import modeling_mamba
 from transformers.models.qwen3_next import modeling_qwen3_next
 
 from autopar.ir import get_profile
@@ -13,12 +15,14 @@ from autopar.passes.capture.graph import capture, module_path
 from autopar.passes.capture.recurrences import composite_recurrences
 from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import op_profile
-from autopar.runtime import gated_delta_rule
-from autopar.runtime.kernels.linear_attention import gated_delta_rule_backward
+from autopar.runtime import gated_delta_rule, selective_scan
+from autopar.runtime.kernels.recurrences import gated_delta_rule_backward, selective_scan_backward
 
 hf_configs = load_example("hf_configs.py", "benchmarks")
 SOURCE = modeling_qwen3_next.__name__
 RULE = modeling_qwen3_next.torch_chunk_gated_delta_rule
+SCAN_SOURCE = modeling_mamba.__name__
+SCAN = modeling_mamba.mamba_selective_scan
 
 
 def _inputs(batch=2, steps=11, heads=2, groups=2, dk=3, dv=5):
@@ -42,19 +46,50 @@ def test_op_gives_the_models_values_and_gradients(l2norm):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_op_and_its_backward_keep_the_layouts_their_fake_kernels_promise():
+def _scan_inputs(batch=2, channels=3, steps=7, states=4, dtype=torch.float32):
+    """Mamba's scan inputs as its mixer passes them: B and C transposed views, D in float32."""
+    generator = torch.Generator().manual_seed(0)
+    u, delta, z = (torch.randn(batch, channels, steps, generator=generator).to(dtype) for _ in range(3))
+    A = -torch.rand(channels, states, generator=generator)
+    B, C = (torch.randn(batch, steps, states, generator=generator).to(dtype).transpose(1, 2) for _ in range(2))
+    D, bias = torch.randn(channels, generator=generator), torch.randn(channels, generator=generator)
+    return [t.requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
+
+
+def test_scan_gives_the_models_values_and_gradients():
+    inputs = _scan_inputs()
+    u, delta, A, B, C, D, z, bias = inputs
+    expected = SCAN(u, delta, A, B, C, D=D, z=z, delta_bias=bias, delta_softplus=True)
+    seed = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    expected_grads = torch.autograd.grad(expected, inputs, seed)
+    out = selective_scan(*inputs, True, False, SCAN_SOURCE)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(out, inputs, seed), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _layouts(outputs) -> list:
+    return [(t.shape, t.dtype, t.stride()) for t in (outputs if isinstance(outputs, tuple) else [outputs])]
+
+
+def test_ops_and_their_backwards_keep_the_layouts_their_fake_kernels_promise():
     """What torch.compile relies on: the fake kernels' shapes, dtypes and strides are the real ones'
-    (a steps-innermost input included, as a compiled program may pass it)."""
+    (a steps-innermost input of the rule; a bfloat16 scan beside its float32 D)."""
     q, k, v, g, beta = (t.detach() for t in _inputs())
     steps_innermost = q.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    calls = []
     for args in [(q, k, v, g, beta), (steps_innermost, k, v, g, beta)]:
-        grad = torch.randn(v.shape)
-        for op, inputs in [(gated_delta_rule, args), (gated_delta_rule_backward, (grad, *args))]:
-            real = op(*inputs, 4, True, SOURCE)
-            with FakeTensorMode() as mode:
-                fake = op(*(mode.from_tensor(t) for t in inputs), 4, True, SOURCE)
-            real, fake = (list(out) if isinstance(out, tuple) else [out] for out in (real, fake))
-            assert [(t.shape, t.dtype, t.stride()) for t in fake] == [(t.shape, t.dtype, t.stride()) for t in real]
+        grad, options = torch.randn(v.shape), (4, True, SOURCE)
+        calls += [(gated_delta_rule, (*args, *options)), (gated_delta_rule_backward, (grad, *args, *options))]
+    for dtype in (torch.float32, torch.bfloat16):
+        args, options = [t.detach() for t in _scan_inputs(dtype=dtype)], (True, False, SCAN_SOURCE)
+        grad = torch.randn(args[0].shape)
+        calls += [(selective_scan, (*args, *options)), (selective_scan_backward, (grad, *args, *options))]
+    for op, inputs in calls:
+        real = op(*inputs)
+        with FakeTensorMode() as mode:
+            fake = op(*(mode.from_tensor(t) if torch.is_tensor(t) else t for t in inputs))
+        assert _layouts(fake) == _layouts(real), op
 
 
 def test_calls_the_op_cannot_take_run_the_models_function():
@@ -71,6 +106,49 @@ def test_calls_the_op_cannot_take_run_the_models_function():
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     torch.testing.assert_close(final, want_final, rtol=0, atol=0)
     assert no_state is None
+
+
+def test_scans_the_op_cannot_take_run_the_models_function():
+    model = hf_configs.small_model("mamba")
+    u, delta, A, B, C, D, z, bias = (t.detach() for t in _scan_inputs())
+    with composite_recurrences(model):
+        stand_in = modeling_mamba.mamba_selective_scan
+        assert stand_in is not SCAN
+        out, state = stand_in(u, delta, A, B, C, D, z, bias, True, return_last_state=True)
+        ungated = stand_in(u, delta, A, B, C, D, None, bias, True)
+    assert modeling_mamba.mamba_selective_scan is SCAN
+    want, want_state = SCAN(u, delta, A, B, C, D, z, bias, True, return_last_state=True)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(state, want_state, rtol=0, atol=0)
+    torch.testing.assert_close(ungated, SCAN(u, delta, A, B, C, D, None, bias, True), rtol=0, atol=0)
+
+
+def test_mamba_captures_one_scan_per_layer_with_its_own_loss_and_gradients():
+    torch.manual_seed(0)
+    model = hf_configs.small_model("mamba")
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    captured = capture(model, (), {"input_ids": ids, "labels": ids})
+    scans = [node for node in captured.graph.nodes if str(node.target) == "autopar.selective_scan.default"]
+    layers = range(len(model.backbone.layers))
+    assert [module_path(node) for node in scans] == [f"backbone.layers.{i}.mixer" for i in layers]
+    assert modeling_mamba.mamba_selective_scan is SCAN
+
+    eager = model(input_ids=ids, labels=ids).loss
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    with composite_recurrences(model):
+        loss = model(input_ids=ids, labels=ids).loss
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+    torch.testing.assert_close(loss, eager, rtol=0, atol=0)
+    for (name, _), got, want in zip(model.named_parameters(), grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+
+    # the scan's FLOPs are its states read out, 2·b·D·T·N, as the flop counter counts its loop;
+    # backward runs it again, then its VJP; it keeps its inputs only
+    profile = op_profile(scans[0], needs_grad=True)
+    (batch, channels, steps), states = scans[0].args[0].meta["val"].shape, model.config.state_size
+    assert profile.forward_flops == 2 * batch * channels * steps * states
+    assert profile.backward_flops == 3 * profile.forward_flops
+    assert profile.saved_inputs == tuple(range(8))
 
 
 def test_qwen3_next_captures_one_op_per_linear_attention_layer_with_its_own_loss_and_gradients():
