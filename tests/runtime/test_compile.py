@@ -46,8 +46,7 @@ def test_inductors_cache_is_keyed_on_autopars_runtime_sources(monkeypatch):
     from autopar.runtime import compile as compile_module
 
     tags = []
-    monkeypatch.setattr(
-        torch._inductor.compile_fx, "compile_fx", lambda *args, **kwargs: tags.append(torch.compiler.config.cache_key_tag)
-    )
+    record = lambda *args, **kwargs: tags.append(torch.compiler.config.cache_key_tag)  # noqa: E731
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", record)
     compile_module._locked_inductor(_program(breaking=False), [torch.randn(3)], config_patches={})
     assert tags == [f"autopar-{compile_module.runtime_sources_hash()}"] and torch.compiler.config.cache_key_tag == ""

@@ -123,16 +123,13 @@ def test_scans_the_op_cannot_take_run_the_models_function():
     torch.testing.assert_close(ungated, SCAN(u, delta, A, B, C, D, None, bias, True), rtol=0, atol=0)
 
 
-def test_mamba_captures_one_scan_per_layer_with_its_own_loss_and_gradients():
+def _ops_of_a_model_with_its_own_loss_and_gradients(family: str, ids: torch.Tensor, op: str):
+    """(``family``'s small model, its capture, its ``op`` nodes); checked: under the stand-ins its
+    loss equals eager's bitwise and its gradients within float rounding, its functions back after."""
     torch.manual_seed(0)
-    model = hf_configs.small_model("mamba")
-    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    model = hf_configs.small_model(family)
     captured = capture(model, (), {"input_ids": ids, "labels": ids})
-    scans = [node for node in captured.graph.nodes if str(node.target) == "autopar.selective_scan.default"]
-    layers = range(len(model.backbone.layers))
-    assert [module_path(node) for node in scans] == [f"backbone.layers.{i}.mixer" for i in layers]
-    assert modeling_mamba.mamba_selective_scan is SCAN
-
+    assert modeling_mamba.mamba_selective_scan is SCAN and modeling_qwen3_next.torch_chunk_gated_delta_rule is RULE
     eager = model(input_ids=ids, labels=ids).loss
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
     with composite_recurrences(model):
@@ -141,6 +138,14 @@ def test_mamba_captures_one_scan_per_layer_with_its_own_loss_and_gradients():
     torch.testing.assert_close(loss, eager, rtol=0, atol=0)
     for (name, _), got, want in zip(model.named_parameters(), grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
+    return model, captured, [node for node in captured.graph.nodes if str(node.target) == f"autopar.{op}.default"]
+
+
+def test_mamba_captures_one_scan_per_layer_with_its_own_loss_and_gradients():
+    ids = torch.randint(0, hf_configs.VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    model, _, scans = _ops_of_a_model_with_its_own_loss_and_gradients("mamba", ids, "selective_scan")
+    layers = range(len(model.backbone.layers))
+    assert [module_path(node) for node in scans] == [f"backbone.layers.{i}.mixer" for i in layers]
 
     # the scan's FLOPs are its states read out, 2·b·D·T·N, as the flop counter counts its loop;
     # backward runs it again, then its VJP; it keeps its inputs only
@@ -152,23 +157,11 @@ def test_mamba_captures_one_scan_per_layer_with_its_own_loss_and_gradients():
 
 
 def test_qwen3_next_captures_one_op_per_linear_attention_layer_with_its_own_loss_and_gradients():
-    torch.manual_seed(0)
-    model = hf_configs.small_model("qwen3_next")
-    ids = torch.randint(0, model.config.vocab_size, (2, 70))  # two chunks of 64, the second padded
-    captured = capture(model, (), {"input_ids": ids, "labels": ids})
-    rules = [node for node in captured.graph.nodes if str(node.target) == "autopar.gated_delta_rule.default"]
+    # two chunks of 64, the second padded
+    ids = torch.randint(0, hf_configs.VOCAB, (2, 70), generator=torch.Generator().manual_seed(0))
+    model, captured, rules = _ops_of_a_model_with_its_own_loss_and_gradients("qwen3_next", ids, "gated_delta_rule")
     linear = [i for i, kind in enumerate(model.config.layer_types) if kind == "linear_attention"]
     assert [module_path(node) for node in rules] == [f"model.layers.{i}.linear_attn" for i in linear]
-    assert modeling_qwen3_next.torch_chunk_gated_delta_rule is RULE
-
-    eager = model(input_ids=ids, labels=ids).loss
-    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
-    with composite_recurrences(model):
-        loss = model(input_ids=ids, labels=ids).loss
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-    torch.testing.assert_close(loss, eager, rtol=0, atol=0)
-    for (name, _), got, want in zip(model.named_parameters(), grads, eager_grads, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, msg=name)
 
     # the cost model counts the model's own function's FLOPs; backward runs it again, then its VJP
     profile = op_profile(rules[0], needs_grad=True)
