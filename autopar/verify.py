@@ -9,9 +9,7 @@ tolerance of the equivalence tests).
 What runs (:func:`prepare`):
 
 - the plan as it is, when the model and its mesh fit here (``max_ranks`` local ranks, the
-  estimated memory within ``memory_budget``) and the plan was made for the model's graph on CPU;
-- the plan's placement pattern re-planned on the CPU graph, when the plan was made on the meta
-  device, whose graph differs for models with attention (README, "Not supported yet");
+  estimated memory within ``memory_budget``);
 - a smaller copy with the same placement pattern and smaller degrees when the model does not fit
   (:mod:`autopar.shrink` says how it is derived).
 
@@ -215,7 +213,7 @@ def prepare(
         )
     if plan is None:
         return Target(factory, args, kwargs, mesh, batch, options=options)
-    return _runnable_plan(factory, args, kwargs, mesh, plan, captured.fingerprint)
+    return _runnable_plan(factory, args, kwargs, mesh, plan)
 
 
 def _check_plan_fits_request(plan: Plan, mesh: Mesh, batch: int | None, options: PlanOptions | None) -> None:
@@ -237,28 +235,22 @@ def _check_same_model(plan: Plan, model: torch.nn.Module, fingerprint: str) -> N
         )
 
 
-def _runnable_plan(factory, args, kwargs, mesh: Mesh, plan: Plan, meta_fingerprint: str) -> Target:
-    """The plan as it is if the CPU model captures as the plan's graph; else its pattern."""
+def _runnable_plan(factory, args, kwargs, mesh: Mesh, plan: Plan) -> Target:
+    """The plan as it is, checked against the CPU model's graph (a model on the meta device
+    captures as its CPU twin, so a plan ``autopar plan --save`` made runs as it is)."""
     torch.manual_seed(0)
     model = factory(*args, **kwargs)
     captured = capture(model, model.example_inputs(plan.batch_size))
-    cpu = captured.fingerprint
-    fp32 = dataclasses.replace(plan, precision="fp32")
-    notes = () if plan.precision == "fp32" else (f"the plan trains in {plan.precision}; verified in fp32",)
-    if plan.fingerprint == cpu:
-        check_plan(captured, plan)  # a placement the model cannot take fails here, before any rank starts
-        return Target(factory, args, kwargs, mesh, plan.batch_size, plan=fp32, notes=notes)
-    if plan.fingerprint != meta_fingerprint:
+    if plan.fingerprint != captured.fingerprint:
         raise StalePlanError(
-            f"the plan was made for graph {plan.fingerprint}, but this model captures as {cpu} (on CPU) and "
-            f"{meta_fingerprint} (on meta): it is a plan for another model or other input shapes; re-plan it"
+            f"the plan was made for graph {plan.fingerprint}, but this model captures as {captured.fingerprint}: "
+            "it is a plan for other input shapes or another version of the model; re-plan it"
         )
-    options = pattern_options(plan, plan.full_degrees, params=set(plan.params), modules=_modules(model))
-    note = (
-        "the plan was made on the meta device, whose graph differs from the CPU model's (attention's strides); "
-        "verified the plan re-made on the CPU graph with its degrees, schedule, parameter placements and kernels"
+    check_plan(captured, plan)  # a placement the model cannot take fails here, before any rank starts
+    notes = () if plan.precision == "fp32" else (f"the plan trains in {plan.precision}; verified in fp32",)
+    return Target(
+        factory, args, kwargs, mesh, plan.batch_size, plan=dataclasses.replace(plan, precision="fp32"), notes=notes
     )
-    return Target(factory, args, kwargs, mesh, plan.batch_size, options=options, notes=(*notes, note))
 
 
 def _shrunk(factory, args, kwargs, pattern: Plan, max_ranks: int, need: float, budget: float) -> Target:

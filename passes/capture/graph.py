@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map
 
@@ -119,20 +120,70 @@ def computing_in(model: torch.nn.Module, dtype: torch.dtype):
     with computing_in(model, torch.bfloat16):
         loss = model(tokens, labels)   # as under FSDP2's MixedPrecisionPolicy(param_dtype=bfloat16)
     """
+
+    def copy(param):
+        if not param.is_floating_point() or param.dtype == dtype:
+            return None
+        return torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+
+    with _swapped(model, copy, ("_parameters",)):
+        yield
+
+
+@contextmanager
+def traced_as_on_cpu(model: torch.nn.Module, example: tuple):
+    """Within: a model on the meta device holds fake CPU tensors, and the ``example`` (args, kwargs)
+    it yields is the given one as such; any other model and example are left as they are.
+
+    Composite ops pick their kernel by device, and the output's strides follow: on meta, attention
+    takes its math path (heads outermost), on the CPU its fused kernel (heads inside), so a reshape
+    after it copies on meta and not on the CPU. Traced as on the CPU, a model without weights
+    captures the graph its CPU twin runs (the same fingerprint): a plan made on it runs, and is
+    priced, as the ranks run it. Fake tensors hold no data: nothing is allocated."""
+    state = next(itertools.chain(model.parameters(), model.buffers()), None)
+    leaves = [leaf for leaf in tree_flatten(example)[0] if isinstance(leaf, torch.Tensor)]
+    if state is None or not state.is_meta or not leaves or not all(leaf.is_meta for leaf in leaves):
+        yield example
+        return
+    mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)
+    cpu = torch.device("cpu")
+
+    def fake(tensor):
+        value = FakeTensor(mode, tensor.detach(), cpu)
+        return torch.nn.Parameter(value, tensor.requires_grad) if isinstance(tensor, torch.nn.Parameter) else value
+
+    with _swapped(model, fake, ("_parameters", "_buffers")):
+        yield tree_map(lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, example)
+
+
+def as_meta(value):
+    """A fake tensor (from :func:`traced_as_on_cpu`) as the meta tensor it stands for; anything else as it is."""
+    if isinstance(value, FakeTensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value
+
+
+@contextmanager
+def _swapped(model: torch.nn.Module, new, slots: tuple[str, ...]):
+    """Within: each tensor ``t`` in ``slots`` ("_parameters", "_buffers") of ``model``'s modules for
+    which ``new(t)`` is not None is that (one call per tensor: tied ones stay tied)."""
     copies, swapped = {}, []
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
-            if param is None or not param.is_floating_point() or param.dtype == dtype:
-                continue
-            if id(param) not in copies:
-                copies[id(param)] = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
-            module._parameters[name] = copies[id(param)]
-            swapped.append((module, name, param))
+        for slot in slots:
+            table = getattr(module, slot)
+            for name, value in list(table.items()):
+                if value is None:
+                    continue
+                if id(value) not in copies:
+                    copies[id(value)] = new(value)
+                if copies[id(value)] is not None:
+                    table[name] = copies[id(value)]
+                    swapped.append((table, name, value))
     try:
         yield
     finally:
-        for module, name, param in swapped:
-            module._parameters[name] = param
+        for table, name, value in swapped:
+            table[name] = value
 
 
 def detach_no_grad_regions(graph_module: fx.GraphModule) -> None:
@@ -166,8 +217,13 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             warnings.simplefilter("ignore", FutureWarning)
             # each mixture-of-experts block becomes one autopar.moe node (or its experts one moe_experts),
             # each chunked gated delta rule one autopar.gated_delta_rule node
-            with capture_settings(model), composite_moe(model), composite_recurrences(model):
-                exported = torch.export.export(model, example_inputs, example_kwargs, strict=False)
+            with (
+                capture_settings(model),
+                composite_moe(model),
+                composite_recurrences(model),
+                traced_as_on_cpu(model, (example_inputs, example_kwargs)) as (args, kwargs),
+            ):
+                exported = torch.export.export(model, args, kwargs, strict=False)
                 detach_no_grad_regions(exported.graph_module)
                 exported = exported.run_decompositions({**DIFFERENTIABLE_COPY, **BATCH_NORM_DECOMPOSITIONS})
     except Exception as error:  # export raises many types; all mean the same to the user
@@ -196,7 +252,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             user_inputs.append(name)
         elif spec.kind == InputKind.CONSTANT_TENSOR:  # a tensor the forward makes itself: a buffer of its own
             buffers[name] = spec.target
-            constants[spec.target] = exported.constants[spec.target]
+            constants[spec.target] = as_meta(exported.constants[spec.target])
         else:
             raise TraceError(
                 f"input {name!r} of kind {spec.kind.name} (e.g. a tensor constant captured from a closure) "

@@ -107,7 +107,7 @@ def test_each_node_shows_the_bytes_its_inputs_move():
         "layer_norm_2": 4 * 64 * 128 * 4,
         "layer_norm_3": 4 * 64 * 128 * 4,
         "layer_norm_4": 4 * 64 * 128 * 4,
-        "view_6": 4 * 64 * 512 * 4,
+        "view_8": 4 * 64 * 512 * 4,
         "output": 4,
     }
     assert "128.0 KiB" in decisions_text(plan)

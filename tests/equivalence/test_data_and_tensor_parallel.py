@@ -47,6 +47,9 @@ TWO_RANKS = [
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_SP, regather=True)),
     ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints={**LLAMA_SP, **LLAMA_VOCAB}, **IGNORED)),
     ("hf", "build_mixtral", HF, dict(degrees={"dp": 2})),
+    # plans made on the meta device, as `autopar plan` makes them (attention's strides differ there)
+    ("gpt", "build", GPT, dict(degrees={"tp": 2}, constraints=GPT_SP, regather=True, made_on_meta=True)),
+    ("hf", "build_llama", HF, dict(degrees={"tp": 2}, constraints=LLAMA_SP, made_on_meta=True)),
 ]
 
 FOUR_RANKS = [

@@ -43,6 +43,8 @@ TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forwar
     dict(degrees={"pp": 2}, microbatches=2, pipeline="1f1b", stage_cuts=["layers.6"], **IGNORING),
     dict(degrees={"dp": 2}, microbatches=2, **IGNORING),  # gradient accumulation, synced once
     dict(degrees={"tp": 2}, constraints=GPT_TP, microbatches=4),
+    # a plan made on the meta device, as `autopar plan` makes it (attention's strides differ there)
+    dict(degrees={"pp": 2}, microbatches=4, pipeline="interleaved-1f1b", virtual=2, made_on_meta=True),
 ]
 # every schedule on 2 stages; on 4, 1F1B and ZBV (the interleaved ones: interleaved-zb on pp2 x tp2 below)
 ON_FOUR = ("1f1b", "zbv")

@@ -53,7 +53,12 @@ def compare_one_step(builder, kwargs: dict, batch: int, world: int, options: dic
         inputs = (*inputs[:-1], with_ignored_targets(inputs[-1]))
     options_optimizer = options.pop("optimizer", "dtensor")
     check_forward = options.pop("check_forward", False)
-    pmodel = autopar.parallelize(model, options.pop("mesh", world), inputs, **options)
+    mesh = options.pop("mesh", world)
+    if options.pop("made_on_meta", False):  # the plan made as `autopar plan` makes it, given to parallelize
+        with torch.device("meta"):
+            meta = builder(**kwargs)
+        options = dict(plan=autopar.plan(meta, mesh, meta.example_inputs(batch, device="meta"), **options))
+    pmodel = autopar.parallelize(model, mesh, inputs, **options)
 
     forward = pmodel(*inputs) if check_forward else None
     reference = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS)

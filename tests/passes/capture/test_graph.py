@@ -1,5 +1,6 @@
 import pytest
 import torch
+from equivalence import load_example
 from planning import meta_model
 
 from autopar.ir import TraceError
@@ -151,12 +152,30 @@ def test_copy_into_a_slice_is_captured_as_ops_autograd_differentiates():
 def test_examples_trace_where_the_model_is():
     """An example batch elsewhere than the model (CPU token ids for a meta model here; CUDA
     batches for a CPU model on a GPU machine) gives shapes and dtypes: the graph traces on the
-    model's device instead of failing in torch.export's device propagation."""
+    model's device (a meta model's as on the CPU, below) instead of failing in torch.export's device
+    propagation."""
     model = meta_model("gpt.py", hidden=32, layers=1, heads=2, vocab=64, seq=16)
     ids = torch.randint(0, 64, (2, 16))
     captured = capture(model, (ids, ids))
     tokens = captured.graph_module.graph.find_nodes(op="placeholder")[-1].meta["val"]
-    assert tokens.device.type == "meta" and tokens.shape == (2, 16) and tokens.dtype == torch.int64
+    assert tokens.device.type == "cpu" and tokens.shape == (2, 16) and tokens.dtype == torch.int64
+
+
+@pytest.mark.parametrize("precision", [None, torch.bfloat16])
+def test_a_model_without_weights_captures_as_its_cpu_twin(precision):
+    """On meta, attention returns its heads outermost and the CPU kernel innermost, so the reshape
+    after it copied on meta only: a plan made without weights did not load for the model that runs.
+    Traced as on the CPU, both capture one graph, and the meta model keeps its meta tensors."""
+    sizes = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
+    meta = meta_model("gpt.py", **sizes)
+    cpu = load_example("gpt.py").build(**sizes)
+    tied = meta_model("gpt.py", **sizes)
+    tied.output.weight = tied.tok_embeddings.weight
+    on_meta = capture(meta, meta.example_inputs(2, device="meta"), param_dtype=precision)
+    on_cpu = capture(cpu, cpu.example_inputs(2), param_dtype=precision)
+    assert on_meta.fingerprint == on_cpu.fingerprint
+    assert all(t.is_meta and type(t) in (torch.Tensor, torch.nn.Parameter) for t in meta.state_dict().values())
+    assert capture(tied, tied.example_inputs(2, device="meta")).tied == {"output.weight": "tok_embeddings.weight"}
 
 
 class _NoGradient(torch.autograd.Function):

@@ -15,6 +15,7 @@ from autopar.passes.cost.evaluate import evaluate_plan
 from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import OPTIMIZER_BYTES_PER_PARAM, RECAST_BYTES_PER_PARAM, optimizer_time, zero_copy_bytes
 from autopar.passes.cost.schedule import kept_share
+from autopar.passes.search.ranking import within_reach
 from autopar.passes.search.schedule import levels
 
 GPT = dict(hidden=64, layers=4, heads=4, vocab=256, seq=32)
@@ -287,22 +288,19 @@ def test_regathering_keeps_each_gathered_input_at_its_shard_and_gathers_it_again
     assert 0 < beside[1] - beside[0] < again
 
 
-def test_the_search_weighs_regathering_against_selective_recomputation_where_neither_fits_without():
+def test_the_search_weighs_regathering_against_selective_recomputation_under_a_memory_limit():
+    """Under a limit the layout that saves nothing no longer fits as it is: the search weighs each
+    level of saving (on the layout solved under the limit, too) and takes the fastest that fits."""
     pins = dict(degrees={"dp": 2, "tp": 4}, constraints=GPT_SP, zero=0, microbatches=1)
-    leaner = {  # the rung after saving everything: each saves otherwise, neither always faster
-        (recompute, regather): _plan(**pins, recompute=recompute, regather=regather)
-        for recompute, regather in (("none", True), ("selective", False))
-    }
-    limit = max(plan.cost.peak_memory for plan in leaner.values())
-    with pytest.raises(MemoryLimitError):
-        _plan(**pins, recompute="none", regather=False, memory_limit=limit)
+    levels_ = (("none", False), ("none", True), ("selective", False))
+    free = {level: _plan(**pins, recompute=level[0], regather=level[1]) for level in levels_}
+    limit = max(free[level].cost.peak_memory for level in levels_[1:])  # the rung after saving everything
+    assert free[("none", False)].cost.peak_memory > limit
+    under = {level: _plan(**pins, recompute=level[0], regather=level[1], memory_limit=limit) for level in levels_}
     chosen = _plan(**pins, memory_limit=limit)
-    fastest = min(leaner.values(), key=lambda plan: plan.cost.step_s)
-    assert (chosen.schedule.recompute, chosen.schedule.regather) == (
-        fastest.schedule.recompute,
-        fastest.schedule.regather,
-    )
-    assert chosen.cost.step_s == pytest.approx(fastest.cost.step_s)
+    fastest = min(plan.cost.step_s for plan in under.values())
+    assert chosen.cost.peak_memory <= limit and within_reach(chosen.cost.step_s, fastest)
+    assert (chosen.schedule.recompute, chosen.schedule.regather) in under
     with pytest.raises(ConfigError, match="no gathered input to regather"):
         _plan(**pins, recompute="full", regather=True)
 

@@ -28,6 +28,9 @@ CASES = {
     "gpt-6-layers-megatron-pins": (dict(layers=6), "2x2", dict(degrees={"dp": 1, "tp": 4}, constraints=MEGATRON)),
     "gpt-5-layers-pipeline": (dict(layers=5), "2x2", dict(degrees={"pp": 2, "dp": 1, "tp": 2})),
 }
+# The last layer's row-parallel sum can be taken at its residual add (as in every folded layer) or
+# at the final norm after it: the same bytes at the same time, so either is the optimum.
+TIED = {"gpt-6-layers-megatron-pins"}
 
 
 def _captured(layers: int = 4, wider: int | range | None = None, batch: int = 8):
@@ -39,12 +42,13 @@ def _captured(layers: int = 4, wider: int | range | None = None, batch: int = 8)
     return autopar.capture(model, model.example_inputs(batch, device="meta"))
 
 
-def _same_plan(folded, unfolded, same_nodes: bool = True):
+def _same_plan(folded, unfolded, same_nodes: bool = True, same_params: bool = True):
     assert folded.degrees == unfolded.degrees and folded.zero == unfolded.zero
     assert folded.schedule == unfolded.schedule
+    if same_params:
+        assert folded.params == unfolded.params and folded.inputs == unfolded.inputs
     if same_nodes:
-        assert folded.nodes == unfolded.nodes and folded.params == unfolded.params
-        assert folded.inputs == unfolded.inputs
+        assert folded.nodes == unfolded.nodes
     assert folded.cost.step_s == pytest.approx(unfolded.cost.step_s, rel=1e-9)
     assert folded.cost.peak_memory == pytest.approx(unfolded.cost.peak_memory, rel=1e-9)
 
@@ -54,7 +58,8 @@ def test_folding_gives_the_plan_and_cost_of_the_unfolded_search(case):
     model_kwargs, mesh, pins = CASES[case]
     captured = _captured(**model_kwargs)
     options = PlanOptions(hardware=HARDWARE, **pins)
-    _same_plan(search(captured, Mesh.of(mesh), options), search(captured, Mesh.of(mesh), options, fold=False))
+    folded, unfolded = search(captured, Mesh.of(mesh), options), search(captured, Mesh.of(mesh), options, fold=False)
+    _same_plan(folded, unfolded, same_nodes=case not in TIED)
 
 
 def test_folding_gives_the_unfolded_plan_under_a_binding_memory_limit():
@@ -66,7 +71,7 @@ def test_folding_gives_the_unfolded_plan_under_a_binding_memory_limit():
     assert folded.cost.peak_memory <= options.memory_limit < free.cost.peak_memory
     # under the limit only some layers' MLPs can be split, and the first two are interchangeable
     # (the same time and memory whichever is split): the optimum is equal, not always the same nodes
-    _same_plan(folded, search(captured, Mesh((2, 2)), options, fold=False), same_nodes=False)
+    _same_plan(folded, search(captured, Mesh((2, 2)), options, fold=False), same_nodes=False, same_params=False)
 
 
 def test_a_layer_that_differs_is_not_folded_with_the_others():
