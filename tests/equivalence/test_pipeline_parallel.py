@@ -3,7 +3,8 @@ gradients and parameters after AdamW (fp32), for every torch pipelining schedule
 PP4, and with data and tensor parallelism inside the stages (PP2xDP2, PP2xTP2, also with sequence
 parallelism's gathered inputs regathered); ZeRO-1/2/3
 over the data-parallel axis inside the stages, and its checkpoints read under other plans. Some
-cases ignore targets (another count per row): each microbatch's mean then weighs by its count."""
+cases ignore targets (another count per row): each microbatch's mean then weighs by its count.
+A model whose stages hand on transposed values checks that p2p moves only contiguous tensors."""
 
 import dataclasses
 import weakref
@@ -34,6 +35,38 @@ from autopar.runtime.spawn import run_local
 from autopar.runtime.zero import gather as zero_gathers
 
 GPT = dict(hidden=32, layers=8, heads=4, vocab=64, seq=8)  # 8 layers: 4 stages x 2 virtual
+
+
+class _Transposed(torch.nn.Module):
+    """Reads its input transposed and hands its output on transposed: a stage boundary after it
+    sends a non-contiguous value (as Inkling-2's first stage does), and the stage after it sends
+    back a non-contiguous gradient (as Zamba2's Mamba layers give); gloo moves contiguous ones only."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, h):
+        return torch.tanh(self.proj(h.transpose(1, 2))).transpose(1, 2)
+
+
+class Transposing(torch.nn.Module):
+    def __init__(self, width: int = 8, seq: int = 4, layers: int = 2):
+        super().__init__()
+        self.width, self.seq = width, seq
+        self.layers = torch.nn.ModuleList(_Transposed(width) for _ in range(layers))
+
+    def forward(self, x, target):
+        h = x.transpose(1, 2)
+        for layer in self.layers:
+            h = layer(h)
+        return (h.transpose(1, 2) - target).square().mean()
+
+    def example_inputs(self, batch: int):
+        return tuple(torch.randn(batch, self.seq, self.width) for _ in range(2))
+
+
+MODELS = {"gpt": (load_example("gpt.py").build, GPT), "transposing": (Transposing, {})}
 IGNORING = dict(check_forward=True, ignore_targets=True)
 
 TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forward=True) for kind in PIPELINES] + [
@@ -45,6 +78,7 @@ TWO_RANKS = [dict(degrees={"pp": 2}, microbatches=4, pipeline=kind, check_forwar
     dict(degrees={"tp": 2}, constraints=GPT_TP, microbatches=4),
     # a plan made on the meta device, as `autopar plan` makes it (attention's strides differ there)
     dict(degrees={"pp": 2}, microbatches=4, pipeline="interleaved-1f1b", virtual=2, made_on_meta=True),
+    dict(model="transposing", degrees={"pp": 2}, microbatches=2, pipeline="1f1b", stage_cuts=["layers.1"]),
 ]
 # every schedule on 2 stages; on 4, 1F1B and ZBV (the interleaved ones: interleaved-zb on pp2 x tp2 below)
 ON_FOUR = ("1f1b", "zbv")
@@ -67,13 +101,17 @@ FOUR_RANKS = [dict(degrees={"pp": 4}, microbatches=4, pipeline=kind, check_forwa
 
 
 def _run_cases(rank, world, cases):
-    gpt = load_example("gpt.py")
-    return [run_case(lambda: compare_one_step(gpt.build, GPT, 8, world, dict(options))) for options in cases]
+    def one(options):
+        builder, kwargs = MODELS[options.pop("model", "gpt")]
+        return compare_one_step(builder, kwargs, 8, world, options)
+
+    return [run_case(lambda: one(dict(options))) for options in cases]
 
 
 def _check(options, results):
     """``results``: the case's result on every rank."""
-    everything = set(load_example("gpt.py").build(**GPT).state_dict())
+    builder, kwargs = MODELS[options.get("model", "gpt")]
+    everything = set(builder(**kwargs).state_dict())
     for result in results:  # each figure is the worst |x - ref| / (1e-6 + 1e-4·|ref|): allclose holds when <= 1
         assert "error" not in result, result["error"]
         assert result["loss"] <= 1 and result["grad"][0] <= 1 and result["param"][0] <= 1, (options, result)

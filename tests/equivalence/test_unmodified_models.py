@@ -11,13 +11,13 @@ DeepSeek-V3 (its router's own ops, then the experts op) on EP2xTP2; a Qwen2 with
 across pipeline stages on PP4, PP2xDP2 with ZeRO-1 (its labels right-padded, another length per
 row, so microbatches count unequal targets) and ZeRO-3, and the zero-bubble V schedule (both uses
 on one device); JetMoE (experts over attention heads and the MLP, its tokens split by counts it
-computes: sizes only the data decides, other ones in each microbatch) and Inkling-2 (its first
-stage sends a non-contiguous value) on PP2xDP2; Llama 4 (every expert run on every token scaled by
-its router score: the experts op with weighted inputs) on EP4. The same families on DP4, TP4, PP2xDP2 and
-CP2xDP2 are ``benchmarks/coverage.py families``'s columns (the same check, on every rank), with
-every other family. Also on one of the models: calls of other sizes and with a padding mask (no
-new plan), a loss computed outside
-from returned logits, and a batch the mesh cannot split."""
+computes: sizes only the data decides, other ones in each microbatch) on PP2xDP2. The same
+families on DP4, TP4, PP2xDP2, CP2xDP2 and EP4 are ``benchmarks/coverage.py families``'s columns
+(the same check, on every rank), with every other family (Inkling-2, Zamba2 and Llama 4 among
+them, whose stage boundaries and weighted experts tests/equivalence/test_pipeline_parallel.py and
+tests/runtime/kernels/test_expert_parallel.py check on small models). Also on one of the models:
+calls of other sizes and with a padding mask (no new plan), a loss computed outside from returned
+logits, and a batch the mesh cannot split."""
 
 import torch
 from equivalence import ADAM_EPS, LEARNING_RATE, _rel, check_every_case, load_example, run_case
@@ -31,7 +31,6 @@ TIED = dict(SIZES, layers=4)  # a Qwen2 whose head is its embedding: 4 layers fo
 BATCH, SEQ = 8, 16
 CLIP = 1e-3  # every step's gradients clipped to this global norm (pmodel.clip_grad_norm_), below any of theirs
 PP2xDP2, DP2xTP2 = (dict(mesh="2x2", degrees={a: 2, "dp": 2}) for a in ("pp", "tp"))
-SHRUNK = None  # the family's default config shrunk as the coverage benchmark does (benchmarks/hf_configs.py)
 CASES = [
     ("llama", SIZES, dict(DP2xTP2, local_batches=True)),  # each rank passes its data-parallel share
     ("mixtral", SIZES, DP2xTP2),
@@ -43,9 +42,6 @@ CASES = [
     ("qwen2", TIED, dict(PP2xDP2, zero=3)),
     ("qwen2", TIED, dict(PP2xDP2, pipeline="zbv")),
     ("jetmoe", SIZES, PP2xDP2),  # tokens split by counts it computes: sizes only the data decides, per microbatch
-    ("inkling2_text", SHRUNK, PP2xDP2),  # its stage 0 sends a non-contiguous value (p2p takes contiguous ones)
-    ("llama4_text", SHRUNK, dict(degrees={"ep": 4}, constraints={"model.layers.*.feed_forward": "experts"})),
-    ("zamba2", SHRUNK, PP2xDP2),  # its stage 1 sends back a non-contiguous gradient
 ]
 
 
@@ -54,13 +50,10 @@ def _batch(seed: int, batch: int = BATCH, seq: int = SEQ) -> dict:
     return {"input_ids": tokens, "labels": tokens.roll(1, 0)}  # a graph mixing them up would show
 
 
-def _one_step(family: str, sizes: dict | None, options: dict) -> dict:
+def _one_step(family: str, sizes: dict, options: dict) -> dict:
     options = dict(options)
     torch.manual_seed(0)
-    if sizes is SHRUNK:
-        model = build(load_example("hf_configs.py", "benchmarks").small_model, family=family)
-    else:
-        model = build(load_example("hf.py").from_config, family=family, **sizes)
+    model = build(load_example("hf.py").from_config, family=family, **sizes)
     padded = options.pop("padded", False)
     stream = torch.get_rng_state()  # parallelize must leave it as it is on every rank (planning runs on one)
     pmodel = autopar.parallelize(model, options.pop("mesh", 4), **options)

@@ -3,6 +3,7 @@ and a stack that moves each parameter alone, keeps small ones whole and gathers 
 recomputed forward (DeepSpeed's stage 3 of early 2021)."""
 
 import dataclasses
+import functools
 
 import pytest
 from planning import meta_model, plan_example
@@ -29,10 +30,15 @@ DP_LINK = dataclasses.replace(FLAT_A100.link((2, 4), 8, 8), sync_s=0.0)  # the 8
 
 def _cost(hardware, **pins):
     """The step's cost of the GPT on a 2 x 4 mesh, all of it data-parallel ZeRO-3."""
-    plan = plan_example("gpt.py", (2, 4), batch=16, model_kwargs=GPT, hardware=FLAT_A100, **{**PINS, **pins})
+    return evaluate_plan(*_planned(tuple(sorted(pins.items()))), hardware)
+
+
+@functools.cache
+def _planned(pins: tuple):
+    """The graph and its plan (made on the flat A100) for ``pins``; each test prices it on its own hardware."""
+    plan = plan_example("gpt.py", (2, 4), batch=16, model_kwargs=GPT, hardware=FLAT_A100, **{**PINS, **dict(pins)})
     model = meta_model("gpt.py", **GPT)
-    graph = capture(model, model.example_inputs(16, device="meta"))
-    return evaluate_plan(graph, plan, hardware)
+    return capture(model, model.example_inputs(16, device="meta")), plan
 
 
 def _sync(hardware, **pins) -> float:
