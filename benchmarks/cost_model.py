@@ -245,7 +245,7 @@ def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, object]]:
     gpt = _load_gpt()
     planned = []
     for case in cases:
-        model, inputs = _build(gpt, case)  # on the CPU, as the ranks build it: meta SDPA strides capture another graph
+        model, inputs = _build(gpt, case)  # on the CPU, as the ranks build it
         planned.append(
             (
                 case,

@@ -156,7 +156,7 @@ def traced_as_on_cpu(model: torch.nn.Module, example: tuple):
         yield tree_map(lambda leaf: fake(leaf) if isinstance(leaf, torch.Tensor) else leaf, example)
 
 
-def as_meta(value):
+def _as_meta(value):
     """A fake tensor (from :func:`traced_as_on_cpu`) as the meta tensor it stands for; anything else as it is."""
     if isinstance(value, FakeTensor):
         return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
@@ -252,7 +252,7 @@ def _capture(model: torch.nn.Module, example_inputs: tuple, example_kwargs: dict
             user_inputs.append(name)
         elif spec.kind == InputKind.CONSTANT_TENSOR:  # a tensor the forward makes itself: a buffer of its own
             buffers[name] = spec.target
-            constants[spec.target] = as_meta(exported.constants[spec.target])
+            constants[spec.target] = _as_meta(exported.constants[spec.target])
         else:
             raise TraceError(
                 f"input {name!r} of kind {spec.kind.name} (e.g. a tensor constant captured from a closure) "

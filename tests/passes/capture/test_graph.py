@@ -178,6 +178,20 @@ def test_a_model_without_weights_captures_as_its_cpu_twin(precision):
     assert capture(tied, tied.example_inputs(2, device="meta")).tied == {"output.weight": "tok_embeddings.weight"}
 
 
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_hugging_face_models_without_weights_capture_as_their_cpu_twins(family):
+    """Every family of benchmarks/families.py does (JetMoE aside: its sizes come from the data)."""
+    from_config = load_example("hf.py").from_config
+    sizes = dict(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64)
+    with torch.device("meta"):
+        meta = from_config(family=family, **sizes)
+    cpu = from_config(family=family, **sizes)
+    tokens = torch.randint(0, 64, (2, 16))
+    call = dict(input_ids=tokens, labels=tokens)
+    on_meta = capture(meta, (), {name: value.to("meta") for name, value in call.items()})
+    assert on_meta.fingerprint == capture(cpu, (), call).fingerprint
+
+
 class _NoGradient(torch.autograd.Function):
     """A backward that is not the forward's derivative (as a straight-through or sampled estimator's)."""
 
