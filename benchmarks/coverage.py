@@ -129,6 +129,8 @@ def families(selected: list[str], quick: bool, compiled: bool) -> None:
     rows = []
     for start in range(0, len(selected), FAMILIES_PER_SPAWN):  # fresh ranks for each few families
         chunk = selected[start : start + FAMILIES_PER_SPAWN]
+        done = f"{start} of {len(selected)} families done ({time.perf_counter() - started:.0f} s)"
+        print(f"[coverage] {done}; now {', '.join(chunk)}", file=sys.stderr)
         rows += _worst_over_ranks(run_local(run_families, world, chunk, plans, timeout_s=3600), plans)
     elapsed = time.perf_counter() - started
     table = [[row["family"], *(_cell(row[label], compiled) for label in plans), _why(row, plans)] for row in rows]

@@ -243,14 +243,14 @@ def test_long_context_with_tight_memory_splits_the_sequence():
     # one 8192-token sequence: data parallelism has nothing to split, and one device's
     # activations do not fit the limit
     model = meta_model("long_context_gpt.py", "build")
-    inputs = model.example_inputs(1, device="meta")
+    captured = autopar.capture(model, model.example_inputs(1, device="meta"))
     limit = 80 * 2**20
     with pytest.raises(MemoryLimitError):
-        autopar.plan(model, 1, inputs, memory_limit=limit)
-    plan = autopar.plan(model, 4, inputs, memory_limit=limit)
+        autopar.plan(captured, 1, memory_limit=limit)
+    plan = autopar.plan(captured, 4, memory_limit=limit)
     assert plan.degrees.get("cp", 1) > 1 and plan.cost.peak_memory <= limit
     assert all(placement[list(plan.degrees).index("cp")] == Shard(1) for placement in plan.inputs.values())
-    single = autopar.plan(model, 1, inputs)  # unlimited: the whole sequence on one device
+    single = autopar.plan(captured, 1)  # unlimited: the whole sequence on one device
     assert plan.cost.memory["activations"] < 0.35 * single.cost.memory["activations"]
 
 
