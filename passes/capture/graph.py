@@ -141,8 +141,9 @@ def traced_as_on_cpu(model: torch.nn.Module, example: tuple):
     captures the graph its CPU twin runs (the same fingerprint): a plan made on it runs, and is
     priced, as the ranks run it. Fake tensors hold no data: nothing is allocated."""
     state = next(itertools.chain(model.parameters(), model.buffers()), None)
-    leaves = [leaf for leaf in tree_flatten(example)[0] if isinstance(leaf, torch.Tensor)]
-    if state is None or not state.is_meta or not leaves or not all(leaf.is_meta for leaf in leaves):
+    # export takes its fake mode from the inputs' tensors (:func:`capture` put them on the model's device)
+    inputs = any(isinstance(leaf, torch.Tensor) for leaf in tree_flatten(example)[0])
+    if state is None or not state.is_meta or not inputs:
         yield example
         return
     mode = FakeTensorMode(allow_non_fake_inputs=True, allow_fallback_kernels=False)

@@ -300,7 +300,8 @@ def test_the_search_weighs_regathering_against_selective_recomputation_under_a_m
     chosen = _plan(**pins, memory_limit=limit)
     fastest = min(plan.cost.step_s for plan in under.values())
     assert chosen.cost.peak_memory <= limit and within_reach(chosen.cost.step_s, fastest)
-    assert (chosen.schedule.recompute, chosen.schedule.regather) in under
+    level = (chosen.schedule.recompute, chosen.schedule.regather)
+    assert level in under and chosen.cost.step_s == pytest.approx(under[level].cost.step_s)
     with pytest.raises(ConfigError, match="no gathered input to regather"):
         _plan(**pins, recompute="full", regather=True)
 
