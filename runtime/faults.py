@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -330,7 +331,7 @@ def compiled_wait(error: BaseException) -> str:
     comment above it, and ``overlap`` named the waits after the program's nodes
     (:func:`autopar.ir.wait_name`)."""
     for frame, line_number in reversed(list(_frames(error))):
-        if frame.f_code.co_name == "call" and "inductor" in frame.f_code.co_filename:
+        if frame.f_code.co_name == "call" and _generated(frame.f_code.co_filename):
             for back in range(1, _COMMENT_REACH + 1):
                 line = linecache.getline(frame.f_code.co_filename, line_number - back)
                 if "Source Nodes: [" in line:
@@ -338,6 +339,14 @@ def compiled_wait(error: BaseException) -> str:
                     waited = next((text for name in names if (text := waited_for(name))), "")
                     return f"waiting for {waited}" if waited else ""
     return ""
+
+
+def _generated(filename: str) -> bool:
+    """Whether ``filename`` is code inductor generated: under its cache folder, wherever
+    ``TORCHINDUCTOR_CACHE_DIR`` puts it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # (an error's path: inductor loads only here)
+
+    return Path(filename).resolve().is_relative_to(Path(cache_dir()).resolve())
 
 
 def _node_at(program: fx.GraphModule, filename: str, line_number: int) -> str:

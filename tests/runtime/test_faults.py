@@ -27,7 +27,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import autopar
 import autopar.passes.program
-from autopar.runtime.faults import collective, program_node
+from autopar.ir import wait_name
+from autopar.runtime.faults import collective, compiled_wait, program_node
 from autopar.runtime.spawn import run_local
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,3 +210,31 @@ def test_a_collective_failing_in_backward_names_the_node_it_is_the_backward_of(m
         "rank 0: gradient all-reduce over the world (ranks [0, 1]) in the gradient sync of bucket 0 (attn.weight) "
         + peer_gone
     )
+
+
+_GENERATED = """
+def call(args):
+    # Topologically Sorted Source Nodes: [{wait}], Original ATen: []
+    raise RuntimeError("timed out")
+"""
+
+
+@pytest.mark.parametrize("moved", [False, True])
+def test_a_compiled_wait_is_read_from_generated_code_wherever_the_cache_is(monkeypatch, tmp_path, moved):
+    """Inductor's generated code is found by its cache folder, not by a name in its path."""
+    if moved:
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    source = Path(cache_dir()) / "zz" / "generated_by_this_test.py"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    source.write_text(_GENERATED.format(wait=wait_name(["all_gather_3"], backward=False)))
+    namespace = {}
+    exec(compile(source.read_text(), str(source), "exec"), namespace)
+    try:
+        namespace["call"]([])
+    except RuntimeError as error:
+        waited = compiled_wait(error)
+    finally:
+        source.unlink()
+    assert waited == "waiting for node all_gather_3"
