@@ -12,6 +12,7 @@ from the traceback, in backward from what the op recorded in forward.
 """
 
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -226,15 +227,16 @@ def test_a_compiled_wait_is_read_from_generated_code_wherever_the_cache_is(monke
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    source = Path(cache_dir()) / "zz" / "generated_by_this_test.py"
-    source.parent.mkdir(parents=True, exist_ok=True)
+    folder = Path(cache_dir()) / "written_by_test_faults"
+    source = folder / "generated.py"
+    folder.mkdir(parents=True, exist_ok=True)
     source.write_text(_GENERATED.format(wait=wait_name(["all_gather_3"], backward=False)))
     namespace = {}
     exec(compile(source.read_text(), str(source), "exec"), namespace)
     try:
-        namespace["call"]([])
-    except RuntimeError as error:
-        waited = compiled_wait(error)
+        with pytest.raises(RuntimeError) as raised:
+            namespace["call"]([])
+        waited = compiled_wait(raised.value)  # reads the generated lines: before they are removed
     finally:
-        source.unlink()
+        shutil.rmtree(folder)
     assert waited == "waiting for node all_gather_3"
