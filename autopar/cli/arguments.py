@@ -191,10 +191,12 @@ def _planning_options(parser: argparse.ArgumentParser) -> None:
         "--zero",
         type=int,
         choices=(0, 1, 2, 3),
-        help="pin the ZeRO stage over the dp axis (default: the lowest that fits)",
+        help="pin the ZeRO stage over the dp axis (default: the fastest that fits, the lowest of near-equals)",
     )
     parser.add_argument(
-        "--recompute", choices=RECOMPUTE, help="pin activation recomputation (default: the least that fits)"
+        "--recompute",
+        choices=RECOMPUTE,
+        help="pin activation recomputation (default: the fastest that fits, the least of near-equals)",
     )
     parser.add_argument(
         "--microbatches", type=_positive_int, help="pieces each rank's batch runs in (default: searched with pipelines)"

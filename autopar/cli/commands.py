@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from autopar.api import capture
@@ -48,8 +49,14 @@ def _make_plan(args):
     batch = args.batch or args.mesh.size * BATCH_PER_DEVICE
     call = model_call(model, batch, args.seq)
     options = _options(args, hardware)
+    live = sys.stderr.isatty() and not getattr(args, "json", False)  # progress lines: a terminal, no --json
+    if live:  # tracing a deep model takes tens of seconds before the search's line starts
+        print(f"capture: tracing {type(model).__name__} with torch.export ...", file=sys.stderr, flush=True)
+    started = time.monotonic()
     captured = capture(model, (), call, precision=options.precision_policy.precision)
-    live = sys.stderr.isatty() and not getattr(args, "json", False)  # the progress line: a terminal, no --json
+    if live:
+        nodes = len(captured.graph_module.graph.nodes)
+        print(f"capture: {nodes:,} graph nodes in {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
     with ProgressLine(sys.stderr) if live else contextlib.nullcontext() as line:
         plan = make_plan(captured, args.mesh, options=options, progress=line)
     program = rewrite(captured, plan, groups={axis: axis for axis in plan.degrees}, device="cpu")

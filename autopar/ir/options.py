@@ -32,8 +32,10 @@ class PlanOptions:
     - ``hardware``: a profile name (``"a100-80gb"``), a profile JSON path or a
       :class:`HardwareProfile`; ``None`` is this machine's preset.
     - ``memory_limit``: bytes per device (default: the profile's memory).
-    - ``zero``: the ZeRO stage 0-3 over the data-parallel axis (default: the lowest that fits).
-    - ``recompute``: activation recomputation (default: the least that fits).
+    - ``zero``: the ZeRO stage 0-3 over the data-parallel axis (default: the fastest that fits; the
+      lowest of those within the tie tolerance, :mod:`autopar.passes.search.ranking`).
+    - ``recompute``: activation recomputation (default: the fastest that fits; the least of those
+      within the tie tolerance).
     - ``microbatches``: pieces the local batch runs in (pipeline microbatches, gradient accumulation).
     - ``pipeline``: the pipeline schedule (default: the fastest that fits).
     - ``virtual``: stage modules per device of the interleaved schedules (Megatron's virtual

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 import pytest
 from equivalence import ROOT
@@ -19,9 +20,12 @@ MESH = ["--mesh", "2x2", "--batch", "8"]
 PINNED_TP = ["--degrees", "dp=1,tp=4", "--constraint", "layers.*.mlp.fc1=S(-1)", "--constraint", "layers.*.mlp.fc2=P"]
 
 
-def test_plan_prints_module_table_and_predicted_step(capsys):
+def test_plan_prints_module_table_and_predicted_step(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # a person watching: progress on stderr
     assert main(["plan", "gpt", *MESH]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "capture: tracing GPT with torch.export" in err and " graph nodes in " in err
+    assert re.search(r"search: (\d+)/\1 configurations", err)
     assert "layers.0-1 x2" in out and "layers.0-1.attn.wq" in out and "weight (" in out  # identical layers once
     assert "layers.1.attn" not in out
     assert "layers.0-1 x2: 2 identical layers" in out  # the footnote names this model's run
