@@ -37,7 +37,8 @@ SPECIAL = {
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "mamba": {"expand": 2, "state_size": 16, "time_step_rank": 8},
     **dict.fromkeys(
-        ("deepseek_v3", "deepseek_v2", "minicpm3", "glm4_moe_lite"),
+        ("deepseek_v3", "deepseek_v2", "minicpm3", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "sarvam_mla",
+         "axk1", "youtu", "longcat_flash"),
         {"num_key_value_heads": HEADS, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16,
          "qk_nope_head_dim": 16, "v_head_dim": 16},  # MLA: as many KV heads as heads, its head sizes its own
     ),

@@ -6,7 +6,8 @@
   its dual as backward; ``kernels/``: context-parallel attention (ring, Ulysses, the zigzag
   sequence layout), the expert-parallel mixture of experts, the vocabulary-parallel embedding
   and cross-entropy, the linears of a gathered input that keep its shard (``gathered_linear``),
-  a model's recurrences over time (the gated delta rule, Mamba's selective scan) as one op each
+  a model's recurrences over time (the gated delta rule, Mamba's selective scan, Griffin's linear
+  recurrence) as one op each
   (``recurrences``);
 - ``grad_sync``: bucketed gradient all-reduce overlapped with backward; ``zero/``: ZeRO 1-3
   (sharded layout and optimizer, parameter gathers, gradient reduce-scatters; ``zero/compiled``:
@@ -40,7 +41,7 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kernels.context_parallel import ring_attention, ulysses_attention
 from autopar.runtime.kernels.expert_parallel import moe, moe_experts
 from autopar.runtime.kernels.gathered_linear import gathered_linears
-from autopar.runtime.kernels.recurrences import gated_delta_rule, selective_scan
+from autopar.runtime.kernels.recurrences import gated_delta_rule, linear_recurrence, selective_scan
 from autopar.runtime.kernels.vocab_parallel import vocab_cross_entropy, vocab_embedding
 from autopar.runtime.kernels.zigzag import zigzag
 from autopar.runtime.launch import finish, free_port, init_from_env, launch_local
@@ -67,6 +68,7 @@ __all__ = [
     "init_from_env",
     "keep_on_first",
     "launch_local",
+    "linear_recurrence",
     "load_checkpoint",
     "load_weights",
     "moe",

@@ -24,7 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.ir import OP_NAMESPACE, HardwareProfile, model_state_bytes
 from autopar.ir.precision import PrecisionPolicy
-from autopar.passes.capture.recurrences import recurrence_op, scan_op
+from autopar.passes.capture.recurrences import linear_recurrence_op, recurrence_op, scan_op
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
 from autopar.runtime.kernels.recurrences import DELTA_RULE, reference
 
@@ -152,7 +152,7 @@ def _run_profile(target, values, spec, grads: tuple[bool, ...], cast: torch.dtyp
         with backward, traffic:
             torch.autograd.grad(differentiable, wrt, seeds, allow_unused=True)
         # autopar's recurrence ops keep only their inputs: their backward runs their forward again
-        again = recurrence_op(target) or scan_op(target)
+        again = recurrence_op(target) or scan_op(target) or linear_recurrence_op(target)
         backward_flops = backward.get_total_flops() or (3 if again else 2) * forward_flops
         backward_io, backward_widened = traffic.bytes, traffic.widened
     slots, saves_output, extra = set(), False, 0.0
@@ -228,7 +228,7 @@ def _nbytes(tensor: torch.Tensor) -> float:
 def _formula_flops(target, inputs, args) -> float:
     """FLOPs of ops the flop counter does not know on this device (CPU attention, autopar's
     mixture of experts, the gated delta rule: its model's own function, counted; the selective
-    scan: its states read out by C, as the flop counter counts its loop)."""
+    scan: its states read out by C, as the flop counter counts its loop; the linear recurrence)."""
     packet = getattr(target, "overloadpacket", None)
     if recurrence_op(target):  # q, k, v, g, beta, chunk_size, l2norm, source
         counter, (chunk_size, l2norm, source) = FlopCounterMode(display=False), args[5:8]
@@ -237,6 +237,8 @@ def _formula_flops(target, inputs, args) -> float:
         return float(counter.get_total_flops())
     if scan_op(target):  # u [b, D, T], delta, A [D, N], ...: each step's [D, N] states times C's [N]
         return 2.0 * math.prod(inputs[0].shape) * inputs[2].shape[-1]
+    if linear_recurrence_op(target):  # x, a [b, T, w]: a product and a sum per element
+        return 2.0 * math.prod(inputs[0].shape)
     if packet is torch.ops.aten.scaled_dot_product_attention and len(inputs) >= 3:
         q, k = inputs[0], inputs[1]
         return 4.0 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]  # QKᵀ and PV

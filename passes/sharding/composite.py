@@ -1,12 +1,12 @@
 """Sharding rules of autopar's composite ops, by name (``OWN_OPS``): the mixture of experts ops, the
-chunked gated delta rule and the selective scan that capture makes of a model's blocks (registered
-by autopar.runtime)."""
+chunked gated delta rule, the selective scan and the linear recurrence that capture makes of a
+model's blocks (registered by autopar.runtime)."""
 
 from __future__ import annotations
 
 from autopar.ir import Kernel, Replicate, Shard
 from autopar.passes.capture.moe import EXPERTS_OP, ROUTED_EXPERTS_OP
-from autopar.passes.capture.recurrences import RECURRENCE_OP, SCAN_OP
+from autopar.passes.capture.recurrences import LINEAR_OP, RECURRENCE_OP, SCAN_OP
 from autopar.passes.sharding.strategies import OpView, Strategy
 from autopar.runtime.kernels.expert_parallel import first_expert_slot
 
@@ -40,4 +40,16 @@ def scan(view: OpView) -> list[Strategy]:
     return [batch, Strategy((Shard(1), Shard(1), Shard(0), R, R, Shard(0), Shard(1), Shard(0)), Shard(1))]
 
 
-OWN_OPS = {EXPERTS_OP: experts, ROUTED_EXPERTS_OP: experts, RECURRENCE_OP: recurrence, SCAN_OP: scan}
+def linear_recurrence(view: OpView) -> list[Strategy]:
+    """autopar::linear_recurrence(x, a [b, T, w]) -> [b, T, w]: independent over the batch and over
+    channels (each channel's state its own); sequential in time."""
+    return [Strategy((Shard(d), Shard(d)), Shard(d)) for d in (0, 2)]
+
+
+OWN_OPS = {
+    EXPERTS_OP: experts,
+    ROUTED_EXPERTS_OP: experts,
+    RECURRENCE_OP: recurrence,
+    SCAN_OP: scan,
+    LINEAR_OP: linear_recurrence,
+}

@@ -1,6 +1,7 @@
 """A model's recurrences over time as one op each: the chunked gated delta rule (Qwen3-Next's linear
 attention, and its kin's) as ``autopar::gated_delta_rule``, Mamba's selective scan as
-``autopar::selective_scan``.
+``autopar::selective_scan``, Griffin's linear recurrence (Recurrent Gemma) as
+``autopar::linear_recurrence``.
 
 Without their fused kernels (flash-linear-attention's, mamba_ssm's), a model computes these with a
 Python loop (over 64-token chunks; over every token), which torch.export unrolls: Qwen3-Next's
@@ -8,12 +9,13 @@ default configuration captured as 84,520 nodes, and Mamba's 4096 steps in each o
 capture in any time a search can wait. Captured as one op
 (:func:`autopar.passes.capture.recurrences.composite_recurrences`), each is one node per layer.
 
-Each op's math is exactly the model's own function (``source``: the module that defines it, which
-picks the fused kernel where it is installed), called on this rank's tensors. Both are independent
-over the batch and over heads (channels), so a rank holding a batch or head shard of every input
+The first two ops' math is exactly the model's own function (``source``: the module that defines
+it, which picks the fused kernel where it is installed), called on this rank's tensors; the linear
+recurrence's, a method in the model, is written here as its loop runs it. All are independent over
+the batch and over heads (channels), so a rank holding a batch or head shard of every input
 computes that shard of the output (:mod:`autopar.passes.sharding.composite`). Backward keeps only
 the inputs, as a fused kernel's does: it runs the function again under autograd and takes its
-vector-Jacobian product.
+vector-Jacobian product (the linear recurrence: its states again, then its gradient back in time).
 """
 
 from __future__ import annotations
@@ -169,5 +171,57 @@ def _gradients_through(backward_op, options: int):
     return backward
 
 
+@torch.library.custom_op("autopar::linear_recurrence", mutates_args=())
+def linear_recurrence(x: Tensor, a: Tensor) -> Tensor:
+    """Griffin's linear recurrence over x, a [batch, T, width] (Recurrent Gemma's RG-LRU,
+    ``_rnn_scan`` in its linear mode, reset already folded into a): h_t = a_t·h_(t-1) + x_t from a zero
+    state, accumulated in float32 and read out in x's dtype. The model's is a method, so its math is
+    written here, step for step as the model's loop does it. Example::
+
+        h = torch.ops.autopar.linear_recurrence(x, a)
+    """
+    return _states(x, a).to(x.dtype)
+
+
+def _states(x: Tensor, a: Tensor) -> Tensor:
+    """The float32 states h_t of :func:`linear_recurrence`, [batch, T, width]."""
+    states = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    state = torch.zeros(x[:, 0].shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[1]):
+        state = a[:, t].to(torch.float32) * state + x[:, t].to(torch.float32)
+        states[:, t] = state
+    return states
+
+
+@linear_recurrence.register_fake
+def _(x, a):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("autopar::linear_recurrence_backward", mutates_args=())
+def linear_recurrence_backward(grad: Tensor, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of x and a: the states again (only the inputs are kept), then back in time,
+    the state's gradient g_t = dy_t + a_(t+1)·g_(t+1) giving dx_t = g_t and da_t = g_t·h_(t-1)."""
+    states = _states(x, a)
+    dx, da = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    g = torch.zeros(x[:, 0].shape, dtype=torch.float32, device=x.device)
+    for t in reversed(range(x.shape[1])):
+        g = grad[:, t].to(torch.float32) + (a[:, t + 1].to(torch.float32) * g if t + 1 < x.shape[1] else 0)
+        dx[:, t] = g
+        da[:, t] = g * states[:, t - 1] if t > 0 else torch.zeros_like(g)
+    return dx, da
+
+
+@linear_recurrence_backward.register_fake
+def _(grad, x, a):
+    return torch.empty_like(x, memory_format=torch.contiguous_format), torch.empty_like(
+        a, memory_format=torch.contiguous_format
+    )
+
+
 gated_delta_rule.register_autograd(_gradients_through(gated_delta_rule_backward, 3), setup_context=_keep_inputs(3))
 selective_scan.register_autograd(_gradients_through(selective_scan_backward, 3), setup_context=_keep_inputs(3))
+linear_recurrence.register_autograd(
+    lambda ctx, grad: linear_recurrence_backward(grad, *ctx.saved_tensors),
+    setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs),
+)

@@ -1,5 +1,5 @@
 """Random calls of autopar's composite ops (mixtures of experts, the gated delta rule, the selective
-scan) for the rule validation: part of ``rule_samples.SAMPLES``."""
+scan, the linear recurrence) for the rule validation: part of ``rule_samples.SAMPLES``."""
 
 from __future__ import annotations
 
@@ -58,9 +58,17 @@ def selective_scan(draw, p):
     return Sample(torch.ops.autopar.selective_scan.default, (u, delta, A, B, C, D, z, bias, *options))
 
 
+def linear_recurrence(draw, p):
+    """autopar::linear_recurrence(x, a [b, T, w]), a gate in (0, 1) as Griffin's."""
+    batch, steps, width = size(draw, p), draw(st.integers(1, 6)), size(draw, p)
+    x, a = values(draw, (batch, steps, width), F32), values(draw, (batch, steps, width), F32).sigmoid()
+    return Sample(torch.ops.autopar.linear_recurrence.default, (x, a))
+
+
 COMPOSITE_SAMPLES = {
     "autopar.moe": experts,
     "autopar.moe_experts": routed_experts,
     "autopar.gated_delta_rule": gated_delta_rule,
     "autopar.selective_scan": selective_scan,
+    "autopar.linear_recurrence": linear_recurrence,
 }

@@ -1,6 +1,7 @@
 """passes/capture/recurrences.py and runtime/kernels/recurrences.py: the chunked gated delta rule as
-one ``autopar.gated_delta_rule`` node per layer and Mamba's selective scan as one
-``autopar.selective_scan``, their values and gradients the model's own function's, and every call
+one ``autopar.gated_delta_rule`` node per layer, Mamba's selective scan as one
+``autopar.selective_scan`` and Recurrent Gemma's linear recurrence as one
+``autopar.linear_recurrence``, their values and gradients the model's own function's, and every call
 an op cannot take left to that function."""
 
 import pytest
@@ -9,20 +10,26 @@ from equivalence import load_example
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.mamba import modeling_mamba
 from transformers.models.qwen3_next import modeling_qwen3_next
+from transformers.models.recurrent_gemma.modeling_recurrent_gemma import RecurrentGemmaRglru
 
 from autopar.ir import get_profile
 from autopar.passes.capture.graph import capture, module_path
 from autopar.passes.capture.recurrences import composite_recurrences
 from autopar.passes.cost.facts import analyze
 from autopar.passes.cost.ops import op_profile
-from autopar.runtime import gated_delta_rule, selective_scan
-from autopar.runtime.kernels.recurrences import gated_delta_rule_backward, selective_scan_backward
+from autopar.runtime import gated_delta_rule, linear_recurrence, selective_scan
+from autopar.runtime.kernels.recurrences import (
+    gated_delta_rule_backward,
+    linear_recurrence_backward,
+    selective_scan_backward,
+)
 
 hf_configs = load_example("hf_configs.py", "benchmarks")
 SOURCE = modeling_qwen3_next.__name__
 RULE = modeling_qwen3_next.torch_chunk_gated_delta_rule
 SCAN_SOURCE = modeling_mamba.__name__
 SCAN = modeling_mamba.mamba_selective_scan
+RNN_SCAN = RecurrentGemmaRglru._rnn_scan
 
 
 def _inputs(batch=2, steps=11, heads=2, groups=2, dk=3, dv=5):
@@ -68,6 +75,28 @@ def test_scan_gives_the_models_values_and_gradients():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def _linear_inputs(batch=2, steps=7, width=5, dtype=torch.float32):
+    """Griffin's x and its gate a in (0, 1), [batch, steps, width]."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, steps, width, generator=generator).to(dtype)
+    a = torch.rand(batch, steps, width, generator=generator).to(dtype)
+    return [x.requires_grad_(), a.requires_grad_()]
+
+
+def test_linear_recurrence_gives_the_models_values_and_gradients():
+    x, a = _linear_inputs()
+    reset = torch.zeros(x.shape[:2] + (1,), dtype=torch.bool)
+    reset[:, 0] = True  # the first position, as the model's positions make it
+    expected, last = RNN_SCAN(None, x, a, reset, None)  # the method reads nothing of its module
+    seed = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    expected_grads = torch.autograd.grad(expected, [x, a], seed)
+    out = linear_recurrence(x, a * ~reset)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(out[:, -1], last, rtol=0, atol=0)
+    for got, want in zip(torch.autograd.grad(out, [x, a], seed), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _layouts(outputs) -> list:
     return [(t.shape, t.dtype, t.stride()) for t in (outputs if isinstance(outputs, tuple) else [outputs])]
 
@@ -85,6 +114,9 @@ def test_ops_and_their_backwards_keep_the_layouts_their_fake_kernels_promise():
         args, options = [t.detach() for t in _scan_inputs(dtype=dtype)], (True, False, SCAN_SOURCE)
         grad = torch.randn(args[0].shape)
         calls += [(selective_scan, (*args, *options)), (selective_scan_backward, (grad, *args, *options))]
+    for dtype in (torch.float32, torch.bfloat16):
+        x, a = (t.detach() for t in _linear_inputs(dtype=dtype))
+        calls += [(linear_recurrence, (x, a)), (linear_recurrence_backward, (torch.randn(x.shape), x, a))]
     for op, inputs in calls:
         real = op(*inputs)
         with FakeTensorMode() as mode:
@@ -130,6 +162,7 @@ def _ops_of_a_model_with_its_own_loss_and_gradients(family: str, ids: torch.Tens
     model = hf_configs.small_model(family)
     captured = capture(model, (), {"input_ids": ids, "labels": ids})
     assert modeling_mamba.mamba_selective_scan is SCAN and modeling_qwen3_next.torch_chunk_gated_delta_rule is RULE
+    assert RecurrentGemmaRglru._rnn_scan is RNN_SCAN
     eager = model(input_ids=ids, labels=ids).loss
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
     with composite_recurrences(model):
@@ -170,3 +203,16 @@ def test_qwen3_next_captures_one_op_per_linear_attention_layer_with_its_own_loss
     # on a GPU preset its time follows its shapes, at the op's own chunk size
     (fact,) = [f for f in analyze(captured, get_profile("h100-80gb")).values() if f.node in rules[:1]]
     assert fact.pacing is not None and fact.pacing.chunk == 64
+
+
+def test_recurrent_gemma_captures_one_linear_recurrence_per_recurrent_layer_with_its_own_loss_and_gradients():
+    ids = torch.randint(0, hf_configs.VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    model, _, recurrences = _ops_of_a_model_with_its_own_loss_and_gradients("recurrent_gemma", ids, "linear_recurrence")
+    recurrent = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.temporal_block, "rg_lru")]
+    assert recurrent and [module_path(node) for node in recurrences] == [
+        f"model.layers.{i}.temporal_block.rg_lru" for i in recurrent
+    ]
+    # a product and a sum per element; backward runs it again, then back in time; it keeps its inputs
+    profile = op_profile(recurrences[0], needs_grad=True)
+    assert profile.forward_flops == 2 * recurrences[0].args[0].meta["val"].numel()
+    assert profile.backward_flops == 3 * profile.forward_flops and profile.saved_inputs == (0, 1)
