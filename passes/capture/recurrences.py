@@ -37,7 +37,7 @@ RECURRENCE_OP = f"{OP_NAMESPACE}.gated_delta_rule"
 SCAN_OP = f"{OP_NAMESPACE}.selective_scan"
 LINEAR_OP = f"{OP_NAMESPACE}.linear_recurrence"
 RNN_SCAN = "_rnn_scan"  # Recurrent Gemma's RG-LRU method (a loop over every token)
-RNN_SCAN_ARGS = ["self", "hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype"]
+RNN_SCAN_ARGS = ("self", "hidden_states", "recurrent_gate", "reset", "recurrent_states", "acc_dtype")
 L2NORM = "use_qk_l2norm_in_kernel"
 PACKED = ("cu_seqlens", "seq_idx")  # where packed sequences start
 
@@ -128,7 +128,7 @@ def composite_recurrences(model: nn.Module):
                     replaced.append((python_module, name, function))
         for cls in {type(module) for module in model.modules()}:
             method = cls.__dict__.get(RNN_SCAN)
-            if callable(method) and not hasattr(method, ORIGINAL) and _takes(method, tuple(RNN_SCAN_ARGS), ()):
+            if callable(method) and not hasattr(method, ORIGINAL) and _takes(method, RNN_SCAN_ARGS, ()):
                 setattr(cls, RNN_SCAN, _marked(_rnn_scan(method), method))
                 replaced.append((cls, RNN_SCAN, method))
         yield model

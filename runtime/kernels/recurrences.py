@@ -203,12 +203,14 @@ def linear_recurrence_backward(grad: Tensor, x: Tensor, a: Tensor) -> tuple[Tens
     """The gradients of x and a: the states again (only the inputs are kept), then back in time,
     the state's gradient g_t = dy_t + a_(t+1)·g_(t+1) giving dx_t = g_t and da_t = g_t·h_(t-1)."""
     states = _states(x, a)
-    dx, da = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(a.shape, dtype=a.dtype, device=a.device)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    da = torch.zeros(a.shape, dtype=a.dtype, device=a.device)  # h_(-1) = 0: nothing reaches a_0
     g = torch.zeros(x[:, 0].shape, dtype=torch.float32, device=x.device)
     for t in reversed(range(x.shape[1])):
         g = grad[:, t].to(torch.float32) + (a[:, t + 1].to(torch.float32) * g if t + 1 < x.shape[1] else 0)
         dx[:, t] = g
-        da[:, t] = g * states[:, t - 1] if t > 0 else torch.zeros_like(g)
+        if t > 0:
+            da[:, t] = g * states[:, t - 1]
     return dx, da
 
 

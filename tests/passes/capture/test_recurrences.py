@@ -155,6 +155,25 @@ def test_scans_the_op_cannot_take_run_the_models_function():
     torch.testing.assert_close(ungated, SCAN(u, delta, A, B, C, D, None, bias, True), rtol=0, atol=0)
 
 
+def test_linear_recurrences_the_op_cannot_take_run_the_models_method():
+    """A cache's state and one decoding step stay the model's own loop."""
+    model = hf_configs.small_model("recurrent_gemma")
+    rglru = next(m for m in model.modules() if isinstance(m, RecurrentGemmaRglru))
+    x, a = (t.detach() for t in _linear_inputs())
+    reset, state = torch.zeros(x.shape[:2] + (1,), dtype=torch.bool), torch.randn(x.shape[0], x.shape[2])
+    with composite_recurrences(model):
+        assert RecurrentGemmaRglru._rnn_scan is not RNN_SCAN
+        from_state = rglru._rnn_scan(x, a, reset, state)
+        one_step = rglru._rnn_scan(x[:, :1], a[:, :1], reset[:, :1], state)
+    assert RecurrentGemmaRglru._rnn_scan is RNN_SCAN  # back on exit
+    for got, want in [
+        (from_state, RNN_SCAN(rglru, x, a, reset, state)),
+        (one_step, RNN_SCAN(rglru, x[:, :1], a[:, :1], reset[:, :1], state)),
+    ]:
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def _ops_of_a_model_with_its_own_loss_and_gradients(family: str, ids: torch.Tensor, op: str):
     """(``family``'s small model, its capture, its ``op`` nodes); checked: under the stand-ins its
     loss equals eager's bitwise and its gradients within float rounding, its functions back after."""
