@@ -7,6 +7,8 @@ import re
 import pytest
 from bad_inputs import MISTAKES, in_ranks
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def ranked_texts(tmp_path_factory) -> dict[str, str]:

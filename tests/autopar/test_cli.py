@@ -247,6 +247,7 @@ def test_parse_bytes():
         parse_bytes("8 parsecs")
 
 
+@pytest.mark.ranks
 def test_run_passes_script_args_and_exit_code(capsys, tmp_path):
     script = tmp_path / "script.py"
     script.write_text("import os, sys\nprint('args', sys.argv[1:])\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
@@ -254,6 +255,7 @@ def test_run_passes_script_args_and_exit_code(capsys, tmp_path):
     assert "[rank 0] args ['--steps', '10']" in capsys.readouterr().out
 
 
+@pytest.mark.ranks
 def test_run_restarts_failed_ranks_and_passes_the_collective_timeout(capsys, tmp_path):
     script = tmp_path / "script.py"
     script.write_text(

@@ -22,6 +22,7 @@ def _example(file: str, name: str = "build") -> Factory:
     return Factory(str(ROOT / "examples" / file), name)
 
 
+@pytest.mark.ranks
 def test_verify_is_exact_on_every_example_an_hf_model_a_meta_plan_and_a_shrunk_copy():
     with torch.device("meta"):
         gpt = GPT(**SMALL_GPT)
@@ -67,6 +68,7 @@ def test_verify_is_exact_on_every_example_an_hf_model_a_meta_plan_and_a_shrunk_c
     assert reports["big gpt on 2x4, shrunk"].split["tp"]["params"] == pinned_split  # the big plan's pattern
 
 
+@pytest.mark.ranks
 def test_the_command_exits_0_on_a_plan_and_3_on_the_plan_corrupted(tmp_path, capsys):
     """mlp captures alike on meta and CPU, so the plan autopar plan saves runs as it is."""
     plan_file = tmp_path / "plan.json"

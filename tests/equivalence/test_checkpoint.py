@@ -3,6 +3,7 @@ the single-process model's parameters and AdamW state, and training goes on as i
 
 import dataclasses
 
+import pytest
 import torch
 from equivalence import ADAM_EPS, GPT_TP, LEARNING_RATE, close, load_and_compare, load_example, reference_after_one_step
 from shared_captures import build
@@ -10,6 +11,8 @@ from shared_captures import build
 import autopar
 from autopar.runtime.checkpoint import load_weights, save_checkpoint
 from autopar.runtime.spawn import run_local
+
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
 
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 BATCH = 8

@@ -25,6 +25,7 @@ import re
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from equivalence import GPT_SP, assert_matches, check_every_case, compare_one_step, load_example, run_case
@@ -36,6 +37,8 @@ import autopar
 from autopar.ir import EARLIER_GRAD, EXTRA_INPUTS, GRAD_CHUNK
 from autopar.runtime.faults import PEER_REPORT_GRACE_S, from_rank_zero
 from autopar.runtime.spawn import run_local
+
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
 
 GPT = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 GPT4 = dict(GPT, layers=4)  # a V schedule runs 4 stage modules on 2 ranks

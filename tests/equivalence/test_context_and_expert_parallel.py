@@ -9,6 +9,8 @@ from equivalence import GPT_SP, GPT_TP, assert_matches, check_every_case, run_ca
 
 from autopar.runtime.spawn import run_local
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 LONG = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32)  # seq splits into 2 x 4 chunks
 MOE = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16)
 MIXTRAL = dict(hidden=32, layers=2, heads=4, vocab=64, seq=16, aux_loss_coef=0.02)  # its router loss too

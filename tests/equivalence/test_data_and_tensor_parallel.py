@@ -26,6 +26,8 @@ from equivalence import (
 
 from autopar.runtime.spawn import run_local
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 MLP = dict(hidden=32, ffn=64, layers=2)
 HF = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)

@@ -39,6 +39,8 @@ from autopar.runtime.checkpoint import load_checkpoint, save_checkpoint
 from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 PIPELINED_GPT = dict(hidden=32, layers=4, heads=4, vocab=64, seq=8)  # 4 layers: 2 stages x 2 virtual
 LONG = dict(hidden=32, layers=2, heads=4, vocab=64, seq=32)

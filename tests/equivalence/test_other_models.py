@@ -10,9 +10,12 @@ reaches the table); Whisper (audio features in) on DP2. Loss, every full gradien
 after AdamW and every floating buffer allclose (rtol 1e-4, atol 1e-6), every parameter held by some
 rank."""
 
+import pytest
 from equivalence import check_every_case, load_example
 
 from autopar.runtime.spawn import run_local
+
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
 
 CASES = [
     ("examples/cnn.py", "DP2", {"degrees": {"dp": 2}}),

@@ -34,6 +34,8 @@ from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 from autopar.runtime.zero import gather as zero_gathers
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 GPT = dict(hidden=32, layers=8, heads=4, vocab=64, seq=8)  # 8 layers: 4 stages x 2 virtual
 
 

@@ -15,6 +15,8 @@ import autopar
 from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 GPT = dict(hidden=32, layers=4, heads=4, vocab=64, seq=8)
 BATCH = 8
 HARDWARE = "a100-80gb"  # a roofline profile: plans made in one process without timing ops

@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from autopar.runtime.launch import free_port
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, EVERY = 10, 2
 TRAIN = ["--steps", str(STEPS), "--hidden", "32", "--seq", "16", "--batch", "32", "--vocab", "16", "--lr", "1e-2"]

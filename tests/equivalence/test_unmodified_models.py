@@ -19,12 +19,15 @@ tests/runtime/kernels/test_expert_parallel.py check on small models). Also on on
 calls of other sizes and with a padding mask (no new plan), a loss computed outside from returned
 logits, and a batch the mesh cannot split."""
 
+import pytest
 import torch
 from equivalence import ADAM_EPS, LEARNING_RATE, _rel, check_every_case, load_example, run_case
 from shared_captures import build
 
 import autopar
 from autopar.runtime.spawn import run_local
+
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
 
 SIZES = dict(hidden=32, layers=2, heads=4, kv_heads=2, ffn=64, vocab=64, seq=16)
 TIED = dict(SIZES, layers=4)  # a Qwen2 whose head is its embedding: 4 layers for 4 stages

@@ -26,6 +26,8 @@ from autopar.runtime.faults import from_rank_zero
 from autopar.runtime.spawn import run_local
 from autopar.runtime.zero import gather as zero_gathers
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 GPT = dict(hidden=64, layers=2, heads=4, vocab=128, seq=16)
 BATCH = 8
 MESHES = {  # name: mesh, degrees, constraints, schedule

@@ -8,6 +8,8 @@ import pytest
 
 from autopar.runtime.launch import free_port
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--steps", "16", "--hidden", "32", "--seq", "16", "--batch", "8", "--vocab", "16", "--lr", "1e-2"]
 

@@ -8,6 +8,7 @@ import shutil
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from equivalence import load_example
@@ -15,6 +16,8 @@ from equivalence import load_example
 import autopar
 from autopar.runtime import Checkpointer, load_checkpoint
 from autopar.runtime.spawn import run_local
+
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
 
 MLP = dict(hidden=16, ffn=32, layers=2)
 BATCH = 8

@@ -16,6 +16,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.runtime import build_device_mesh, group_name
 from autopar.runtime.spawn import run_local
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 ops = torch.ops.autopar
 TOLERANCE = 1e-5
 

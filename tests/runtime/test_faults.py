@@ -79,6 +79,7 @@ def _one_rank_fails(rank: int, world: int) -> dict:
     return outcomes
 
 
+@pytest.mark.ranks
 def test_an_error_on_one_rank_is_raised_on_every_rank():
     stage_0, stage_1 = run_local(_one_rank_fails, 2, timeout_s=120)
     injected = ("ConfigError", "stage 1 cannot be split (injected on rank 1)")
@@ -118,6 +119,7 @@ BETWEEN_STAGES = (
     ],
     ids=["dp", "pipeline"],
 )
+@pytest.mark.ranks
 def test_a_stalled_rank_fails_its_peers_at_the_collective_timeout(fault, pins, place):
     timeout_s = 6
     job = subprocess.Popen(

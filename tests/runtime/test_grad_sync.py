@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from autopar.runtime import GradSync, build_device_mesh, group_name
 from autopar.runtime.spawn import run_local
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 TOLERANCE = 1e-5
 BUCKET_SIZE_BYTES = 256  # the model holds ~2.4 KB of fp32 gradients
 

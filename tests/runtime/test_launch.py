@@ -75,6 +75,7 @@ def _is_running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.ranks
 def test_ranks_all_reduce_and_output_is_prefixed(tmp_path, capfd):
     assert launch_local(_script(tmp_path, ALL_REDUCE_SCRIPT), [], nproc=2, timeout_s=60) == 0
     lines = capfd.readouterr().out.splitlines()
@@ -82,6 +83,7 @@ def test_ranks_all_reduce_and_output_is_prefixed(tmp_path, capfd):
     assert "[rank 1] rank 1 of 2: sum 3" in lines
 
 
+@pytest.mark.ranks
 def test_failing_rank_terminates_the_others(tmp_path, capfd):
     pid_path = tmp_path / "rank0.pid"
     start = time.monotonic()
@@ -101,6 +103,7 @@ def _wait_for(predicate, timeout_s: float) -> bool:
     return True
 
 
+@pytest.mark.ranks
 def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
     pid_path = tmp_path / "rank0.pid"
     launcher = subprocess.Popen(
@@ -118,6 +121,7 @@ def test_a_killed_launcher_takes_its_ranks_with_it(tmp_path):
         launcher.wait()
 
 
+@pytest.mark.ranks
 def test_timeout_terminates_every_rank(tmp_path, capfd):
     start = time.monotonic()
     code = launch_local(_script(tmp_path, SLEEPING_SCRIPT), [], nproc=2, timeout_s=1)
@@ -133,6 +137,7 @@ def test_init_outside_a_launcher_says_how_to_launch(monkeypatch):
         init_from_env()
 
 
+@pytest.mark.ranks
 def test_a_failed_rank_restarts_every_rank(tmp_path, capfd):
     assert launch_local(_script(tmp_path, FLAKY_SCRIPT), ["once"], nproc=2, timeout_s=60, max_restarts=2) == 0
     captured = capfd.readouterr()
@@ -141,6 +146,7 @@ def test_a_failed_rank_restarts_every_rank(tmp_path, capfd):
     assert "restart 1 of 2: starting all 2 ranks again" in captured.err and "restart 2 of 2" not in captured.err
 
 
+@pytest.mark.ranks
 def test_restarts_run_out_with_the_failed_rank_exit_code(tmp_path, capfd):
     assert launch_local(_script(tmp_path, FLAKY_SCRIPT), ["always"], nproc=2, timeout_s=60, max_restarts=2) == 3
     captured = capfd.readouterr()

@@ -4,6 +4,7 @@ and two matmuls where there was one each, and what cannot be pieced left alone) 
 where a gathered or reduce-scattered piece holds rows of every rank's block (run eagerly: the
 pieces are plain ops; compiled, the equivalence suite's TP+SP case)."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx as fx
@@ -110,6 +111,7 @@ def _two_ranks(rank: int, world: int) -> dict:
     return {name: _pieced_and_checked(function, shapes, seed=rank)[1] for name, (function, shapes) in layers}
 
 
+@pytest.mark.ranks
 def test_on_two_ranks_every_piece_holds_the_rows_of_every_ranks_block():
     for found in run_local(_two_ranks, 2, timeout_s=120):
         assert found == {"gather": 1, "reduce-scatter": 1, "all-reduce": 1}, found

@@ -170,16 +170,19 @@ def _failures(results):
     }
 
 
+@pytest.mark.ranks
 def test_both_ops_match_full_sdpa_on_2_ranks(two_ranks):
     assert len(two_ranks[0]["errors"]) == 2 * 2 * 2 * 4 + 4  # every case was checked
     assert _failures(two_ranks) == {0: {}, 1: {}}
 
 
+@pytest.mark.ranks
 def test_both_ops_match_full_sdpa_on_4_ranks(four_ranks):
     assert len(four_ranks[0]["errors"]) == 2 * 2 * 2 * 4
     assert _failures(four_ranks) == {rank: {} for rank in range(4)}
 
 
+@pytest.mark.ranks
 def test_each_op_is_one_graph_node(two_ranks):
     traces = two_ranks[0]["traces"]
     assert traces["export ulysses_attention"] == ["autopar::ulysses_attention"]
@@ -189,10 +192,12 @@ def test_each_op_is_one_graph_node(two_ranks):
     assert traces["make_fx ring_attention"] == ["autopar::_ring_attention", "autopar::_ring_attention_backward"]
 
 
+@pytest.mark.ranks
 def test_private_ops_pass_opcheck(two_ranks):
     assert two_ranks[0]["opcheck failures"] == {}
 
 
+@pytest.mark.ranks
 def test_user_errors_name_the_problem(two_ranks):
     uneven, odd = two_ranks[0]["uneven heads"], two_ranks[0]["odd local seq"]
     assert uneven.startswith("ShardingRuleError") and "3 heads over 2 cp ranks" in uneven

@@ -11,6 +11,7 @@ counts one rank's batch). One spawn per world size covers every check.
 
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -415,6 +416,7 @@ def _failures(results) -> dict:
     }
 
 
+@pytest.mark.ranks
 def test_expert_parallel_matches_single_process_on_2_ranks():
     results = run_local(_two_ranks, 2, timeout_s=90)
     assert _failures(results) == {0: {}, 1: {}}
@@ -423,6 +425,7 @@ def test_expert_parallel_matches_single_process_on_2_ranks():
     assert "gate_up [4, 2·ffn, 6]" in results[0]["all experts on each rank"]
 
 
+@pytest.mark.ranks
 def test_expert_parallel_matches_single_process_on_4_ranks_and_a_sub_group():
     results = run_local(_four_ranks, 4, timeout_s=120)
     assert _failures(results) == {rank: {} for rank in range(4)}

@@ -17,6 +17,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 from autopar.runtime import build_device_mesh, group_name
 from autopar.runtime.spawn import run_local
 
+pytestmark = pytest.mark.ranks  # every test here starts ranks (tests/conftest.py)
+
 ops = torch.ops.autopar
 TOLERANCE = 1e-5
 VOCAB, HIDDEN, TOKENS = 12, 5, 10
