@@ -27,6 +27,7 @@ import math
 import numpy as np
 
 MAX_ENTRIES = 2**23  # 64 MiB of float64 in the largest table; HiGHS beyond
+SMALL_TABLE = 2**14  # entries: a table this small is summed whole (one numpy call per factor)
 
 
 def elimination_order(sizes: list[int], pairs: list[tuple], max_entries: int = MAX_ENTRIES) -> list[int] | None:
@@ -59,7 +60,8 @@ def elimination_order(sizes: list[int], pairs: list[tuple], max_entries: int = M
 def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MAX_ENTRIES):
     """(choice per variable, objective) minimizing Σ unary[v][s_v] + Σ matrix[class_u[s_u], class_v[s_v]]
     over ``pairs`` of (u, v, matrix, class_u, class_v) with u ≠ v; None when a table would be too large."""
-    steps = _steps(tuple(len(u) for u in unary), tuple((u, v) for u, v, *_ in pairs), max_entries)
+    sizes = tuple(len(u) for u in unary)
+    steps = _steps(sizes, tuple((u, v) for u, v, *_ in pairs), max_entries)
     if steps is None:
         return None
     tables = [np.asarray(costs, dtype=float) for costs in unary]
@@ -73,12 +75,9 @@ def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MA
             trace.append((v, (), best))
             constant += float(table[best])
             continue
-        joint = 0.0  # the sum of v's factors, broadcast over (*around, v)
-        for key, order_in, shape in inputs:
-            joint = joint + tables[key].transpose(order_in).reshape(shape)
-        best = joint.argmin(axis=-1)
+        views = [tables[key].transpose(order_in).reshape(shape) for key, order_in, shape in inputs]
+        best, reduced = _least(views, sizes[v], tuple(sizes[w] for w in around))
         trace.append((v, around, best))
-        reduced = np.minimum.reduce(joint, axis=-1)
         if around:
             tables.append(reduced)
         else:
@@ -89,13 +88,37 @@ def eliminate(unary: list[np.ndarray], pairs: list[tuple], max_entries: int = MA
     return tuple(choice), constant
 
 
+def _least(views: list[np.ndarray], options: int, rest: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(argmin, min) over axis 0 (the eliminated variable's options) of the sum of ``views``,
+    which broadcast over (options, *rest); the first of equal options, as argmin takes it.
+    A large table is summed one option at a time: each slice, a table over the neighbours alone,
+    stays in cache, and the table over the options is never built."""
+    if options * math.prod(rest) <= SMALL_TABLE:
+        joint = sum(views[1:], views[0])
+        best = joint.argmin(axis=0)
+        return best, np.minimum.reduce(joint, axis=0)
+    reduced, row = np.empty(rest), np.empty(rest)
+    best, better = np.zeros(rest, np.intp), np.empty(rest, bool)
+    for s in range(options):
+        row[...] = views[0][s]
+        for x in views[1:]:
+            row += x[s]
+        if s == 0:
+            reduced[...] = row
+            continue
+        np.less(row, reduced, out=better)  # strictly: an equal later option does not displace the first
+        np.minimum(reduced, row, out=reduced)
+        np.copyto(best, s, where=better)
+    return best, reduced
+
+
 @functools.lru_cache(maxsize=256)
 def _steps(sizes: tuple[int, ...], links: tuple[tuple[int, int], ...], max_entries: int):
     """What eliminating in :func:`elimination_order` does, from the problem's shape alone (a search
     solves one shape many times, with other costs): per variable, (it, its neighbours, and the
-    factors to add up: (index, axes' order, broadcast shape)), or (it, (), None) where only its own
-    costs hold it. Factors are numbered as :func:`eliminate` lists them: each variable's costs,
-    the pairs', then each step's new factor over its neighbours."""
+    factors to add up: (index, axes' order, broadcast shape over (it, *neighbours))), or (it, (),
+    None) where only its own costs hold it. Factors are numbered as :func:`eliminate` lists them:
+    each variable's costs, the pairs', then each step's new factor over its neighbours."""
     order = elimination_order(list(sizes), list(links), max_entries)
     if order is None:
         return None
@@ -120,7 +143,7 @@ def _steps(sizes: tuple[int, ...], links: tuple[tuple[int, int], ...], max_entri
             steps.append((v, (), None))
             continue
         around = tuple(sorted({w for key in holding[v] for w in factors[key]} - {v}))
-        position = {w: i for i, w in enumerate(around + (v,))}
+        position = {w: i for i, w in enumerate((v, *around))}  # v's options first
         inputs = []
         for key in holding[v]:
             variables = factors.pop(key)

@@ -3,7 +3,7 @@ import itertools
 import numpy as np
 import pytest
 
-from autopar.passes.search import ilp
+from autopar.passes.search import elimination, ilp
 from autopar.passes.search.elimination import eliminate, elimination_order
 from autopar.passes.search.ilp import ChoiceProblem, least_objective, solve_choices
 
@@ -63,6 +63,29 @@ def test_elimination_matches_brute_force_on_a_graph_with_cycles():
     choice, objective = eliminate(unary, pairs)
     cost, best = _brute_force(ChoiceProblem(unary, [(a, b, m) for a, b, m, _, _ in pairs]))
     assert choice == best and np.isclose(objective, cost)
+
+
+def test_elimination_sums_a_large_table_one_option_at_a_time_as_it_sums_a_small_one_whole(monkeypatch):
+    """Both ways of adding up a step's factors (whole, or one option of the eliminated variable at
+    a time) find the brute-force optimum and, among equal optima (integer costs tie often), the
+    same choice: the first option, as argmin takes it."""
+    rng = np.random.default_rng(3)
+    unary = [rng.integers(0, 3, 4).astype(float) for _ in range(6)]
+    classes = np.arange(4)
+    pairs = [
+        (a, b, rng.integers(0, 3, (4, 4)).astype(float), classes, classes)
+        for a, b in itertools.combinations(range(6), 2)
+    ]
+    flat = [np.zeros(4)] * 6, [(a, b, np.zeros((4, 4)), c, d) for a, b, _, c, d in pairs]  # every choice ties
+    found, tied = [], []
+    for small in (0, 4**6):  # every table summed one option at a time; every table summed whole
+        monkeypatch.setattr(elimination, "SMALL_TABLE", small)
+        found.append(eliminate(unary, pairs))
+        tied.append(eliminate(*flat))
+    assert found[0] == found[1]
+    cost, _ = _brute_force(ChoiceProblem(unary, [(a, b, m) for a, b, m, _, _ in pairs]))
+    assert found[0][1] == cost
+    assert tied[0] == tied[1] == ((0,) * 6, 0.0)
 
 
 def test_elimination_declines_before_building_a_table_too_large():
