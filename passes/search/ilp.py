@@ -29,6 +29,12 @@ import numpy as np
 
 from autopar.passes.search.elimination import eliminate
 
+# HiGHS presolves problems of up to this many variables. On larger ones (a layout under a memory budget
+# over thousands of unfolded nodes) presolving the pairs' marginal rows costs more than it saves: the same
+# optima, 13-27 s without it where it ran past 60 s (BENCHMARKS.md, "Planning at scale"). On smaller ones
+# neither way was the faster, and presolve's choice among equal optima is the one plans were built on.
+PRESOLVE_UP_TO = 1000
+
 
 @dataclass
 class ChoiceProblem:
@@ -166,6 +172,8 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", time_limit_s)
     highs.setOptionValue("mip_rel_gap", 1e-6)
+    if len(problem.unary) > PRESOLVE_UP_TO:
+        highs.setOptionValue("presolve", "off")
     cost = np.concatenate(costs).astype(np.float64)
     highs.addCols(
         n_cols, cost, np.zeros(n_cols), np.ones(n_cols), 0, np.array([], np.int32), np.array([], np.int32), np.array([])

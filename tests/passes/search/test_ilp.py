@@ -20,12 +20,16 @@ def _brute_force(problem):
     return best
 
 
-def test_matches_brute_force_on_a_random_chain_with_memory():
+@pytest.mark.parametrize("presolve_up_to", [0, 1000])  # HiGHS without presolve (large problems), with it
+def test_matches_brute_force_on_a_random_chain_with_memory(monkeypatch, presolve_up_to):
+    monkeypatch.setattr(ilp, "PRESOLVE_UP_TO", presolve_up_to)
     rng = np.random.default_rng(0)
     unary = [rng.random(3) for _ in range(5)]
     pairs = [(i, i + 1, rng.random((3, 3))) for i in range(4)] + [(0, 4, rng.random((3, 3)))]
     memory = [rng.random(3) for _ in range(5)]
     problem = ChoiceProblem(unary, pairs, memory, memory_limit=2.0)
+    unbounded, _ = eliminate(unary, [(a, b, m, np.arange(3), np.arange(3)) for a, b, m in pairs])
+    assert sum(m[c] for m, c in zip(memory, unbounded)) > 2.0  # the budget binds: HiGHS solves it
     cost, choice = _brute_force(problem)
     solution = solve_choices(problem)
     assert solution.choice == choice
