@@ -42,30 +42,31 @@ def cases(quick: bool) -> list[dict]:
     return [table["Llama-3 405B"]] + ([] if quick else [table["DeepSeek-V3 671B"], INKLING])
 
 
-def searched(row: dict) -> tuple[list, dict[str, float]]:
-    """The HiGHS problems of ``row``'s free search, and its wall time under autopar's rule and with
-    presolve on every problem (the same captured graph, one search after the other)."""
+def searched(row: dict) -> tuple[list, dict[str, float], bool]:
+    """The HiGHS problems of ``row``'s free search, its wall time under autopar's rule and with presolve
+    on every problem (the same captured graph, one search after the other), and whether both chose
+    the same plan."""
     import autopar
     from autopar.passes.search import ilp
 
     model = build(row["model"])
     captured = autopar.capture(model, model.example_inputs(row["batch"], device="meta"))
-    recorded, solve, kept, times = [], ilp._solve, ilp.PRESOLVE_UP_TO, {}
+    recorded, solve, kept, times, plans = [], ilp._solve, ilp.PRESOLVE_UP_TO, {}, []
 
     def recording(problem, time_limit_s):
         recorded.append(problem)
         return solve(problem, time_limit_s)
 
     try:
-        for rule, up_to in (("rule", kept), ("always", math.inf)):
-            ilp.PRESOLVE_UP_TO, ilp._solve = up_to, recording if rule == "rule" else solve
+        for rule, up_to, solver in (("rule", kept, recording), ("always", math.inf, solve)):
+            ilp.PRESOLVE_UP_TO, ilp._solve = up_to, solver
             started = time.perf_counter()
             plan = autopar.plan(captured, (row["gpus"] // 8, 8), hardware=row["hardware"], precision="bf16-mixed")
             times[rule] = time.perf_counter() - started
-            times[f"{rule} plan"] = (dict(plan.degrees), str(plan.schedule), plan.zero, plan.cost.step_s)
+            plans.append((dict(plan.degrees), str(plan.schedule), plan.zero, plan.cost.step_s))
     finally:
         ilp.PRESOLVE_UP_TO, ilp._solve = kept, solve
-    return recorded, times
+    return recorded, times, plans[0] == plans[1]
 
 
 def both_ways(problem) -> dict:
@@ -84,7 +85,15 @@ def both_ways(problem) -> dict:
     return out
 
 
-def render(results: list[tuple[dict, dict, list]], elapsed: float, probes: list[float]) -> str:
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2f}" + (" (time limit)" if seconds >= TIME_LIMIT_S else "")
+
+
+def _objective(solution) -> str:
+    return "infeasible" if solution is None else f"{solution.objective:.6f}"
+
+
+def render(results: list[tuple[dict, dict, bool, list]], elapsed: float, probes: list[float]) -> str:
     from autopar.passes.search.ilp import PRESOLVE_UP_TO
 
     lines = [
@@ -102,22 +111,20 @@ def render(results: list[tuple[dict, dict, list]], elapsed: float, probes: list[
         "| presolve on s | presolve off s | objective on | objective off | same choice |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
-    for row, times, solved in results:
-        same_plan = "same plan" if times["rule plan"] == times["always plan"] else "another plan"
+    for row, times, same_plan, solved in results:
+        same_plan = "same plan" if same_plan else "another plan"
         search_s = f"{times['rule']:.1f} / {times['always']:.1f} ({same_plan})"
         if not solved:
             lines.append(f"| {row['name']} | {search_s} | none | - | - | - | - | - | - | - |")
         for i, (problem, ways) in enumerate(solved, 1):
             (on_s, on), (off_s, off) = ways["on"], ways["off"]
-            limit = " (time limit)" if on_s >= TIME_LIMIT_S else ""
-            limit_off = " (time limit)" if off_s >= TIME_LIMIT_S else ""
-            same = "yes" if on.choice == off.choice else "no"
+            same = "yes" if (on and on.choice) == (off and off.choice) else "no"
             lines.append(
                 f"| {row['name']} | {search_s} | {i} | {len(problem.unary)} | {sum(len(u) for u in problem.unary)} "
-                f"| {on_s:.2f}{limit} | {off_s:.2f}{limit_off} | {on.objective:.6f} | {off.objective:.6f} | {same} |"
+                f"| {_seconds(on_s)} | {_seconds(off_s)} | {_objective(on)} | {_objective(off)} | {same} |"
             )
-    large = [w for _, _, solved in results for p, w in solved if len(p.unary) > PRESOLVE_UP_TO]
-    small = [w for _, _, solved in results for p, w in solved if len(p.unary) <= PRESOLVE_UP_TO]
+    large = [w for *_, solved in results for p, w in solved if len(p.unary) > PRESOLVE_UP_TO]
+    small = [w for *_, solved in results for p, w in solved if len(p.unary) <= PRESOLVE_UP_TO]
     lines.append("")
     for label, group in (("above", large), ("up to", small)):
         if group:
@@ -137,8 +144,8 @@ def main() -> int:
     args = parser.parse_args()
     probes, started, results = [python_loop_s()], time.perf_counter(), []
     for row in cases(args.quick):
-        problems, times = searched(row)
-        results.append((row, times, [(p, both_ways(p)) for p in problems]))
+        problems, times, same_plan = searched(row)
+        results.append((row, times, same_plan, [(p, both_ways(p)) for p in problems]))
         done = f"{len(problems)} problem(s), search {times['rule']:.1f} s"
         print(f"[presolve] {row['name']}: {done}", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - started

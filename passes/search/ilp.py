@@ -31,8 +31,9 @@ from autopar.passes.search.elimination import eliminate
 
 # HiGHS presolves problems of up to this many variables. On larger ones (a layout under a memory budget
 # over thousands of unfolded nodes) presolving the pairs' marginal rows costs more than it saves: the same
-# optima, 13-27 s without it where it ran past 60 s (BENCHMARKS.md, "Planning at scale"). On smaller ones
-# neither way was the faster, and presolve's choice among equal optima is the one plans were built on.
+# optima, 15-27 s without it where it ran past 60 s (BENCHMARKS.md, "HiGHS presolve on layouts under a
+# memory budget"). On smaller ones neither way was the faster, and presolve's choice among equal optima
+# is the one plans were built on.
 PRESOLVE_UP_TO = 1000
 
 
