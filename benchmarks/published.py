@@ -262,6 +262,9 @@ def render(
             )
             cite += f"; {stack['zero3_reuse_cite']}"
         cite += f"; {stack['zero3_per_parameter_cite']}" if "zero3_per_parameter_cite" in stack else ""
+        if stack.get("zero3_copies_per_rank"):
+            zero3 += ", a copy per rank of each (a list of one tensor per rank)"
+            cite += f"; {stack['zero3_copies_per_rank_cite']}"
         cite += f"; {stack['reduce_dtype_cite']}" if "reduce_dtype_cite" in stack else ""
         attention = stack.get("attention", {"kernel": "the preset's"})
         cite += f"; {attention['cite']}" if "cite" in attention else ""

@@ -82,6 +82,7 @@ def hardware_for(row: dict, stacks: dict) -> HardwareProfile:
         overlap=stack["dp_overlap"],
         grad_bucket_bytes=4.0 * max(fixed, per_rank * row["config"]["dp"]),  # fp32 gradients; 0: autopar's
         zero3_per_parameter=stack.get("zero3_per_parameter", False),
+        zero3_copies_per_rank=stack.get("zero3_copies_per_rank", False),
         zero3_persist_elements=stack.get("zero3_persist_elements", 0),
         zero3_reuse_elements=stack.get("zero3_reuse_elements", 0),
         zero1_reduce_scatter=stack.get("zero1_reduce_scatter", False),

@@ -92,6 +92,10 @@ class HardwareProfile:
     p2p_overlap: bool = False  # pipeline sends of the steady state run behind compute (only fill and drain wait)
     grad_bucket_bytes: float = 0.0  # the stack's gradient-sync bucket; 0: autopar's runtime's (autopar.ir.buckets)
     zero3_per_parameter: bool = False  # ZeRO-3 gathers each parameter on its own, not a layer's at once
+    # each ZeRO-3 collective takes or returns one tensor per rank (torch's list all_gather and reduce_scatter,
+    # before all_gather_into_tensor), which torch's NCCL process group copies to or from a flat buffer one
+    # launch (``op_overhead_s``) per rank: a cost that grows with the group (passes/cost/zero_traffic.py)
+    zero3_copies_per_rank: bool = False
     zero3_persist_elements: float = 0  # ZeRO-3 keeps parameters of fewer elements whole on every rank
     # ZeRO-3 releases a gathered parameter after each use unless the parameters used before its next
     # use number fewer than this (DeepSpeed's stage3_max_reuse_distance): a fully recomputed forward

@@ -41,7 +41,8 @@ def param_sync(
     counts it so). Gradients and stepped weights go in the stack's buckets (``grad_bucket_bytes``),
     each paying a collective's latency once; ZeRO-3 moves a layer's parameters in one collective
     each way, whose latency :func:`zero3_layer_s` adds per layer, or, for a stack that moves each
-    parameter alone (``zero3_per_parameter``), each gather and reduce-scatter its own. A parameter
+    parameter alone (``zero3_per_parameter``), each gather and reduce-scatter its own (with one copy
+    per rank where the stack passes a tensor per rank: :func:`_rank_copies_s`). A parameter
     of fewer ``elements`` than the stack's ``zero3_persist_elements`` stays whole on every rank:
     only its gradient moves (its one gather after the step, coalesced with the others', is left
     out: a few biases' and norms' bytes). Under ZeRO-3 a gradient that is not ``reduced`` (its op
@@ -67,6 +68,7 @@ def param_sync(
     alone = _alone(ctx)
     bucket = grad_bytes if alone else math.inf
     scatter = grad_sync_time(grad_bytes, ctx.size, ctx.link, bucket, kind="reduce_scatter") if reduced else 0.0
+    scatter += _rank_copies_s(ctx) if reduced and alone else 0.0
     if ctx.hardware is not None and elements < ctx.hardware.zero3_persist_elements:
         return scatter, 0.0
     gather = zero3_gather_s(param_bytes, ctx)
@@ -77,21 +79,26 @@ def zero3_gather_s(param_bytes: float, ctx: AxisContext) -> float:
     """One ZeRO-3 gather of a parameter's compute copy: bandwidth only where the layer's
     collective pays the latency (:func:`zero3_layer_s`), its own latency for a stack that gathers
     each parameter alone."""
-    bucket = param_bytes if _alone(ctx) else math.inf
-    return grad_sync_time(param_bytes, ctx.size, ctx.link, bucket, kind="all_gather")
+    alone = _alone(ctx)
+    bucket = param_bytes if alone else math.inf
+    return grad_sync_time(param_bytes, ctx.size, ctx.link, bucket, kind="all_gather") + (
+        _rank_copies_s(ctx) if alone else 0.0
+    )
 
 
 def zero3_layer_s(ctx: AxisContext) -> float:
     """The latency ZeRO-3 pays per layer on the data-parallel axis, per microbatch: the runtime
     gathers a layer's parameters in one collective for forward and again for backward, and
     reduce-scatters their gradients in one (:mod:`autopar.runtime.zero.gather`, as FSDP2 does
-    per block); 0 elsewhere, and for a stack whose every collective moves one parameter
-    (:func:`param_sync` charges those)."""
+    per block), with a stack's copies per rank (:func:`_rank_copies_s`); 0 elsewhere, and for a
+    stack whose every collective moves one parameter (:func:`param_sync` charges those)."""
     if ctx.name != Axis.DP or ctx.zero != 3 or ctx.size <= 1 or _alone(ctx):
         return 0.0
     quiet = dataclasses.replace(ctx.link, sync_s=0.0)
-    return collective_time("reduce_scatter", 1.0, ctx.size, quiet) + 2 * collective_time(
-        "all_gather", 1.0, ctx.size, quiet
+    return (
+        collective_time("reduce_scatter", 1.0, ctx.size, quiet)
+        + 2 * collective_time("all_gather", 1.0, ctx.size, quiet)
+        + 3 * _rank_copies_s(ctx)
     )
 
 
@@ -128,3 +135,11 @@ def recompute_gathers_s(facts, params: list[str], ctx: AxisContext, param_shapes
 
 def _alone(ctx: AxisContext) -> bool:
     return ctx.hardware is not None and ctx.hardware.zero3_per_parameter
+
+
+def _rank_copies_s(ctx: AxisContext) -> float:
+    """What one ZeRO-3 collective of a stack that passes one tensor per rank adds
+    (``zero3_copies_per_rank``): torch's NCCL process group copies each of them to or from a
+    flat buffer, one launch per rank of the group."""
+    hardware = ctx.hardware
+    return ctx.size * hardware.op_overhead_s if hardware is not None and hardware.zero3_copies_per_rank else 0.0

@@ -85,6 +85,28 @@ def test_zero3_pays_each_collectives_latency_per_layer_or_per_parameter_as_the_s
     assert per_parameter == pytest.approx(collectives * _latency("all_gather"), rel=1e-6)
 
 
+def test_a_stack_that_passes_a_tensor_per_rank_pays_a_copy_per_rank_of_every_collective():
+    """torch's list all_gather and reduce_scatter (what DeepSpeed's stage 3 of early 2021 called)
+    copy each rank's tensor to or from a flat buffer: every collective adds one launch per rank
+    of the group, on top of its latency and bytes. Doubling the group doubles it."""
+    copies = dict(zero3_copies_per_rank=True)
+    for stack, collectives in (
+        ({}, 3 * (GPT["layers"] + 1)),  # per layer: two gathers and a reduce-scatter of each group
+        (DEEPSPEED, 3 * len(_parameters()) - 1),  # per parameter, as counted above
+    ):
+        plain = dataclasses.replace(FLAT_A100, **stack)
+        added = _sync(dataclasses.replace(plain, **copies)) - _sync(plain)
+        assert added == pytest.approx(collectives * 8 * FLAT_A100.op_overhead_s, rel=1e-6)
+    link = LinkTier("test", 1e-5, 1e9)
+    hardware = dataclasses.replace(FLAT_A100, **DEEPSPEED)
+    extra = []
+    for ranks in (4, 8):
+        ctx = AxisContext("dp", ranks, link, {}, None, 0.0, zero=3, hardware=hardware)
+        listed = dataclasses.replace(ctx, hardware=dataclasses.replace(hardware, **copies))
+        extra.append(param_sync(1e6, 1e6, listed)[0] - param_sync(1e6, 1e6, ctx)[0])
+    assert extra[0] == pytest.approx(3 * 4 * FLAT_A100.op_overhead_s) and extra[1] == pytest.approx(2 * extra[0])
+
+
 def test_a_stack_keeps_parameters_under_its_persistence_threshold_whole():
     """Parameters of fewer elements than ``zero3_persist_elements`` (the norms' 64) stay whole on
     every rank: their two gathers per microbatch go, their gradients' reduce-scatters stay."""
