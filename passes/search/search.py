@@ -212,6 +212,7 @@ class _Weighing:
         self.candidates: list[Candidate] = []
         self.fastest = math.inf
         self.leanest: tuple[float, dict, str] | None = None  # (peak memory, log entry, breakdown) of the leanest tried
+        self.least_state = math.inf  # the least model state (weights, gradients, optimizer state) of any tried
         self.memory_pruned: list[tuple[float, int, dict[str, int], int]] = []
 
     def configurations(self) -> list[tuple[int, dict[str, int], int, tuple[tuple[float, int], ...]]]:
@@ -359,6 +360,8 @@ class _Weighing:
             if fits:
                 break
         fitting = [Candidate(degrees, zero, s, c, layout) for layout, s, c in tried if c.peak_memory <= self.limit]
+        state = min((sum(v for k, v in c.memory.items() if k not in TRANSIENT) for _, _, c in tried), default=math.inf)
+        self.least_state = min(self.least_state, state)
         if fitting:
             fastest = min(c.cost.step_s for c in fitting)
             self.fastest = min(self.fastest, fastest)
@@ -387,13 +390,23 @@ class _Weighing:
         raise MemoryLimitError(
             f"no plan fits the memory limit of {self.limit / 2**20:.1f} MiB per device on mesh {self.mesh}. "
             f"The leanest configuration weighed ({_degrees_str(entry)}) needs {peak / 2**20:.1f} MiB: {breakdown}. "
-            f"{_memory_advice(self.options)}"
+            f"{_memory_advice(self.options, self.least_state > self.limit)}"
         )
 
 
-def _memory_advice(options: PlanOptions) -> str:
-    """What to change where no plan fits: first the pins that kept leaner plans out, then the rest."""
+TRANSIENT = ("activations", "temporary")  # the memory categories a batch's size and recomputation change
+
+
+def _memory_advice(options: PlanOptions, state_over: bool) -> str:
+    """What to change where no plan fits: first the pins that kept leaner plans out, then the rest
+    (``state_over``: every configuration's weights, gradients and optimizer state alone exceed the
+    limit, which no recomputation, accumulation or smaller batch changes)."""
     rest = "raise memory_limit, use more devices, accumulate gradients (microbatches=N), or shrink the batch or model."
+    if state_over:
+        rest = (
+            "raise memory_limit, use more devices, or shrink the model: its weights, gradients and optimizer state "
+            "alone exceed the limit, which recomputation, accumulation or a smaller batch cannot change."
+        )
     pins = []
     if options.zero is not None and options.zero < 3:
         pins.append(f"zero={options.zero} (zero=3 shards parameters, gradients and optimizer state)")

@@ -141,6 +141,20 @@ def test_a_plan_that_does_not_fit_names_the_pins_that_kept_leaner_plans_out():
     assert "The pin" not in str(unpinned.value) and ". Raise memory_limit" in str(unpinned.value)
 
 
+def test_a_plan_whose_model_state_alone_does_not_fit_says_so_rather_than_suggest_accumulation():
+    """Where the leanest configuration's weights, gradients and optimizer state alone exceed the
+    limit, recomputation, accumulation and a smaller batch cannot help: the advice says so."""
+    free = plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE)
+    state = sum(v for k, v in free.cost.memory.items() if k not in ("activations", "temporary"))
+    over_state = r"weights, gradients and optimizer state alone exceed the limit"
+    with pytest.raises(MemoryLimitError, match=over_state) as below:
+        plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE, memory_limit=state / 2)
+    assert "accumulate gradients" not in str(below.value)
+    with pytest.raises(MemoryLimitError) as above:  # the state fits; one microbatch's activations do not
+        plan_example("mlp.py", 4, batch=4096, model_kwargs=WIDE, memory_limit=free.cost.peak_memory, microbatches=1)
+    assert "accumulate gradients" in str(above.value) and "alone exceed" not in str(above.value)
+
+
 def test_a_memory_limit_moves_the_plan_to_zero_then_accumulation_or_tensor_parallelism():
     mlp = dict(model_kwargs=dict(hidden=512, ffn=2048, layers=2), batch=4096)
     free = plan_example("mlp.py", 4, **mlp)
