@@ -68,8 +68,17 @@ class Cost:
         saved activations (and the temporaries at its start) die, so those two do not add."""
         m = self.memory
         transient = m.get("activations", 0.0) + m.get("temporary", 0.0)
-        steady = sum(v for k, v in m.items() if k not in ("activations", "temporary", "grads"))
-        return steady + max(transient, m.get("grads", 0.0))
+        return self._steady_memory + max(transient, m.get("grads", 0.0))
+
+    @property
+    def state_memory(self) -> float:
+        """The peak without activations and temporaries: weights, gradients, optimizer state and
+        buffers, which no recomputation, accumulation or smaller batch changes."""
+        return self._steady_memory + self.memory.get("grads", 0.0)
+
+    @property
+    def _steady_memory(self) -> float:
+        return sum(v for k, v in self.memory.items() if k not in ("activations", "temporary", "grads"))
 
 
 RECOMPUTE = tuple(Recompute)

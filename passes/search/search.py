@@ -212,7 +212,7 @@ class _Weighing:
         self.candidates: list[Candidate] = []
         self.fastest = math.inf
         self.leanest: tuple[float, dict, str] | None = None  # (peak memory, log entry, breakdown) of the leanest tried
-        self.least_state = math.inf  # the least model state (weights, gradients, optimizer state) of any tried
+        self.least_state = math.inf  # the least Cost.state_memory of any configuration tried
         self.memory_pruned: list[tuple[float, int, dict[str, int], int]] = []
 
     def configurations(self) -> list[tuple[int, dict[str, int], int, tuple[tuple[float, int], ...]]]:
@@ -360,8 +360,7 @@ class _Weighing:
             if fits:
                 break
         fitting = [Candidate(degrees, zero, s, c, layout) for layout, s, c in tried if c.peak_memory <= self.limit]
-        state = min((sum(v for k, v in c.memory.items() if k not in TRANSIENT) for _, _, c in tried), default=math.inf)
-        self.least_state = min(self.least_state, state)
+        self.least_state = min([self.least_state] + [c.state_memory for _, _, c in tried])
         if fitting:
             fastest = min(c.cost.step_s for c in fitting)
             self.fastest = min(self.fastest, fastest)
@@ -392,9 +391,6 @@ class _Weighing:
             f"The leanest configuration weighed ({_degrees_str(entry)}) needs {peak / 2**20:.1f} MiB: {breakdown}. "
             f"{_memory_advice(self.options, self.least_state > self.limit)}"
         )
-
-
-TRANSIENT = ("activations", "temporary")  # the memory categories a batch's size and recomputation change
 
 
 def _memory_advice(options: PlanOptions, state_over: bool) -> str:

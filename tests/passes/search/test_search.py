@@ -142,10 +142,10 @@ def test_a_plan_that_does_not_fit_names_the_pins_that_kept_leaner_plans_out():
 
 
 def test_a_plan_whose_model_state_alone_does_not_fit_says_so_rather_than_suggest_accumulation():
-    """Where the leanest configuration's weights, gradients and optimizer state alone exceed the
-    limit, recomputation, accumulation and a smaller batch cannot help: the advice says so."""
+    """Where every configuration's weights, gradients and optimizer state alone exceed the limit,
+    recomputation, accumulation and a smaller batch cannot help: the advice says so."""
     free = plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE)
-    state = sum(v for k, v in free.cost.memory.items() if k not in ("activations", "temporary"))
+    state = free.cost.memory["params"] + free.cost.memory["grads"] + free.cost.memory["optimizer"]
     over_state = r"weights, gradients and optimizer state alone exceed the limit"
     with pytest.raises(MemoryLimitError, match=over_state) as below:
         plan_example("mlp.py", 4, batch=8, model_kwargs=WIDE, memory_limit=state / 2)
