@@ -20,7 +20,7 @@ from autopar.ir import (
     Shard,
 )
 from autopar.passes.cost.collectives import collective_time, reshard_time
-from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes
+from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, transient_bytes
 from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.cost.ops import accumulation_s, maximum, minimum, param_state_bytes, state_update_s
 from autopar.passes.cost.replay import CompiledStep
@@ -228,6 +228,13 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
         return sum(param_state_bytes(elements, fact, ctx.data_parallel, ctx.zero).values()) + bucket
     saved = activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
     return saved * kept_share(fact, ctx.schedule)
+
+
+def node_transient(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
+    """:func:`transient_bytes` of a node's strategy on this axis, one microbatch's: what the priced
+    peak's temporary is the largest of."""
+    shapes = [local_shape(shape, s.output, ctx.size) for shape in ctx.local.shapes[fact.node.name]]
+    return transient_bytes(fact, shapes) / ctx.schedule.microbatches
 
 
 def shard_shapes(facts, degrees, strategies) -> dict[str, tuple[int, ...]]:

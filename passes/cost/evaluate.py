@@ -30,7 +30,7 @@ from autopar.ir.buckets import bucket_cap
 from autopar.ir.zero import accumulates_in_program, scatters_in_program, syncs_whole_in_program
 from autopar.passes.capture.graph import CapturedGraph
 from autopar.passes.cost.axis_terms import R, axis_contexts
-from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze
+from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, analyze, transient_bytes
 from autopar.passes.cost.ops import accumulation_s, maximum, minimum, param_state_bytes, state_update_s
 from autopar.passes.cost.replay import CompiledStep
 from autopar.passes.cost.schedule import LayerTerms, StepParts, StepTimes, layer_terms, scheduled, step_times
@@ -238,9 +238,8 @@ def _layout_cost(facts, degrees, strategies, mesh, hardware: HardwareProfile, ze
     for name, fact in facts.items():
         if fact.kind != "param":
             activations += activation_bytes(fact, local.shapes[name], local.work[name]) * fact.weight
-            if fact.kind == "op" and fact.needs_grad:
-                largest = maximum(largest, sum(numel(s) for s in local.shapes[name]) * fact.elem_bytes)
-    memory = {"activations": activations, "temporary": 2 * largest}
+            largest = maximum(largest, transient_bytes(fact, local.shapes[name]))
+    memory = {"activations": activations, "temporary": largest}
     compute = step_times(facts, local, 1).compute_s
     cost = Cost(compute_s=compute, comm_s=comm, grad_sync_s=sync, memory=memory, model_flops=flops)
     tp = degrees.get(Axis.TP, 1)

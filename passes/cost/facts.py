@@ -347,6 +347,14 @@ def activation_bytes(
     return output + fact.profile.saved_extra_bytes * work
 
 
+def transient_bytes(fact: NodeFacts, local_shapes) -> float:
+    """Bytes the peak holds for this node while it runs beside what is saved: its output and
+    that output's gradient, for an op autograd differentiates (the priced peak counts the largest)."""
+    if fact.kind != "op" or not fact.needs_grad:
+        return 0.0
+    return 2 * sum(numel(sh) for sh in local_shapes) * fact.elem_bytes
+
+
 def saved_bytes(
     facts: dict[str, NodeFacts], local: ShardedShapes, regathered: frozenset[tuple[str, int]] = frozenset()
 ) -> dict[str, float]:

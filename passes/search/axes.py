@@ -38,13 +38,14 @@ from autopar.passes.cost.axis_terms import (
     local_slot_shapes,
     node_memory,
     node_terms,
+    node_transient,
     partial_gradients,
     shapes_after,
     unsharded_shapes,
 )
 from autopar.passes.cost.facts import NodeFacts, ShardedShapes
 from autopar.passes.search.candidates import all_candidates
-from autopar.passes.search.ilp import ChoiceProblem, least_objective, solve_choices
+from autopar.passes.search.ilp import ChoiceProblem, budget_used, least_objective, solve_choices
 from autopar.passes.search.pins import (
     SPLIT_DIM,
     R,
@@ -228,9 +229,11 @@ def solve_axis(
     options = all_candidates(facts, ctx, reps, memo, twin)
     if ctx.size == 1:  # every strategy of a node is the same on one device
         return {n: options[var_of[n]][0] for n in names}
+    temporary = None
     if ctx.bind_memory and limit is not None:
         memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
-        if sum(float(m.min()) for m in memory) > limit:
+        temporary = [np.array([node_transient(facts[r], s, ctx) for s in options[r]]) for r in reps]
+        if budget_used(ChoiceProblem([], memory=memory, temporary=temporary), None) > limit:
             return None  # not even the leanest option of every node keeps the budget
     terms = _terms(facts, ctx, options, reps, twin)
     # the rule "bound" (see ``worth``): a layout's work and sync weigh differently in a step (the
@@ -251,7 +254,7 @@ def solve_axis(
         if not worth(least_work, bound - least_work):
             raise Pruned
     unary, pairs = _with_edges(unary, moved, counts)
-    problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, leaders)
+    problem = ChoiceProblem(unary, pairs + penalties, memory, limit if memory is not None else None, temporary, leaders)
     solution = solve_choices(problem)
     if solution is None:
         return None

@@ -4,7 +4,8 @@ Variables (Alpa's formulation):
   x[v, s] ∈ {0, 1}   node v takes option s;                 Σ_s x[v, s] = 1
   y[e, s, t] ≥ 0     edge e = (u, v) takes options (s, t);   Σ_t y[e, s, t] = x[u, s],  Σ_s y[e, s, t] = x[v, t]
 Objective:  Σ unary[v][s]·x[v, s] + Σ pair[e][s, t]·y[e, s, t]
-Memory:     Σ memory[v][s]·x[v, s] ≤ limit
+Memory:     Σ memory[v][s]·x[v, s] + T ≤ limit,   T ≥ Σ_s temporary[v][s]·x[v, s] for every v
+(T, continuous: the largest transient any node's option holds, which the peak adds once)
 With x integral the marginal constraints force y to the product x[u, s]·x[v, t], so y
 needs no integrality. Solved with HiGHS; infeasibility is reported, never hidden.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import highspy
 import numpy as np
@@ -44,6 +45,7 @@ class ChoiceProblem:
     pairs: list[tuple] = field(default_factory=list)
     memory: list[np.ndarray] | None = None  # per variable: bytes of each option
     memory_limit: float | None = None
+    temporary: list[np.ndarray] | None = None  # per variable: transient bytes of each option (the largest counts)
     followers: dict[int, tuple[int, list[int]]] = field(default_factory=dict)  # v → (leader u, tie[s_u] = s_v)
 
 
@@ -73,6 +75,7 @@ def merge_followers(problem: ChoiceProblem) -> tuple[ChoiceProblem, list[tuple[i
         root[v] = resolve(v)
     unary = [u.astype(float).copy() for u in problem.unary]
     memory = None if problem.memory is None else [m.astype(float).copy() for m in problem.memory]
+    temporary = None if problem.temporary is None else [t.astype(float).copy() for t in problem.temporary]
     for v, (r, tie) in enumerate(root):
         if r != v:
             unary[r] += problem.unary[v][tie]
@@ -80,11 +83,14 @@ def merge_followers(problem: ChoiceProblem) -> tuple[ChoiceProblem, list[tuple[i
             if memory is not None:
                 memory[r] += problem.memory[v][tie]
                 memory[v] = np.zeros(1)
+            if temporary is not None:
+                temporary[r] = np.maximum(temporary[r], problem.temporary[v][tie])
+                temporary[v] = np.zeros(1)
     pairs = []
     for u, v, matrix, class_u, class_v in map(_classed, problem.pairs):
         (ru, tie_u), (rv, tie_v) = root[u], root[v]
         pairs.append((ru, rv, matrix, class_u[tie_u], class_v[tie_v]))
-    return ChoiceProblem(unary, pairs, memory, problem.memory_limit), root
+    return ChoiceProblem(unary, pairs, memory, problem.memory_limit, temporary), root
 
 
 def _classed(pair: tuple) -> tuple:
@@ -108,7 +114,7 @@ def fold_fixed(problem: ChoiceProblem) -> ChoiceProblem:
             unary[u] = unary[u] + matrix[class_u, class_v]
         else:
             pairs.append((u, v, matrix, class_u, class_v))
-    return ChoiceProblem(unary, pairs, problem.memory, problem.memory_limit)
+    return ChoiceProblem(unary, pairs, problem.memory, problem.memory_limit, problem.temporary)
 
 
 def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceSolution | None:
@@ -118,15 +124,40 @@ def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceS
     merged, root = merge_followers(problem)
     folded = fold_fixed(merged)
     budget = folded.memory_limit if folded.memory is not None else None
-    if budget is not None and sum(float(m.min()) for m in folded.memory) > budget:
+    if budget is not None and budget_used(folded, None) > budget:
         return None  # not even the leanest option of every variable fits
     found = eliminate(folded.unary, folded.pairs)
     if found is not None and budget is not None:  # the optimum without the budget, if it keeps it
-        found = found if sum(float(m[c]) for m, c in zip(folded.memory, found[0])) <= budget else None
-    solution = ChoiceSolution(*found) if found is not None else _solve(folded, time_limit_s)
+        found = found if budget_used(folded, found[0]) <= budget else None
+    solution = ChoiceSolution(*found) if found is not None else _within_budget(folded, time_limit_s)
     if solution is None:
         return None
     return ChoiceSolution(tuple(tie[solution.choice[r]] for r, tie in root), solution.objective)
+
+
+def _within_budget(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None:
+    """HiGHS on ``problem``, its transients first as their floor alone (T held at the largest least
+    transient: a constant, no rows), a relaxation: where it has no solution neither has the problem,
+    and where its optimum keeps the whole row that is the problem's. Only else are T's rows added,
+    which make a large problem slower to solve."""
+    if problem.temporary is None:
+        return _solve(problem, time_limit_s)
+    floor = max(float(t.min()) for t in problem.temporary)
+    relaxed = replace(problem, temporary=None, memory_limit=problem.memory_limit - floor)
+    solution = _solve(relaxed, time_limit_s)
+    if solution is None or budget_used(problem, solution.choice) <= problem.memory_limit:
+        return solution
+    return _solve(problem, time_limit_s)
+
+
+def budget_used(problem: ChoiceProblem, choice) -> float:
+    """The memory row's left side for ``choice``; for ``None``, a floor of it over every choice
+    (each variable's least memory, the largest of their least transients)."""
+    temporary = problem.temporary or [np.zeros(1)]
+    if choice is None:
+        return sum(float(m.min()) for m in problem.memory) + max(float(t.min()) for t in temporary)
+    held = sum(float(m[c]) for m, c in zip(problem.memory, choice))
+    return held + (max(float(t[c]) for t, c in zip(problem.temporary, choice)) if problem.temporary else 0.0)
 
 
 def least_objective(problem: ChoiceProblem) -> float:
@@ -165,9 +196,24 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
             rows.append(
                 (0.0, 0.0, [base + a * sv + b for a in range(su)] + members, [1.0] * su + [-1.0] * len(members))
             )
+    lower_cols, upper_cols = np.zeros(n_cols), np.ones(n_cols)
     if problem.memory is not None and problem.memory_limit is not None:
-        memory = np.concatenate(problem.memory)
-        rows.append((-highspy.kHighsInf, float(problem.memory_limit), list(range(n_x)), list(memory)))
+        # bytes as shares of the limit: rows of 1e10-byte coefficients beside T's -1 mislead HiGHS's
+        # presolve (it found a feasible problem infeasible)
+        scale = max(float(problem.memory_limit), 1.0)
+        held = (list(range(n_x)), list(np.concatenate(problem.memory) / scale))
+        if problem.temporary is not None:  # T, a column of its own: at least each variable's transient
+            temporary = [t / scale for t in problem.temporary]
+            floor = max(float(t.min()) for t in temporary)
+            lower_cols, upper_cols = np.append(lower_cols, floor), np.append(upper_cols, highspy.kHighsInf)
+            costs.append(np.zeros(1))
+            for v, t in enumerate(temporary):
+                if float(t.max()) > floor:  # below the floor T holds anyway
+                    idx = list(range(offsets[v], offsets[v + 1]))
+                    rows.append((-highspy.kHighsInf, 0.0, idx + [n_cols], list(t) + [-1.0]))
+            held = (held[0] + [n_cols], held[1] + [1.0])
+            n_cols += 1
+        rows.append((-highspy.kHighsInf, float(problem.memory_limit) / scale, *held))
 
     highs = _new_highs()
     highs.setOptionValue("output_flag", False)
@@ -176,9 +222,7 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
     if len(problem.unary) > PRESOLVE_UP_TO:
         highs.setOptionValue("presolve", "off")
     cost = np.concatenate(costs).astype(np.float64)
-    highs.addCols(
-        n_cols, cost, np.zeros(n_cols), np.ones(n_cols), 0, np.array([], np.int32), np.array([], np.int32), np.array([])
-    )
+    highs.addCols(n_cols, cost, lower_cols, upper_cols, 0, np.array([], np.int32), np.array([], np.int32), np.array([]))
     highs.changeColsIntegrality(n_x, np.arange(n_x, dtype=np.int32), np.ones(n_x, dtype=np.uint8))
     starts, indices, values, lower, upper = [], [], [], [], []
     for lo, hi, idx, val in rows:

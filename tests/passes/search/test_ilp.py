@@ -11,8 +11,11 @@ from autopar.passes.search.ilp import ChoiceProblem, least_objective, solve_choi
 def _brute_force(problem):
     best = None
     for choice in itertools.product(*(range(len(u)) for u in problem.unary)):
-        if problem.memory is not None and sum(m[c] for m, c in zip(problem.memory, choice)) > problem.memory_limit:
-            continue
+        if problem.memory is not None:
+            held = sum(m[c] for m, c in zip(problem.memory, choice))
+            held += max(t[c] for t, c in zip(problem.temporary, choice)) if problem.temporary else 0.0
+            if held > problem.memory_limit:
+                continue
         cost = sum(u[c] for u, c in zip(problem.unary, choice))
         cost += sum(matrix[choice[a], choice[b]] for a, b, matrix in problem.pairs)
         if best is None or cost < best[0]:
@@ -34,6 +37,59 @@ def test_matches_brute_force_on_a_random_chain_with_memory(monkeypatch, presolve
     solution = solve_choices(problem)
     assert solution.choice == choice
     assert np.isclose(solution.objective, cost)
+
+
+@pytest.mark.parametrize("presolve_up_to", [0, 1000])
+@pytest.mark.parametrize("unit", [1.0, 2.0**30])  # in bytes, a layout's memory is tens of GiB
+def test_the_memory_row_holds_the_largest_transient_once(monkeypatch, presolve_up_to, unit):
+    """The budget binds on each variable's memory plus the largest transient of the options chosen
+    (a maximum, not a sum): the optimum of the row without it does not keep the budget with it."""
+    monkeypatch.setattr(ilp, "PRESOLVE_UP_TO", presolve_up_to)
+    rng = np.random.default_rng(3)
+    unary = [rng.random(3) for _ in range(6)]
+    pairs = [(i, i + 1, rng.random((3, 3))) for i in range(5)]
+    memory = [unit * 10 * rng.random(3) for _ in range(6)]
+    temporary = [unit * 10 * rng.random(3) for _ in range(6)]
+    without = _brute_force(ChoiceProblem(unary, pairs, memory, memory_limit=25 * unit))
+    limit = sum(m[c] for m, c in zip(memory, without[1])) + 0.5 * max(t[c] for t, c in zip(temporary, without[1]))
+    problem = ChoiceProblem(unary, pairs, memory, memory_limit=limit, temporary=temporary)
+    cost, choice = _brute_force(problem)
+    assert choice != without[1]  # the transient moved the optimum
+    solution = solve_choices(problem)
+    assert solution.choice == choice and np.isclose(solution.objective, cost)
+    assert ilp.budget_used(problem, choice) <= limit < ilp.budget_used(problem, without[1])
+    floor = sum(m.min() for m in memory) + max(t.min() for t in temporary)
+    assert np.isclose(ilp.budget_used(problem, None), floor)
+    assert solve_choices(ChoiceProblem(unary, pairs, memory, memory_limit=floor * 0.99, temporary=temporary)) is None
+
+
+@pytest.mark.parametrize("presolve_up_to", [0, 1000])
+def test_memory_from_hundreds_of_bytes_to_a_hundred_gib_solves_as_brute_force_does(monkeypatch, presolve_up_to):
+    """A layout's options hold from a bias's few hundred bytes to a stage's 100 GiB: in bytes, HiGHS's
+    presolve once found such a feasible problem infeasible."""
+    monkeypatch.setattr(ilp, "PRESOLVE_UP_TO", presolve_up_to)
+    rng = np.random.default_rng(1)
+    n = int(rng.integers(5, 11))
+    unary = [rng.random(3) for _ in range(n)]
+    pairs = [(i, i + 1, rng.random((3, 3))) for i in range(n - 1)] + [(0, n - 1, rng.random((3, 3)))]
+    memory = [10 ** rng.uniform(2, 11, 3) for _ in range(n)]
+    temporary = [10 ** rng.uniform(8, 9.6, 3) for _ in range(n)]
+    limit = sum(m.min() for m in memory) + max(t.min() for t in temporary)
+    limit += rng.random() * sum(m.max() - m.min() for m in memory) * 0.5
+    problem = ChoiceProblem(unary, pairs, memory, limit, temporary)
+    cost, choice = _brute_force(problem)
+    solution = solve_choices(problem)
+    assert solution is not None and solution.choice == choice and np.isclose(solution.objective, cost)
+
+
+def test_a_followers_transient_joins_its_leaders_as_the_larger():
+    unary = [np.array([0.0, 1.0]), np.array([0.0, 0.0])]
+    memory = [np.array([1.0, 1.0]), np.array([0.0, 0.0])]
+    temporary = [np.array([1.0, 1.0]), np.array([5.0, 0.0])]  # option 0 of the follower holds a large transient
+    problem = ChoiceProblem(unary, [], memory, 3.0, temporary, followers={1: (0, [0, 1])})
+    merged, _ = ilp.merge_followers(problem)
+    assert list(merged.temporary[0]) == [5.0, 1.0]
+    assert solve_choices(problem).choice == (1, 1)  # the cheaper option's follower would hold 1 + 5 > 3
 
 
 def test_infeasible_memory_returns_none():
