@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
@@ -129,25 +129,10 @@ def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceS
     found = eliminate(folded.unary, folded.pairs)
     if found is not None and budget is not None:  # the optimum without the budget, if it keeps it
         found = found if budget_used(folded, found[0]) <= budget else None
-    solution = ChoiceSolution(*found) if found is not None else _within_budget(folded, time_limit_s)
+    solution = ChoiceSolution(*found) if found is not None else _solve(folded, time_limit_s)
     if solution is None:
         return None
     return ChoiceSolution(tuple(tie[solution.choice[r]] for r, tie in root), solution.objective)
-
-
-def _within_budget(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None:
-    """HiGHS on ``problem``, its transients first as their floor alone (T held at the largest least
-    transient: a constant, no rows), a relaxation: where it has no solution neither has the problem,
-    and where its optimum keeps the whole row that is the problem's. Only else are T's rows added,
-    which make a large problem slower to solve."""
-    if problem.temporary is None:
-        return _solve(problem, time_limit_s)
-    floor = max(float(t.min()) for t in problem.temporary)
-    relaxed = replace(problem, temporary=None, memory_limit=problem.memory_limit - floor)
-    solution = _solve(relaxed, time_limit_s)
-    if solution is None or budget_used(problem, solution.choice) <= problem.memory_limit:
-        return solution
-    return _solve(problem, time_limit_s)
 
 
 def budget_used(problem: ChoiceProblem, choice) -> float:
