@@ -233,7 +233,7 @@ def solve_axis(
     if ctx.bind_memory and limit is not None:
         memory = [weight[r] * np.array([node_memory(facts[r], s, ctx) for s in options[r]]) for r in reps]
         temporary = [np.array([node_transient(facts[r], s, ctx) for s in options[r]]) for r in reps]
-        if budget_used(ChoiceProblem([], memory=memory, temporary=temporary), None) > limit:
+        if budget_used(memory, temporary) > limit:
             return None  # not even the leanest option of every node keeps the budget
     terms = _terms(facts, ctx, options, reps, twin)
     # the rule "bound" (see ``worth``): a layout's work and sync weigh differently in a step (the

@@ -124,25 +124,24 @@ def solve_choices(problem: ChoiceProblem, time_limit_s: float = 60.0) -> ChoiceS
     merged, root = merge_followers(problem)
     folded = fold_fixed(merged)
     budget = folded.memory_limit if folded.memory is not None else None
-    if budget is not None and budget_used(folded, None) > budget:
+    if budget is not None and budget_used(folded.memory, folded.temporary) > budget:
         return None  # not even the leanest option of every variable fits
     found = eliminate(folded.unary, folded.pairs)
     if found is not None and budget is not None:  # the optimum without the budget, if it keeps it
-        found = found if budget_used(folded, found[0]) <= budget else None
+        found = found if budget_used(folded.memory, folded.temporary, found[0]) <= budget else None
     solution = ChoiceSolution(*found) if found is not None else _solve(folded, time_limit_s)
     if solution is None:
         return None
     return ChoiceSolution(tuple(tie[solution.choice[r]] for r, tie in root), solution.objective)
 
 
-def budget_used(problem: ChoiceProblem, choice) -> float:
-    """The memory row's left side for ``choice``; for ``None``, a floor of it over every choice
-    (each variable's least memory, the largest of their least transients)."""
-    temporary = problem.temporary or [np.zeros(1)]
+def budget_used(memory: list[np.ndarray], temporary: list[np.ndarray] | None, choice=None) -> float:
+    """The memory row's left side for ``choice``: each variable's memory and the largest transient;
+    without a choice, a floor of it over every choice (each variable's least of both)."""
     if choice is None:
-        return sum(float(m.min()) for m in problem.memory) + max(float(t.min()) for t in temporary)
-    held = sum(float(m[c]) for m, c in zip(problem.memory, choice))
-    return held + (max(float(t[c]) for t, c in zip(problem.temporary, choice)) if problem.temporary else 0.0)
+        return sum(float(m.min()) for m in memory) + max((float(t.min()) for t in temporary or ()), default=0.0)
+    held = sum(float(m[c]) for m, c in zip(memory, choice))
+    return held + max((float(t[c]) for t, c in zip(temporary or (), choice)), default=0.0)
 
 
 def least_objective(problem: ChoiceProblem) -> float:

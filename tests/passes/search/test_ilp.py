@@ -57,9 +57,9 @@ def test_the_memory_row_holds_the_largest_transient_once(monkeypatch, presolve_u
     assert choice != without[1]  # the transient moved the optimum
     solution = solve_choices(problem)
     assert solution.choice == choice and np.isclose(solution.objective, cost)
-    assert ilp.budget_used(problem, choice) <= limit < ilp.budget_used(problem, without[1])
+    assert ilp.budget_used(memory, temporary, choice) <= limit < ilp.budget_used(memory, temporary, without[1])
     floor = sum(m.min() for m in memory) + max(t.min() for t in temporary)
-    assert np.isclose(ilp.budget_used(problem, None), floor)
+    assert np.isclose(ilp.budget_used(memory, temporary), floor)
     assert solve_choices(ChoiceProblem(unary, pairs, memory, memory_limit=floor * 0.99, temporary=temporary)) is None
 
 
