@@ -17,7 +17,8 @@ exit the functions are back.
 
 A model calls the function by its module-level name, so the stand-in replaces that name in the
 model's module for the duration of the capture, as the mixture-of-experts blocks' forwards are
-replaced (:func:`autopar.passes.capture.moe.composite_moe`); a method, on its class.
+replaced (:func:`autopar.passes.capture.moe.composite_moe`); a method, on its class. The name may
+hold the ``kernels`` package's module standing in for the function; the stand-in replaces it alike.
 """
 
 from __future__ import annotations
@@ -138,7 +139,10 @@ def composite_recurrences(model: nn.Module):
 
 
 def _takes(function, leading: tuple[str, ...], others: tuple[str, ...]) -> bool:
-    parameters = list(inspect.signature(function).parameters)
+    # With the ``kernels`` package installed (transformers 5.25 requires it), transformers' kernel
+    # functions are modules whose forward takes the function's arguments; called, they run it.
+    signature = inspect.signature(function.forward if isinstance(function, nn.Module) else function)
+    parameters = list(signature.parameters)
     return parameters[: len(leading)] == list(leading) and all(name in parameters for name in others)
 
 

@@ -4,9 +4,12 @@ one ``autopar.gated_delta_rule`` node per layer, Mamba's selective scan as one
 ``autopar.linear_recurrence``, their values and gradients the model's own function's, and every call
 an op cannot take left to that function."""
 
+import inspect
+
 import pytest
 import torch
 from equivalence import load_example
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers.models.mamba import modeling_mamba
 from transformers.models.qwen3_next import modeling_qwen3_next
@@ -206,6 +209,30 @@ def test_mamba_captures_one_scan_per_layer_with_its_own_loss_and_gradients():
     assert profile.forward_flops == 2 * batch * channels * steps * states
     assert profile.backward_flops == 3 * profile.forward_flops
     assert profile.saved_inputs == tuple(range(8))
+
+
+class _KernelFunction(nn.Module):
+    """What the ``kernels`` package makes of transformers' kernel functions (transformers 5.25
+    requires it): a module whose forward takes the function's arguments and runs it."""
+
+    def __init__(self, function):
+        super().__init__()
+
+        def forward(*args, **kwargs):
+            return function(*args, **kwargs)
+
+        forward.__signature__ = inspect.signature(getattr(function, "forward", function))  # already one, with kernels
+        self.forward = forward
+
+
+def test_a_scan_held_by_a_kernel_module_is_captured_as_one_op_per_layer(monkeypatch):
+    held = _KernelFunction(SCAN)
+    monkeypatch.setattr(modeling_mamba, "mamba_selective_scan", held)
+    model = hf_configs.small_model("mamba")
+    ids = torch.randint(0, hf_configs.VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    captured = capture(model, (), {"input_ids": ids, "labels": ids})
+    scans = [node for node in captured.graph.nodes if str(node.target) == "autopar.selective_scan.default"]
+    assert len(scans) == len(model.backbone.layers) and modeling_mamba.mamba_selective_scan is held
 
 
 def test_qwen3_next_captures_one_op_per_linear_attention_layer_with_its_own_loss_and_gradients():
