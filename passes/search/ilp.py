@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import highspy
 import numpy as np
 
+from autopar.passes.cost.axis_terms import IMPOSSIBLE_S
 from autopar.passes.search.elimination import eliminate
 
 # HiGHS presolves problems of up to this many variables. On larger ones (a layout under a memory budget
@@ -199,13 +200,44 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
             n_cols += 1
         rows.append((-highspy.kHighsInf, float(problem.memory_limit) / scale, *held))
 
+    cost = np.concatenate(costs).astype(np.float64)
+    # A move that cannot be done costs IMPOSSIBLE_S (1e3 s) or a multiple, beside microseconds, and HiGHS's
+    # tolerances are absolute (1e-7 of a cost of 1e-3 s is 1e-4 of it): so costs go in as shares of the
+    # largest possible one, and those columns are first held at zero. Only where nothing else fits are they
+    # allowed, each unit costing twice what any other choice can (never chosen when avoidable, and the
+    # fewest of them when not).
+    impossible = cost >= IMPOSSIBLE_S
+    largest = float(np.max(cost[~impossible], initial=0.0)) or 1.0
+    held = np.where(impossible, 0.0, upper_cols)
+    found = _run(problem, np.where(impossible, 0.0, cost) / largest, lower_cols, held, n_x, rows, time_limit_s)
+    if found is None and impossible.any():
+        factors = [*problem.unary, *(pair[2] for pair in problem.pairs)]
+        unit = 2.0 * sum(float(np.max(f[f < IMPOSSIBLE_S], initial=0.0)) for f in factors) or 1.0
+        penalized = np.where(impossible, cost / IMPOSSIBLE_S * unit, cost)
+        found = _run(problem, penalized / unit, lower_cols, upper_cols, n_x, rows, time_limit_s)
+    if found is None:
+        return None
+    choice = tuple(int(np.argmax(found[offsets[v] : offsets[v + 1]])) for v in range(len(problem.unary)))
+    return ChoiceSolution(choice, _objective(problem, choice))
+
+
+def _objective(problem: ChoiceProblem, choice: tuple[int, ...]) -> float:
+    """The objective of ``choice`` in the problem's own costs."""
+    total = sum(float(u[c]) for u, c in zip(problem.unary, choice))
+    for u, v, matrix, class_u, class_v in map(_classed, problem.pairs):
+        total += float(matrix[class_u[choice[u]], class_v[choice[v]]])
+    return total
+
+
+def _run(problem: ChoiceProblem, cost, lower_cols, upper_cols, n_x: int, rows: list, time_limit_s: float):
+    """HiGHS on the columns and rows built: the columns' values, or ``None`` where infeasible."""
     highs = _new_highs()
     highs.setOptionValue("output_flag", False)
     highs.setOptionValue("time_limit", time_limit_s)
     highs.setOptionValue("mip_rel_gap", 1e-6)
     if len(problem.unary) > PRESOLVE_UP_TO:
         highs.setOptionValue("presolve", "off")
-    cost = np.concatenate(costs).astype(np.float64)
+    n_cols = len(cost)
     highs.addCols(n_cols, cost, lower_cols, upper_cols, 0, np.array([], np.int32), np.array([], np.int32), np.array([]))
     highs.changeColsIntegrality(n_x, np.arange(n_x, dtype=np.int32), np.ones(n_x, dtype=np.uint8))
     starts, indices, values, lower, upper = [], [], [], [], []
@@ -230,11 +262,9 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
         return None
     if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kTimeLimit):
         raise RuntimeError(f"HiGHS could not solve the sharding ILP: {highs.modelStatusToString(status)}")
-    x = np.asarray(highs.getSolution().col_value[:n_x])
     if status == highspy.HighsModelStatus.kTimeLimit and not np.isfinite(highs.getInfo().objective_function_value):
         raise RuntimeError("HiGHS found no sharding within its time limit; pin degrees to shrink the search")
-    choice = tuple(int(np.argmax(x[offsets[v] : offsets[v + 1]])) for v in range(len(problem.unary)))
-    return ChoiceSolution(choice, float(highs.getInfo().objective_function_value))
+    return np.asarray(highs.getSolution().col_value[:n_x])
 
 
 _banner_shown = False

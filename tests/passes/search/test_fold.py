@@ -42,7 +42,7 @@ def _captured(layers: int = 4, wider: int | range | None = None, batch: int = 8)
     return autopar.capture(model, model.example_inputs(batch, device="meta"))
 
 
-def _same_plan(folded, unfolded, same_nodes: bool = True, same_params: bool = True):
+def _same_plan(folded, unfolded, same_nodes: bool = True, same_params: bool = True, same_peak: bool = True):
     assert folded.degrees == unfolded.degrees and folded.zero == unfolded.zero
     assert folded.schedule == unfolded.schedule
     if same_params:
@@ -50,7 +50,8 @@ def _same_plan(folded, unfolded, same_nodes: bool = True, same_params: bool = Tr
     if same_nodes:
         assert folded.nodes == unfolded.nodes
     assert folded.cost.step_s == pytest.approx(unfolded.cost.step_s, rel=1e-9)
-    assert folded.cost.peak_memory == pytest.approx(unfolded.cost.peak_memory, rel=1e-9)
+    if same_peak:
+        assert folded.cost.peak_memory == pytest.approx(unfolded.cost.peak_memory, rel=1e-9)
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -70,8 +71,14 @@ def test_folding_gives_the_unfolded_plan_under_a_binding_memory_limit():
     folded = search(captured, Mesh((2, 2)), options)
     assert folded.cost.peak_memory <= options.memory_limit < free.cost.peak_memory
     # under the limit only some layers' MLPs can be split, and the first two are interchangeable
-    # (the same time and memory whichever is split): the optimum is equal, not always the same nodes
-    _same_plan(folded, search(captured, Mesh((2, 2)), options, fold=False), same_nodes=False, same_params=False)
+    # (the same time and memory whichever is split): the optimum is equal, not always the same nodes.
+    # The last layer's sum may also be taken at its add or at the final norm (as in TIED): the same time
+    # and the same memory in the ILP's row, which holds the largest transient wherever it falls; the
+    # priced peak, which times it, is one activation apart (7.51 or 7.38 MB). Which of those equal
+    # optima HiGHS returns is its own: each plan fits, and the step time is the same.
+    unfolded = search(captured, Mesh((2, 2)), options, fold=False)
+    _same_plan(folded, unfolded, same_nodes=False, same_params=False, same_peak=False)
+    assert unfolded.cost.peak_memory <= options.memory_limit
 
 
 def test_a_layer_that_differs_is_not_folded_with_the_others():
