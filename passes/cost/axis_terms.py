@@ -30,7 +30,9 @@ from autopar.passes.rewrite.async_tp import LINEAR, ROW_SUM
 from autopar.passes.sharding.strategies import Strategy, local_shape, numel, work_fraction
 
 R = Replicate()
-IMPOSSIBLE_S = 1e3  # cost of a redistribution that cannot be done; never chosen when avoidable
+# cost of a redistribution that cannot be done; never chosen when avoidable. The ILP reads any cost at or
+# above it as such a move (ilp._solve): moves are capped there, and no op of a step runs that long.
+IMPOSSIBLE_S = 1e3
 
 
 @dataclass
