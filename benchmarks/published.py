@@ -197,7 +197,8 @@ def render(
         "rows dropped, reasons below. A row marked * is partly known: the source leaves out "
         "the microbatch size, recomputation or virtual stages, which the planner then chose (a microbatch size: "
         "the stack's recipe's where the stack states one, below; virtual stages: on Megatron's stacks a count "
-        "splitting each stage's layers evenly, one included, as Megatron requires).",
+        "splitting each stage's layers evenly, one included, as Megatron requires), or the cluster's network "
+        "(priced as its hardware preset's).",
         "- each row: its model on the meta device (`benchmarks/published_models.py`: Megatron-LM's GPT of "
         "2021-22 with unfused attention; a GPT with fused attention for Megatron-Core, both taking their loss over "
         "fp32 logits as Megatron does; Llama 3's shapes), captured and priced in the published precision; "
