@@ -201,6 +201,7 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
         rows.append((-highspy.kHighsInf, float(problem.memory_limit) / scale, *held))
 
     cost = np.concatenate(costs).astype(np.float64)
+    matrix, presolve = _row_matrix(rows), len(problem.unary) <= PRESOLVE_UP_TO
     # A move that cannot be done costs IMPOSSIBLE_S (1e3 s) or a multiple, beside microseconds, and HiGHS's
     # tolerances are absolute (1e-7 of a cost of 1e-3 s is 1e-4 of it): so costs go in as shares of the
     # largest possible one, and those columns are first held at zero. Only where nothing else fits are they
@@ -209,12 +210,12 @@ def _solve(problem: ChoiceProblem, time_limit_s: float) -> ChoiceSolution | None
     impossible = cost >= IMPOSSIBLE_S
     largest = float(np.max(cost[~impossible], initial=0.0)) or 1.0
     held = np.where(impossible, 0.0, upper_cols)
-    found = _run(problem, np.where(impossible, 0.0, cost) / largest, lower_cols, held, n_x, rows, time_limit_s)
+    found = _run(np.where(impossible, 0.0, cost) / largest, lower_cols, held, n_x, matrix, presolve, time_limit_s)
     if found is None and impossible.any():
         factors = [*problem.unary, *(pair[2] for pair in problem.pairs)]
         unit = 2.0 * sum(float(np.max(f[f < IMPOSSIBLE_S], initial=0.0)) for f in factors) or 1.0
         penalized = np.where(impossible, cost / IMPOSSIBLE_S * unit, cost)
-        found = _run(problem, penalized / unit, lower_cols, upper_cols, n_x, rows, time_limit_s)
+        found = _run(penalized / unit, lower_cols, upper_cols, n_x, matrix, presolve, time_limit_s)
     if found is None:
         return None
     choice = tuple(int(np.argmax(found[offsets[v] : offsets[v + 1]])) for v in range(len(problem.unary)))
@@ -229,17 +230,8 @@ def _objective(problem: ChoiceProblem, choice: tuple[int, ...]) -> float:
     return total
 
 
-def _run(problem: ChoiceProblem, cost, lower_cols, upper_cols, n_x: int, rows: list, time_limit_s: float):
-    """HiGHS on the columns and rows built: the columns' values, or ``None`` where infeasible."""
-    highs = _new_highs()
-    highs.setOptionValue("output_flag", False)
-    highs.setOptionValue("time_limit", time_limit_s)
-    highs.setOptionValue("mip_rel_gap", 1e-6)
-    if len(problem.unary) > PRESOLVE_UP_TO:
-        highs.setOptionValue("presolve", "off")
-    n_cols = len(cost)
-    highs.addCols(n_cols, cost, lower_cols, upper_cols, 0, np.array([], np.int32), np.array([], np.int32), np.array([]))
-    highs.changeColsIntegrality(n_x, np.arange(n_x, dtype=np.int32), np.ones(n_x, dtype=np.uint8))
+def _row_matrix(rows: list) -> tuple:
+    """The rows ``(lower, upper, columns, values)`` as HiGHS takes them: bounds and a sparse matrix by row."""
     starts, indices, values, lower, upper = [], [], [], [], []
     for lo, hi, idx, val in rows:
         starts.append(len(indices))
@@ -247,7 +239,7 @@ def _run(problem: ChoiceProblem, cost, lower_cols, upper_cols, n_x: int, rows: l
         values += val
         lower.append(lo)
         upper.append(hi)
-    highs.addRows(
+    return (
         len(rows),
         np.array(lower),
         np.array(upper),
@@ -256,6 +248,20 @@ def _run(problem: ChoiceProblem, cost, lower_cols, upper_cols, n_x: int, rows: l
         np.array(indices, np.int32),
         np.array(values, np.float64),
     )
+
+
+def _run(cost, lower_cols, upper_cols, n_x: int, matrix: tuple, presolve: bool, time_limit_s: float):
+    """HiGHS on the columns and rows built: the first ``n_x`` columns' values, or ``None`` where infeasible."""
+    highs = _new_highs()
+    highs.setOptionValue("output_flag", False)
+    highs.setOptionValue("time_limit", time_limit_s)
+    highs.setOptionValue("mip_rel_gap", 1e-6)
+    if not presolve:
+        highs.setOptionValue("presolve", "off")
+    n_cols = len(cost)
+    highs.addCols(n_cols, cost, lower_cols, upper_cols, 0, np.array([], np.int32), np.array([], np.int32), np.array([]))
+    highs.changeColsIntegrality(n_x, np.arange(n_x, dtype=np.int32), np.ones(n_x, dtype=np.uint8))
+    highs.addRows(*matrix)
     highs.run()
     status = highs.getModelStatus()
     if status == highspy.HighsModelStatus.kInfeasible:

@@ -75,9 +75,12 @@ def test_folding_gives_the_unfolded_plan_under_a_binding_memory_limit():
     # The last layer's sum may also be taken at its add or at the final norm (as in TIED): the same time
     # and the same memory in the ILP's row, which holds the largest transient wherever it falls; the
     # priced peak, which times it, is one activation apart (7.51 or 7.38 MB). Which of those equal
-    # optima HiGHS returns is its own: each plan fits, and the step time is the same.
+    # optima HiGHS returns is its own: the plans differ only there, each fits, and the step time is the same.
     unfolded = search(captured, Mesh((2, 2)), options, fold=False)
-    _same_plan(folded, unfolded, same_nodes=False, same_params=False, same_peak=False)
+    differ = {folded.nodes[n].module for n in folded.nodes if folded.nodes[n] != unfolded.nodes.get(n)}
+    last_sum = differ & {"layers.5", "norm"}
+    assert all(module.split(".")[:2] in (["layers", "0"], ["layers", "1"]) for module in differ - last_sum)
+    _same_plan(folded, unfolded, same_nodes=False, same_params=False, same_peak=not last_sum)
     assert unfolded.cost.peak_memory <= options.memory_limit
 
 
