@@ -72,7 +72,7 @@ def plan(
     its fields as keywords: ``degrees`` (``{"dp": 2, "tp": 2}``, ``"pp"`` for pipeline stages),
     ``constraints`` (placements by parameter or module name pattern: ``{"layers.*.attn_norm":
     "S(1)"}``), ``hardware``, ``memory_limit``, ``zero`` (0-3), ``recompute`` ("none",
-    "selective", "full"), ``microbatches``, ``pipeline`` (the schedule), ``virtual`` (its
+    "selective", "selective-op", "full"), ``microbatches``, ``pipeline`` (the schedule), ``virtual`` (its
     stage modules per device), ``stage_cuts``,
     ``precision`` ("fp32", "bf16-mixed", "fp16-mixed") and ``reduce_dtype``.
     ``progress`` is called after each configuration the search weighs (a

@@ -2,10 +2,10 @@
 
 Plans of the GPT example (``examples/gpt.py``, three sizes, two batch sizes) with every
 strategy autopar has (DP, Megatron TP, TP + sequence-parallel norms, DP x TP, and the
-automatic plan) run on 2 and 4 local gloo ranks: ONE ``run_local`` per world size, looping
-over its plans inside. Every plan is made beforehand in this process with the calibrated
-profile of this machine (``~/.cache/autopar/profiles/cpu-local-calibrated.json``;
-``autopar calibrate`` makes it).
+automatic plan; on 2 ranks also each recomputation level) run on 2 and 4 local gloo ranks:
+ONE ``run_local`` per world size, looping over its plans inside. Every plan is made
+beforehand in this process with the calibrated profile of this machine
+(``~/.cache/autopar/profiles/cpu-local-calibrated.json``; ``autopar calibrate`` makes it).
 
 Compared like with like:
 
@@ -77,7 +77,7 @@ class Case:
 
     model: str  # key of MODELS
     batch: int
-    strategy: str  # "DP", "ZeRO-1", "ZeRO-2", "TP", "TP+SP", "TP+SP+regather", "DPxTP", "auto"
+    strategy: str  # "DP", "ZeRO-1", "ZeRO-2", "TP", "TP+SP", "TP+SP+regather", "DPxTP", "auto"; "+<recompute level>"
     world: int
 
     @property
@@ -87,6 +87,15 @@ class Case:
     def zero(self) -> int | None:
         """The ZeRO stage pinned (data parallelism with ``zero``), None: the search's choice."""
         return int(self.strategy[-1]) if self.strategy.startswith("ZeRO-") else None
+
+    @property
+    def layout(self) -> str:
+        """The strategy without its recomputation level."""
+        return self.strategy.split("+selective")[0].split("+full")[0]
+
+    def recompute(self) -> str | None:
+        """The recomputation level pinned (the strategy's suffix), None: the search's choice."""
+        return self.strategy.removeprefix(self.layout).removeprefix("+") or None
 
     def degrees(self) -> dict[str, int] | None:
         return {
@@ -98,7 +107,7 @@ class Case:
             "TP+SP+regather": {"dp": 1, "tp": self.world},
             "DPxTP": {"dp": 2, "tp": self.world // 2},
             "auto": None,
-        }[self.strategy]
+        }[self.layout]
 
     def constraints(self) -> dict[str, str] | None:
         return {
@@ -106,11 +115,11 @@ class Case:
             "TP+SP": SEQUENCE_PARALLEL,
             "TP+SP+regather": SEQUENCE_PARALLEL,
             "DPxTP": MEGATRON_TP,
-        }.get(self.strategy)
+        }.get(self.layout)
 
     def regather(self) -> bool | None:
         """Whether the norms' gathered outputs are kept as shards (pinned for TP+SP), None: the search's choice."""
-        return {"TP+SP": False, "TP+SP+regather": True}.get(self.strategy)
+        return {"TP+SP": False, "TP+SP+regather": True}.get(self.layout)
 
 
 def _cases(world: int, specs: str) -> list[Case]:
@@ -125,7 +134,7 @@ FULL_CASES = {
     2: _cases(
         2,
         "M:8:DP M:8:ZeRO-1 M:8:ZeRO-2 M:8:TP M:8:TP+SP M:8:TP+SP+regather M:8:auto S:8:DP S:8:TP L:8:DP L:8:TP "
-        "M:16:DP M:16:TP",
+        "M:16:DP M:16:TP M:16:DP+selective M:16:DP+selective-op M:16:DP+full M:16:TP+selective",
     ),
     4: _cases(
         4,
@@ -257,6 +266,7 @@ def make_plans(cases: list[Case], hardware: str) -> list[tuple[Case, object]]:
                     constraints=case.constraints(),
                     zero=case.zero(),
                     regather=case.regather(),
+                    recompute=case.recompute(),
                     hardware=hardware,
                 ),
             )

@@ -94,7 +94,9 @@ def render_section(
         + ". Strategies: DP `{dp: N, tp: 1}`; TP `{dp: 1, tp: N}` + Megatron constraints; TP+SP adds `attn_norm`, "
         "`mlp_norm`: S(1); TP+SP+regather keeps those norms' gathered outputs as shards, gathered again in backward "
         "(`regather=True`; TP+SP pins it off); "
-        "DPxTP `{dp: 2, tp: 2}` + Megatron constraints; auto = no degrees, no constraints. Plans are made once, in the "
+        "DPxTP `{dp: 2, tp: 2}` + Megatron constraints; auto = no degrees, no constraints; a suffix +selective, "
+        "+selective-op or +full pins that recomputation level (each other plan leaves it to the search). Plans are "
+        "made once, in the "
         "parent process, before the ranks start.",
         "- predicted: `plan.cost.step_s` = compute (each op's forward + backward timed on this machine at its "
         "unsharded "

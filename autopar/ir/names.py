@@ -44,10 +44,13 @@ class PipelineKind(StrEnum):
 
 class Recompute(StrEnum):
     """What autograd keeps between forward and backward: "none" recomputes nothing,
-    "selective" keeps what matmuls, attention and collectives produce, "full" only each layer's input."""
+    "selective" keeps what matmuls, attention and collectives produce, "selective-op" the same
+    but the output of every second matmul of a layer (torchtitan's op-level policy), "full" only
+    each layer's input. Listed from the most kept to the least."""
 
     NONE = "none"
     SELECTIVE = "selective"
+    SELECTIVE_OP = "selective-op"
     FULL = "full"
 
 

@@ -96,7 +96,8 @@ class Schedule:
     ``stages``: pipeline stages (devices along the outermost mesh dimension);
     ``microbatches``: the local batch runs in this many pieces, gradients accumulated;
     ``recompute``: activations autograd keeps — "none" all, "selective" only what matmuls and
-    attention save (the rest is recomputed in backward), "full" only each layer's input;
+    attention save (the rest is recomputed in backward), "selective-op" that but every second
+    matmul's output (torchtitan's op-level policy), "full" only each layer's input;
     ``kind``: the pipeline schedule (one of :data:`PIPELINES`); ``virtual``: stage modules
     per device (2+ for the interleaved and V schedules); ``cuts``: the layer each stage module
     after the first starts with (``("layers.4",)``), empty for an even split of the layers;
@@ -141,6 +142,12 @@ class Schedule:
         if self.regather and self.recompute == Recompute.FULL:
             raise ConfigError(
                 "recompute='full' keeps only each layer's input: there is no gathered input to regather; leave it off"
+            )
+        if self.regather and self.recompute == Recompute.SELECTIVE_OP:
+            # regathered linears run as one op that is no matmul: the count of matmuls would shift
+            raise ConfigError(
+                "recompute='selective-op' recomputes every second matmul, and regather fuses linears with their "
+                "gathers: choose one (recompute='selective' regathers)"
             )
         if self.cuts and len(self.cuts) != self.modules - 1:
             raise ConfigError(f"{self.modules} stage modules need {self.modules - 1} cut points, got {list(self.cuts)}")

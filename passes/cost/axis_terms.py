@@ -24,7 +24,7 @@ from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes
 from autopar.passes.cost.kernels import kernel_time
 from autopar.passes.cost.ops import accumulation_s, maximum, minimum, param_state_bytes, state_update_s
 from autopar.passes.cost.replay import CompiledStep
-from autopar.passes.cost.schedule import kept_share
+from autopar.passes.cost.schedule import kept_share, output_held
 from autopar.passes.cost.zero_traffic import param_sync, recompute_gathers_s, zero3_layer_s
 from autopar.passes.rewrite.async_tp import LINEAR, ROW_SUM
 from autopar.passes.sharding.strategies import Strategy, local_shape, numel, work_fraction
@@ -228,7 +228,8 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
         elements = numel(shapes[0]) * frac / ctx.schedule.stages
         bucket = elements * fact.grad_bytes if ctx.data_parallel > 1 and fact.needs_grad else 0.0
         return sum(param_state_bytes(elements, fact, ctx.data_parallel, ctx.zero).values()) + bucket
-    saved = activation_bytes(fact, shapes, ctx.local.work[fact.node.name] * work_fraction(s, ctx.size), frac)
+    work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
+    saved = activation_bytes(fact, shapes, work, frac, saved=output_held(fact, ctx.schedule.recompute))
     return saved * kept_share(fact, ctx.schedule)
 
 

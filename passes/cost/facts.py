@@ -28,6 +28,7 @@ from autopar.passes.cost.ops import (
     moves_no_data,
     op_profile,
 )
+from autopar.passes.rewrite.recompute import is_matmul
 from autopar.passes.sharding.strategies import (
     Strategy,
     local_shape,
@@ -55,6 +56,7 @@ class NodeFacts:
     saved: bool = False  # autograd keeps this node's output for some backward
     consumers: int = 0  # ops that take this node's output
     layer: str | None = None  # the numbered module it belongs to (``layers.3``), None outside layers
+    matmuls_before: int = 0  # its layer's matmuls before it in forward (recompute.kept_at: "selective-op")
     # How many nodes of the captured graph this one stands for: the search folds a run of identical
     # layers into one that counts for the middle ones (:mod:`autopar.passes.search.fold`); every sum
     # over nodes weighs a node, and every sum over edges an edge's consumer, by it.
@@ -229,6 +231,7 @@ def analyze(
     if captured.param_dtype == cast:
         cast = None  # captured as the policy computes: the model's own upcasts (fp32 logits) priced as they run
     grad_bytes = getattr(torch, policy.reduce_dtype).itemsize
+    matmuls: dict[str | None, int] = {}  # by layer, in graph (forward) order
     for node in captured.graph.nodes:
         outputs = output_tensors(node)
         slots = tensor_inputs(node) if node.op in ("call_function", "output") else []
@@ -249,6 +252,9 @@ def analyze(
         profile = op_profile(node, needs_grad, cast, wants) if kind == "op" else OpProfile(0.0, 0.0, 0.0)
         dtype = compute_dtype(outputs[0].dtype, cast) if outputs else torch.float32
         pacing = _pacing(node, hardware, dtype, needs_grad, wants) if kind == "op" else None
+        layer = node_layer(node) if kind == "op" else None
+        before = matmuls.get(layer, 0)
+        matmuls[layer] = before + (kind == "op" and is_matmul(node.target))
         facts[node.name] = NodeFacts(
             node=node,
             kind=kind,
@@ -263,7 +269,8 @@ def analyze(
             needs_grad=needs_grad,
             name=params.get(node.name) or buffers.get(node.name) or node.name,
             profile=profile,
-            layer=node_layer(node) if kind == "op" else None,
+            layer=layer,
+            matmuls_before=before,
             precision=policy.precision,
             grad_bytes=grad_bytes,
             pacing=pacing,

@@ -26,13 +26,15 @@ from dataclasses import dataclass
 
 from autopar.ir import Cost, HardwareProfile, LinkTier, PipelineKind, Recompute, Schedule
 from autopar.passes.cost.efficiency import GEMMS
-from autopar.passes.cost.facts import NodeFacts, ShardedShapes, saved_bytes
+from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, saved_bytes
 from autopar.passes.cost.ops import maximum
 from autopar.passes.cost.overlap import boundary_seconds, exposed_grad_sync, exposed_tp_comm, pipeline_messages
-from autopar.passes.rewrite.recompute import kept_by_selective
+from autopar.passes.rewrite.recompute import kept_at
 from autopar.passes.search.partition import StageSplit, partition
 from autopar.passes.sharding.strategies import numel
 
+RECOMPUTED = tuple(level for level in Recompute if level != Recompute.NONE)  # the levels that run a forward again
+SELECTIVE_LEVELS = (Recompute.SELECTIVE, Recompute.SELECTIVE_OP)  # the levels that keep some ops' outputs
 BUBBLE_FACTOR = {
     PipelineKind.GPIPE: 1.0,
     PipelineKind.ONE_F_ONE_B: 1.0,
@@ -84,11 +86,15 @@ def kept_share(fact: NodeFacts, schedule: Schedule) -> float:
 
 def dropped(fact: NodeFacts, level: str) -> bool:
     """Whether recomputation at ``level`` drops what autograd saves for this node and runs its
-    forward again: every op inside a layer under full recomputation, under selective those
-    whose outputs it does not keep."""
-    return fact.layer is not None and (
-        level == Recompute.FULL or level == Recompute.SELECTIVE and not kept_by_selective(fact.node.target)
-    )
+    forward again: the ops inside a layer whose outputs the level does not keep (:func:`kept_at`)."""
+    return fact.layer is not None and not kept_at(level, fact.node.target, fact.matmuls_before)
+
+
+def output_held(fact: NodeFacts, level: str) -> bool | None:
+    """Whether a device holds this node's output at ``level`` whoever reads it: under the
+    selective levels, the output of every op of a layer the level keeps (the runtime keeps each
+    for the recompute, a view of it saved or nothing at all); None elsewhere: as autograd saves it."""
+    return True if level in SELECTIVE_LEVELS and fact.layer is not None and not dropped(fact, level) else None
 
 
 def forward_share(fact: NodeFacts) -> float:
@@ -159,7 +165,7 @@ def step_times(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: 
         compute += seconds
         backward += seconds - forward
         gemm += seconds if is_gemm else 0.0
-        for level in (Recompute.SELECTIVE, Recompute.FULL):
+        for level in RECOMPUTED:
             if dropped(fact, level):
                 recompute[level] += forward
                 recompute_gemm[level] += forward if is_gemm else 0.0
@@ -169,7 +175,8 @@ def step_times(facts: dict[str, NodeFacts], local: ShardedShapes, microbatches: 
 def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes, regathered: frozenset = frozenset()) -> LayerTerms:
     """:class:`LayerTerms` of the configuration whose local shapes are ``local``; the moved inputs
     in ``regathered`` kept as their shards (:func:`saved_bytes`)."""
-    outside = after = kept = 0.0
+    outside = after = 0.0
+    held: dict[str, dict[str, float]] = {level: {} for level in SELECTIVE_LEVELS}  # by layer
     layer_saved: dict[str, float] = {}
     layer_weight: dict[str, int] = {}
     layer_inputs: dict[str, set[str]] = {}
@@ -191,16 +198,25 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes, regathered: f
         inputs.update(
             s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer
         )
-        if kept_by_selective(fact.node.target):
-            kept += saved * fact.weight
+        for level, by_layer in held.items():
+            if output_held(fact, level):  # its output whoever reads it, and what else it saves
+                whole = activation_bytes(fact, local.shapes[name], local.work[name], saved=True)
+                by_layer[layer] = by_layer.get(layer, 0.0) + max(saved, whole)
     checkpoints = {
         layer: sum(_bytes(facts[n], local.shapes[n]) for n in names) for layer, names in layer_inputs.items()
     }
+    entering_bytes = sum(nbytes * layer_weight[layer] for layer, nbytes in checkpoints.items())
+
+    def checkpointed(kept: dict[str, float]) -> float:
+        """Every layer's input and what the level keeps, and the rest of one layer's saved
+        activations while its backward recomputes them."""
+        again = (saved - kept.get(layer, 0.0) for layer, saved in layer_saved.items())
+        return entering_bytes + sum(b * layer_weight[layer] for layer, b in kept.items()) + maximum(0.0, *again)
+
     in_layers = {
         Recompute.NONE: sum(saved * layer_weight[layer] for layer, saved in layer_saved.items()),
-        Recompute.SELECTIVE: kept,
-        Recompute.FULL: sum(nbytes * layer_weight[layer] for layer, nbytes in checkpoints.items())
-        + maximum(0.0, *layer_saved.values()),
+        **{level: checkpointed(by_layer) for level, by_layer in held.items()},
+        Recompute.FULL: checkpointed({}),
     }
     entering = frozenset().union(*layer_inputs.values()) if checkpoints else frozenset()
     return LayerTerms(outside, in_layers, maximum(0.0, *checkpoints.values()), entering, after)

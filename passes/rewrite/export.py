@@ -355,11 +355,11 @@ def schedule_lines(program: fx.GraphModule, plan: Plan) -> list[str]:
     if schedule.recompute != Recompute.NONE:
         lines.append(
             f"#   recompute {schedule.recompute}: each layer's span of ops runs under activation checkpointing"
-            + (
-                ", the outputs of its matmuls, attention and collectives kept"
-                if schedule.recompute == Recompute.SELECTIVE
-                else ""
-            )
+            + {
+                Recompute.SELECTIVE: ", the outputs of its matmuls, attention and collectives kept",
+                Recompute.SELECTIVE_OP: ", the outputs of its attention, collectives and every other matmul "
+                "(the first, the third, ...) kept",
+            }.get(schedule.recompute, "")
         )
     if schedule.regather:
         gathers = regather_gathered_inputs(copy.deepcopy(program))[1]

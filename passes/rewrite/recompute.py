@@ -10,7 +10,17 @@ torchtitan checkpoint; the ops outside layers (embeddings, head, loss) run as th
   the same layers in the same order, so they pair up as in the first forward).
 - "selective": the same, but the outputs of the ops in :data:`SAVED_BY_SELECTIVE` (matmuls,
   attention) and of the autopar collectives are kept (:func:`kept_by_selective`) and the rest
-  (norms, activations, views) is recomputed, so backward communicates no more.
+  (norms, activations, views) is recomputed, so backward communicates no more. Every such
+  output is held until the layer's backward, read there or not (as torch's own selective
+  contexts do in eager mode): under tensor parallelism the row-parallel linears' partial sums
+  too, so it can hold more than no recomputation (the cost model counts it so:
+  :func:`autopar.passes.cost.schedule.output_held`).
+- "selective-op": as "selective", but of the layer's matmuls (:data:`MATMULS`) in forward
+  order the second, fourth, ... are recomputed too: torchtitan's op-level policy, which counts
+  its ``mm`` calls and saves all but every second. The runtime counts the matmul kernels a
+  layer call runs, the cost model the layer's matmul ops (:func:`kept_at`, the rule both
+  share): the same wherever one op runs as one kernel, not where async tensor parallelism
+  runs a linear in pieces (the pieces alternate) or two layers' ops interleave (one count).
 
 Pre: a program from :func:`rewrite` (op nodes keep ``meta["nn_module_stack"]``; the
 collectives it inserted have none and join the layer they sit in) and a recompute mode.
@@ -58,6 +68,10 @@ SAVED_BY_SELECTIVE = frozenset(
         aten._scaled_dot_product_cudnn_attention,
     }
 )
+
+
+# The ops "selective-op" counts: matmuls as the graph names them and as they dispatch.
+MATMULS = frozenset({aten.linear, aten.matmul, aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm})
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,25 @@ def kept_by_selective(op) -> bool:
     return op.overloadpacket in SAVED_BY_SELECTIVE or op.namespace == OP_NAMESPACE
 
 
+@functools.cache
+def is_matmul(op) -> bool:
+    """Whether ``op`` is one of the matmuls "selective-op" counts (:data:`MATMULS`)."""
+    return isinstance(op, torch._ops.OpOverload) and op.overloadpacket in MATMULS
+
+
+def kept_at(level: str, op, matmuls_before: int) -> bool:
+    """Whether recomputation at ``level`` keeps the output of ``op``, an op inside a layer, where
+    ``matmuls_before`` of the layer's matmuls ran before it in forward: every output under
+    "none", none under "full", what :func:`kept_by_selective` keeps under "selective", and that
+    but every second matmul (the second, the fourth, ...) under "selective-op". The one rule the
+    cost model and the runtime share."""
+    if level in (Recompute.NONE, Recompute.FULL):
+        return level == Recompute.NONE
+    if not kept_by_selective(op):
+        return False
+    return level == Recompute.SELECTIVE or not (is_matmul(op) and matmuls_before % 2 == 1)
+
+
 class _KeptOutputs(TorchDispatchMode):
     """Selective checkpointing of one layer call: in forward, remembers what the kept ops
     return (by op and call number); in each recompute, serves those instead of rerunning them.
@@ -130,16 +163,19 @@ class _KeptOutputs(TorchDispatchMode):
     gradients, then for the weight gradients).
     """
 
-    def __init__(self, kept: dict, recomputing: bool):
+    def __init__(self, kept: dict, recomputing: bool, level: str):
         super().__init__()
-        self.kept, self.recomputing = kept, recomputing
+        self.kept, self.recomputing, self.level = kept, recomputing, level
 
     def __enter__(self):
         self.calls: dict = {}
+        self.matmuls = 0
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not kept_by_selective(func):
+        before = self.matmuls
+        self.matmuls += is_matmul(func)
+        if not kept_at(self.level, func, before):
             return func(*args, **(kwargs or {}))
         index = self.calls.get(func, 0)
         self.calls[func], key = index + 1, (func, index)
@@ -150,17 +186,20 @@ class _KeptOutputs(TorchDispatchMode):
         return out
 
 
-def _selective_contexts() -> tuple[_KeptOutputs, _KeptOutputs]:
+def _selective_contexts(level: str) -> tuple[_KeptOutputs, _KeptOutputs]:
     kept: dict = {}
-    return _KeptOutputs(kept, recomputing=False), _KeptOutputs(kept, recomputing=True)
+    return _KeptOutputs(kept, recomputing=False, level=level), _KeptOutputs(kept, recomputing=True, level=level)
 
 
-def _keep_or_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if kept_by_selective(op) else CheckpointPolicy.PREFER_RECOMPUTE
+def _compiled_selective_contexts(level: str):
+    matmuls = {False: 0, True: 0}  # counted apart in forward and in the recompute (ctx.is_recompute)
 
+    def keep_or_recompute(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        before = matmuls[ctx.is_recompute]
+        matmuls[ctx.is_recompute] += is_matmul(op)
+        return CheckpointPolicy.MUST_SAVE if kept_at(level, op, before) else CheckpointPolicy.PREFER_RECOMPUTE
 
-def _compiled_selective_contexts():
-    return create_selective_checkpoint_contexts(_keep_or_recompute)
+    return create_selective_checkpoint_contexts(keep_or_recompute)
 
 
 class CheckpointedLayer:
@@ -173,10 +212,11 @@ class CheckpointedLayer:
         self.__name__ = "checkpointed_" + "_".join(layer.replace(".", "_") for layer in layers)
 
     def __call__(self, *inputs):
-        if self.mode == Recompute.SELECTIVE:
+        if self.mode in (Recompute.SELECTIVE, Recompute.SELECTIVE_OP):
             # torch.compile traces only torch's own selective contexts; it recomputes once per backward
             contexts = _compiled_selective_contexts if torch.compiler.is_compiling() else _selective_contexts
-            return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=contexts)
+            context_fn = functools.partial(contexts, self.mode)
+            return checkpoint(self.graph_module, *inputs, use_reentrant=False, context_fn=context_fn)
         return checkpoint(self.graph_module, *inputs, use_reentrant=False)
 
     def __repr__(self) -> str:

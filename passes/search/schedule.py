@@ -32,11 +32,12 @@ VIRTUAL_STAGES = 2  # stage modules per device the leanest interleaved schedule 
 
 Level = tuple[Recompute, bool]  # (recomputation, regather)
 NO_SAVING: Level = (Recompute.NONE, False)
-# everything saved; regathered or selective (neither always faster); both; full (no gathered input saved)
+# everything saved; regathered or selective (neither always faster); both, or every second matmul
+# recomputed too (regathering against recomputing again); full (no gathered input saved)
 LADDER: tuple[tuple[Level, ...], ...] = (
     (NO_SAVING,),
     ((Recompute.NONE, True), (Recompute.SELECTIVE, False)),
-    ((Recompute.SELECTIVE, True),),
+    ((Recompute.SELECTIVE, True), (Recompute.SELECTIVE_OP, False)),
     ((Recompute.FULL, False),),
 )
 

@@ -1,4 +1,4 @@
-"""Recomputation against one process: full and selective recomputation, on every schedule
+"""Recomputation against one process: full, selective and selective-op recomputation, on every schedule
 and degree mix that fits 2 and 4 gloo ranks (loss, full gradients, parameters after AdamW), and
 selective recomputation of a layer whose sequence-parallel inputs are regathered."""
 
@@ -35,6 +35,8 @@ TWO_RANKS = [
     dict(recompute="selective", degrees={"tp": 2}, constraints=GPT_TP, microbatches=2),
     dict(recompute="selective", degrees={"tp": 2}, constraints=GPT_SP, regather=True),  # the shards recomputed too
     dict(recompute="full", degrees={"dp": 2}, zero=3),
+    dict(recompute="selective-op", degrees={"tp": 2}, constraints=GPT_TP),
+    dict(recompute="selective-op", degrees={"dp": 2}, zero=3, microbatches=2),
     dict(recompute="full", degrees={"pp": 2}, microbatches=4, pipeline="1f1b"),
     dict(recompute="selective", degrees={"pp": 2}, microbatches=4, pipeline="interleaved-zb"),
     dict(recompute="full", degrees={"pp": 2}, microbatches=4, pipeline="zbv"),

@@ -1,7 +1,7 @@
 """Activation recomputation: each layer becomes one checkpointed call that really recomputes
-(fewer bytes kept after forward, forward ops rerun in backward, same gradients), and
-parallelized training with recompute "full" and "selective" matches the unparallelized model
-(loss, full gradients, parameters after AdamW) under DP2, TP2, microbatches, ZeRO-3 and PP2."""
+(fewer bytes kept after forward, forward ops rerun in backward, same gradients, eager and
+compiled), and "selective-op" recomputes the matmuls the cost model counts as dropped. Each
+level in parallelized training against one process: tests/equivalence/test_recompute.py."""
 
 import operator
 
@@ -9,14 +9,24 @@ import pytest
 import torch
 import torch.fx as fx
 from equivalence import GPT_TP, load_example
+from functorch.compile import make_boxed_func
+from torch._functorch.aot_autograd import aot_module_simplified
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.ir import ConfigError
+from autopar.ir import ConfigError, get_profile
 from autopar.passes.capture.graph import capture
 from autopar.passes.capture.graph import node_layer as layer_of
-from autopar.passes.rewrite.recompute import CheckpointedLayer, apply_recompute, kept_by_selective, layer_segments
+from autopar.passes.cost.facts import analyze
+from autopar.passes.cost.schedule import dropped
+from autopar.passes.rewrite.recompute import (
+    CheckpointedLayer,
+    apply_recompute,
+    is_matmul,
+    kept_by_selective,
+    layer_segments,
+)
 from autopar.passes.rewrite.rewrite import rewrite
 from autopar.passes.rewrite.stages import split_stages
 
@@ -182,25 +192,84 @@ def _train(program: fx.GraphModule, captured, model, inputs):
     return loss.detach(), [p.grad for p in params], kept, backward.counts
 
 
-def test_recomputation_keeps_fewer_bytes_and_reruns_the_forward_in_backward():
+def _each_level(train) -> dict[str, tuple]:
+    """``train`` (:func:`_train`, :func:`_compiled_counts`) of the GPT under each recomputation
+    level, checked to give the loss and gradients of no recomputation."""
     model, inputs = _gpt()
     captured = capture(model, inputs)
-    runs = {
-        mode: _train(apply_recompute(captured.graph_module, mode), captured, model, inputs)
-        for mode in ("none", "selective", "full")
-    }
-    loss, grads, kept, counts = runs["none"]
-    for mode in ("selective", "full"):
-        torch.testing.assert_close(runs[mode][0], loss, rtol=1e-5, atol=1e-6)
-        for grad, reference in zip(runs[mode][1], grads):
+    levels = ("none", "selective", "selective-op", "full")
+    runs = {mode: train(apply_recompute(captured.graph_module, mode), captured, model, inputs) for mode in levels}
+    loss, grads = runs["none"][:2]
+    for other_loss, other_grads, *_ in runs.values():
+        torch.testing.assert_close(other_loss, loss, rtol=1e-5, atol=1e-6)
+        for grad, reference in zip(other_grads, grads):
             torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6)
-    assert runs["full"][2] < runs["selective"][2] < kept, {mode: run[2] for mode, run in runs.items()}
+    return runs
+
+
+def test_recomputation_keeps_fewer_bytes_and_reruns_the_forward_in_backward():
+    runs = _each_level(_train)
+    counts = runs["none"][3]
+    held = [runs[mode][2] for mode in ("full", "selective-op", "selective", "none")]
+    assert held == sorted(held) and len(set(held)) == 4, held
     layers = GPT["layers"]
     assert counts.get("gelu", 0) == 0  # no recomputation: backward only runs gelu_backward
     assert runs["selective"][3]["gelu"] == runs["full"][3]["gelu"] == layers  # each layer's gelu, rerun once
     # selective reruns no matmul (their outputs are kept); full reruns each layer's forward up to
-    # its last saved value: 5 of its 6 projections (fc2 feeds only the residual add, which saves nothing)
+    # its last saved value: 5 of its 6 projections (fc2 feeds only the residual add, which saves nothing);
+    # selective-op the second, fourth and sixth (wk, wo; fc2 again needs no rerun)
     assert runs["selective"][3]["mm"] == counts["mm"] and runs["full"][3]["mm"] == counts["mm"] + 5 * layers
+    assert runs["selective-op"][3]["mm"] == counts["mm"] + 2 * layers
 
 
-# Planned with recompute pinned; run with parallelize(plan=...). The last case lets the search choose.
+def test_selective_op_recomputes_every_second_matmul_of_a_layer_as_the_cost_model_counts_them():
+    """The cost model drops what the runtime does not keep: per layer, the matmul ops after an
+    odd number of others (its facts, in graph order) are the ones whose outputs the runtime does
+    not hold after forward (the matmul kernels it counts as it dispatches them)."""
+    model, inputs = _gpt()
+    captured = capture(model, inputs)
+    facts = analyze(captured, get_profile(HARDWARE))
+    dropped_ = [name for name, fact in facts.items() if fact.kind == "op" and dropped(fact, "selective-op")]
+    matmuls = [name for name in dropped_ if is_matmul(facts[name].node.target)]
+    assert matmuls == [f"linear_{6 * i + k}" for i in range(GPT["layers"]) for k in (1, 3, 5)], matmuls
+    assert all(not dropped(facts[name], "selective") for name in matmuls)
+    # on one layer, in forward: the outputs the two selective levels hold differ by those matmuls' outputs
+    layer = [n for n in captured.graph.nodes if n.op == "call_function" and layer_of(n) == "layers.0"]
+    held = {}
+    for mode in ("selective", "selective-op"):
+        program = apply_recompute(captured.graph_module, mode)
+        held[mode] = _train(program, captured, model, inputs)[2]
+    out_bytes = {n.name: n.meta["val"].numel() * n.meta["val"].element_size() for n in layer if is_matmul(n.target)}
+    # selective holds every kept op's output for the recompute to take, fc2's too (which no backward reads)
+    recomputed = sum(out_bytes[name] for name in ("linear_1", "linear_3", "linear_5"))
+    assert held["selective"] - held["selective-op"] == recomputed * GPT["layers"]
+
+
+def _compiled_counts(program: fx.GraphModule, captured, model, inputs):
+    """The loss, gradients and backward graph's matmuls of ``program`` compiled (AOTAutograd,
+    no code generation): what torch's own selective contexts, which compiled programs use, recompute."""
+    counts = {}
+
+    def forward(gm, example_inputs):
+        return make_boxed_func(gm)
+
+    def backward(gm, example_inputs):
+        counts["mm"] = sum(1 for n in gm.graph.nodes if n.op == "call_function" and is_matmul(n.target))
+        return make_boxed_func(gm)
+
+    def backend(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=forward, bw_compiler=backward)
+
+    torch._dynamo.reset()
+    params = [model.get_parameter(captured.params[n]).detach().clone().requires_grad_() for n in captured.params]
+    (loss,) = torch.compile(program, backend=backend)(*params, *inputs)
+    loss.backward()
+    return loss.detach(), [p.grad for p in params], counts["mm"]
+
+
+def test_compiled_programs_recompute_what_each_selective_level_drops():
+    runs = _each_level(_compiled_counts)
+    matmuls = runs["none"][2]
+    # selective keeps every matmul's output; selective-op reruns wk and wo of each layer at least
+    assert runs["selective"][2] == matmuls
+    assert matmuls + 2 * GPT["layers"] <= runs["selective-op"][2] < runs["full"][2]
