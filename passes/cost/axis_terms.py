@@ -229,7 +229,9 @@ def node_memory(fact: NodeFacts, s: Strategy, ctx: AxisContext) -> float:
         bucket = elements * fact.grad_bytes if ctx.data_parallel > 1 and fact.needs_grad else 0.0
         return sum(param_state_bytes(elements, fact, ctx.data_parallel, ctx.zero).values()) + bucket
     work = ctx.local.work[fact.node.name] * work_fraction(s, ctx.size)
-    saved = activation_bytes(fact, shapes, work, frac, saved=output_held(fact, ctx.schedule.recompute))
+    # a partial sum is read only by its reduction: held as autograd saves it (schedule.selective_held)
+    held = None if isinstance(s.output, Partial) else output_held(fact, ctx.schedule.recompute)
+    saved = activation_bytes(fact, shapes, work, frac, saved=held)
     return saved * kept_share(fact, ctx.schedule)
 
 

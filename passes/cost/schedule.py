@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from autopar.ir import Cost, HardwareProfile, LinkTier, PipelineKind, Recompute, Schedule
 from autopar.passes.cost.efficiency import GEMMS
-from autopar.passes.cost.facts import NodeFacts, ShardedShapes, activation_bytes, saved_bytes
-from autopar.passes.cost.ops import maximum
+from autopar.passes.cost.facts import NodeFacts, ShardedShapes, saved_bytes, transient_bytes
+from autopar.passes.cost.ops import maximum, moves_no_data
 from autopar.passes.cost.overlap import boundary_seconds, exposed_grad_sync, exposed_tp_comm, pipeline_messages
 from autopar.passes.rewrite.recompute import kept_at
 from autopar.passes.search.partition import StageSplit, partition
@@ -91,10 +91,48 @@ def dropped(fact: NodeFacts, level: str) -> bool:
 
 
 def output_held(fact: NodeFacts, level: str) -> bool | None:
-    """Whether a device holds this node's output at ``level`` whoever reads it: under the
-    selective levels, the output of every op of a layer the level keeps (the runtime keeps each
-    for the recompute, a view of it saved or nothing at all); None elsewhere: as autograd saves it."""
+    """Whether a device holds this node's output at ``level`` whoever reads it, for the ILP's
+    per-node memory row: under the selective levels, the output of every op of a layer the level
+    keeps (the runtime keeps it for the recompute; the row leaves out a partial sum, which only
+    its reduction reads); None elsewhere: as autograd saves it. :func:`selective_held` prices
+    the solved layout, reader by reader."""
     return True if level in SELECTIVE_LEVELS and fact.layer is not None and not dropped(fact, level) else None
+
+
+def selective_held(facts: dict[str, NodeFacts], local: ShardedShapes, level: str, regathered=frozenset()):
+    """Bytes each layer holds between its forward and its backward at a selective ``level``:
+    what :class:`autopar.passes.rewrite.recompute._KeptOutputs` keeps for the recompute.
+
+    - the output of each op the level keeps that an op of its layer reads as it is (through
+      views, what reads those), and what the op saves besides (attention's statistics);
+    - not an output only moves read (a row-parallel linear's partial sum, read by its
+      reduction): the collectives are kept, and each one's output an op of the layer reads is
+      held instead, once per value, local shape and :func:`~autopar.passes.cost.facts.move_scope` (q, k and v
+      read one).
+    An input in ``regathered`` is read as it is (its shard, gathered again in backward).
+    """
+    needed: set[str] = set()  # kept or viewed outputs an op of their layer reads as they are
+    moves: dict[tuple, tuple[str, float]] = {}  # one collective's output → (its layer, bytes)
+    for name in reversed(facts):  # readers before what they read
+        fact = facts[name]
+        if fact.kind != "op" or fact.layer is None:
+            continue
+        view = moves_no_data(fact.node.target) and dropped(fact, level)
+        for slot, value in enumerate(fact.slots):
+            if (name, slot) in local.moved and (name, slot) not in regathered:
+                shape = tuple(local.slot_shapes[name][slot])
+                nbytes = numel(shape) * facts[value.name].elem_bytes
+                moves[(value.name, shape, fact.scope)] = (fact.layer, nbytes)
+            elif facts[value.name].layer == fact.layer and (not view or name in needed):
+                needed.add(value.name)
+    held: dict[str, float] = {}
+    for name, fact in facts.items():
+        if fact.kind == "op" and fact.layer is not None and not dropped(fact, level):
+            output = _bytes(fact, local.shapes[name]) if name in needed or fact.profile.saves_output else 0.0
+            held[fact.layer] = held.get(fact.layer, 0.0) + output + fact.profile.saved_extra_bytes * local.work[name]
+    for layer, nbytes in moves.values():
+        held[layer] = held.get(layer, 0.0) + nbytes
+    return held
 
 
 def forward_share(fact: NodeFacts) -> float:
@@ -137,6 +175,9 @@ class LayerTerms:
     boundary: float  # the largest layer input: what a stage boundary sends per batch
     boundary_inputs: frozenset[str] = frozenset()  # the nodes whose outputs enter layers
     after: float = 0.0  # bytes autograd saves after the layers (head, loss: NodeFacts.after_layers)
+    # recomputation level → the most a layer's backward holds of what it recomputes, beside one
+    # op's transients (one batch): never beside the transients after the layers (their backward ran)
+    recomputing: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -176,11 +217,15 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes, regathered: f
     """:class:`LayerTerms` of the configuration whose local shapes are ``local``; the moved inputs
     in ``regathered`` kept as their shards (:func:`saved_bytes`)."""
     outside = after = 0.0
-    held: dict[str, dict[str, float]] = {level: {} for level in SELECTIVE_LEVELS}  # by layer
     layer_saved: dict[str, float] = {}
     layer_weight: dict[str, int] = {}
     layer_inputs: dict[str, set[str]] = {}
     saved_by_node = saved_bytes(facts, local, regathered)  # moved inputs an op saves count as the copies they are
+    # backward walks a layer's ops in reverse, freeing what each one's recompute saved: at an op,
+    # what the ops before it saved is held beside its transients (its own output, saved for the
+    # ops after it, is gone by then)
+    recomputed = {level: {} for level in RECOMPUTED}  # by layer, so far in forward order
+    recomputing = dict.fromkeys(RECOMPUTED, 0.0)
     for name, fact in facts.items():
         if fact.kind not in ("op", "input"):
             continue
@@ -194,32 +239,31 @@ def layer_terms(facts: dict[str, NodeFacts], local: ShardedShapes, regathered: f
             continue
         layer_saved[layer] = layer_saved.get(layer, 0.0) + saved
         layer_weight[layer] = fact.weight
+        transient = transient_bytes(fact, local.shapes[name])
+        for level, by_layer in recomputed.items():
+            before = by_layer.get(layer, 0.0)
+            by_layer[layer] = before + (saved if dropped(fact, level) else 0.0)
+            recomputing[level] = maximum(recomputing[level], before + transient, by_layer[layer])
         inputs = layer_inputs.setdefault(layer, set())
         inputs.update(
             s.name for s in fact.slots if facts[s.name].kind in ("op", "input") and facts[s.name].layer != layer
         )
-        for level, by_layer in held.items():
-            if output_held(fact, level):  # its output whoever reads it, and what else it saves
-                whole = activation_bytes(fact, local.shapes[name], local.work[name], saved=True)
-                by_layer[layer] = by_layer.get(layer, 0.0) + max(saved, whole)
     checkpoints = {
         layer: sum(_bytes(facts[n], local.shapes[n]) for n in names) for layer, names in layer_inputs.items()
     }
     entering_bytes = sum(nbytes * layer_weight[layer] for layer, nbytes in checkpoints.items())
-
-    def checkpointed(kept: dict[str, float]) -> float:
-        """Every layer's input and what the level keeps, and the rest of one layer's saved
-        activations while its backward recomputes them."""
-        again = (saved - kept.get(layer, 0.0) for layer, saved in layer_saved.items())
-        return entering_bytes + sum(b * layer_weight[layer] for layer, b in kept.items()) + maximum(0.0, *again)
-
+    kept = {level: selective_held(facts, local, level, regathered) for level in SELECTIVE_LEVELS}
+    kept[Recompute.FULL] = {}
     in_layers = {
         Recompute.NONE: sum(saved * layer_weight[layer] for layer, saved in layer_saved.items()),
-        **{level: checkpointed(by_layer) for level, by_layer in held.items()},
-        Recompute.FULL: checkpointed({}),
+        # every layer's input and what the level keeps
+        **{
+            level: entering_bytes + sum(b * layer_weight[layer] for layer, b in by_layer.items())
+            for level, by_layer in kept.items()
+        },
     }
     entering = frozenset().union(*layer_inputs.values()) if checkpoints else frozenset()
-    return LayerTerms(outside, in_layers, maximum(0.0, *checkpoints.values()), entering, after)
+    return LayerTerms(outside, in_layers, maximum(0.0, *checkpoints.values()), entering, after, recomputing)
 
 
 def schedule_cost(
@@ -265,7 +309,9 @@ def scheduled(
         (terms.in_layers[schedule.recompute] / stages + terms.outside) * min(in_flight(schedule), micro)
         + terms.after * min(in_flight_after_layers(schedule), micro)
     ) / micro
-    memory["temporary"] = cost.memory.get("temporary", 0.0) / micro
+    # a layer recomputing in backward holds its activations beside its own transients only
+    recomputing = terms.recomputing.get(schedule.recompute, 0.0)
+    memory["temporary"] = maximum(cost.memory.get("temporary", 0.0), recomputing) / micro
     for category in ("params", "grads", "optimizer", "grad_buckets"):
         memory[category] = cost.memory.get(category, 0.0) * param_share
     recompute_s = times.recompute_s[schedule.recompute]

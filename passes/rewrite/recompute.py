@@ -10,11 +10,11 @@ torchtitan checkpoint; the ops outside layers (embeddings, head, loss) run as th
   the same layers in the same order, so they pair up as in the first forward).
 - "selective": the same, but the outputs of the ops in :data:`SAVED_BY_SELECTIVE` (matmuls,
   attention) and of the autopar collectives are kept (:func:`kept_by_selective`) and the rest
-  (norms, activations, views) is recomputed, so backward communicates no more. Every such
-  output is held until the layer's backward, read there or not (as torch's own selective
-  contexts do in eager mode): under tensor parallelism the row-parallel linears' partial sums
-  too, so it can hold more than no recomputation (the cost model counts it so:
-  :func:`autopar.passes.cost.schedule.output_held`).
+  (norms, activations, views) is recomputed, so backward communicates no more. A kept output
+  is held until the layer's backward unless only collectives read it (through views): a
+  row-parallel linear's partial sum, which the recompute never reads, as its reduction is
+  served kept (:class:`_KeptOutputs`; the cost model counts the same:
+  :func:`autopar.passes.cost.schedule.selective_held`).
 - "selective-op": as "selective", but of the layer's matmuls (:data:`MATMULS`) in forward
   order the second, fourth, ... are recomputed too: torchtitan's op-level policy, which counts
   its ``mm`` calls and saves all but every second. The runtime counts the matmul kernels a
@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.ir import OP_NAMESPACE, RECOMPUTE, ConfigError, Recompute
@@ -72,6 +72,12 @@ SAVED_BY_SELECTIVE = frozenset(
 
 # The ops "selective-op" counts: matmuls as the graph names them and as they dispatch.
 MATMULS = frozenset({aten.linear, aten.matmul, aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten._scaled_mm})
+
+# autopar's collectives (the rewrite's moves between placements): each one's backward is its
+# dual and saves no tensor, so once kept, neither the recompute nor backward reads its input.
+COLLECTIVES = frozenset(
+    {"all_reduce", "reduce_scatter", "all_gather", "all_to_all", "chunk", "keep_on_first", "grad_all_reduce", "zigzag"}
+)
 
 
 @dataclass(frozen=True)
@@ -136,6 +142,12 @@ def kept_by_selective(op) -> bool:
 
 
 @functools.cache
+def is_collective(op) -> bool:
+    """Whether ``op`` is one of autopar's :data:`COLLECTIVES`."""
+    return isinstance(op, torch._ops.OpOverload) and op.namespace == OP_NAMESPACE and op._opname in COLLECTIVES
+
+
+@functools.cache
 def is_matmul(op) -> bool:
     """Whether ``op`` is one of the matmuls "selective-op" counts (:data:`MATMULS`)."""
     return isinstance(op, torch._ops.OpOverload) and op.overloadpacket in MATMULS
@@ -158,9 +170,14 @@ class _KeptOutputs(TorchDispatchMode):
     """Selective checkpointing of one layer call: in forward, remembers what the kept ops
     return (by op and call number); in each recompute, serves those instead of rerunning them.
 
+    An output only collectives read (through views: ops whose output shares its storage) is
+    not needed again: the recompute serves the collectives kept and their backward saves
+    nothing. When the forward ends such outputs are let go, a storage-free stand-in of the same
+    shape served in their place (a row-parallel linear's partial sum, read by its reduction).
+
     torch's ``create_selective_checkpoint_contexts`` does the same but serves each output to
-    one backward only, and the zero-bubble schedules recompute a layer twice (for the input
-    gradients, then for the weight gradients).
+    one backward only, holds every output (read again or not), and the zero-bubble schedules
+    recompute a layer twice (for the input gradients, then for the weight gradients).
     """
 
     def __init__(self, kept: dict, recomputing: bool, level: str):
@@ -170,20 +187,52 @@ class _KeptOutputs(TorchDispatchMode):
     def __enter__(self):
         self.calls: dict = {}
         self.matmuls = 0
+        self.owners: dict[int, tuple] = {}  # forward: a kept output's storage → its key
+        self.needed: set[tuple] = set()  # keys of the outputs something other than a collective reads
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        if not self.recomputing:
+            for key in set(self.owners.values()) - self.needed:
+                self.kept[key] = tree_map_only(torch.Tensor, _stand_in, self.kept[key])
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self.matmuls
         self.matmuls += is_matmul(func)
-        if not kept_at(self.level, func, before):
-            return func(*args, **(kwargs or {}))
+        kept = kept_at(self.level, func, before)
+        if not kept:
+            out = func(*args, **(kwargs or {}))
+            if not self.recomputing:
+                self._read(args, kwargs, aliases=_storages(out))
+            return out
         index = self.calls.get(func, 0)
         self.calls[func], key = index + 1, (func, index)
         if self.recomputing:  # a fresh alias: autograd records the recompute's history on it
             return tree_map_only(torch.Tensor, torch.Tensor.detach, self.kept[key])
+        if not is_collective(func):  # a kept matmul or kernel saves its inputs for backward
+            self._read(args, kwargs)
         out = func(*args, **(kwargs or {}))
         self.kept[key] = tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        self.owners.update(dict.fromkeys(_storages(out), key))
         return out
+
+    def _read(self, args, kwargs, aliases: frozenset = frozenset()) -> None:
+        """Kept outputs among ``args`` are needed again, but where the op only views them (its
+        output shares their storage: whatever reads the view reads them)."""
+        if self.owners:
+            read = _storages((args, kwargs)) - aliases
+            self.needed.update(self.owners[storage] for storage in read if storage in self.owners)
+
+
+def _storages(values) -> frozenset[int]:
+    tensors = [v for v in tree_leaves(values) if isinstance(v, torch.Tensor)]
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors) - {0}  # 0: no storage (empty)
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``tensor``'s shape, dtype and device holding one element (every stride 0)."""
+    return tensor.new_empty_strided(tensor.shape, (0,) * tensor.dim())
 
 
 def _selective_contexts(level: str) -> tuple[_KeptOutputs, _KeptOutputs]:

@@ -100,6 +100,33 @@ def test_recomputation_trades_activations_for_forward_compute():
     assert full.schedule == Schedule(1, 1, "full") and full.cost.model_flops == none.cost.model_flops
 
 
+def test_a_layer_recomputing_in_backward_holds_its_activations_beside_its_own_transients_only():
+    """The loss's transients (the logits and their gradient) are gone before the layers' backward
+    recomputes them: the priced peak holds the larger of the two, not both."""
+    pins = dict(degrees={"dp": 8, "tp": 1}, zero=0)
+    for vocab, loss_larger in ((64, False), (8192, True)):
+        none, full = (_plan(**pins, recompute=r, model_kwargs={**GPT, "vocab": vocab}) for r in ("none", "full"))
+        assert (full.cost.memory["temporary"] == none.cost.memory["temporary"]) == loss_larger
+        assert full.cost.memory["temporary"] >= none.cost.memory["temporary"]
+
+
+def test_selective_recomputation_holds_what_its_recompute_reads_and_no_partial_sum():
+    """Under Megatron's sequence parallelism on tp 4, selective recomputation holds per layer what
+    the runtime keeps for the recompute (recompute._KeptOutputs): the two all-gathered norm
+    outputs, q, k, v and attention's output with its log-sum-exp, fc1's output and the two
+    reduce-scattered outputs the residual adds read; not the row-parallel linears' partial sums,
+    which only their reductions read."""
+    pins = dict(degrees={"dp": 2, "tp": 4}, constraints=GPT_SP, zero=0)
+    selective, full = (_plan(**pins, recompute=level) for level in ("selective", "full"))
+    assert selective.precision == Precision.BF16_MIXED
+    batch, seq, hidden = 16 // 2, GPT["seq"], GPT["hidden"]  # a dp rank's
+    gathered, column, scattered = batch * seq * hidden, batch * seq * hidden // 4, batch * seq // 4 * hidden
+    per_layer = (2 * gathered + 4 * column + 4 * column + 2 * scattered) * 2  # bf16: q, k, v, attention; fc1 (4h/4)
+    statistics = batch * GPT["heads"] // 4 * seq * 4  # fp32, per head and position
+    held = selective.cost.memory["activations"] - full.cost.memory["activations"]  # both hold the layers' inputs
+    assert held == GPT["layers"] * (per_layer + statistics)
+
+
 def test_microbatches_divide_activations_and_pipeline_stages_pay_the_bubble():
     whole = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="none")
     micro = _plan(degrees={"dp": 8, "tp": 1}, zero=0, recompute="none", microbatches=2)
@@ -297,9 +324,7 @@ def test_the_search_weighs_regathering_against_selective_recomputation_under_a_m
     monkeypatch, presolve_up_to
 ):
     """Under a limit the layout that saves nothing no longer fits as it is: the search weighs each
-    level of saving (on the layout solved under the limit, too) and takes the fastest that fits.
-    (Selective recomputation saves nothing here: what it keeps of each layer, the row-parallel
-    linears' partial sums and the collectives' outputs among it, outweighs what it drops.)"""
+    level of saving (on the layout solved under the limit, too) and takes the fastest that fits."""
     monkeypatch.setattr(ilp, "PRESOLVE_UP_TO", presolve_up_to)
     pins = dict(degrees={"dp": 2, "tp": 4}, constraints=GPT_SP, zero=0, microbatches=1)
     levels_ = (("none", False), ("none", True), ("selective", False), ("selective", True), ("selective-op", False))

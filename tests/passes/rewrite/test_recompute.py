@@ -245,6 +245,38 @@ def test_selective_op_recomputes_every_second_matmul_of_a_layer_as_the_cost_mode
     assert held["selective"] - held["selective-op"] == recomputed * GPT["layers"]
 
 
+def test_selective_lets_go_of_an_output_only_a_collective_reads(group):
+    """A row-parallel linear's partial sum is read only by its reduction (through a view), which
+    the recompute serves kept: selective recomputation holds the reduction's output, which the
+    residual add reads, not the partial sum; the gradients are those without recomputation (a
+    one-rank group: the all-reduce returns its input)."""
+
+    def layer(x, w1, w2):
+        partial = torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w1)), w2)
+        return x + torch.ops.autopar.all_reduce(partial, group, "sum")
+
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(4, 8, 16), torch.randn(32, 16), torch.randn(16, 32)
+    runs = {}
+    for mode in ("none", "selective"):
+        inputs = [t.clone().requires_grad_() for t in (x, w1, w2)]
+        program = fx.symbolic_trace(layer)
+        call = CheckpointedLayer(("layers.0",), program, mode) if mode != "none" else program
+        forward = _Ops(track_storages=True)
+        with forward:
+            out = call(*inputs)
+        kept = forward.kept_bytes() - sum(t.untyped_storage().nbytes() for t in inputs)  # viewed, not made
+        runs[mode] = (kept, out.detach(), inputs)
+        out.sum().backward()
+    torch.testing.assert_close(runs["selective"][1], runs["none"][1])
+    for grad, reference in zip(runs["selective"][2], runs["none"][2]):
+        torch.testing.assert_close(grad.grad, reference.grad)
+    # after forward: the output, the first linear's (relu reads it) and the all-reduce's; of the
+    # partial sum a one-element stand-in
+    tokens = x.shape[0] * x.shape[1]
+    assert runs["selective"][0] == 4 * (tokens * 16 + tokens * 32 + tokens * 16) + 4
+
+
 def _compiled_counts(program: fx.GraphModule, captured, model, inputs):
     """The loss, gradients and backward graph's matmuls of ``program`` compiled (AOTAutograd,
     no code generation): what torch's own selective contexts, which compiled programs use, recompute."""
